@@ -1,0 +1,88 @@
+"""The demo: scikit-learn's bundled handwritten digits (8x8 images, 1,797 samples).
+
+The model takes raw pixel intensities (0 to 16, as in the data set) and scales them itself,
+so the served model answers the same numbers a user would send.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import lightning as L
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from storage.dataset import Column, TableSchema
+from storage.fs import atomic_write
+
+__all__ = ["SCHEMA", "DigitsClassifier", "write_digits_csv"]
+
+PIXELS = 64
+CLASSES = 10
+
+SCHEMA = TableSchema(
+    features=tuple(Column(name=f"p{i}", dtype="float", min=0.0, max=16.0) for i in range(PIXELS)),
+    label=Column(name="label", dtype="int", min=0, max=CLASSES - 1),
+)
+"""Columns of the raw CSV drop: ``p0`` .. ``p63`` (pixel intensity 0-16) and ``label`` (0-9)."""
+
+
+class DigitsClassifier(L.LightningModule):
+    """A two-layer perceptron over the 64 pixels of a digit.
+
+    Args:
+        hidden: width of the hidden layer.
+        lr: Adam learning rate.
+    """
+
+    input_schema = {"name": "pixels", "shape": [PIXELS], "min": 0.0, "max": 16.0}
+    output_name = "digit"
+
+    def __init__(self, *, hidden: int = 128, lr: float = 0.01) -> None:
+        super().__init__()
+        if hidden < 1:
+            raise ValueError(f"hidden must be at least 1, got {hidden}")
+        if lr <= 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(PIXELS, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.net(pixels / 16.0)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], prefix: str) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log(f"{prefix}_loss", F.cross_entropy(logits, y))
+        self.log(f"{prefix}_accuracy", (logits.argmax(dim=1) == y).float().mean())
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+def write_digits_csv(url: str) -> int:
+    """Write the bundled digits as a raw CSV drop at ``url``; return the number of rows."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow([c.name for c in SCHEMA.features] + [SCHEMA.label.name])
+    for image, label in zip(digits.data, digits.target, strict=True):
+        writer.writerow([int(v) for v in image] + [int(label)])
+    atomic_write(url, buf.getvalue().encode())
+    return len(digits.target)

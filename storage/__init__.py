@@ -1,0 +1,14 @@
+"""Checkpoint and dataset storage on any fsspec URL. Never imports Prefect."""
+
+from storage.checkpoint import CheckpointError, ModelCheckpoint, load_model, read_checkpoint, save_model
+from storage.fs import join, resolve
+
+__all__ = [
+    "CheckpointError",
+    "ModelCheckpoint",
+    "join",
+    "load_model",
+    "read_checkpoint",
+    "resolve",
+    "save_model",
+]

@@ -1,0 +1,121 @@
+"""Model checkpoints: safetensors for tensors, JSON for everything else, manifest last.
+
+A checkpoint directory holds ``model.safetensors`` and ``manifest.json``. The manifest is
+written after the tensors and records their size and SHA-256, so a directory without a
+manifest, or whose tensors do not match it, is not a checkpoint. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from storage.fs import atomic_write, join, read_bytes, resolve, sha256
+
+__all__ = ["CheckpointError", "ModelCheckpoint", "load_model", "read_checkpoint", "save_model"]
+
+_TENSORS = "model.safetensors"
+_MANIFEST = "manifest.json"
+_FORMAT = "ringflow.model/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or does not match its manifest."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelCheckpoint:
+    """A committed model checkpoint as read back from storage."""
+
+    uri: str
+    """URL of the checkpoint directory."""
+    module: str
+    """Import path of the module class, ``package.module:Class``."""
+    hparams: dict[str, Any]
+    """Keyword arguments that rebuild the module."""
+    state_dict: dict[str, torch.Tensor]
+    metrics: dict[str, float] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Free-form JSON metadata: step, epoch, data fingerprint, training config."""
+
+
+def save_model(
+    uri: str,
+    module: torch.nn.Module,
+    *,
+    hparams: dict[str, Any],
+    metrics: dict[str, float] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> str:
+    """Write ``module``'s weights and a manifest under ``uri``; the manifest goes last.
+
+    Returns:
+        ``uri``, which :func:`load_model` accepts.
+    """
+    state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+    blob = save_safetensors(state)
+    atomic_write(join(uri, _TENSORS), blob)
+    cls = type(module)
+    manifest = {
+        "format": _FORMAT,
+        "module": f"{cls.__module__}:{cls.__qualname__}",
+        "hparams": hparams,
+        "metrics": metrics or {},
+        "meta": meta or {},
+        "files": {_TENSORS: {"size": len(blob), "sha256": sha256(blob)}},
+    }
+    atomic_write(join(uri, _MANIFEST), json.dumps(manifest, indent=2, sort_keys=True).encode())
+    return uri
+
+
+def read_checkpoint(uri: str) -> ModelCheckpoint:
+    """Read and verify the checkpoint at ``uri``.
+
+    Raises:
+        CheckpointError: no manifest, a missing tensor file, or a size or checksum mismatch.
+    """
+    fs, path = resolve(uri)
+    if not fs.exists(join(path, _MANIFEST)):
+        raise CheckpointError(f"{uri} is not a committed checkpoint: {_MANIFEST} is missing")
+    try:
+        manifest = json.loads(read_bytes(join(uri, _MANIFEST)))
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{join(uri, _MANIFEST)} is not valid JSON: {err}") from err
+    if manifest.get("format") != _FORMAT:
+        raise CheckpointError(f"{uri}: unknown checkpoint format {manifest.get('format')!r}")
+    expected = manifest["files"][_TENSORS]
+    try:
+        blob = read_bytes(join(uri, _TENSORS))
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{join(uri, _TENSORS)} is missing") from err
+    if len(blob) != expected["size"] or sha256(blob) != expected["sha256"]:
+        raise CheckpointError(f"{join(uri, _TENSORS)} does not match its manifest checksum")
+    return ModelCheckpoint(
+        uri=uri,
+        module=manifest["module"],
+        hparams=manifest["hparams"],
+        state_dict=load_safetensors(blob),
+        metrics=manifest["metrics"],
+        meta=manifest["meta"],
+    )
+
+
+def load_model(uri: str) -> tuple[torch.nn.Module, ModelCheckpoint]:
+    """Rebuild the module recorded in the checkpoint at ``uri`` and load its weights."""
+    ckpt = read_checkpoint(uri)
+    module_name, _, qualname = ckpt.module.partition(":")
+    cls: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise CheckpointError(f"{uri}: {ckpt.module} is not a torch.nn.Module class")
+    model = cls(**ckpt.hparams)
+    model.load_state_dict(ckpt.state_dict)
+    model.eval()
+    return model, ckpt

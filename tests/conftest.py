@@ -1,0 +1,27 @@
+"""Shared fixtures: one Ray instance per test session, quiet and on loopback only."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Offline and quiet before anything imports Ray or Prefect.
+for _key, _value in {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "GLOO_SOCKET_IFNAME": "lo",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A private local Ray instance (never joins another one on the machine)."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
