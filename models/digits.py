@@ -52,7 +52,9 @@ class DigitsClassifier(L.LightningModule):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.net(pixels / 16.0)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss)

@@ -18,7 +18,14 @@ from safetensors.torch import save as save_safetensors
 
 from storage.fs import atomic_write, join, read_bytes, resolve, sha256
 
-__all__ = ["CheckpointError", "ModelCheckpoint", "load_model", "read_checkpoint", "save_model"]
+__all__ = [
+    "CheckpointError",
+    "ModelCheckpoint",
+    "copy_checkpoint",
+    "load_model",
+    "read_checkpoint",
+    "save_model",
+]
 
 _TENSORS = "model.safetensors"
 _MANIFEST = "manifest.json"
@@ -119,3 +126,11 @@ def load_model(uri: str) -> tuple[torch.nn.Module, ModelCheckpoint]:
     model.load_state_dict(ckpt.state_dict)
     model.eval()
     return model, ckpt
+
+
+def copy_checkpoint(src: str, dst: str) -> str:
+    """Verify the checkpoint at ``src`` and commit a copy at ``dst`` (manifest last)."""
+    read_checkpoint(src)
+    for name in (_TENSORS, _MANIFEST):
+        atomic_write(join(dst, name), read_bytes(join(src, name)))
+    return dst

@@ -12,7 +12,7 @@ import uuid
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["atomic_write", "exists", "join", "read_bytes", "resolve", "sha256"]
+__all__ = ["absolute", "atomic_write", "exists", "join", "read_bytes", "resolve", "sha256"]
 
 
 def resolve(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -28,6 +28,11 @@ def resolve(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
             f"cannot open {url!r}: {err}. Install the fsspec package for its protocol "
             "(s3fs for s3://, gcsfs for gs://, adlfs for az://) or use a local path."
         ) from err
+
+
+def absolute(url: str) -> str:
+    """Make a plain local path absolute, so processes with another working directory agree."""
+    return url if "://" in url else os.path.abspath(os.path.expanduser(url))
 
 
 def join(url: str, *parts: str) -> str:

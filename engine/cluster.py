@@ -1,0 +1,45 @@
+"""Connecting to Ray: an existing cluster through ``RAY_ADDRESS``, else a private local one."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["QUIET_ENV", "connect"]
+
+log = logging.getLogger("ringflow.engine")
+
+QUIET_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "DO_NOT_TRACK": "1",
+}
+"""Offline and quiet: no usage statistics, nothing bound beyond loopback on one machine."""
+
+
+def connect(address: str | None = None, *, num_cpus: int | None = None) -> str:
+    """Make sure this process is connected to Ray and return the cluster's address.
+
+    Args:
+        address: a Ray address; defaults to ``RAY_ADDRESS``. When neither is set a private
+            local Ray starts in this process and stops with it.
+        num_cpus: CPUs of that local Ray; defaults to this machine's.
+    """
+    import ray
+
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    if not ray.is_initialized():
+        address = address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus or os.cpu_count(),
+                include_dashboard=False,
+                log_to_driver=False,
+            )
+    where = ray.get_runtime_context().gcs_address
+    log.info("connected to Ray at %s", where)
+    return where

@@ -1,0 +1,66 @@
+"""What a training run asks of the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.collective import available_collectives
+from storage.dataset import TableSchema
+
+__all__ = ["DataSpec", "TrainConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How the engine trains, independent of the model.
+
+    Every field is validated on construction; the error names the field.
+    """
+
+    workers: int = 2
+    """Data-parallel workers (Ray actors), one process each."""
+    epochs: int = 10
+    """Passes over the training split."""
+    batch_size: int = 64
+    """Global batch: split across the workers, so the math does not depend on their number."""
+    seed: int = 0
+    """Seeds weight initialisation and the per-epoch shuffle."""
+    collective: str = "native"
+    """Gradient averaging by name: see ``engine.collective.available_collectives()``."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs reserved for each worker; also its torch thread count (at least 1)."""
+    timeout_s: float = 120.0
+    """How long a collective or a worker start may wait before the run fails."""
+
+    def __post_init__(self) -> None:
+        _positive_int("workers", self.workers)
+        _positive_int("epochs", self.epochs)
+        _positive_int("batch_size", self.batch_size)
+        if self.batch_size < self.workers:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be at least workers ({self.workers}): "
+                "each worker takes a part of every global batch"
+            )
+        if self.collective not in available_collectives():
+            raise ValueError(
+                f"collective must be one of {available_collectives()}, got {self.collective!r}"
+            )
+        if self.cpus_per_worker <= 0:
+            raise ValueError(f"cpus_per_worker must be positive, got {self.cpus_per_worker}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSpec:
+    """A preprocessed dataset written by ``storage.dataset.preprocess``."""
+
+    dataset_url: str
+    """URL of the dataset directory (holds ``_manifest.json``)."""
+    schema: TableSchema
+    """Feature and label columns."""
+
+
+def _positive_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

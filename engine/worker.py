@@ -1,0 +1,203 @@
+"""One data-parallel rank: the user's LightningModule, its shard of every batch, its optimizer.
+
+The same class runs inside a Ray actor (``engine.group``) or, for one worker, in the caller's
+own process, so a tuning trial trains through exactly the code ``train`` uses.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from engine.collective import Collective, create_collective
+from engine.config import DataSpec, TrainConfig
+from storage.checkpoint import save_model
+from storage.dataset import read_split
+
+__all__ = ["RankWorker", "evaluate_module", "split_global_batch"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def split_global_batch(indices: torch.Tensor, *, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's contiguous part of a global batch (parts differ by at most one sample)."""
+    return torch.tensor_split(indices, world_size)[rank]
+
+
+class _MetricCapture:
+    """Stands in for ``LightningModule.log`` so modules written for the Trainer run unchanged."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        self.values[name] = float(value.detach() if isinstance(value, torch.Tensor) else value)
+
+    def log_dict(self, metrics: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
+        for name, value in metrics.items():
+            self.log(name, value)
+
+    def take(self) -> dict[str, float]:
+        values, self.values = self.values, {}
+        return values
+
+
+class RankWorker:
+    """Trains one rank. All ranks are called with the same methods in the same order.
+
+    Args:
+        module_cls: the user's ``LightningModule`` class.
+        hparams: keyword arguments for ``module_cls``.
+        data: the preprocessed dataset.
+        config: the run's engine configuration.
+        rank: this worker's rank, 0 to ``world_size - 1``.
+    """
+
+    def __init__(
+        self,
+        module_cls: type[torch.nn.Module],
+        *,
+        hparams: dict[str, Any],
+        data: DataSpec,
+        config: TrainConfig,
+        rank: int,
+    ) -> None:
+        torch.set_num_threads(max(1, int(config.cpus_per_worker)))
+        self.rank, self.world_size, self.config = rank, config.workers, config
+        self.data = data
+        torch.manual_seed(config.seed)
+        self.module = module_cls(**hparams)
+        self.optimizer = _single_optimizer(self.module.configure_optimizers())
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.train_x, self.train_y = _tensors(*read_split(data.dataset_url, "train", data.schema))
+        self.collective: Collective | None = None
+
+    def rendezvous_address(self) -> str:
+        """A ``tcp://host:port`` on this worker's node where rank 0 can host the rendezvous."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def connect(self, init_method: str = "") -> None:
+        """Join the collective and start from rank 0's weights, as DDP does."""
+        self.collective = create_collective(
+            self.config.collective,
+            rank=self.rank,
+            world_size=self.world_size,
+            init_method=init_method,
+            timeout_s=self.config.timeout_s,
+        )
+        with torch.no_grad():
+            for tensor in self.module.state_dict().values():
+                self.collective.broadcast_(tensor, src=0)
+
+    def train_epoch(self, epoch: int) -> tuple[dict[str, float], int]:
+        """Run one epoch; return this rank's metric sums (weighted by samples) and sample count."""
+        assert self.collective is not None, "connect() must run before training"
+        order = torch.randperm(
+            len(self.train_y), generator=torch.Generator().manual_seed(self.config.seed + epoch)
+        )
+        sums: dict[str, float] = defaultdict(float)
+        count = 0
+        for step, start in enumerate(range(0, len(order), self.config.batch_size)):
+            batch = order[start : start + self.config.batch_size]
+            mine = split_global_batch(batch, rank=self.rank, world_size=self.world_size)
+            for name, value in self._train_step(mine, len(batch), step).items():
+                sums[name] += value * len(mine)
+            count += len(mine)
+        return dict(sums), count
+
+    def _train_step(self, mine: torch.Tensor, global_size: int, step: int) -> dict[str, float]:
+        capture = _MetricCapture()
+        self.module.log, self.module.log_dict = capture.log, capture.log_dict
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=False)
+        if len(mine):
+            out = self.module.training_step((self.train_x[mine], self.train_y[mine]), step)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            loss.backward()
+            capture.values.setdefault("train_loss", float(loss.detach()))
+        # Each rank's loss is a mean over its part; weighting by the part's share of the
+        # global batch makes the sum over ranks the gradient of the global-batch mean.
+        flat = torch.cat([_grad(p).reshape(-1) for p in self.params]) * (len(mine) / global_size)
+        self.collective.allreduce_sum_(flat)
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.optimizer.step()
+        return capture.take()
+
+    def evaluate(self, split: str) -> tuple[dict[str, float], int]:
+        """Evaluate this rank's part of ``split`` with the module's validation or test step."""
+        x, y = _tensors(*read_split(self.data.dataset_url, split, self.data.schema))
+        mine = split_global_batch(torch.arange(len(y)), rank=self.rank, world_size=self.world_size)
+        return evaluate_module(
+            self.module, x[mine], y[mine], split=split, batch_size=self.config.batch_size
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def save(
+        self, uri: str, *, hparams: dict[str, Any], metrics: dict[str, float], meta: dict[str, Any]
+    ) -> str:
+        return save_model(uri, self.module, hparams=hparams, metrics=metrics, meta=meta)
+
+    def close(self) -> None:
+        if self.collective is not None:
+            self.collective.close()
+            self.collective = None
+
+
+@torch.no_grad()
+def evaluate_module(
+    module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, split: str, batch_size: int
+) -> tuple[dict[str, float], int]:
+    """Run ``test_step`` (for ``split == "test"``) or ``validation_step`` over ``x, y``.
+
+    Returns:
+        The sums of every logged metric weighted by batch size, and the number of samples.
+    """
+    capture = _MetricCapture()
+    module.log, module.log_dict = capture.log, capture.log_dict
+    step = module.test_step if split == "test" else module.validation_step
+    module.eval()
+    sums: dict[str, float] = defaultdict(float)
+    for i, start in enumerate(range(0, len(y), batch_size)):
+        step((x[start : start + batch_size], y[start : start + batch_size]), i)
+        for name, value in capture.take().items():
+            sums[name] += value * len(y[start : start + batch_size])
+    return dict(sums), len(y)
+
+
+def _tensors(features: Any, labels: Any) -> Batch:
+    return torch.from_numpy(features), torch.from_numpy(labels)
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:  # a parameter this batch did not reach still takes part in the sum
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _single_optimizer(configured: Any) -> torch.optim.Optimizer:
+    """Accept what ``configure_optimizers`` commonly returns and keep the one optimizer."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, Mapping) and "optimizer" in configured:
+        return configured["optimizer"]
+    if isinstance(configured, list | tuple) and len(configured) == 1:
+        return _single_optimizer(configured[0])
+    raise TypeError(
+        "configure_optimizers() must return one optimizer (or a dict with an 'optimizer' key); "
+        f"got {type(configured).__name__}. Several optimizers are not supported yet."
+    )

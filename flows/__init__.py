@@ -1,0 +1,3 @@
+"""Prefect flows. Each file holds one flow; deployments live in ``deployments/``."""
+
+__all__: list[str] = []

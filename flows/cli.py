@@ -1,0 +1,109 @@
+"""Run a flow from the command line with no server: ``python -m flows.<name> --help``.
+
+The options are generated from the flow's own parameter schema, so the command line, the
+Prefect UI and ``prefect deployment run --param`` all accept and check the same parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from prefect import Flow
+from prefect.exceptions import ParameterTypeError
+from prefect.utilities.callables import parameter_schema
+
+__all__ = ["build_parser", "main"]
+
+_TYPES = {"integer": int, "number": float, "string": str}
+
+QUIET_ENV = {
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "GLOO_SOCKET_IFNAME": "lo",
+}
+
+
+def build_parser(flow: Flow) -> argparse.ArgumentParser:
+    """An ``argparse`` parser with one ``--option`` per flow parameter."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {_module_name(flow)}",
+        description=(flow.description or "").split("\n\n")[0],
+        epilog="The flow's result is printed as one JSON object on the last line.",
+    )
+    for name, prop in parameter_schema(flow).properties.items():
+        option = "--" + name.replace("_", "-")
+        kind = _json_type(prop)
+        help_text = f"{prop.get('description', '')} (default: {prop.get('default')})"
+        if kind == "boolean":
+            parser.add_argument(
+                option,
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=prop.get("default"),
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                option,
+                dest=name,
+                type=_TYPES[kind],
+                default=prop.get("default"),
+                metavar=kind.upper(),
+                help=help_text,
+            )
+    parser.add_argument(
+        "--keep-serving",
+        action="store_true",
+        help="after the run, keep the served model up until Ctrl-C "
+        "(needed when no RAY_ADDRESS points at a Ray head that outlives this "
+        "process)",
+    )
+    return parser
+
+
+def _module_name(flow: Flow) -> str:
+    module = sys.modules.get(flow.fn.__module__)
+    spec = getattr(module, "__spec__", None)
+    return spec.name if spec else flow.fn.__module__
+
+
+def _json_type(prop: dict[str, Any]) -> str:
+    if "type" in prop:
+        return prop["type"]
+    types = [p["type"] for p in prop.get("anyOf", []) if p.get("type") != "null"]
+    return types[0] if types else "string"
+
+
+def main(flow: Flow, argv: list[str] | None = None) -> int:
+    """Check the arguments, run the flow, print its result as JSON on the last line."""
+    args = vars(build_parser(flow).parse_args(argv))
+    keep_serving = args.pop("keep_serving")
+    try:
+        params = flow.validate_parameters(args)
+    except ParameterTypeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    result = flow(**params)
+    print(json.dumps(result, default=str))
+    if keep_serving and args.get("serve"):
+        _wait_for_interrupt(result.get("endpoint"))
+    return 0
+
+
+def _wait_for_interrupt(endpoint: str | None) -> None:
+    import time
+
+    print(f"serving at {endpoint}; press Ctrl-C to stop", file=sys.stderr)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass

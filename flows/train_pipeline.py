@@ -1,0 +1,109 @@
+"""``train-pipeline``: preprocess, tune, train on Ray workers, evaluate, publish and serve.
+
+Run it locally with no server: ``python -m flows.train_pipeline --help``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
+from pydantic import Field
+
+from storage.fs import absolute
+from tasks import demo_data, evaluate, preprocess, publish, train, tune
+from tasks import serve as serve_task
+
+
+@flow(
+    name="train-pipeline",
+    retries=1,
+    retry_delay_seconds=10,
+    persist_result=True,
+    result_serializer="json",
+)
+def train_pipeline(
+    data_url: str | None = None,
+    storage_url: str = ".ringflow/storage",
+    workers: Annotated[int, Field(ge=1, le=1024)] = 2,
+    epochs: Annotated[int, Field(ge=1, le=100_000)] = 20,
+    batch_size: Annotated[int, Field(ge=1, le=1_000_000)] = 64,
+    learning_rate: Annotated[float, Field(gt=0, le=10)] = 0.01,
+    hidden: Annotated[int, Field(ge=1, le=65_536)] = 128,
+    tune_trials: Annotated[int, Field(ge=0, le=1000)] = 4,
+    tune_epochs: Annotated[int, Field(ge=1, le=100_000)] = 5,
+    serve: bool = True,
+    serve_port: Annotated[int, Field(ge=1, le=65_535)] = 8000,
+    seed: Annotated[int, Field(ge=0)] = 0,
+) -> dict:
+    """Train the digits classifier end to end and serve it.
+
+    Args:
+        data_url: CSV or Parquet file (any fsspec URL) with columns p0..p63 and label; empty
+            means the bundled digits, dropped as a raw CSV under storage_url.
+        storage_url: where datasets, checkpoints and published models go (any fsspec URL).
+        workers: data-parallel Ray workers for training.
+        epochs: training epochs.
+        batch_size: global batch size, split across the workers.
+        learning_rate: Adam learning rate (the search starts from it).
+        hidden: hidden-layer width (the search starts from it).
+        tune_trials: hyperparameter-search trials; 0 skips the search.
+        tune_epochs: epochs of each search trial (bad trials stop earlier).
+        serve: serve the trained model over HTTP with Ray Serve.
+        serve_port: HTTP port of the served model on 127.0.0.1.
+        seed: seeds data splits, weight initialisation and shuffling.
+    """
+    if batch_size < workers:
+        raise ValueError(f"batch_size ({batch_size}) must be at least workers ({workers})")
+    storage_url = absolute(storage_url)
+    run_key = str(flow_run.get_id() or "local")
+    source = absolute(data_url) if data_url else demo_data(storage_url)
+    dataset = preprocess(source, storage_url, seed=seed)
+    hparams = {"lr": learning_rate, "hidden": hidden}
+    common = {"run_key": run_key, "batch_size": batch_size, "seed": seed}
+    if tune_trials:
+        best = tune(
+            dataset["dataset_url"],
+            storage_url,
+            base_hparams=hparams,
+            trials=tune_trials,
+            epochs=tune_epochs,
+            **common,
+        )
+        hparams = {**hparams, **best["best_params"]}
+    trained = train(
+        dataset["dataset_url"],
+        storage_url,
+        hparams=hparams,
+        workers=workers,
+        epochs=epochs,
+        **common,
+    )
+    test = evaluate(trained["checkpoint"], dataset["dataset_url"])
+    model_uri = publish(trained["checkpoint"], storage_url, run_key=run_key)
+    result = {
+        "test_accuracy": test["test_accuracy"],
+        "test_loss": test["test_loss"],
+        "checkpoint": trained["checkpoint"],
+        "model_uri": model_uri,
+        "hparams": hparams,
+        "dataset_url": dataset["dataset_url"],
+        "rejected_rows": dataset["rejected_rows"],
+        "run_key": run_key,
+    }
+    if serve:
+        result.update(serve_task(model_uri, dataset["dataset_url"], port=serve_port))
+    create_markdown_artifact(
+        key="run-summary",
+        markdown="| | |\n|---|---|\n" + "".join(f"| {k} | `{v}` |\n" for k, v in result.items()),
+        description="What this run produced",
+    )
+    return result
+
+
+if __name__ == "__main__":
+    from flows.cli import main
+
+    raise SystemExit(main(train_pipeline))

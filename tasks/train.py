@@ -1,0 +1,81 @@
+"""Distributed training, evaluation and publication of the demo model."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from prefect import task
+from prefect.logging import get_run_logger
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from engine import DataSpec, EpochMetrics, TrainConfig, fit
+from engine import evaluate as evaluate_model
+from engine.cluster import connect
+from models.digits import SCHEMA, DigitsClassifier
+from storage import copy_checkpoint, join
+from tasks.report import epoch_table, loss_curve
+
+
+@task(name="train")
+def train(
+    dataset_url: str,
+    storage_url: str,
+    *,
+    run_key: str,
+    hparams: dict,
+    workers: int,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+) -> dict:
+    """Train on ``workers`` Ray actors; return the checkpoint URL and the final metrics."""
+    connect()
+    config = TrainConfig(workers=workers, epochs=epochs, batch_size=batch_size, seed=seed)
+    with _epoch_progress(epochs) as on_epoch:
+        result = fit(
+            DigitsClassifier,
+            hparams=hparams,
+            data=DataSpec(dataset_url=dataset_url, schema=SCHEMA),
+            config=config,
+            checkpoint_uri=join(storage_url, "runs", run_key, "model"),
+            on_epoch=on_epoch,
+            meta={"run_key": run_key},
+        )
+    epoch_table(result.history, key="training-metrics")
+    loss_curve(result.history, key="training-loss-curve")
+    return {"checkpoint": result.checkpoint, "metrics": result.metrics}
+
+
+@contextmanager
+def _epoch_progress(epochs: int):
+    """A terminal progress bar over epochs, and one log line per epoch for the Prefect UI."""
+    logger = get_run_logger()
+    with Progress(
+        TextColumn("training"),
+        BarColumn(),
+        TextColumn("epoch {task.completed}/{task.total}"),
+        TextColumn("{task.fields[metrics]}"),
+        TimeElapsedColumn(),
+    ) as progress:
+        bar = progress.add_task("train", total=epochs, metrics="")
+
+        def on_epoch(m: EpochMetrics) -> None:
+            shown = " ".join(f"{k}={v:.4f}" for k, v in m.metrics.items())
+            progress.update(bar, advance=1, metrics=shown)
+            logger.info("epoch %d/%d %s (%.2f s)", m.epoch + 1, epochs, shown, m.seconds)
+
+        yield on_epoch
+
+
+@task(name="evaluate")
+def evaluate(checkpoint: str, dataset_url: str) -> dict:
+    """Held-out test metrics of the committed checkpoint."""
+    metrics = evaluate_model(checkpoint, DataSpec(dataset_url=dataset_url, schema=SCHEMA))
+    get_run_logger().info("test metrics %s", metrics)
+    return metrics
+
+
+@task(name="publish")
+def publish(checkpoint: str, storage_url: str, *, run_key: str) -> str:
+    """Copy the verified checkpoint to the model store; return the model URI."""
+    return copy_checkpoint(checkpoint, join(storage_url, "models", "digits", run_key))
