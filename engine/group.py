@@ -66,7 +66,7 @@ class RayWorkerGroup(WorkerGroup):
             remove_placement_group(self._pg)
             raise EngineError(
                 f"Ray could not place {config.workers} workers of {config.cpus_per_worker} CPU "
-                f"within {config.timeout_s:.0f} s; free resources, lower workers, or raise timeout_s"
+                f"within {config.timeout_s:.0f} s; free resources, lower workers or raise timeout_s"
             ) from None
         actor = ray.remote(RankWorker)
         env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}

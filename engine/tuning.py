@@ -101,8 +101,8 @@ def search(
                     {name: base_hparams[name] for name in space if name in base_hparams}
                 ],
                 random_state=seed,
+                max_concurrent=max_concurrent or _cluster_cpus(),
             ),
-            max_concurrent_trials=max_concurrent or _cluster_cpus(),
         ),
         run_config=tune.RunConfig(storage_path=_tune_dir(storage_url), verbose=0),
     )
@@ -169,7 +169,7 @@ def _summary(result: Any, metric: str, epochs: int) -> TrialSummary:
     value = curve[-1] if curve else None
     return TrialSummary(
         trial_id=str(result.metrics.get("trial_id", result.path.rsplit("/", 1)[-1])),
-        params={k: v for k, v in result.config.items()},
+        params=dict(result.config),
         metric=None if value is None or math.isnan(value) else value,
         epochs=ran,
         state=state,

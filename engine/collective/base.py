@@ -33,6 +33,7 @@ class Collective(abc.ABC):
 
     def close(self) -> None:
         """Release the group's resources. Safe to call twice."""
+        return None
 
 
 def register_collective(name: str) -> Callable[[type[Collective]], type[Collective]]:

@@ -1,0 +1,93 @@
+# Sourced by every script in deployments/: where things live, which ports, and no telemetry.
+# Override any RINGFLOW_* variable before calling a script to move ports or state.
+RINGFLOW_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export RINGFLOW_ROOT
+export RINGFLOW_STATE="${RINGFLOW_STATE:-$RINGFLOW_ROOT/.ringflow}"
+export RINGFLOW_VENV="${RINGFLOW_VENV:-$RINGFLOW_ROOT/.venv}"
+export RINGFLOW_PREFECT_PORT="${RINGFLOW_PREFECT_PORT:-4200}"
+export RINGFLOW_RAY_PORT="${RINGFLOW_RAY_PORT:-6379}"
+export RINGFLOW_SERVE_PORT="${RINGFLOW_SERVE_PORT:-8000}"
+export RINGFLOW_POOL="${RINGFLOW_POOL:-ringflow-process}"
+export RINGFLOW_CPUS="${RINGFLOW_CPUS:-$(nproc)}"
+
+# Prefect: embedded SQLite server on loopback, state kept inside the checkout.
+export PREFECT_HOME="${PREFECT_HOME:-$RINGFLOW_STATE/prefect}"
+export PREFECT_SERVER_API_HOST=127.0.0.1
+export PREFECT_SERVER_API_PORT="$RINGFLOW_PREFECT_PORT"
+export PREFECT_API_URL="http://127.0.0.1:$RINGFLOW_PREFECT_PORT/api"
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+export PREFECT_UI_ENABLED="${PREFECT_UI_ENABLED:-true}"
+export PREFECT_WORKER_QUERY_SECONDS="${PREFECT_WORKER_QUERY_SECONDS:-2}"
+export DO_NOT_TRACK=1
+
+# Ray: one head on loopback; flows reach it through RAY_ADDRESS.
+export RAY_USAGE_STATS_ENABLED=0
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+export RAY_ADDRESS="${RAY_ADDRESS:-127.0.0.1:$RINGFLOW_RAY_PORT}"
+export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
+
+RUN_DIR="$RINGFLOW_STATE/run"
+LOG_DIR="$RINGFLOW_STATE/logs"
+mkdir -p "$RUN_DIR" "$LOG_DIR"
+
+if [ -x "$RINGFLOW_VENV/bin/python" ]; then
+  # shellcheck disable=SC1091
+  . "$RINGFLOW_VENV/bin/activate"
+fi
+
+# wait_for NAME SECONDS COMMAND...: retry COMMAND until it succeeds or SECONDS pass.
+wait_for() {
+  local name=$1 seconds=$2
+  shift 2
+  local deadline=$((SECONDS + seconds))
+  until "$@" >/dev/null 2>&1; do
+    if [ $SECONDS -ge $deadline ]; then
+      echo "error: $name did not come up within ${seconds}s; see $LOG_DIR" >&2
+      return 1
+    fi
+    sleep 1
+  done
+}
+
+# running NAME: true while the process this checkout started as NAME is alive.
+running() {
+  [ -f "$RUN_DIR/$1.pid" ] && kill -0 "$(cat "$RUN_DIR/$1.pid")" 2>/dev/null
+}
+
+# start_bg NAME COMMAND...: run COMMAND detached in a session of its own, remember its pid.
+start_bg() {
+  local name=$1
+  shift
+  if running "$name"; then
+    echo "$name already running (pid $(cat "$RUN_DIR/$name.pid"))"
+    return 0
+  fi
+  setsid bash -c 'echo $$ >"$0"; exec "$@"' "$RUN_DIR/$name.pid" "$@" \
+    >"$LOG_DIR/$name.log" 2>&1 </dev/null &
+  sleep 0.2
+  echo "started $name (pid $(cat "$RUN_DIR/$name.pid"), log $LOG_DIR/$name.log)"
+}
+
+# tree PID: PID and all its descendants.
+tree() {
+  echo "$1"
+  local child
+  for child in $(ps -o pid= --ppid "$1"); do tree "$child"; done
+}
+
+# stop_bg NAME: ask the process started as NAME to stop, then end whatever it left behind.
+# Only processes this checkout started are touched (never `ray stop`, which ends every Ray).
+stop_bg() {
+  local name=$1 pid procs
+  if running "$name"; then
+    pid=$(cat "$RUN_DIR/$name.pid")
+    procs=$(tree "$pid")
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    # shellcheck disable=SC2086
+    kill -KILL $procs 2>/dev/null || true
+    echo "stopped $name"
+  fi
+  rm -f "$RUN_DIR/$name.pid"
+}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv and install ringflow with its test tools. Safe to run again: it only installs
+# what changed. torch is installed first at the CPU build this project is pinned to, so pip
+# never replaces it with a multi-GB CUDA build.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${RINGFLOW_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+  echo "error: ringflow needs Python 3.11 or newer; set PYTHON=/path/to/python3.11" >&2
+  exit 1
+}
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+stamp="$VENV/.ringflow-installed"
+want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+"$VENV/bin/python" -m pip install --quiet --upgrade pip
+"$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+"$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]"
+echo "$want" >"$stamp"
+echo "installed ringflow into $VENV"

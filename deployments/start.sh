@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Start the local stack: Prefect server (SQLite, 127.0.0.1), a Ray head, a process worker.
+set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+
+start_bg prefect-server prefect server start --host 127.0.0.1 --port "$RINGFLOW_PREFECT_PORT"
+
+# Every port the head opens is derived from RINGFLOW_RAY_PORT, so a second stack (the tests')
+# can run beside the demo's.
+p=$RINGFLOW_RAY_PORT
+start_bg ray-head ray start --head --block --disable-usage-stats \
+  --node-ip-address=127.0.0.1 --port="$p" --num-cpus="$RINGFLOW_CPUS" \
+  --include-dashboard=false --ray-client-server-port=$((p + 1)) \
+  --dashboard-agent-listen-port=$((p + 2)) --dashboard-agent-grpc-port=$((p + 3)) \
+  --metrics-export-port=$((p + 4)) --runtime-env-agent-port=$((p + 5))
+
+wait_for "Prefect server" 180 curl -sf "$PREFECT_API_URL/health"
+wait_for "Ray head" 120 ray health-check --address "$RAY_ADDRESS"
+
+prefect --no-prompt work-pool create "$RINGFLOW_POOL" --type process >/dev/null 2>&1 ||
+  prefect work-pool inspect "$RINGFLOW_POOL" >/dev/null
+start_bg prefect-worker prefect worker start --pool "$RINGFLOW_POOL" --type process
+echo "Prefect UI: http://127.0.0.1:$RINGFLOW_PREFECT_PORT   Ray: $RAY_ADDRESS"

@@ -1,0 +1,567 @@
+"""Serve a model checkpoint over HTTP with Ray Serve.
+
+:func:`serve_model` deploys one Serve application per model on an already initialised Ray:
+a :class:`ModelServer` replica loads the checkpoint and answers ``POST /predict``,
+``GET /healthz`` and ``GET /model`` behind a FastAPI ingress. The Serve controller is
+detached, so an application deployed on a long-running Ray head keeps serving after the
+caller's process exits; :func:`shutdown_serving` deletes it.
+
+The module is generic over the served model: it reads the input's name, shape and range
+from the module's ``input_schema`` class attribute and the answer's name from
+``output_name``. Every bad request gets a 4xx with a JSON ``{"error": "..."}`` naming what
+is wrong; the replica never dies of one.
+"""
+
+# No ``from __future__ import annotations`` here: Serve pickles ModelServer by value, and
+# FastAPI must then resolve its routes' annotations (``request: Request``) as objects, since
+# the pickled methods' globals no longer hold every name a string annotation could refer to.
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import math
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray import serve
+from starlette.exceptions import HTTPException
+
+from storage.checkpoint import ModelCheckpoint, load_model
+
+__all__ = ["ModelServer", "ServingError", "serve_model", "shutdown_serving"]
+
+logger = logging.getLogger(__name__)
+
+_HEALTH_DEADLINE_S = 60.0
+_HEALTH_POLL_S = 0.25
+_MAX_INSTANCES = 1024
+_BATCH_WAIT_S = 0.005
+_INSTANCES = "instances"
+
+
+class ServingError(RuntimeError):
+    """The model cannot be deployed or does not answer once deployed."""
+
+
+# --------------------------------------------------------------------------- caller side
+
+
+def serve_model(
+    model_uri: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    app_name: str = "ringflow",
+    route_prefix: str = "/",
+    max_batch_size: int = 32,
+    token_env: str = "RINGFLOW_SERVE_TOKEN",
+    max_body_bytes: int = 1_000_000,
+) -> str:
+    """Deploy (or redeploy) the model at ``model_uri``, wait until it answers, return its URL.
+
+    Args:
+        model_uri: a checkpoint written by :func:`storage.checkpoint.save_model`.
+        host: address Serve's HTTP proxy listens on; loopback unless the caller asks.
+        port: port of Serve's HTTP proxy.
+        app_name: Serve application name; deploying the same name again replaces it.
+        route_prefix: URL prefix of the application, unique among Serve's applications.
+        max_batch_size: most single-input requests run together in one forward pass.
+        token_env: environment variable which, when set at deploy time, holds the bearer
+            token every request must present.
+        max_body_bytes: largest request body accepted; larger ones get HTTP 413.
+
+    Returns:
+        The endpoint URL, ``http://host:port`` followed by ``route_prefix`` unless it is ``/``.
+
+    Raises:
+        CheckpointError: the checkpoint is missing, incomplete or corrupt.
+        ServingError: bad arguments, a model without ``input_schema``/``output_name``, Serve
+            already running with other HTTP options, or a deployment that fails or never
+            answers ``GET /healthz``.
+    """
+    _check_arguments(host, port, route_prefix, max_batch_size, max_body_bytes)
+    module, _ = load_model(model_uri)  # CheckpointError propagates before anything deploys
+    _check_servable(module, model_uri)
+    token = _token_from_env(token_env)
+    auth = _TokenCheck.for_token(token) if token is not None else None
+    _start_serve(host, port)
+    app = ModelServer.options(max_ongoing_requests=max(100, 2 * max_batch_size)).bind(
+        model_uri,
+        max_batch_size=max_batch_size,
+        max_body_bytes=max_body_bytes,
+        auth=auth,
+    )
+    try:
+        serve.run(app, name=app_name, route_prefix=route_prefix)
+    except RuntimeError as err:
+        details = _deployment_messages(app_name)
+        raise ServingError(
+            f"Serve application {app_name!r} failed to deploy: {err}{details}"
+        ) from err
+    url = _endpoint(host, port, route_prefix)
+    _wait_healthy(url, token)
+    logger.info("serving %s as %r at %s", model_uri, app_name, url)
+    return url
+
+
+def shutdown_serving(app_name: str = "ringflow") -> None:
+    """Delete the Serve application ``app_name``; a no-op when Serve or the app is absent."""
+    if _serve_client() is None:
+        return
+    serve.delete(app_name)
+
+
+def _check_arguments(
+    host: str, port: int, route_prefix: str, max_batch_size: int, max_body_bytes: int
+) -> None:
+    if not isinstance(host, str) or not host:
+        raise ServingError(f"host must be a non-empty string, got {host!r}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ServingError(f"port must be an integer in 1..65535, got {port!r}")
+    if not route_prefix.startswith("/"):
+        raise ServingError(f"route_prefix must start with '/', got {route_prefix!r}")
+    if max_batch_size < 1:
+        raise ServingError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    if max_body_bytes < 1:
+        raise ServingError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
+
+
+def _check_servable(module: torch.nn.Module, model_uri: str) -> None:
+    """Check the module declares what the server needs, so the replica cannot fail on it."""
+    schema = getattr(module, "input_schema", None)
+    output = getattr(module, "output_name", None)
+    if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
+        raise ServingError(
+            f"{model_uri}: {type(module).__qualname__}.input_schema must be a dict with a "
+            f"'name' and a 'shape', got {schema!r}"
+        )
+    shape = schema.get("shape")
+    if not isinstance(shape, list | tuple) or not all(isinstance(n, int) and n >= 1 for n in shape):
+        raise ServingError(f"{model_uri}: input_schema shape must be positive ints: {shape!r}")
+    if not isinstance(output, str) or not output or output in ("probabilities", _INSTANCES):
+        raise ServingError(f"{model_uri}: output_name must be a plain name, got {output!r}")
+
+
+def _token_from_env(token_env: str) -> str | None:
+    """The bearer token from the caller's environment, or ``None`` when it is not set."""
+    token = os.environ.get(token_env)
+    if token is None:
+        return None
+    if not token.strip():
+        # An empty variable is more likely a failed substitution than a wish for no auth.
+        raise ServingError(f"{token_env} is set but empty; unset it to serve without a token")
+    return token.strip()
+
+
+def _serve_client() -> Any:
+    """The running Serve controller's client, or ``None`` when Serve is not running.
+
+    Ray 2.60 has no public accessor for the running instance's HTTP options (``serve.start``
+    only logs a warning when they differ), so this is the one place that uses Serve's
+    private context module.
+    """
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client(raise_if_no_controller_running=False)
+
+
+def _start_serve(host: str, port: int) -> None:
+    """Start Serve on ``host:port``, or check a running Serve already listens there."""
+    was_running = _serve_client() is not None
+    try:
+        serve.start(http_options={"host": host, "port": port})
+    except (RuntimeError, TimeoutError) as err:  # the proxy's bind error, wrapped by Ray
+        if not was_running:
+            serve.shutdown()  # no controller left behind whose proxy never listened
+        reason = str(err).strip().splitlines()[-1]
+        raise ServingError(
+            f"Ray Serve could not listen on {host}:{port} (is the port in use?): {reason}"
+        ) from err
+    client = _serve_client()
+    config = client.http_config if client is not None else None
+    if config is not None and (config.host, config.port) != (host, port):
+        raise ServingError(
+            f"Ray Serve is already running on this cluster with HTTP on "
+            f"{config.host}:{config.port}, not {host}:{port}. Serve's HTTP options are fixed "
+            f"once it starts: call serve_model with host={config.host!r}, port={config.port}, "
+            "or shut Serve down (serve.shutdown()) to restart it elsewhere."
+        )
+
+
+def _deployment_messages(app_name: str) -> str:
+    """The replicas' own account of a failed deploy (Serve's error only names the deployment)."""
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return ""
+    messages = [f"{name}: {d.message}" for name, d in app.deployments.items() if d.message]
+    return "".join(f"\n{m}" for m in messages)
+
+
+def _endpoint(host: str, port: int, route_prefix: str) -> str:
+    """The URL a client on this machine uses; wildcard listen addresses map to loopback."""
+    connect = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    if ":" in connect:
+        connect = f"[{connect}]"
+    return f"http://{connect}:{port}{route_prefix.rstrip('/')}"
+
+
+def _wait_healthy(url: str, token: str | None) -> None:
+    """Poll ``GET url/healthz`` until it answers 200."""
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    deadline = time.monotonic() + _HEALTH_DEADLINE_S
+    last = "no answer"
+    with httpx.Client(timeout=5.0, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            try:
+                response = client.get(f"{url}/healthz", headers=headers)
+            except httpx.HTTPError as err:
+                last = f"{type(err).__name__}: {err}"
+            else:
+                if response.status_code == 200:
+                    return
+                last = f"HTTP {response.status_code}: {response.text[:200]}"
+                if response.status_code in (400, 401, 403):  # waiting will not change these
+                    break
+            time.sleep(_HEALTH_POLL_S)
+    raise ServingError(
+        f"the model server at {url} did not answer GET /healthz with 200 within "
+        f"{_HEALTH_DEADLINE_S:.0f} s (last: {last})"
+    )
+
+
+# --------------------------------------------------------------------------- replica side
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TokenCheck:
+    """What the replica needs to check a bearer token, without the token itself.
+
+    The token travels to the replica as a salted HMAC-SHA256 digest in the deployment's
+    init args. Init args are pickled into Serve's deployment state (the controller's
+    checkpoint in the GCS) and a ``runtime_env`` env var shows up in the actor's metadata
+    and the state API; with a digest, neither place holds anything that authenticates.
+    The bearer token is meant to be random and long, so a fast hash is sound.
+    """
+
+    salt: bytes
+    digest: bytes
+
+    @classmethod
+    def for_token(cls, token: str) -> "_TokenCheck":
+        salt = secrets.token_bytes(16)
+        return cls(salt=salt, digest=_hmac(salt, token))
+
+    def accepts(self, token: str) -> bool:
+        return hmac.compare_digest(_hmac(self.salt, token), self.digest)
+
+    def __repr__(self) -> str:
+        return "_TokenCheck(<redacted>)"
+
+
+def _hmac(salt: bytes, token: str) -> bytes:
+    return hmac.new(salt, token.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
+
+
+class _BadRequest(Exception):
+    """A request the server refuses; becomes ``{"error": message}`` with ``status``."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, kw_only=True)
+class _InputSpec:
+    """The model's input as declared by its ``input_schema``."""
+
+    name: str
+    shape: tuple[int, ...]
+    low: float | None
+    high: float | None
+
+    @classmethod
+    def of(cls, schema: dict[str, Any]) -> "_InputSpec":
+        low, high = schema.get("min"), schema.get("max")
+        return cls(
+            name=schema["name"],
+            shape=tuple(schema["shape"]),
+            low=None if low is None else float(low),
+            high=None if high is None else float(high),
+        )
+
+    def values(self, value: Any, where: str) -> list[float]:
+        """Check one input against the shape and range; return its numbers flattened."""
+        out: list[float] = []
+        self._collect(value, self.shape, where, out)
+        return out
+
+    def _collect(self, value: Any, shape: tuple[int, ...], where: str, out: list[float]) -> None:
+        if not shape:
+            out.append(self._number(value, where))
+            return
+        if not isinstance(value, list):
+            raise _BadRequest(
+                f"{where} must be an array of {shape[0]} {_element(shape[1:])}, "
+                f"found {_json_type(value)}"
+            )
+        if len(value) != shape[0]:
+            raise _BadRequest(
+                f"{where} has the wrong length: expected {shape[0]} {_element(shape[1:])}, "
+                f"found {len(value)}"
+            )
+        for i, item in enumerate(value):
+            self._collect(item, shape[1:], f"{where}[{i}]", out)
+
+    def _number(self, value: Any, where: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _BadRequest(f"{where} must be a number, found {_json_type(value)}")
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf if value > 0 else -math.inf
+        if not math.isfinite(number):
+            raise _BadRequest(f"{where} must be a finite number, found {value!r}")
+        if (self.low is not None and number < self.low) or (
+            self.high is not None and number > self.high
+        ):
+            raise _BadRequest(f"{where} = {value!r} is outside [{self.low}, {self.high}]")
+        return number
+
+
+def _element(shape: tuple[int, ...]) -> str:
+    return "numbers" if not shape else f"arrays of shape {list(shape)}"
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "a number"
+    return names.get(type(value), type(value).__name__)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a finite number and is not allowed")
+
+
+def _parse_json(body: bytes) -> Any:
+    if not body.strip():
+        raise _BadRequest("request body is empty: send a JSON object")
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as err:
+        raise _BadRequest(f"request body is not valid JSON: {err}") from err
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """Read the body, refusing one over ``limit`` bytes by its header or as it streams in."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise _BadRequest(f"Content-Length must be a byte count, found {declared!r}")
+        if int(declared) > limit:
+            raise _BadRequest(
+                f"request body of {int(declared)} bytes is over the limit of {limit} bytes", 413
+            )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _BadRequest(f"request body is over the limit of {limit} bytes", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _finite_json(value: Any) -> Any:
+    """``value`` with non-finite floats as ``None``, which strict JSON can carry."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_json(v) for v in value]
+    return value
+
+
+def _fingerprint(state_dict: dict[str, torch.Tensor]) -> str:
+    """A short digest of the weights: names, dtypes, shapes and bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _model_info(ckpt: ModelCheckpoint, module: torch.nn.Module, fingerprint: str) -> dict:
+    return _finite_json(
+        {
+            "uri": ckpt.uri,
+            "module": ckpt.module,
+            "fingerprint": fingerprint,
+            "hparams": ckpt.hparams,
+            "metrics": ckpt.metrics,
+            "meta": ckpt.meta,
+            "input": module.input_schema,
+            "output": module.output_name,
+        }
+    )
+
+
+# Everything ModelServer uses is defined above it: Serve pickles the class when it is
+# decorated, so later module globals would be missing in the replica.
+_api = FastAPI(title="ringflow model server", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@_api.exception_handler(_BadRequest)
+async def _bad_request(request: Request, exc: _BadRequest) -> JSONResponse:
+    return JSONResponse({"error": str(exc)}, status_code=exc.status)
+
+
+@_api.exception_handler(RequestValidationError)
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in exc.errors()
+    )
+    return JSONResponse({"error": f"invalid request: {problems}"}, status_code=400)
+
+
+@_api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    return JSONResponse(
+        {"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
+    )
+
+
+def _keep_replica_grpc_on_node_address() -> None:
+    """Bind the replica's inter-deployment gRPC server to this node's address.
+
+    Ray Serve 2.60 binds it on ``[::]``, every interface; on one machine that would expose
+    the replica beyond loopback. The node address is what other nodes reach it by anyway.
+    """
+    import ray
+    from ray.serve._private import replica as serve_replica
+
+    original = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if original is None or getattr(original, "ringflow_node_address", False):
+        return
+    host = ray.util.get_node_ip_address()
+
+    def add_port(server, address: str):
+        if address.startswith("[::]:"):
+            address = f"{host}:{address.removeprefix('[::]:')}"
+        return original(server, address)
+
+    add_port.ringflow_node_address = True
+    serve_replica.add_port_to_grpc_server = add_port
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(_api)
+class ModelServer:
+    """One replica: loads the checkpoint once and answers predictions for it.
+
+    Args:
+        model_uri: the checkpoint to serve.
+        max_batch_size: most single-input requests batched into one forward pass.
+        max_body_bytes: largest request body accepted.
+        auth: the bearer token's digest, or ``None`` to serve without a token.
+    """
+
+    def __init__(
+        self,
+        model_uri: str,
+        *,
+        max_batch_size: int,
+        max_body_bytes: int,
+        auth: _TokenCheck | None,
+    ) -> None:
+        _keep_replica_grpc_on_node_address()
+        module, ckpt = load_model(model_uri)
+        self._module = module
+        self._spec = _InputSpec.of(module.input_schema)
+        self._output = module.output_name
+        self._max_body_bytes = max_body_bytes
+        self._auth = auth
+        self._version = {
+            "uri": ckpt.uri,
+            "module": ckpt.module,
+            "fingerprint": _fingerprint(ckpt.state_dict),
+        }
+        self._info = _model_info(ckpt, module, self._version["fingerprint"])
+        self._predict_one.set_max_batch_size(max_batch_size)
+
+    @_api.get("/healthz")
+    async def healthz(self, request: Request) -> dict[str, str]:
+        self._authorize(request)
+        return {"status": "ok"}
+
+    @_api.get("/model")
+    async def model(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        return self._info
+
+    @_api.post("/predict")
+    async def predict(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        payload = _parse_json(await _read_body(request, self._max_body_bytes))
+        if not isinstance(payload, dict):
+            raise _BadRequest(f"request body must be a JSON object, found {_json_type(payload)}")
+        has_single, has_batch = self._spec.name in payload, _INSTANCES in payload
+        if has_single == has_batch:
+            raise _BadRequest(
+                f"request body must have exactly one of the keys {self._spec.name!r} (one "
+                f"input) or {_INSTANCES!r} (a list of inputs); found keys {sorted(payload)}"
+            )
+        if has_single:
+            values = self._spec.values(payload[self._spec.name], self._spec.name)
+            return {**await self._predict_one(values), "model": self._version}
+        rows = self._instances(payload[_INSTANCES])
+        predictions = await asyncio.to_thread(self._forward, rows)
+        return {"predictions": predictions, "model": self._version}
+
+    def _authorize(self, request: Request) -> None:
+        if self._auth is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not self._auth.accepts(token.strip()):
+            raise HTTPException(
+                status_code=401,
+                detail="a valid bearer token is required: send 'Authorization: Bearer <token>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def _instances(self, value: Any) -> list[list[float]]:
+        if not isinstance(value, list):
+            raise _BadRequest(f"{_INSTANCES} must be an array of inputs, found {_json_type(value)}")
+        if not value:
+            raise _BadRequest(f"{_INSTANCES} is empty: send at least one input")
+        if len(value) > _MAX_INSTANCES:
+            raise _BadRequest(
+                f"{_INSTANCES} has {len(value)} inputs, over the limit of {_MAX_INSTANCES} "
+                "per request"
+            )
+        return [self._spec.values(row, f"{_INSTANCES}[{i}]") for i, row in enumerate(value)]
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=_BATCH_WAIT_S)
+    async def _predict_one(self, rows: list[list[float]]) -> list[dict[str, Any]]:
+        """Run concurrent single-input requests as one forward pass."""
+        return await asyncio.to_thread(self._forward, rows)
+
+    def _forward(self, rows: list[list[float]]) -> list[dict[str, Any]]:
+        x = torch.tensor(rows, dtype=torch.float32).reshape(len(rows), *self._spec.shape)
+        with torch.inference_mode():
+            probabilities = torch.softmax(self._module(x).float(), dim=-1)
+        return [{self._output: int(p.argmax()), "probabilities": p.tolist()} for p in probabilities]

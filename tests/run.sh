@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test command: install what the tests need (deployments/setup.sh), then run them all.
+# Extra arguments go to pytest, e.g. `./tests/run.sh -m "not e2e"`.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$ROOT/deployments/setup.sh"
+cd "$ROOT"
+export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
+exec "${RINGFLOW_VENV:-$ROOT/.venv}/bin/python" -m pytest "$@"

@@ -1,0 +1,375 @@
+"""Serving a checkpoint with Ray Serve: real HTTP against a replica on loopback.
+
+One Serve instance and one application per module (Serve takes seconds to start); the token
+test adds a second application under its own route prefix on the same instance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.serving import ServingError, serve_model, shutdown_serving
+from models.digits import DigitsClassifier
+from storage.checkpoint import CheckpointError, save_model
+
+APP = "ringflow-test"
+SECURE_APP = "ringflow-test-secure"
+UNSET_TOKEN_ENV = "RINGFLOW_TEST_SERVING_TOKEN_NEVER_SET"
+TOKEN_ENV = "RINGFLOW_TEST_SERVING_TOKEN"
+MAX_BODY = 1_000_000
+PIXELS = 64
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pixels(seed: int, n: int) -> list[list[float]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 17, (n, PIXELS), generator=gen).float().tolist()
+
+
+def _local_digits(module: torch.nn.Module, rows: list[list[float]]) -> list[int]:
+    with torch.inference_mode():
+        return module(torch.tensor(rows)).argmax(dim=1).tolist()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> tuple[torch.nn.Module, str]:
+    torch.manual_seed(0)
+    module = DigitsClassifier(hidden=16).eval()
+    uri = save_model(
+        str(tmp_path_factory.mktemp("serving") / "model"),
+        module,
+        hparams=dict(module.hparams),
+        metrics={"val_accuracy": 0.125},
+        meta={"step": 7},
+    )
+    return module, uri
+
+
+@pytest.fixture(scope="module")
+def port() -> int:
+    return _free_port()
+
+
+@pytest.fixture(scope="module")
+def endpoint(ray_session, model, port):
+    from ray import serve
+
+    assert UNSET_TOKEN_ENV not in os.environ
+    _, uri = model
+    url = serve_model(uri, port=port, app_name=APP, token_env=UNSET_TOKEN_ENV)
+    yield url
+    shutdown_serving(APP)
+    shutdown_serving(SECURE_APP)
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(endpoint):
+    with httpx.Client(base_url=endpoint, timeout=30.0, trust_env=False) as client:
+        yield client
+
+
+# --------------------------------------------------------------------------- good requests
+
+
+@pytest.mark.ray
+def test_port_in_use_is_an_error_and_leaves_no_serve(ray_session, model):
+    # First in the module, before the endpoint fixture starts Serve.
+    from ray.serve.context import _get_global_client
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ServingError, match=f"127.0.0.1:{port}"):
+            serve_model(model[1], port=port, app_name="clash", token_env=UNSET_TOKEN_ENV)
+    assert _get_global_client(raise_if_no_controller_running=False) is None
+
+
+@pytest.mark.ray
+def test_endpoint_is_loopback_url(endpoint, port):
+    assert endpoint == f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.ray
+def test_predict_single_matches_local_forward(http, model):
+    module, uri = model
+    rows = _pixels(seed=1, n=5)
+    for row, expected in zip(rows, _local_digits(module, rows), strict=True):
+        response = http.post("/predict", json={"pixels": row})
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["digit"] == expected
+        assert len(body["probabilities"]) == 10
+        assert math.isclose(sum(body["probabilities"]), 1.0, rel_tol=1e-5)
+        assert body["model"]["uri"] == uri
+        assert body["model"]["module"] == "models.digits:DigitsClassifier"
+
+
+@pytest.mark.ray
+def test_predict_batch_matches_per_row_argmax(http, model):
+    module, _ = model
+    rows = _pixels(seed=2, n=20)
+    response = http.post("/predict", json={"instances": rows})
+    assert response.status_code == 200, response.text
+    predictions = response.json()["predictions"]
+    assert [p["digit"] for p in predictions] == _local_digits(module, rows)
+    for p in predictions:
+        assert math.isclose(sum(p["probabilities"]), 1.0, rel_tol=1e-5)
+
+
+@pytest.mark.ray
+def test_concurrent_single_requests_all_answer(endpoint, model):
+    module, _ = model
+    rows = _pixels(seed=3, n=48)
+
+    def predict(row: list[float]) -> int:
+        with httpx.Client(base_url=endpoint, timeout=30.0, trust_env=False) as client:
+            response = client.post("/predict", json={"pixels": row})
+        assert response.status_code == 200, response.text
+        return response.json()["digit"]
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        digits = list(pool.map(predict, rows))
+    assert digits == _local_digits(module, rows)
+
+
+@pytest.mark.ray
+def test_healthz(http):
+    response = http.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+@pytest.mark.ray
+def test_model_describes_checkpoint(http, model):
+    _, uri = model
+    info = http.get("/model").json()
+    assert info["uri"] == uri
+    assert info["module"] == "models.digits:DigitsClassifier"
+    assert info["hparams"] == {"hidden": 16, "lr": 0.01}
+    assert info["metrics"] == {"val_accuracy": 0.125}
+    assert info["meta"] == {"step": 7}
+    assert info["input"]["name"] == "pixels"
+    assert info["output"] == "digit"
+
+
+@pytest.mark.ray
+def test_listens_on_loopback_only(endpoint, port):
+    if shutil.which("ss") is None:
+        pytest.skip("ss is not installed")
+    listing = subprocess.run(["ss", "-tln"], capture_output=True, text=True, check=True).stdout
+    addresses = [
+        line.split()[3] for line in listing.splitlines()[1:] if line.split()[3].endswith(f":{port}")
+    ]
+    assert addresses, listing
+    assert all(a == f"127.0.0.1:{port}" for a in addresses), addresses
+
+
+@pytest.mark.ray
+def test_no_ray_process_listens_beyond_loopback(endpoint):
+    if shutil.which("ss") is None:
+        pytest.skip("ss is not installed")
+    listing = subprocess.run(["ss", "-tlnp"], capture_output=True, text=True, check=True).stdout
+    exposed = [
+        line
+        for line in listing.splitlines()[1:]
+        if ("ray::" in line or "raylet" in line or "gcs_server" in line)
+        and not line.split()[3].rsplit(":", 1)[0].strip("[]").endswith("127.0.0.1")
+    ]
+    assert not exposed, "\n".join(exposed)
+
+
+# --------------------------------------------------------------------------- bad requests
+
+_ZEROS = [0.0] * PIXELS
+
+
+def _with(index: int, value: str) -> bytes:
+    """A single-input body whose pixel ``index`` is the raw JSON token ``value``."""
+    tokens = ["0"] * PIXELS
+    tokens[index] = value
+    return ('{"pixels": [' + ", ".join(tokens) + "]}").encode()
+
+
+BAD_BODIES = {
+    "empty body": (b"", "empty"),
+    "not json": (b"{pixels: [1, 2", "not valid JSON"),
+    "not utf-8": (b"\xff\xfe\xfa", "not valid JSON"),
+    "too deeply nested": (b"[" * 200_000, "not valid JSON"),
+    "json array": (b"[1, 2, 3]", "must be a JSON object"),
+    "json string": (b'"pixels"', "must be a JSON object"),
+    "missing key": (json.dumps({"pixel": _ZEROS}).encode(), "'pixels'"),
+    "both keys": (json.dumps({"pixels": _ZEROS, "instances": [_ZEROS]}).encode(), "exactly one"),
+    "pixels not a list": (json.dumps({"pixels": "0" * PIXELS}).encode(), "found a string"),
+    "pixels an object": (json.dumps({"pixels": {"a": 1}}).encode(), "found an object"),
+    "string pixel": (_with(3, '"7"'), "pixels[3] must be a number, found a string"),
+    "boolean pixel": (_with(4, "true"), "pixels[4] must be a number, found a boolean"),
+    "null pixel": (_with(5, "null"), "pixels[5] must be a number, found null"),
+    "nested pixel": (_with(6, "[1]"), "pixels[6] must be a number, found an array"),
+    "too short": (json.dumps({"pixels": _ZEROS[:63]}).encode(), "expected 64 numbers, found 63"),
+    "too long": (json.dumps({"pixels": [*_ZEROS, 0.0]}).encode(), "expected 64 numbers, found 65"),
+    "NaN": (_with(0, "NaN"), "NaN"),
+    "Infinity": (_with(1, "Infinity"), "Infinity"),
+    "-Infinity": (_with(2, "-Infinity"), "-Infinity"),
+    "overflowing float": (_with(7, "1e999"), "pixels[7] must be a finite number"),
+    "huge int": (_with(8, "1" + "0" * 400), "pixels[8]"),
+    "above max": (_with(9, "16.5"), "pixels[9] = 16.5 is outside [0.0, 16.0]"),
+    "below min": (_with(10, "-1"), "pixels[10] = -1 is outside [0.0, 16.0]"),
+    "instances empty": (b'{"instances": []}', "instances is empty"),
+    "instances not a list": (b'{"instances": 3}', "instances must be an array"),
+    "instance too short": (
+        json.dumps({"instances": [_ZEROS, _ZEROS[:10]]}).encode(),
+        "instances[1] has the wrong length: expected 64 numbers, found 10",
+    ),
+    "instance bad value": (
+        json.dumps({"instances": [_ZEROS, [*_ZEROS[:-1], 99]]}).encode(),
+        "instances[1][63] = 99 is outside",
+    ),
+    "too many instances": (
+        ('{"instances": [' + ",".join(["[" + ",".join("0" * PIXELS) + "]"] * 1025) + "]}").encode(),
+        "1025 inputs, over the limit of 1024",
+    ),
+}
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("name", list(BAD_BODIES))
+def test_bad_input_is_400_with_message(http, name):
+    body, message = BAD_BODIES[name]
+    response = http.post("/predict", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]
+
+
+@pytest.mark.ray
+def test_oversized_body_by_content_length_is_413(http):
+    body = b'{"pixels": [' + b" " * MAX_BODY + b"]}"
+    response = http.post("/predict", content=body)
+    assert response.status_code == 413
+    assert f"limit of {MAX_BODY} bytes" in response.json()["error"]
+
+
+@pytest.mark.ray
+def test_oversized_streamed_body_is_413(http):
+    def chunks():  # no Content-Length: sent chunked, counted as it arrives
+        yield b'{"pixels": ['
+        for _ in range(20):
+            yield b" " * 64_000
+
+    response = http.post("/predict", content=chunks())
+    assert response.status_code == 413
+    assert f"limit of {MAX_BODY} bytes" in response.json()["error"]
+
+
+@pytest.mark.ray
+def test_unknown_route_and_method_are_json_errors(http):
+    assert http.get("/nope").json() == {"error": "Not Found"}
+    response = http.get("/predict")
+    assert response.status_code == 405
+    assert "error" in response.json()
+
+
+@pytest.mark.ray
+def test_still_serving_after_bad_requests(http, model):
+    module, _ = model
+    row = _pixels(seed=4, n=1)[0]
+    response = http.post("/predict", json={"pixels": row})
+    assert response.status_code == 200
+    assert response.json()["digit"] == _local_digits(module, [row])[0]
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=20,
+)
+_near_valid = st.fixed_dictionaries(
+    {"pixels": st.lists(st.floats() | st.integers(-5, 30), min_size=62, max_size=66)}
+) | st.fixed_dictionaries(
+    {"instances": st.lists(st.lists(st.integers(-1, 17), min_size=63, max_size=65), max_size=3)}
+)
+
+
+@pytest.mark.ray
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=st.binary(max_size=200) | (_json_values | _near_valid).map(lambda v: json.dumps(v)))
+def test_fuzzed_bodies_never_5xx(http, body):
+    content = body.encode() if isinstance(body, str) else body
+    response = http.post("/predict", content=content)
+    assert response.status_code < 500, response.text
+    assert response.status_code == 200 or "error" in response.json()
+
+
+# --------------------------------------------------------------------------- deployment
+
+
+def test_missing_checkpoint_raises_before_deploying(tmp_path):
+    # No Ray needed: the checkpoint is checked before Serve is touched.
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        serve_model(str(tmp_path / "nothing"), port=_free_port(), app_name="never")
+
+
+@pytest.mark.parametrize("port", [0, 65536, -1])
+def test_bad_port_is_refused(model, port):
+    with pytest.raises(ServingError, match="port must be"):
+        serve_model(model[1], port=port)
+
+
+@pytest.mark.ray
+def test_missing_checkpoint_leaves_serve_untouched(endpoint, tmp_path):
+    from ray import serve
+
+    with pytest.raises(CheckpointError):
+        serve_model(str(tmp_path / "nothing"), port=_free_port(), app_name="never")
+    assert "never" not in serve.status().applications
+
+
+@pytest.mark.ray
+def test_serve_on_another_port_is_an_error(endpoint, model, port):
+    with pytest.raises(ServingError, match=f"already running .* 127.0.0.1:{port}"):
+        serve_model(model[1], port=_free_port(), app_name="elsewhere", token_env=UNSET_TOKEN_ENV)
+
+
+@pytest.mark.ray
+def test_bearer_token_guards_every_route(endpoint, model, port, monkeypatch):
+    from ray import serve
+
+    token = "test-token-5f1d0c2b9e8a"
+    monkeypatch.setenv(TOKEN_ENV, token)
+    url = serve_model(
+        model[1], port=port, app_name=SECURE_APP, route_prefix="/secure", token_env=TOKEN_ENV
+    )
+    assert url == f"http://127.0.0.1:{port}/secure"
+    good = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=url, timeout=30.0, trust_env=False) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
+            for method, path in (("GET", "/healthz"), ("GET", "/model"), ("POST", "/predict")):
+                response = client.request(method, path, headers=headers, json={"pixels": _ZEROS})
+                assert response.status_code == 401, (headers, path)
+                assert "token is required" in response.json()["error"]
+        assert client.get("/healthz", headers=good).status_code == 200
+        info = client.get("/model", headers=good)
+        assert info.status_code == 200
+        assert token not in info.text
+        predicted = client.post("/predict", headers=good, json={"pixels": _ZEROS})
+        assert predicted.status_code == 200
+    assert token not in repr(serve.status())
+    shutdown_serving(SECURE_APP)
