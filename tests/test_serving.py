@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from engine.serving import ServingError, serve_model, shutdown_serving
 from models.digits import DigitsClassifier
 from storage.checkpoint import CheckpointError, save_model
+from tests.conftest import free_port
 
 APP = "ringflow-test"
 SECURE_APP = "ringflow-test-secure"
@@ -30,12 +31,6 @@ UNSET_TOKEN_ENV = "RINGFLOW_TEST_SERVING_TOKEN_NEVER_SET"
 TOKEN_ENV = "RINGFLOW_TEST_SERVING_TOKEN"
 MAX_BODY = 1_000_000
 PIXELS = 64
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _pixels(seed: int, n: int) -> list[list[float]]:
@@ -64,7 +59,7 @@ def model(tmp_path_factory) -> tuple[torch.nn.Module, str]:
 
 @pytest.fixture(scope="module")
 def port() -> int:
-    return _free_port()
+    return free_port()
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +319,7 @@ def test_fuzzed_bodies_never_5xx(http, body):
 def test_missing_checkpoint_raises_before_deploying(tmp_path):
     # No Ray needed: the checkpoint is checked before Serve is touched.
     with pytest.raises(CheckpointError, match="manifest.json is missing"):
-        serve_model(str(tmp_path / "nothing"), port=_free_port(), app_name="never")
+        serve_model(str(tmp_path / "nothing"), port=free_port(), app_name="never")
 
 
 @pytest.mark.parametrize("port", [0, 65536, -1])
@@ -338,14 +333,14 @@ def test_missing_checkpoint_leaves_serve_untouched(endpoint, tmp_path):
     from ray import serve
 
     with pytest.raises(CheckpointError):
-        serve_model(str(tmp_path / "nothing"), port=_free_port(), app_name="never")
+        serve_model(str(tmp_path / "nothing"), port=free_port(), app_name="never")
     assert "never" not in serve.status().applications
 
 
 @pytest.mark.ray
 def test_serve_on_another_port_is_an_error(endpoint, model, port):
     with pytest.raises(ServingError, match=f"already running .* 127.0.0.1:{port}"):
-        serve_model(model[1], port=_free_port(), app_name="elsewhere", token_env=UNSET_TOKEN_ENV)
+        serve_model(model[1], port=free_port(), app_name="elsewhere", token_env=UNSET_TOKEN_ENV)
 
 
 @pytest.mark.ray

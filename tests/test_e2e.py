@@ -1,0 +1,147 @@
+"""The whole pipeline, started the way a user starts it: the CLI with no server, and the demo.
+
+Each test starts real processes (Prefect server, Ray head, process worker, Ray Serve) on ports
+of its own, so they run beside a developer's demo without touching it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from sklearn.datasets import load_digits
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+
+def _a_digit() -> tuple[list[int], int]:
+    digits = load_digits()
+    return [int(v) for v in digits.data[7]], int(digits.target[7])
+
+
+def _assert_serves_digits(endpoint: str) -> None:
+    pixels, label = _a_digit()
+    reply = httpx.post(endpoint, json={"pixels": pixels}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["digit"] == label
+    for bad in (b"not json", b'{"pixels": [1, 2, 3]}', b'{"pixel": []}'):
+        reply = httpx.post(endpoint, content=bad, timeout=30)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]
+    assert httpx.post(endpoint, json={"pixels": pixels}, timeout=30).json()["digit"] == label
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PREFECT_", "RAY_ADDRESS", "RINGFLOW_"))
+    }
+    return {**env, **extra}
+
+
+def test_cli_runs_the_flow_with_no_server(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flows.train_pipeline",
+            "--workers",
+            "2",
+            "--tune-trials",
+            "2",
+            "--tune-epochs",
+            "2",
+            "--storage-url",
+            str(tmp_path / "storage"),
+            "--serve-port",
+            str(port),
+            "--keep-serving",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+    )
+    try:
+        result, output = None, []
+        deadline = time.monotonic() + 600
+        while result is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "the run ended without a JSON result:\n" + "".join(output[-40:])
+            output.append(line)
+            if line.startswith("{"):
+                result = json.loads(line)
+        assert result is not None, "no result within 10 minutes"
+        assert result["test_accuracy"] >= 0.95
+        assert result["checkpoint"].startswith(str(tmp_path / "storage"))
+        assert Path(result["model_uri"], "manifest.json").exists()
+        assert result["endpoint"] == f"http://127.0.0.1:{port}/predict"
+        _assert_serves_digits(result["endpoint"])
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    assert proc.returncode == 0
+
+
+def test_demo_command_from_the_readme(tmp_path):
+    ports = {
+        "RINGFLOW_PREFECT_PORT": str(free_port()),
+        "RINGFLOW_RAY_PORT": str(free_port(6)),
+        "RINGFLOW_SERVE_PORT": str(free_port()),
+    }
+    env = _clean_env(RINGFLOW_STATE=str(tmp_path / "state"), RINGFLOW_POOL="ringflow-test", **ports)
+    try:
+        demo = subprocess.run(
+            ["./deployments/demo.sh"],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=900,
+        )
+        assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
+        assert "Flow run finished successfully in 'Completed'" in demo.stdout
+        assert '"digit":' in demo.stdout.rsplit("Asking it about", 1)[-1]
+        # The endpoint outlives the flow run: it is hosted by the Ray head.
+        _assert_serves_digits(f"http://127.0.0.1:{ports['RINGFLOW_SERVE_PORT']}/predict")
+        _check_deployments(env)
+    finally:
+        subprocess.run(["./deployments/stop.sh"], cwd=ROOT, env=env, timeout=180)
+    for port in ports.values():
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+
+
+def _prefect(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "-c", '. deployments/env.sh && exec prefect "$@"', "prefect", *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def _check_deployments(env: dict[str, str]) -> None:
+    nightly = _prefect(env, "deployment", "inspect", "train-pipeline/nightly")
+    assert nightly.returncode == 0, nightly.stderr
+    assert "0 3 * * *" in nightly.stdout
+    for param, named in (("workers=-1", "workers"), ("bogus=1", "bogus")):
+        submitted = _prefect(env, "deployment", "run", "train-pipeline/local", "--param", param)
+        out = submitted.stdout + submitted.stderr
+        assert named in out, out
+        assert "Created flow run" not in out, out

@@ -1,0 +1,129 @@
+"""Data-parallel training: the averaging is proven against one worker, not assumed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import DataSpec, EngineError, TrainConfig, evaluate, fit
+from engine.collective import available_collectives, create_collective
+from engine.worker import split_global_batch
+from models.digits import SCHEMA, DigitsClassifier, write_digits_csv
+from storage.dataset import preprocess
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> DataSpec:
+    root = str(tmp_path_factory.mktemp("digits"))
+    write_digits_csv(f"{root}/raw/digits.csv")
+    result = preprocess(f"{root}/raw/digits.csv", root, SCHEMA, seed=0)
+    return DataSpec(dataset_url=result.dataset_url, schema=SCHEMA)
+
+
+def _relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in a)
+
+
+@pytest.mark.parametrize(("size", "world"), [(64, 1), (64, 2), (29, 2), (7, 3), (2, 5)])
+def test_global_batch_parts_cover_it_once(size, world):
+    batch = torch.randperm(1000)[:size]
+    parts = [split_global_batch(batch, rank=r, world_size=world) for r in range(world)]
+    assert torch.equal(torch.cat(parts), batch)
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+@pytest.mark.ray
+def test_two_workers_end_an_epoch_with_the_weights_of_one(ray_session, digits, tmp_path):
+    # 1,438 training rows in batches of 64: the last batch (30 rows) is split unevenly too.
+    states = {}
+    for workers in (1, 2):
+        result = fit(
+            DigitsClassifier,
+            hparams={"hidden": 32, "lr": 0.01},
+            data=digits,
+            config=TrainConfig(workers=workers, epochs=1, batch_size=64, seed=3),
+            checkpoint_uri=str(tmp_path / f"w{workers}"),
+        )
+        states[workers] = result.state_dict
+    initial = DigitsClassifier(hidden=32).state_dict()
+    assert _relative_difference(states[2], states[1]) < 1e-5
+    # ...and training really moved the weights, so the comparison above means something.
+    assert _relative_difference(states[1], initial) > 1e-2
+
+
+@pytest.mark.ray
+def test_checkpoint_holds_the_trained_weights(ray_session, digits, tmp_path):
+    result = fit(
+        DigitsClassifier,
+        hparams={"hidden": 32, "lr": 0.01},
+        data=digits,
+        config=TrainConfig(workers=2, epochs=3, batch_size=64),
+        checkpoint_uri=str(tmp_path / "model"),
+    )
+    assert [m.epoch for m in result.history] == [0, 1, 2]
+    assert result.history[-1].metrics["train_loss"] < result.history[0].metrics["train_loss"]
+    test = evaluate(result.checkpoint, digits)
+    assert test["test_accuracy"] > 0.85
+
+
+def test_in_process_single_worker_matches_its_own_rerun(digits, tmp_path):
+    runs = [
+        fit(
+            DigitsClassifier,
+            hparams={"hidden": 16, "lr": 0.01},
+            data=digits,
+            config=TrainConfig(workers=1, epochs=2, batch_size=32, seed=7),
+            checkpoint_uri=str(tmp_path / f"run{i}"),
+            in_process=True,
+        )
+        for i in range(2)
+    ]
+    first, second = (run.state_dict for run in runs)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("workers", {"workers": 0}),
+        ("epochs", {"epochs": -1}),
+        ("batch_size", {"batch_size": 0}),
+        ("batch_size", {"workers": 4, "batch_size": 2}),
+        ("collective", {"collective": "carrier-pigeon"}),
+        ("cpus_per_worker", {"cpus_per_worker": 0}),
+    ],
+)
+def test_bad_config_names_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        TrainConfig(**kwargs)
+
+
+def test_unknown_collective_lists_the_known_ones():
+    assert "native" in available_collectives()
+    with pytest.raises(ValueError, match="native"):
+        create_collective("nope", rank=0, world_size=1)
+
+
+def test_bad_hparams_fail_before_any_worker_starts(digits, tmp_path):
+    with pytest.raises(ValueError, match="width"):
+        fit(
+            DigitsClassifier,
+            hparams={"width": 3},
+            data=digits,
+            config=TrainConfig(workers=1, epochs=1),
+            checkpoint_uri=str(tmp_path / "never"),
+        )
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.ray
+def test_more_workers_than_cpus_is_refused_up_front(ray_session, digits, tmp_path):
+    with pytest.raises(EngineError, match="lower workers"):
+        fit(
+            DigitsClassifier,
+            hparams={},
+            data=digits,
+            config=TrainConfig(workers=64, epochs=1, batch_size=64),
+            checkpoint_uri=str(tmp_path / "never"),
+        )

@@ -1,0 +1,82 @@
+"""The flow's parameters: documented, checked before any work, on every way in."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from prefect.exceptions import ParameterTypeError, SignatureMismatchError
+from prefect.utilities.callables import parameter_schema
+
+from flows.train_pipeline import train_pipeline
+
+PARAMETERS = [
+    "data_url",
+    "storage_url",
+    "workers",
+    "epochs",
+    "batch_size",
+    "learning_rate",
+    "hidden",
+    "tune_trials",
+    "tune_epochs",
+    "serve",
+    "serve_port",
+    "seed",
+]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.train_pipeline", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_every_parameter_is_documented():
+    schema = parameter_schema(train_pipeline)
+    assert list(schema.properties) == PARAMETERS
+    assert all(schema.properties[name].get("description") for name in PARAMETERS)
+
+
+def test_cli_help_lists_every_parameter():
+    result = _cli("--help")
+    assert result.returncode == 0
+    for name in PARAMETERS:
+        assert "--" + name.replace("_", "-") in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ({"workers": -1}, "workers"),
+        ({"epochs": 0}, "epochs"),
+        ({"learning_rate": 0}, "learning_rate"),
+        ({"serve_port": 70000}, "serve_port"),
+        ({"workers": "two"}, "workers"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_parameter(params, named):
+    with pytest.raises(ParameterTypeError, match=named):
+        train_pipeline.validate_parameters(params)
+
+
+def test_unknown_parameter_is_rejected():
+    with pytest.raises(SignatureMismatchError, match="bogus"):
+        train_pipeline.validate_parameters({"bogus": 1})
+
+
+def test_cli_rejects_negative_workers_before_running():
+    result = _cli("--workers", "-1")
+    assert result.returncode == 2
+    assert "workers: Input should be greater than or equal to 1" in result.stderr
+    assert "Starting temporary server" not in result.stdout + result.stderr
+
+
+def test_cli_rejects_unknown_option():
+    result = _cli("--bogus", "1")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --bogus" in result.stderr
