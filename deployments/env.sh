@@ -20,7 +20,13 @@ export PREFECT_UI_ENABLED="${PREFECT_UI_ENABLED:-true}"
 export PREFECT_WORKER_QUERY_SECONDS="${PREFECT_WORKER_QUERY_SECONDS:-2}"
 export DO_NOT_TRACK=1
 
-# Ray: one head on loopback; flows reach it through RAY_ADDRESS.
+# Ray: flows reach it through RAY_ADDRESS. Set it before calling a script to use an existing
+# cluster; otherwise start.sh starts a local head on loopback.
+if [ -z "${RAY_ADDRESS:-}" ] || [ "${RINGFLOW_LOCAL_RAY:-0}" = 1 ]; then
+  export RINGFLOW_LOCAL_RAY=1
+else
+  export RINGFLOW_LOCAL_RAY=0
+fi
 export RAY_USAGE_STATS_ENABLED=0
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0

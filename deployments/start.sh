@@ -5,14 +5,18 @@ set -euo pipefail
 
 start_bg prefect-server prefect server start --host 127.0.0.1 --port "$RINGFLOW_PREFECT_PORT"
 
-# Every port the head opens is derived from RINGFLOW_RAY_PORT, so a second stack (the tests')
-# can run beside the demo's.
-p=$RINGFLOW_RAY_PORT
-start_bg ray-head ray start --head --block --disable-usage-stats \
-  --node-ip-address=127.0.0.1 --port="$p" --num-cpus="$RINGFLOW_CPUS" \
-  --include-dashboard=false --ray-client-server-port=$((p + 1)) \
-  --dashboard-agent-listen-port=$((p + 2)) --dashboard-agent-grpc-port=$((p + 3)) \
-  --metrics-export-port=$((p + 4)) --runtime-env-agent-port=$((p + 5))
+if [ "$RINGFLOW_LOCAL_RAY" = 1 ]; then
+  # Every port the head opens is derived from RINGFLOW_RAY_PORT, so a second stack (the
+  # tests') can run beside the demo's.
+  p=$RINGFLOW_RAY_PORT
+  start_bg ray-head ray start --head --block --disable-usage-stats \
+    --node-ip-address=127.0.0.1 --port="$p" --num-cpus="$RINGFLOW_CPUS" \
+    --include-dashboard=false --ray-client-server-port=$((p + 1)) \
+    --dashboard-agent-listen-port=$((p + 2)) --dashboard-agent-grpc-port=$((p + 3)) \
+    --metrics-export-port=$((p + 4)) --runtime-env-agent-port=$((p + 5))
+else
+  echo "using the existing Ray cluster at $RAY_ADDRESS"
+fi
 
 wait_for "Prefect server" 180 curl -sf "$PREFECT_API_URL/health"
 wait_for "Ray head" 120 ray health-check --address "$RAY_ADDRESS"

@@ -92,7 +92,7 @@ def main(flow: Flow, argv: list[str] | None = None) -> int:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     result = flow(**params)
-    print(json.dumps(result, default=str))
+    print(json.dumps(result, default=str), flush=True)
     if keep_serving and args.get("serve"):
         _wait_for_interrupt(result.get("endpoint"))
     return 0
