@@ -6,4 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/deployments/setup.sh"
 cd "$ROOT"
 export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0
-exec "${RINGFLOW_VENV:-$ROOT/.venv}/bin/python" -m pytest "$@"
+bin="${RINGFLOW_VENV:-$ROOT/.venv}/bin"
+"$bin/ruff" check .
+"$bin/ruff" format --check .
+exec "$bin/python" -m pytest "$@"

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from sklearn.datasets import load_digits
 
+from models.digits import write_digits_csv
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +87,8 @@ def test_cli_runs_the_flow_with_no_server(tmp_path):
                 result = json.loads(line)
         assert result is not None, "no result within 10 minutes"
         assert result["test_accuracy"] >= 0.95
+        assert result["rejected_rows"] == bad_rows
+        assert Path(result["dataset_url"], "rejected.parquet").exists()
         assert result["checkpoint"].startswith(str(tmp_path / "storage"))
         assert Path(result["model_uri"], "manifest.json").exists()
         assert result["endpoint"] == f"http://127.0.0.1:{port}/predict"
@@ -94,6 +97,19 @@ def test_cli_runs_the_flow_with_no_server(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
     assert proc.returncode == 0
+
+
+def test_missing_data_url_fails_the_run_naming_it(tmp_path):
+    missing = tmp_path / "nowhere.csv"
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.train_pipeline", "--data-url", str(missing),
+         "--storage-url", str(tmp_path / "storage"), "--no-serve"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+    )
+    assert result.returncode != 0
+    assert f"{missing} does not exist" in result.stdout + result.stderr
+    assert not (tmp_path / "storage" / "runs").exists()
 
 
 def test_demo_command_from_the_readme(tmp_path):
@@ -140,6 +156,9 @@ def _check_deployments(env: dict[str, str]) -> None:
     nightly = _prefect(env, "deployment", "inspect", "train-pipeline/nightly")
     assert nightly.returncode == 0, nightly.stderr
     assert "0 3 * * *" in nightly.stdout
+    artifacts = _prefect(env, "artifact", "ls")
+    for key in ("training-metrics", "training-loss-curve", "best-hyperparameters", "tuning-trials"):
+        assert key in artifacts.stdout, artifacts.stdout
     for param, named in (("workers=-1", "workers"), ("bogus=1", "bogus")):
         submitted = _prefect(env, "deployment", "run", "train-pipeline/local", "--param", param)
         out = submitted.stdout + submitted.stderr
