@@ -14,6 +14,7 @@ from typing import Any
 
 from prefect import Flow
 from prefect.exceptions import ParameterTypeError
+from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 from prefect.utilities.callables import parameter_schema
 
 __all__ = ["build_parser", "main"]
@@ -91,7 +92,10 @@ def main(flow: Flow, argv: list[str] | None = None) -> int:
         return 2
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
-    result = flow(**params)
+    # The temporary server runs its database migrations first: on a busy 2-core machine that
+    # takes longer than Prefect's default 20 s wait.
+    with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 180}):
+        result = flow(**params)
     print(json.dumps(result, default=str), flush=True)
     if keep_serving and args.get("serve"):
         _wait_for_interrupt(result.get("endpoint"))
@@ -99,11 +103,19 @@ def main(flow: Flow, argv: list[str] | None = None) -> int:
 
 
 def _wait_for_interrupt(endpoint: str | None) -> None:
-    import time
+    """Block until Ctrl-C or SIGTERM, then take the served model and the private Ray down."""
+    import signal
+    import threading
 
-    print(f"serving at {endpoint}; press Ctrl-C to stop", file=sys.stderr)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+    import ray
+
+    from engine.serving import shutdown_serving
+
+    # Our own handlers: the libraries loaded by then have replaced Python's SIGINT handler.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"serving at {endpoint}; press Ctrl-C to stop", file=sys.stderr, flush=True)
+    stop.wait()
+    shutdown_serving()
+    ray.shutdown()

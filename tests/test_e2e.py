@@ -53,6 +53,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 def test_cli_runs_the_flow_with_no_server(tmp_path):
     port = free_port()
+    bad_rows = _digits_with_bad_rows(tmp_path / "drop.csv")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -66,6 +67,8 @@ def test_cli_runs_the_flow_with_no_server(tmp_path):
             "2",
             "--storage-url",
             str(tmp_path / "storage"),
+            "--data-url",
+            str(tmp_path / "drop.csv"),
             "--serve-port",
             str(port),
             "--keep-serving",
