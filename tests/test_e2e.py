@@ -51,6 +51,16 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def _digits_with_bad_rows(path: Path) -> int:
+    """The digits CSV with malformed rows appended; returns how many are bad."""
+    write_digits_csv(str(path))
+    with path.open("a") as f:
+        f.write(",".join(["1"] * 64) + ",12\n")  # label out of range
+        f.write(",".join(["x"] * 65) + "\n")  # not numbers
+        f.write("1,2,3\n")  # too few fields
+    return 3
+
+
 def test_cli_runs_the_flow_with_no_server(tmp_path):
     port = free_port()
     bad_rows = _digits_with_bad_rows(tmp_path / "drop.csv")
@@ -105,9 +115,20 @@ def test_cli_runs_the_flow_with_no_server(tmp_path):
 def test_missing_data_url_fails_the_run_naming_it(tmp_path):
     missing = tmp_path / "nowhere.csv"
     result = subprocess.run(
-        [sys.executable, "-m", "flows.train_pipeline", "--data-url", str(missing),
-         "--storage-url", str(tmp_path / "storage"), "--no-serve"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "flows.train_pipeline",
+            "--data-url",
+            str(missing),
+            "--storage-url",
+            str(tmp_path / "storage"),
+            "--no-serve",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
     )
     assert result.returncode != 0
