@@ -31,6 +31,11 @@ export RAY_USAGE_STATS_ENABLED=0
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 export RAY_ADDRESS="${RAY_ADDRESS:-127.0.0.1:$RINGFLOW_RAY_PORT}"
+if [ "$RINGFLOW_LOCAL_RAY" = 1 ]; then
+  # The local head's auth token is this checkout's own (start.sh creates it), so it never
+  # depends on, or overwrites, the one in ~/.ray that other Ray clusters on the machine use.
+  export RAY_AUTH_TOKEN_PATH="${RAY_AUTH_TOKEN_PATH:-$RINGFLOW_STATE/ray/auth_token}"
+fi
 export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
 
 RUN_DIR="$RINGFLOW_STATE/run"

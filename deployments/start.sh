@@ -9,6 +9,10 @@ if [ "$RINGFLOW_LOCAL_RAY" = 1 ]; then
   # Every port the head opens is derived from RINGFLOW_RAY_PORT, so a second stack (the
   # tests') can run beside the demo's.
   p=$RINGFLOW_RAY_PORT
+  if [ ! -s "$RAY_AUTH_TOKEN_PATH" ]; then
+    mkdir -p "$(dirname "$RAY_AUTH_TOKEN_PATH")"
+    (umask 077 && python -c 'import secrets; print(secrets.token_hex(32), end="")' >"$RAY_AUTH_TOKEN_PATH")
+  fi
   start_bg ray-head ray start --head --block --disable-usage-stats \
     --node-ip-address=127.0.0.1 --port="$p" --num-cpus="$RINGFLOW_CPUS" \
     --include-dashboard=false --ray-client-server-port=$((p + 1)) \

@@ -169,7 +169,7 @@ def _prefect(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", "-c", '. deployments/env.sh && exec prefect "$@"', "prefect", *args],
         cwd=ROOT,
-        env=env,
+        env={**env, "COLUMNS": "250"},  # wide enough that rich does not cut names short
         text=True,
         capture_output=True,
         timeout=120,
