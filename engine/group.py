@@ -97,9 +97,8 @@ class RayWorkerGroup(WorkerGroup):
     def _get(self, refs: list) -> list[Any]:
         import ray
 
-        pending = list(refs)
         try:
-            return ray.get(pending)
+            return ray.get(refs)
         except ray.exceptions.RayActorError as err:
             rank = _failed_rank(refs)
             raise WorkerFailedError(f"worker rank {rank} died: {err}", rank=rank) from err
