@@ -1,0 +1,250 @@
+"""A real S3 endpoint for tests: moto in server mode behind a proxy that injects faults.
+
+s3fs talks HTTP to :class:`FaultProxy`, which forwards every request to a
+``moto.server.ThreadedMotoServer`` on 127.0.0.1, except that a seeded fraction of requests
+is answered with an S3 ``InternalError`` (HTTP 500) or delayed. Half of the injected 500s are
+sent *after* moto has applied the request, as when a load balancer loses the reply of a
+request that succeeded, so retries must be idempotent. Nothing here listens beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import http.server
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FaultProxy", "Faults", "S3Endpoint", "s3_endpoint"]
+
+_BUCKET = "ringflow-test"
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade"}
+_INTERNAL_ERROR = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code>'
+    b"<Message>We encountered an internal error. Please try again.</Message></Error>"
+)
+
+
+@dataclass(kw_only=True)
+class Faults:
+    """What the proxy does to the requests it forwards; change the fields at any time."""
+
+    error_rate: float = 0.0
+    """Fraction of requests answered with HTTP 500 (half before, half after forwarding)."""
+    slow_rate: float = 0.0
+    """Fraction of requests delayed by ``slow_s`` before they are forwarded."""
+    slow_s: float = 0.2
+    """Delay of a slow request, in seconds."""
+    methods: frozenset[str] = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE"})
+    """HTTP methods the faults apply to."""
+    seed: int = 0
+    """Seed of the generator that picks the faulty requests."""
+    counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "500": 0, "slow": 0})
+    """How many requests were seen, answered with 500 and delayed."""
+
+
+class FaultProxy:
+    """A threaded HTTP proxy on 127.0.0.1 in front of ``upstream`` that injects :class:`Faults`."""
+
+    def __init__(self, upstream: tuple[str, int], faults: Faults) -> None:
+        self.faults = faults
+        self._random = random.Random(faults.seed)
+        self._lock = threading.Lock()
+        handler = type("_Handler", (_ProxyHandler,), {"proxy": self, "upstream": upstream})
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def decide(self, method: str) -> tuple[str | None, bool]:
+        """Pick this request's fault: ``("before" | "after" | None, slow)``."""
+        with self._lock:
+            faults = self.faults
+            faults.counts["requests"] += 1
+            if method not in faults.methods:
+                return None, False
+            slow = self._random.random() < faults.slow_rate
+            error = None
+            if self._random.random() < faults.error_rate:
+                error = self._random.choice(("before", "after"))
+                faults.counts["500"] += 1
+            faults.counts["slow"] += slow
+            return error, slow
+
+
+class _ProxyHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as S3 clients expect
+    disable_nagle_algorithm = True  # small replies must not wait for a delayed ACK
+    proxy: FaultProxy
+    upstream: tuple[str, int]
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+    def _relay(self) -> None:
+        try:
+            body = self._read_body()
+        except (ConnectionError, ValueError):
+            self.close_connection = True
+            return
+        error, slow = self.proxy.decide(self.command)
+        if slow:
+            time.sleep(self.proxy.faults.slow_s)
+        if error == "before":
+            self._reply(500, {"Content-Type": "application/xml"}, _INTERNAL_ERROR)
+            return
+        status, headers, payload = self._forward(body)
+        if error == "after":
+            self._reply(500, {"Content-Type": "application/xml"}, _INTERNAL_ERROR)
+            return
+        self._reply(status, headers, payload)
+
+    def handle(self) -> None:
+        # The client went away (killed, or timed out): there is no one to answer.
+        with contextlib.suppress(ConnectionError):
+            super().handle()
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _relay
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            return self._read_chunked()
+        expected = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(expected)
+        if len(body) != expected:
+            # The client died mid-request. S3 discards such a request; forwarding the part
+            # that arrived would store a truncated object S3 never would.
+            raise ConnectionAbortedError(f"request body ended after {len(body)}/{expected} bytes")
+        return body
+
+    def _read_chunked(self) -> bytes:
+        parts = []
+        while True:
+            size = int(self.rfile.readline().split(b";")[0], 16)
+            if size == 0:
+                while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return b"".join(parts)
+            part = self.rfile.read(size)
+            if len(part) != size:
+                raise ConnectionAbortedError("chunked request body ended early")
+            parts.append(part)
+            self.rfile.readline()
+
+    def _forward(self, body: bytes) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+            headers["Content-Length"] = str(len(body))
+            conn.request(self.command, self.path, body=body, headers=headers)
+            response = conn.getresponse()
+            payload = response.read()
+            return response.status, dict(response.getheaders()), payload
+        finally:
+            conn.close()
+
+    def _reply(self, status: int, headers: dict[str, str], payload: bytes) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            if key.lower() not in _HOP_BY_HOP | {"content-length", "date", "server"}:
+                self.send_header(key, value)
+        # HEAD replies carry the length of the body they do not send.
+        length = headers.get("Content-Length", headers.get("content-length"))
+        if self.command != "HEAD" or length is None:
+            length = str(len(payload))
+        self.send_header("Content-Length", length)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(payload)
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3Endpoint:
+    """A running moto S3 server, its fault proxy, and how to reach them."""
+
+    bucket: str
+    """Bucket created for the tests."""
+    moto_url: str
+    """moto itself, for setup and checks that must not see faults."""
+    proxy: FaultProxy
+    """The proxy s3fs talks to; set ``proxy.faults`` to inject faults."""
+
+    def storage_options(self, *, direct: bool = False) -> dict[str, Any]:
+        """s3fs options that reach the proxy (or moto itself with ``direct=True``)."""
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {
+                "endpoint_url": self.moto_url if direct else self.proxy.url,
+                "region_name": "us-east-1",
+            },
+            # Short timeouts so a lost reply costs a retry, not a minute; botocore retries a
+            # 500 twice itself before the store's own retries take over.
+            "config_kwargs": {
+                "connect_timeout": 5,
+                "read_timeout": 10,
+                "retries": {"max_attempts": 3, "mode": "standard"},
+            },
+        }
+
+    def url(self, name: str) -> str:
+        return f"s3://{self.bucket}/{name}"
+
+
+@contextlib.contextmanager
+def s3_endpoint(faults: Faults | None = None) -> Iterator[S3Endpoint]:
+    """Start moto and the proxy on 127.0.0.1, create the bucket; stop both afterwards.
+
+    Dummy credentials are set in the environment for the duration, as boto-based clients
+    refuse to sign requests without any.
+    """
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+
+    with pytest_env(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    ):
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        proxy = FaultProxy((host, port), faults or Faults())
+        proxy.start()
+        moto_url = f"http://{host}:{port}"
+        try:
+            boto3.client("s3", endpoint_url=moto_url).create_bucket(Bucket=_BUCKET)
+            yield S3Endpoint(bucket=_BUCKET, moto_url=moto_url, proxy=proxy)
+        finally:
+            proxy.stop()
+            server.stop()
+
+
+@contextlib.contextmanager
+def pytest_env(**values: str) -> Iterator[None]:
+    """Set environment variables for a block and restore the previous values afterwards."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in values.items():
+            patch.setenv(key, value)
+        yield

@@ -1,0 +1,230 @@
+"""AsyncCheckpointer: training waits only for the host copy; failures are retried, reported,
+and never move the latest checkpoint. Slow and failing storage is moto behind the fault proxy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import storage.checkpointer
+from storage import (
+    AsyncCheckpointer,
+    CheckpointStorageError,
+    CheckpointStore,
+    CommittedCheckpoint,
+    RetryPolicy,
+    training_state,
+)
+from tests.moto_s3 import Faults, S3Endpoint, s3_endpoint
+
+RUN = "run-async"
+_STORE_RETRY = RetryPolicy(deadline_s=0.3, initial_backoff_s=0.05, max_backoff_s=0.1)
+_SAVE_RETRY = RetryPolicy(deadline_s=1.0, initial_backoff_s=0.1, max_backoff_s=0.2)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Endpoint]:
+    with s3_endpoint(Faults(seed=11)) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def faults(s3: S3Endpoint) -> Iterator[Faults]:
+    """The proxy's faults, reset to none after the test."""
+    yield s3.proxy.faults
+    s3.proxy.faults.error_rate = s3.proxy.faults.slow_rate = 0.0
+    s3.proxy.faults.methods = Faults().methods
+
+
+def s3_store(s3: S3Endpoint, *, client_attempts: int = 3, **kwargs: Any) -> CheckpointStore:
+    """A store on the proxy; ``client_attempts`` is how often botocore itself tries a call."""
+    options = s3.storage_options()
+    options["config_kwargs"]["retries"]["max_attempts"] = client_attempts
+    return CheckpointStore(
+        s3.url(f"async-{uuid.uuid4().hex[:8]}"), storage_options=options, **kwargs
+    )
+
+
+def shards(step: int) -> dict[str, dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(step)
+    return {
+        "replicated": {
+            "w": torch.randn(32, 16, generator=generator),
+            "step": torch.tensor(step),
+        },
+        "rank-00000": {"rng": torch.randint(0, 9, (4,), generator=generator)},
+    }
+
+
+def assert_holds(store: CheckpointStore, step: int) -> None:
+    loaded = store.load_latest(RUN)
+    assert loaded is not None
+    assert loaded.step == step
+    for name, tensors in shards(step).items():
+        for key, tensor in tensors.items():
+            assert torch.equal(loaded.shards[name][key], tensor)
+
+
+def test_save_returns_before_the_slow_write(s3: S3Endpoint, faults: Faults) -> None:
+    store = s3_store(s3)
+    faults.methods, faults.slow_rate, faults.slow_s = frozenset({"PUT"}), 1.0, 0.5
+    with AsyncCheckpointer(store) as saver:
+        started = time.perf_counter()
+        saver.save(RUN, step=1, shards=shards(1), metadata={"epoch": 0})
+        blocked = time.perf_counter() - started
+        assert store.latest(RUN) is None  # still being written
+        assert saver.wait(timeout=30)
+    assert blocked < 0.1, f"save() blocked {blocked:.3f}s while every PUT takes 0.5 s"
+    assert saver.stalled_s == pytest.approx(blocked, abs=0.01)
+    assert saver.last_committed.step == 1
+    assert_holds(store, 1)
+
+
+def test_a_newer_save_replaces_the_waiting_one(
+    s3: S3Endpoint, faults: Faults, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    allocated = []
+    original = storage.checkpointer._host_buffer
+    monkeypatch.setattr(
+        storage.checkpointer, "_host_buffer", lambda t: allocated.append(t) or original(t)
+    )
+    store = s3_store(s3)
+    faults.methods, faults.slow_rate, faults.slow_s = frozenset({"PUT"}), 1.0, 0.3
+    committed: list[int] = []
+    with AsyncCheckpointer(store, on_commit=lambda c: committed.append(c.step)) as saver:
+        for step in range(1, 6):
+            saver.save(RUN, step=step, shards=shards(step))
+            time.sleep(0.05)
+        assert saver.wait(timeout=30)
+    assert committed == [1, 5]
+    assert saver.replaced == 3
+    # Two snapshots at most ever existed: the one being written and the one waiting.
+    assert len(allocated) <= 2 * sum(len(t) for t in shards(0).values())
+    assert_holds(store, 5)
+
+
+def test_tensors_may_change_once_save_returns(tmp_path: Any) -> None:
+    store = CheckpointStore(str(tmp_path))
+    state = shards(3)
+    with AsyncCheckpointer(store) as saver:
+        saver.save(RUN, step=3, shards=state)
+        for tensors in state.values():
+            for tensor in tensors.values():
+                tensor.zero_()  # the next optimizer step, racing the background write
+    assert_holds(store, 3)
+
+
+def test_an_overlapped_save_copies_while_training_goes_on(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = CheckpointStore(str(tmp_path))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(16, 8)
+
+    def train_step() -> None:
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    train_step()
+    copy = storage.checkpointer._StagingBuffers.copy
+
+    def slow_copy(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.3)  # a large state, still being copied
+        return copy(*args, **kwargs)
+
+    monkeypatch.setattr(storage.checkpointer._StagingBuffers, "copy", slow_copy)
+    tensors, optimizer_metadata = training_state(model, optimizer)
+    expected = {name: tensor.clone() for name, tensor in tensors.items()}
+    with AsyncCheckpointer(store) as saver:
+        saver.guard(optimizer)
+        started = time.perf_counter()
+        saver.save(RUN, step=1, shards={"replicated": tensors}, overlap=True)
+        returned = time.perf_counter() - started
+        train_step()  # forward and backward overlap the copy; step() waits for it
+        fenced = time.perf_counter() - started
+    assert returned < 0.1
+    assert fenced >= 0.3
+    assert saver.stalled_s == pytest.approx(fenced, abs=0.1)
+    loaded = store.load_latest(RUN).shards["replicated"]
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in expected.items())
+    assert not torch.equal(model.weight, expected["model/weight"])  # training went on
+    assert optimizer_metadata["optimizer"] == "Adam"
+
+
+def test_a_transient_outage_is_ridden_out(s3: S3Endpoint, faults: Faults) -> None:
+    store = s3_store(s3, client_attempts=1, retry=_STORE_RETRY)
+    before = faults.counts["500"]
+    with AsyncCheckpointer(store, retry=RetryPolicy(deadline_s=60, max_backoff_s=0.3)) as saver:
+        faults.error_rate = 1.0
+        saver.save(RUN, step=7, shards=shards(7))
+        time.sleep(1.5)
+        faults.error_rate = 0.0
+        assert saver.wait(timeout=60)
+    assert saver.errors == ()
+    assert faults.counts["500"] - before >= 3
+    assert_holds(store, 7)
+
+
+def test_a_failed_save_is_reported_and_never_becomes_latest(
+    s3: S3Endpoint, faults: Faults, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With botocore trying once, each failure surfaces at once and our retries do the work.
+    store = s3_store(s3, client_attempts=1, retry=_STORE_RETRY)
+    with AsyncCheckpointer(store, retry=_SAVE_RETRY) as saver:
+        saver.save(RUN, step=1, shards=shards(1))
+        assert saver.wait(timeout=30)
+        faults.methods, faults.error_rate = frozenset({"PUT"}), 1.0
+        with caplog.at_level(logging.ERROR, logger="storage.checkpointer"):
+            started = time.perf_counter()
+            saver.save(RUN, step=2, shards=shards(2))
+            assert time.perf_counter() - started < 0.1  # training goes on
+            assert saver.wait(timeout=60)
+        assert saver.last_error is not None
+        assert (saver.last_error.step, saver.last_error.run_key) == (2, RUN)
+        assert saver.last_error.attempts >= 2
+        assert "CheckpointStorageError" in saver.last_error.error
+        assert any("step 2" in r.getMessage() for r in caplog.records)
+        assert_holds(store, 1)  # latest did not move
+
+        faults.error_rate = 0.0  # storage is back
+        saver.save(RUN, step=3, shards=shards(3))
+    assert [f.step for f in saver.errors] == [2]
+    assert_holds(store, 3)
+
+
+def test_close_finishes_queued_saves_then_refuses_new_ones(tmp_path: Any) -> None:
+    store = CheckpointStore(f"file://{tmp_path}")
+    seen: list[CommittedCheckpoint] = []
+    saver = AsyncCheckpointer(store, on_commit=seen.append)
+    saver.save(RUN, step=4, shards=shards(4), metrics={"loss": 0.5})
+    saver.close()
+    assert [c.step for c in seen] == [4]
+    assert seen[0].metrics == {"loss": 0.5}
+    with pytest.raises(RuntimeError, match="closed"):
+        saver.save(RUN, step=5, shards=shards(5))
+
+
+def test_bad_arguments_raise_in_the_caller(tmp_path: Any) -> None:
+    with AsyncCheckpointer(CheckpointStore(str(tmp_path))) as saver:
+        with pytest.raises(ValueError, match="metadata"):
+            saver.save(RUN, step=1, shards=shards(1), metadata={"x": object()})
+        with pytest.raises(ValueError, match="run_key"):
+            saver.save("a/b", step=1, shards=shards(1))
+    assert saver.last_committed is None
+
+
+def test_an_unwritable_store_fails_up_front(tmp_path: Any) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    store = CheckpointStore(str(tmp_path / "a-file" / "ckpt"), retry=_STORE_RETRY)
+    with pytest.raises(CheckpointStorageError, match="cannot write checkpoints"):
+        AsyncCheckpointer(store)
