@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.collective import available_collectives
+from engine.collective import COMPRESSIONS, available_collectives
 from storage.dataset import TableSchema
 
 __all__ = ["DataSpec", "TrainConfig"]
@@ -25,12 +25,20 @@ class TrainConfig:
     """Global batch: split across the workers, so the math does not depend on their number."""
     seed: int = 0
     """Seeds weight initialisation and the per-epoch shuffle."""
-    collective: str = "native"
-    """Gradient averaging by name: see ``engine.collective.available_collectives()``."""
+    collective: str = "ring"
+    """Gradient averaging by name: ``ring`` (ours) or ``native`` (``torch.distributed``); see
+    ``engine.collective.available_collectives()``."""
+    bucket_mb: float = 25.0
+    """Gradients are reduced in buckets of about this many MiB, each while backward runs."""
+    compression: str = "none"
+    """Gradients travel as ``none`` (float32), ``bf16`` or ``fp16``; summed in float32."""
     cpus_per_worker: float = 1.0
     """Ray CPUs reserved for each worker; also its torch thread count (at least 1)."""
     timeout_s: float = 120.0
-    """How long a collective or a worker start may wait before the run fails."""
+    """How long a worker start (placement, rendezvous) may wait before the run fails."""
+    collective_timeout_s: float = 10.0
+    """Every collective's deadline: a worker that died or stopped answering makes the others
+    fail with ``PeerLostError`` within this time."""
 
     def __post_init__(self) -> None:
         _positive_int("workers", self.workers)
@@ -45,10 +53,20 @@ class TrainConfig:
             raise ValueError(
                 f"collective must be one of {available_collectives()}, got {self.collective!r}"
             )
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}"
+            )
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.cpus_per_worker <= 0:
             raise ValueError(f"cpus_per_worker must be positive, got {self.cpus_per_worker}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(
+                f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

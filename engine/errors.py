@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["EngineError", "WorkerFailedError"]
+__all__ = [
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "EngineError",
+    "PeerLostError",
+    "WorkerFailedError",
+]
 
 
 class EngineError(RuntimeError):
@@ -20,5 +26,42 @@ class WorkerFailedError(EngineError):
         return (_rebuild_worker_failed, (str(self), self.rank))
 
 
+class CollectiveError(EngineError):
+    """A collective could not complete. The group is unusable afterwards: build a new one."""
+
+
+class PeerLostError(CollectiveError):
+    """A peer died (or stopped answering) during a collective.
+
+    Every surviving rank raises it, naming the same lost peer where the ranks could agree.
+
+    Attributes:
+        peer: rank of the peer judged lost, or ``None`` when no rank could be blamed.
+        op: the collective that failed: ``allreduce``, ``broadcast`` or ``all_gather``.
+        rank: the rank that raised.
+    """
+
+    def __init__(self, message: str, *, peer: int | None, op: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.peer, self.op, self.rank = peer, op, rank
+
+    def __reduce__(self):
+        return (_rebuild_peer_lost, (type(self), str(self), self.peer, self.op, self.rank))
+
+
+class CollectiveTimeoutError(PeerLostError):
+    """A collective passed its deadline: ``peer`` stopped answering (stopped, hung or too slow).
+
+    Raise ``collective_timeout_s`` (``TrainConfig``) or ``timeout_s`` (the collective) when
+    the peers are merely slow.
+    """
+
+
 def _rebuild_worker_failed(message: str, rank: int | None) -> WorkerFailedError:
     return WorkerFailedError(message, rank=rank)
+
+
+def _rebuild_peer_lost(
+    cls: type[PeerLostError], message: str, peer: int | None, op: str, rank: int | None
+) -> PeerLostError:
+    return cls(message, peer=peer, op=op, rank=rank)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.collective import Collective, create_collective
+from engine.collective import Collective, GradientBuckets, create_collective
 from engine.config import DataSpec, TrainConfig
 from storage.checkpoint import save_model
 from storage.dataset import read_split
@@ -75,6 +75,7 @@ class RankWorker:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.train_x, self.train_y = _tensors(*read_split(data.dataset_url, "train", data.schema))
         self.collective: Collective | None = None
+        self.buckets: GradientBuckets | None = None
 
     def rendezvous_address(self) -> str:
         """A ``tcp://host:port`` on this worker's node where rank 0 can host the rendezvous."""
@@ -93,15 +94,20 @@ class RankWorker:
             rank=self.rank,
             world_size=self.world_size,
             init_method=init_method,
-            timeout_s=self.config.timeout_s,
+            timeout_s=self.config.collective_timeout_s,
+            connect_timeout_s=self.config.timeout_s,
+            compression=self.config.compression,
         )
         with torch.no_grad():
             for tensor in self.module.state_dict().values():
                 self.collective.broadcast_(tensor, src=0)
+        self.buckets = GradientBuckets(
+            self.params, self.collective, bucket_bytes=int(self.config.bucket_mb * 2**20)
+        )
 
     def train_epoch(self, epoch: int) -> tuple[dict[str, float], int]:
         """Run one epoch; return this rank's metric sums (weighted by samples) and sample count."""
-        assert self.collective is not None, "connect() must run before training"
+        assert self.buckets is not None, "connect() must run before training"
         order = torch.randperm(
             len(self.train_y), generator=torch.Generator().manual_seed(self.config.seed + epoch)
         )
@@ -120,19 +126,15 @@ class RankWorker:
         self.module.log, self.module.log_dict = capture.log, capture.log_dict
         self.module.train()
         self.optimizer.zero_grad(set_to_none=False)
+        # Each rank's loss is a mean over its part; weighting by the part's share of the
+        # global batch makes the sum over ranks the gradient of the global-batch mean.
+        self.buckets.start(weight=len(mine) / global_size)
         if len(mine):
             out = self.module.training_step((self.train_x[mine], self.train_y[mine]), step)
             loss = out["loss"] if isinstance(out, Mapping) else out
-            loss.backward()
+            loss.backward()  # buckets start their all-reduces from inside backward
             capture.values.setdefault("train_loss", float(loss.detach()))
-        # Each rank's loss is a mean over its part; weighting by the part's share of the
-        # global batch makes the sum over ranks the gradient of the global-batch mean.
-        flat = torch.cat([_grad(p).reshape(-1) for p in self.params]) * (len(mine) / global_size)
-        self.collective.allreduce_sum_(flat)
-        offset = 0
-        for p in self.params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self.buckets.finish()
         self.optimizer.step()
         return capture.take()
 
@@ -153,6 +155,9 @@ class RankWorker:
         return save_model(uri, self.module, hparams=hparams, metrics=metrics, meta=meta)
 
     def close(self) -> None:
+        if self.buckets is not None:
+            self.buckets.close()
+            self.buckets = None
         if self.collective is not None:
             self.collective.close()
             self.collective = None
@@ -181,12 +186,6 @@ def evaluate_module(
 
 def _tensors(features: Any, labels: Any) -> Batch:
     return torch.from_numpy(features), torch.from_numpy(labels)
-
-
-def _grad(p: torch.Tensor) -> torch.Tensor:
-    if p.grad is None:  # a parameter this batch did not reach still takes part in the sum
-        p.grad = torch.zeros_like(p)
-    return p.grad
 
 
 def _single_optimizer(configured: Any) -> torch.optim.Optimizer:

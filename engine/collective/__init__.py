@@ -1,19 +1,36 @@
 """Collectives the engine averages gradients with, chosen by name.
 
-``native`` wraps ``torch.distributed``; our own ring registers itself here as ``ring``.
+``native`` wraps ``torch.distributed``; ``ring`` is our pipelined ring (shared memory between
+ranks on one host, gloo or NCCL otherwise), with deadlines on every collective.
+``GradientBuckets`` fuses gradients into buckets reduced while backward still runs.
 """
 
 from engine.collective.base import (
+    COMPRESSIONS,
     Collective,
+    CollectiveWork,
+    ReduceOp,
     available_collectives,
     create_collective,
     register_collective,
 )
+from engine.collective.buckets import GradientBuckets
 from engine.collective.native import NativeCollective
+from engine.collective.ring import TRANSPORTS, RingCollective
+from engine.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
 
 __all__ = [
+    "COMPRESSIONS",
+    "TRANSPORTS",
     "Collective",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "CollectiveWork",
+    "GradientBuckets",
     "NativeCollective",
+    "PeerLostError",
+    "ReduceOp",
+    "RingCollective",
     "available_collectives",
     "create_collective",
     "register_collective",

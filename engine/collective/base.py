@@ -4,36 +4,121 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
-__all__ = ["Collective", "available_collectives", "create_collective", "register_collective"]
+__all__ = [
+    "COMPRESSIONS",
+    "Collective",
+    "CollectiveWork",
+    "CompletedWork",
+    "ReduceOp",
+    "check_reduce_op",
+    "available_collectives",
+    "create_collective",
+    "register_collective",
+    "wire_dtype",
+]
+
+ReduceOp = Literal["sum", "avg"]
+
+COMPRESSIONS: dict[str, torch.dtype | None] = {
+    "none": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+"""Wire formats for float32 all-reduces, by the name ``compression`` takes."""
 
 _REGISTRY: dict[str, type[Collective]] = {}
+
+
+class CollectiveWork:
+    """A collective in flight. ``wait()`` returns its result, or raises what it raised."""
+
+    def wait(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:
+        raise NotImplementedError
+
+
+class CompletedWork(CollectiveWork):
+    """The work of a collective that completed before it was returned."""
+
+    def __init__(self, result: torch.Tensor) -> None:
+        self._result = result
+
+    def wait(self) -> torch.Tensor:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class Collective(abc.ABC):
     """Collective operations over a fixed group of ``world_size`` ranks.
 
     Implementations are created on every rank with the same arguments and must be called in
-    the same order on every rank.
+    the same order on every rank. Every implementation accepts the keyword arguments
+    ``rank``, ``world_size``, ``init_method``, ``timeout_s``, ``connect_timeout_s`` and
+    ``compression``, so the engine can create any of them by name.
     """
 
     def __init__(self, *, rank: int, world_size: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         self.rank = rank
         self.world_size = world_size
 
     @abc.abstractmethod
-    def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Replace ``tensor`` on every rank by the sum over all ranks; return it."""
+    def allreduce_async_(self, tensor: torch.Tensor, *, op: ReduceOp = "sum") -> CollectiveWork:
+        """Start replacing ``tensor`` on every rank by its sum (or mean) over all ranks.
+
+        ``tensor`` must not be touched until the returned work's ``wait()`` returns.
+        """
 
     @abc.abstractmethod
     def broadcast_(self, tensor: torch.Tensor, *, src: int = 0) -> torch.Tensor:
         """Replace ``tensor`` on every rank by rank ``src``'s; return it."""
 
+    @abc.abstractmethod
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype on all ranks), in rank order."""
+
+    def allreduce_(self, tensor: torch.Tensor, *, op: ReduceOp = "sum") -> torch.Tensor:
+        """Replace ``tensor`` on every rank by its sum (or mean) over all ranks; return it."""
+        return self.allreduce_async_(tensor, op=op).wait()
+
+    def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Replace ``tensor`` on every rank by the sum over all ranks; return it."""
+        return self.allreduce_(tensor, op="sum")
+
     def close(self) -> None:
         """Release the group's resources. Safe to call twice."""
         return None
+
+
+def wire_dtype(compression: str) -> torch.dtype | None:
+    """The dtype float32 all-reduces travel in for ``compression``; ``None`` for ``"none"``.
+
+    Raises:
+        ValueError: unknown ``compression``; the message lists the known ones.
+    """
+    try:
+        return COMPRESSIONS[compression]
+    except KeyError:
+        raise ValueError(
+            f"compression must be one of {sorted(COMPRESSIONS)}, got {compression!r}"
+        ) from None
+
+
+def check_reduce_op(op: str, tensor: torch.Tensor) -> None:
+    """Refuse an op the tensor's dtype cannot take, before any rank starts sending."""
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+    if op == "avg" and not tensor.is_floating_point():
+        raise ValueError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}")
 
 
 def register_collective(name: str) -> Callable[[type[Collective]], type[Collective]]:

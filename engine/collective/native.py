@@ -7,14 +7,23 @@ import datetime as dt
 import torch
 import torch.distributed as dist
 
-from engine.collective.base import Collective, register_collective
+from engine.collective.base import (
+    Collective,
+    CollectiveWork,
+    CompletedWork,
+    ReduceOp,
+    check_reduce_op,
+    register_collective,
+    wire_dtype,
+)
+from engine.errors import PeerLostError
 
 __all__ = ["NativeCollective"]
 
 
 @register_collective("native")
 class NativeCollective(Collective):
-    """Joins a ``torch.distributed`` process group through a TCP rendezvous.
+    """Joins the default ``torch.distributed`` process group through a TCP rendezvous.
 
     Args:
         rank: this process's rank.
@@ -22,6 +31,9 @@ class NativeCollective(Collective):
         init_method: ``tcp://host:port`` of rank 0's rendezvous; unused for one rank.
         backend: ``gloo`` or ``nccl``.
         timeout_s: how long a collective may wait for its peers.
+        connect_timeout_s: how long joining may wait for every rank (default ``timeout_s``).
+        compression: ``none``, ``bf16`` or ``fp16``: float32 all-reduces travel (and are
+            summed) in that dtype, like DDP's compression hooks.
     """
 
     def __init__(
@@ -32,8 +44,11 @@ class NativeCollective(Collective):
         init_method: str = "",
         backend: str = "gloo",
         timeout_s: float = 60.0,
+        connect_timeout_s: float | None = None,
+        compression: str = "none",
     ) -> None:
         super().__init__(rank=rank, world_size=world_size)
+        self._wire = wire_dtype(compression)
         self._group = None
         if world_size > 1:
             dist.init_process_group(
@@ -41,21 +56,64 @@ class NativeCollective(Collective):
                 init_method=init_method,
                 rank=rank,
                 world_size=world_size,
-                timeout=dt.timedelta(seconds=timeout_s),
+                timeout=dt.timedelta(seconds=connect_timeout_s or timeout_s),
             )
             self._group = dist.group.WORLD
+            # Joining may wait for slow starters; a collective waits only timeout_s.
+            dist.distributed_c10d._set_pg_timeout(dt.timedelta(seconds=timeout_s), self._group)
 
-    def allreduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._group is not None:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
+    def allreduce_async_(self, tensor: torch.Tensor, *, op: ReduceOp = "sum") -> CollectiveWork:
+        check_reduce_op(op, tensor)
+        if self._group is None:
+            return CompletedWork(tensor)
+        wire = self._wire if tensor.dtype == torch.float32 else None
+        buffer = tensor if wire is None else tensor.to(wire)
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True)
+        return _NativeWork(
+            work, tensor=tensor, buffer=buffer, divisor=self.world_size if op == "avg" else 1
+        )
 
     def broadcast_(self, tensor: torch.Tensor, *, src: int = 0) -> torch.Tensor:
         if self._group is not None:
             dist.broadcast(tensor, src=src)
         return tensor
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if self._group is None:
+            return [tensor.clone()]
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor)
+        return out
+
     def close(self) -> None:
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group()
         self._group = None
+
+
+class _NativeWork(CollectiveWork):
+    """An async ``dist.all_reduce``; the result lands in ``tensor`` when waited for."""
+
+    def __init__(
+        self, work: dist.Work, *, tensor: torch.Tensor, buffer: torch.Tensor, divisor: int
+    ) -> None:
+        self._work, self._tensor, self._buffer, self._divisor = work, tensor, buffer, divisor
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            try:
+                self._work.wait()
+            except RuntimeError as err:
+                raise PeerLostError(
+                    f"native all-reduce failed: {err}", peer=None, op="allreduce"
+                ) from err
+            if self._divisor != 1:
+                self._buffer.div_(self._divisor)
+            if self._buffer is not self._tensor:
+                self._tensor.copy_(self._buffer)
+            self._done = True
+        return self._tensor
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()

@@ -1,0 +1,91 @@
+"""What a ring transport does: run a schedule's hops between neighbours before a deadline."""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.collective._schedule import Hop, Schedule
+
+__all__ = ["Completion", "Deadline", "Finisher", "Transport", "keep_wire_rounding", "land"]
+
+Finisher = Callable[[torch.Tensor], None]
+"""Applied to each of this rank's finished segments before they are passed on."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """When the collective ``op`` must have completed on this rank (``time.monotonic``)."""
+
+    op: str
+    expires: float
+    timeout_s: float
+
+    @classmethod
+    def after(cls, timeout_s: float, *, op: str) -> Deadline:
+        return cls(op=op, expires=time.monotonic() + timeout_s, timeout_s=timeout_s)
+
+    def remaining(self) -> float:
+        return self.expires - time.monotonic()
+
+
+class Completion(abc.ABC):
+    """Device work a transport enqueued and returned without waiting for."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Return once the work finished; raise ``PeerLostError`` by its deadline if not."""
+
+
+class Transport(abc.ABC):
+    """Moves segments to the right neighbour and from the left one.
+
+    ``run`` raises ``PeerLostError`` (``CollectiveTimeoutError`` once ``deadline`` passed)
+    naming the peer judged lost; the transport is unusable afterwards.
+    """
+
+    name: str
+    wavefront: bool
+    """Whether this transport wants its schedules as a wavefront (see ``_schedule``)."""
+    inline: bool = False
+    """``run`` only enqueues device work and returns a ``Completion``: it can run on the
+    caller's thread. Otherwise ``run`` does the work itself, on a thread of its own."""
+    pipeline_depth: int = 8
+    """Segments per chunk wanted, so that hops overlap."""
+    segment_range: tuple[int, int] = (256 << 10, 4 << 20)
+    """The smallest and largest segment: below, per-segment costs outweigh pipelining."""
+
+    @abc.abstractmethod
+    def run(
+        self,
+        schedule: Schedule,
+        *,
+        wire: torch.dtype,
+        finish: Finisher | None,
+        deadline: Deadline,
+    ) -> Completion | None:
+        """Issue every hop of ``schedule``; segments travel as ``wire``."""
+
+    def close(self) -> None:
+        return None
+
+
+def land(hop: Hop, received: torch.Tensor, finish: Finisher | None) -> None:
+    """Fold a received segment into the hop's destination."""
+    assert hop.recv is not None
+    if hop.reduce:
+        hop.recv.add_(received)
+    elif received is not hop.recv:
+        hop.recv.copy_(received)
+    if hop.final and finish is not None:
+        finish(hop.recv)
+
+
+def keep_wire_rounding(hop: Hop, wired: torch.Tensor) -> None:
+    """After sending a finished segment narrowed to ``wired``, hold the same values locally."""
+    if hop.owned and wired.dtype != hop.send.dtype:
+        hop.send.copy_(wired)

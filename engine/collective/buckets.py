@@ -1,0 +1,159 @@
+"""Gradient buckets: gradients fused into flat buffers, each all-reduced while backward runs.
+
+DDP's buckets and Horovod's tensor fusion: one collective per few MiB of gradients instead of
+one per parameter, started from autograd hooks as soon as a bucket's gradients exist, so the
+communication of the last layers overlaps the backward pass through the first ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.collective.base import Collective, CollectiveWork
+
+__all__ = ["GradientBuckets"]
+
+
+@dataclass(eq=False)
+class _Bucket:
+    params: list[torch.Tensor]
+    offsets: list[int]
+    buffer: torch.Tensor
+    filled: list[bool] = field(default_factory=list)
+
+    def view(self, slot: int) -> torch.Tensor:
+        param = self.params[slot]
+        start = self.offsets[slot]
+        return self.buffer[start : start + param.numel()].view_as(param)
+
+    def full(self) -> bool:
+        return all(self.filled)
+
+
+class GradientBuckets:
+    """Sums a module's gradients over the ranks, bucket by bucket, during backward.
+
+    Buckets take the parameters in reverse order (backward produces the last layers'
+    gradients first) up to ``bucket_bytes`` each; a larger parameter gets a bucket of its own.
+    A bucket starts its all-reduce once every gradient in it has been accumulated
+    (``register_post_accumulate_grad_hook``) and every bucket before it has started, so all
+    ranks start them in the same order even when a parameter gets no gradient on some rank.
+
+    Call ``start(weight=...)`` before ``backward()`` and ``finish()`` after it.
+
+    Args:
+        params: the trainable parameters, in module order.
+        collective: sums the buckets over the ranks.
+        bucket_bytes: the size buckets fill up to.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        collective: Collective,
+        *,
+        bucket_bytes: int = 25 << 20,
+    ) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self._collective = collective
+        self._buckets = _plan(list(params), bucket_bytes)
+        self._slots = {
+            param: (index, slot)
+            for index, bucket in enumerate(self._buckets)
+            for slot, param in enumerate(bucket.params)
+        }
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slots]
+        self._active = False
+        self._weight = 1.0
+        self._works: list[CollectiveWork] = []
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Elements per bucket, in the order they are reduced."""
+        return [b.buffer.numel() for b in self._buckets]
+
+    def start(self, *, weight: float = 1.0) -> None:
+        """Get ready for one backward pass; each gradient is multiplied by ``weight``.
+
+        The engine passes this rank's share of the global batch: the sum over the ranks is
+        then the gradient of the global-batch mean, however unevenly the batch was split.
+        """
+        self._weight, self._works, self._active = weight, [], True
+        for bucket in self._buckets:
+            bucket.filled = [False] * len(bucket.params)
+
+    def finish(self) -> None:
+        """Start the buckets backward left, wait for all, and write the sums into ``.grad``."""
+        try:
+            for bucket in self._buckets[len(self._works) :]:
+                for slot, param in enumerate(bucket.params):
+                    if not bucket.filled[slot]:
+                        self._fill(bucket, slot, param.grad)
+                self._launch(bucket)
+            for work in self._works:
+                work.wait()
+        finally:
+            self._active = False
+        for bucket in self._buckets:
+            for slot, param in enumerate(bucket.params):
+                if param.grad is None:
+                    param.grad = bucket.view(slot).clone()
+                else:
+                    param.grad.copy_(bucket.view(slot))
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._active:
+            return
+        index, slot = self._slots[param]
+        self._fill(self._buckets[index], slot, param.grad)
+        # Only in order: a later bucket waits for the earlier ones, on every rank alike.
+        while len(self._works) < len(self._buckets) and self._buckets[len(self._works)].full():
+            self._launch(self._buckets[len(self._works)])
+
+    def _fill(self, bucket: _Bucket, slot: int, grad: torch.Tensor | None) -> None:
+        if grad is None:  # a parameter this batch did not reach still takes part in the sum
+            bucket.view(slot).zero_()
+        else:
+            bucket.view(slot).copy_(grad)
+        bucket.filled[slot] = True
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.buffer.mul_(self._weight)
+        self._works.append(self._collective.allreduce_async_(bucket.buffer, op="sum"))
+
+
+def _plan(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
+    """Group the parameters, last first, into buckets of one dtype and device each."""
+    groups: list[list[torch.Tensor]] = []
+    size = 0
+    for param in reversed(params):
+        nbytes = param.numel() * param.element_size()
+        same_kind = groups and _kind(groups[-1][0]) == _kind(param)
+        if not same_kind or size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(param)
+        size += nbytes
+    return [_bucket(group) for group in groups]
+
+
+def _bucket(params: list[torch.Tensor]) -> _Bucket:
+    offsets, total = [], 0
+    for param in params:
+        offsets.append(total)
+        total += param.numel()
+    buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+    return _Bucket(params=params, offsets=offsets, buffer=buffer)
+
+
+def _kind(param: torch.Tensor) -> tuple[torch.dtype, torch.device]:
+    return param.dtype, param.device

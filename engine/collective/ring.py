@@ -1,0 +1,400 @@
+"""Our ring all-reduce: reduce-scatter then all-gather over point-to-point transfers.
+
+Every collective carries a deadline: a peer that dies or stops answering makes every survivor
+raise ``PeerLostError`` (``CollectiveTimeoutError`` for a stopped one) naming that peer,
+within ``timeout_s``. Collectives run one at a time on a communication thread, in the order
+they were started, so ``allreduce_async_`` overlaps them with the caller's computation.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.collective._p2p import GlooTransport, NcclTransport
+from engine.collective._rendezvous import open_store, same_host
+from engine.collective._schedule import (
+    all_gather_schedule,
+    allreduce_schedule,
+    broadcast_schedule,
+)
+from engine.collective._shm import ShmTransport, shm_available
+from engine.collective._transport import Completion, Deadline, Finisher, Transport
+from engine.collective.base import (
+    Collective,
+    CollectiveWork,
+    CompletedWork,
+    ReduceOp,
+    check_reduce_op,
+    register_collective,
+    wire_dtype,
+)
+from engine.errors import CollectiveError, CollectiveTimeoutError
+
+__all__ = ["TRANSPORTS", "RingCollective"]
+
+TRANSPORTS = ("auto", "shm", "gloo", "nccl")
+"""``auto`` picks ``nccl`` for the nccl backend, ``shm`` when every rank shares this host, and
+``gloo`` otherwise."""
+
+
+_Started = tuple[torch.Tensor, Completion | None]
+"""A collective's result tensor, and the device work still to wait for, if any."""
+
+_WEDGED_GRACE_S = 5.0
+"""How long past its deadline a collective may stay unfinished before ``wait`` gives up on it."""
+
+
+@register_collective("ring")
+class RingCollective(Collective):
+    """Pipelined ring collectives over shared memory (same host), gloo or NCCL.
+
+    Args:
+        rank: this process's rank.
+        world_size: number of ranks.
+        init_method: ``tcp://host:port`` where rank 0 hosts the rendezvous store; unused for
+            one rank or when ``store`` is given.
+        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors on this rank's device).
+        timeout_s: every collective's deadline.
+        connect_timeout_s: how long joining may wait for every rank.
+        compression: ``none``, ``bf16`` or ``fp16``: float32 all-reduces travel in that dtype
+            and are summed in float32; every rank ends with the same values.
+        transport: one of ``TRANSPORTS``.
+        segment_bytes: the largest piece in flight; default per transport.
+        store: a rendezvous store to use instead of ``init_method``.
+
+    Raises:
+        ValueError: an argument is out of range; the message names it.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        init_method: str = "",
+        backend: str = "gloo",
+        timeout_s: float = 10.0,
+        connect_timeout_s: float = 120.0,
+        compression: str = "none",
+        transport: str = "auto",
+        segment_bytes: int | None = None,
+        store: dist.Store | None = None,
+    ) -> None:
+        super().__init__(rank=rank, world_size=world_size)
+        _check_arguments(backend=backend, timeout_s=timeout_s, transport=transport)
+        self._wire = wire_dtype(compression)
+        self._timeout_s = timeout_s
+        self._failure: CollectiveError | None = None
+        self._running: Deadline | None = None
+        self._transport: Transport | None = None
+        self._thread: _CommThread | None = None
+        if world_size > 1:
+            if store is None:
+                store = open_store(
+                    init_method, rank=rank, world_size=world_size, timeout_s=connect_timeout_s
+                )
+            self._transport = _connect(
+                dist.PrefixStore("ring", store),
+                rank=rank,
+                world_size=world_size,
+                backend=backend,
+                transport=transport,
+                timeout_s=timeout_s,
+                connect_timeout_s=connect_timeout_s,
+                segment_bytes=segment_bytes,
+            )
+            smallest, largest = self._transport.segment_range
+            self._segment_range = (
+                (segment_bytes, segment_bytes)
+                if segment_bytes
+                else (
+                    smallest,
+                    largest,
+                )
+            )
+            if not self._transport.inline:
+                self._thread = _CommThread(f"ringflow-ring-{rank}")
+        self._inline_lock = threading.Lock()
+        self._store = store  # kept alive: on rank 0 it serves the other ranks
+
+    @property
+    def transport(self) -> str:
+        """The transport in use: ``shm``, ``gloo``, ``nccl``, or ``none`` for one rank."""
+        return "none" if self._transport is None else self._transport.name
+
+    def allreduce_async_(self, tensor: torch.Tensor, *, op: ReduceOp = "sum") -> CollectiveWork:
+        check_reduce_op(op, tensor)
+        if self._transport is None:
+            return CompletedWork(tensor)
+        return self._start(
+            "allreduce", tensor, lambda deadline: self._allreduce(tensor, op, deadline)
+        )
+
+    def broadcast_(self, tensor: torch.Tensor, *, src: int = 0) -> torch.Tensor:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"src must be in [0, {self.world_size}), got {src}")
+        if self._transport is None:
+            return tensor
+        return self._start(
+            "broadcast", tensor, lambda deadline: self._broadcast(tensor, src, deadline)
+        ).wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if self._transport is None:
+            return [tensor.clone()]
+        out = tensor.new_empty((self.world_size, *tensor.shape))
+        out[self.rank].copy_(tensor)
+        self._start("all_gather", out, lambda deadline: self._all_gather(out, deadline)).wait()
+        return list(out.unbind(0))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    # -- running one collective ----------------------------------------------------------
+
+    def _start(
+        self, op: str, tensor: torch.Tensor, body: Callable[[Deadline], _Started]
+    ) -> CollectiveWork:
+        if self._transport is None:
+            raise CollectiveError("the ring is closed")
+        if self._transport.inline:  # it only enqueues device work: no thread needed
+            with self._inline_lock:
+                return _DeviceWork(*self._run(op, tensor, body), ring=self)
+        return _RingWork(self._thread.submit(lambda: self._run(op, tensor, body)), self, op=op)
+
+    def _run(self, op: str, tensor: torch.Tensor, body: Callable[[Deadline], _Started]):
+        if self._failure is not None:
+            raise self._failure  # the ring lost a peer: every later collective fails too
+        self._running = deadline = Deadline.after(self._timeout_s, op=op)
+        try:
+            with _on_device(tensor):
+                return body(deadline)
+        except CollectiveError as err:
+            self._failure = err
+            raise
+        finally:
+            self._running = None
+
+    def _settle(self, completion: Completion | None) -> None:
+        """Wait for the device work a transport left running; remember a failure."""
+        if completion is None:
+            return
+        try:
+            completion.wait()
+        except CollectiveError as err:
+            self._failure = err
+            raise
+
+    def _wedged_for(self) -> float:
+        """How far the running collective is past its deadline (0 when none or not yet)."""
+        running = self._running
+        return 0.0 if running is None else max(0.0, -running.remaining())
+
+    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp, deadline: Deadline) -> _Started:
+        flat = _flat(tensor)
+        wire = self._wire if self._wire is not None and tensor.dtype == torch.float32 else None
+        wire = wire or tensor.dtype
+        elems = self._elems(-(-flat.numel() // self.world_size), wire, tensor.dtype)
+        schedule = allreduce_schedule(
+            flat,
+            rank=self.rank,
+            world_size=self.world_size,
+            segment_elems=elems,
+            wavefront=self._transport.wavefront,
+        )
+        finish = _finisher(op, self.world_size)
+        completion = self._transport.run(schedule, wire=wire, finish=finish, deadline=deadline)
+        return _unflat(flat, tensor), completion
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, deadline: Deadline) -> _Started:
+        flat = _flat(tensor)
+        schedule = broadcast_schedule(
+            flat,
+            rank=self.rank,
+            world_size=self.world_size,
+            src=src,
+            segment_elems=self._elems(flat.numel(), tensor.dtype),
+        )
+        completion = self._transport.run(
+            schedule, wire=tensor.dtype, finish=None, deadline=deadline
+        )
+        return _unflat(flat, tensor), completion
+
+    def _all_gather(self, out: torch.Tensor, deadline: Deadline) -> _Started:
+        schedule = all_gather_schedule(
+            out.view(-1),
+            rank=self.rank,
+            world_size=self.world_size,
+            segment_elems=self._elems(out[0].numel(), out.dtype),
+            wavefront=self._transport.wavefront,
+        )
+        return out, self._transport.run(schedule, wire=out.dtype, finish=None, deadline=deadline)
+
+    def _elems(self, chunk: int, *dtypes: torch.dtype) -> int:
+        """Elements per segment of a ``chunk``-element chunk, the same on every rank.
+
+        Compressed or not, a segment covers the same elements, and its wire form fits a slot.
+        """
+        itemsize = max(d.itemsize for d in dtypes)
+        smallest, largest = (max(1, b // itemsize) for b in self._segment_range)
+        return max(smallest, min(largest, -(-chunk // self._transport.pipeline_depth)))
+
+
+class _RingWork(CollectiveWork):
+    """A collective queued on the ring's communication thread."""
+
+    def __init__(self, future: concurrent.futures.Future, ring: RingCollective, *, op: str) -> None:
+        self._future, self._ring, self._op = future, ring, op
+
+    def wait(self) -> torch.Tensor:
+        while True:
+            try:
+                result, completion = self._future.result(timeout=0.5)
+                self._ring._settle(completion)
+                return result
+            except concurrent.futures.TimeoutError:
+                # Deadlines are enforced on the communication thread; this only catches a
+                # thread stuck where no deadline reaches (a hung driver call).
+                if self._ring._wedged_for() > _WEDGED_GRACE_S:
+                    raise CollectiveTimeoutError(
+                        f"the ring's communication thread is stuck {_WEDGED_GRACE_S:g} s past "
+                        "its deadline",
+                        peer=None,
+                        op=self._op,
+                        rank=self._ring.rank,
+                    ) from None
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class _DeviceWork(CollectiveWork):
+    """A collective whose hops are enqueued on the device; ``wait`` waits for them."""
+
+    def __init__(
+        self, result: torch.Tensor, completion: Completion | None, *, ring: RingCollective
+    ) -> None:
+        self._result, self._completion, self._ring = result, completion, ring
+
+    def wait(self) -> torch.Tensor:
+        self._ring._settle(self._completion)
+        self._completion = None
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._completion is None
+
+
+class _CommThread:
+    """Runs submitted functions one at a time, in submission order, on a daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: list = []
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._ready:
+            self._queue.append((fn, future))
+            self._ready.notify()
+        return future
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._ready:
+            self._queue.append(None)
+            self._ready.notify()
+        self._thread.join(timeout_s)
+
+    def _loop(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._queue)
+                item = self._queue.pop(0)
+            if item is None:
+                return
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as err:  # noqa: BLE001 - handed to the waiter
+                    future.set_exception(err)
+
+
+def _connect(
+    store: dist.Store,
+    *,
+    rank: int,
+    world_size: int,
+    backend: str,
+    transport: str,
+    timeout_s: float,
+    connect_timeout_s: float,
+    segment_bytes: int | None,
+) -> Transport:
+    if transport == "auto":
+        transport = _pick_transport(store, backend=backend, rank=rank, world_size=world_size)
+    common = {"store": store, "rank": rank, "world_size": world_size}
+    if transport == "shm":
+        slot = segment_bytes or ShmTransport.segment_range[1]
+        return ShmTransport(**common, segment_bytes=slot)
+    cls = GlooTransport if transport == "gloo" else NcclTransport
+    return cls(**common, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+
+
+def _pick_transport(store: dist.Store, *, backend: str, rank: int, world_size: int) -> str:
+    if backend == "nccl":
+        return "nccl"
+    local = same_host(store, rank=rank, world_size=world_size)
+    # Every rank must pick the same: shm needs all of them on this host, with /dev/shm.
+    store.set(f"shm_ok/{rank}", b"1" if shm_available() else b"0")
+    usable = store.multi_get([f"shm_ok/{q}" for q in range(world_size)])
+    return "shm" if local and all(v == b"1" for v in usable) else "gloo"
+
+
+def _check_arguments(*, backend: str, timeout_s: float, transport: str) -> None:
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+
+
+def _finisher(op: ReduceOp, world_size: int) -> Finisher | None:
+    """What a rank does to its finished chunk before passing it on, or ``None``."""
+    if op != "avg":
+        return None
+
+    def finish(segment: torch.Tensor) -> None:
+        segment.div_(world_size)
+
+    return finish
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+
+
+def _unflat(flat: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+def _on_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """A thread's current CUDA device starts at 0: follow the tensor's."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()

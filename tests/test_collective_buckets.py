@@ -1,0 +1,99 @@
+"""Gradient buckets, with a fake collective: no processes, so each property is checked alone."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.collective import Collective, CollectiveWork, GradientBuckets
+from engine.collective.base import CompletedWork
+
+
+class _RecordingCollective(Collective):
+    """Sums over ``copies`` identical ranks; records what was reduced and when."""
+
+    def __init__(self, model: nn.Module, *, copies: int = 1) -> None:
+        super().__init__(rank=0, world_size=1)
+        self.model, self.copies = model, copies
+        self.calls: list[tuple[int, bool]] = []  # (bucket length, first layer still waiting)
+
+    def allreduce_async_(self, tensor: torch.Tensor, *, op: str = "sum") -> CollectiveWork:
+        first_layer_waiting = self.model[0].weight.grad is None
+        self.calls.append((tensor.numel(), first_layer_waiting))
+        return CompletedWork(tensor.mul_(self.copies))
+
+    def broadcast_(self, tensor: torch.Tensor, *, src: int = 0) -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor]
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+
+
+def _backward(model: nn.Module, buckets: GradientBuckets, *, weight: float = 1.0) -> None:
+    model.zero_grad(set_to_none=True)
+    buckets.start(weight=weight)
+    model(torch.randn(5, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+    buckets.finish()
+
+
+def test_buckets_take_parameters_last_first_up_to_the_size():
+    model = _model()
+    buckets = GradientBuckets(
+        list(model.parameters()), _RecordingCollective(model), bucket_bytes=300 * 4
+    )
+    # Last layer first: bias 4 + weight 64 + bias 16, then weight 256 + bias 16, then 128.
+    assert buckets.bucket_sizes == [84, 272, 128]
+
+
+def test_buckets_start_during_backward_in_reverse_order():
+    model = _model()
+    collective = _RecordingCollective(model)
+    buckets = GradientBuckets(list(model.parameters()), collective, bucket_bytes=1)
+    _backward(model, buckets)
+    sizes = [p.numel() for p in reversed(list(model.parameters()))]
+    assert [length for length, _ in collective.calls] == sizes
+    # The later layers' buckets went out before backward reached the first layer.
+    waiting = [w for _, w in collective.calls]
+    assert waiting[:4] == [True] * 4
+    assert waiting[-1] is False
+
+
+def test_sums_are_weighted_and_written_back_into_grad():
+    model, reference = _model(), _model()
+    buckets = GradientBuckets(
+        list(model.parameters()), _RecordingCollective(model, copies=2), bucket_bytes=200
+    )
+    _backward(model, buckets, weight=0.25)
+    reference(
+        torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    ).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad * 0.25 * 2)
+
+
+def test_a_parameter_without_gradient_still_takes_part():
+    model = _model()
+    unused = nn.Parameter(torch.ones(3))
+    params = [unused, *model.parameters()]  # first in module order: its bucket goes out last
+    collective = _RecordingCollective(model)
+    buckets = GradientBuckets(params, collective, bucket_bytes=1)
+    _backward(model, buckets)
+    assert len(collective.calls) == len(params)
+    assert torch.equal(unused.grad, torch.zeros(3))
+
+
+def test_hooks_are_ignored_outside_a_step_and_removed_on_close():
+    model = _model()
+    collective = _RecordingCollective(model)
+    buckets = GradientBuckets(list(model.parameters()), collective)
+    model(torch.randn(2, 8)).sum().backward()  # no start(): evaluation-style backward
+    assert collective.calls == []
+    buckets.close()
+    buckets.start()
+    model(torch.randn(2, 8)).sum().backward()
+    assert collective.calls == []  # no hooks left: nothing started during backward

@@ -1,0 +1,110 @@
+"""A peer killed or stopped in the middle of an all-reduce: every survivor raises, on time.
+
+Three ranks all-reduce 16 MiB in a loop; the test SIGKILLs or SIGSTOPs some of them and
+checks that each survivor raises ``PeerLostError`` (``CollectiveTimeoutError`` for a
+stopped peer) naming a victim and the operation, within the collective deadline.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.conftest import free_port
+
+WORLD = 3
+DEADLINE_S = 2.0
+SLACK_S = 1.0  # scheduling on a loaded 2-core machine
+
+
+def _context():
+    """Fork rank processes from a server that imported torch once: each starts in a moment."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", "engine.collective"])
+    return ctx
+
+
+def _rank_main(rank: int, port: int, transport: str, queue) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    from engine.collective import PeerLostError, RingCollective
+
+    ring = RingCollective(
+        rank=rank,
+        world_size=WORLD,
+        init_method=f"tcp://127.0.0.1:{port}",
+        transport=transport,
+        timeout_s=DEADLINE_S,
+        connect_timeout_s=60,
+    )
+    tensor = torch.zeros(4 << 20)
+    ring.allreduce_(tensor)
+    queue.put((rank, "ready", os.getpid()))
+    try:
+        while True:
+            ring.allreduce_(tensor)
+    except PeerLostError as err:
+        queue.put((rank, "raised", (type(err).__name__, err.peer, err.op, time.time(), str(err))))
+    except BaseException as err:  # noqa: BLE001 - reported as a failure below
+        queue.put((rank, "other", repr(err)))
+
+
+@pytest.mark.parametrize(
+    ("transport", "signals"),
+    [
+        ("shm", {1: signal.SIGKILL}),
+        ("shm", {1: signal.SIGSTOP}),
+        ("shm", {1: signal.SIGKILL, 2: signal.SIGSTOP}),
+        ("gloo", {1: signal.SIGKILL}),
+        ("gloo", {0: signal.SIGSTOP}),  # rank 0 also hosts the rendezvous store
+    ],
+    ids=["shm-kill", "shm-stop", "shm-kill-and-stop", "gloo-kill", "gloo-stop-store-host"],
+)
+def test_survivors_raise_a_typed_error_within_the_deadline(transport, signals):
+    ctx = _context()
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, transport, queue), daemon=True)
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        pids = {}
+        while len(pids) < WORLD:
+            rank, what, pid = queue.get(timeout=60)
+            assert what == "ready", (rank, what, pid)
+            pids[rank] = pid
+        time.sleep(0.3)  # well inside the loop of all-reduces
+        for rank, sig in signals.items():
+            os.kill(pids[rank], sig)
+        signalled_at = time.time()
+        survivors = sorted(set(range(WORLD)) - set(signals))
+        reports = {}
+        for _ in survivors:
+            rank, what, payload = queue.get(timeout=DEADLINE_S + 10)
+            assert what == "raised", f"rank {rank} ended with {payload}"
+            reports[rank] = payload
+        _check(reports, survivors, signals, signalled_at)
+    finally:
+        for p in procs:
+            p.kill()  # SIGKILL ends stopped processes too
+            p.join(5)
+
+
+def _check(reports: dict, survivors: list[int], signals: dict, signalled_at: float) -> None:
+    assert sorted(reports) == survivors
+    stopped_only = all(sig == signal.SIGSTOP for sig in signals.values())
+    for rank, (name, peer, op, raised_at, message) in reports.items():
+        assert name in ("PeerLostError", "CollectiveTimeoutError"), message
+        if stopped_only:
+            assert name == "CollectiveTimeoutError", message
+        assert peer in signals, f"rank {rank} blamed {peer}: {message}"
+        assert op == "allreduce"
+        assert raised_at - signalled_at < DEADLINE_S + SLACK_S, f"rank {rank} raised late"
