@@ -4,14 +4,23 @@ Never imports Prefect. ``engine.collective`` holds the gradient collectives.
 """
 
 from engine.config import DataSpec, TrainConfig
-from engine.errors import EngineError, WorkerFailedError
+from engine.errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    EngineError,
+    PeerLostError,
+    WorkerFailedError,
+)
 from engine.trainer import EpochMetrics, FitResult, evaluate, fit
 
 __all__ = [
+    "CollectiveError",
+    "CollectiveTimeoutError",
     "DataSpec",
     "EngineError",
     "EpochMetrics",
     "FitResult",
+    "PeerLostError",
     "TrainConfig",
     "WorkerFailedError",
     "evaluate",

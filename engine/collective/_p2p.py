@@ -1,9 +1,10 @@
 """Transports over ``torch.distributed`` point-to-point: gloo (CPU, TCP) and NCCL (GPU).
 
-Both keep several segments in flight: gloo posts receives ``window`` hops ahead and lets its
-own threads move the bytes while this thread reduces; NCCL enqueues the hops on its stream
-``lookahead`` ahead of the reductions on the compute stream, so transfers and additions
-overlap on the device.
+gloo keeps several segments in flight: it posts receives ``window`` hops ahead and lets its own
+threads move the bytes while this thread reduces. NCCL enqueues the hops on its stream and
+the additions on the compute stream, ``lookahead`` hops apart when a chunk is cut in
+segments; the host only launches, and a watchdog thread holds each collective to its
+deadline.
 
 When a hop fails, the survivors agree through the rendezvous store on which peer to blame:
 the first verdict written there wins (``compare_set``). A rank whose left neighbour died sees

@@ -71,7 +71,10 @@ class ShmTransport(Transport):
         segment_bytes: the size of a slot: the largest segment on the wire.
         slots: segments the left neighbour may run ahead of this rank.
         poll_s: how often a waiting rank looks for dead peers and other ranks' verdicts.
-        spin_s: how long a waiting rank polls before it sleeps until the doorbell rings.
+        spin_s: how long a waiting rank polls, yielding the CPU between polls, before it
+            sleeps until the doorbell rings: a wake-up through the doorbell costs far more
+            than most waits (64 MiB, 2 ranks: 64 ms per all-reduce without spinning, 26 ms
+            with, on the 2-core sandbox).
     """
 
     name = "shm"

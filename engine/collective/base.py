@@ -34,7 +34,11 @@ _REGISTRY: dict[str, type[Collective]] = {}
 
 
 class CollectiveWork:
-    """A collective in flight. ``wait()`` returns its result, or raises what it raised."""
+    """A collective in flight. ``wait()`` returns its result, or raises what it raised.
+
+    For CUDA tensors, as with ``torch.distributed``'s own works, the result is ready in the
+    order of the caller's current stream once ``wait()`` returns; the host need not block.
+    """
 
     def wait(self) -> torch.Tensor:
         raise NotImplementedError

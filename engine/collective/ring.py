@@ -2,12 +2,15 @@
 
 Every collective carries a deadline: a peer that dies or stops answering makes every survivor
 raise ``PeerLostError`` (``CollectiveTimeoutError`` for a stopped one) naming that peer,
-within ``timeout_s``. Collectives run one at a time on a communication thread, in the order
-they were started, so ``allreduce_async_`` overlaps them with the caller's computation.
+within ``timeout_s``. On CPU the transport does the copying itself, so collectives run one at
+a time on a communication thread, in the order they were started, and ``allreduce_async_``
+overlaps them with the caller's computation. On GPU, NCCL only enqueues work on streams: the
+caller's thread launches it, as DDP does, and a watchdog thread holds it to its deadline.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import threading
@@ -110,14 +113,8 @@ class RingCollective(Collective):
                 connect_timeout_s=connect_timeout_s,
                 segment_bytes=segment_bytes,
             )
-            smallest, largest = self._transport.segment_range
             self._segment_range = (
-                (segment_bytes, segment_bytes)
-                if segment_bytes
-                else (
-                    smallest,
-                    largest,
-                )
+                (segment_bytes, segment_bytes) if segment_bytes else self._transport.segment_range
             )
             if not self._transport.inline:
                 self._thread = _CommThread(f"ringflow-ring-{rank}")
@@ -301,7 +298,7 @@ class _CommThread:
     """Runs submitted functions one at a time, in submission order, on a daemon thread."""
 
     def __init__(self, name: str) -> None:
-        self._queue: list = []
+        self._queue: collections.deque = collections.deque()
         self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -323,7 +320,7 @@ class _CommThread:
         while True:
             with self._ready:
                 self._ready.wait_for(lambda: self._queue)
-                item = self._queue.pop(0)
+                item = self._queue.popleft()
             if item is None:
                 return
             fn, future = item
