@@ -19,6 +19,25 @@ for _key, _value in {
 
 
 @pytest.fixture(scope="session")
+def digits(tmp_path_factory):
+    """The bundled digits, preprocessed once per session, as the engine takes them."""
+    from engine import DataSpec
+    from models.digits import SCHEMA, write_digits_csv
+    from storage.dataset import preprocess
+
+    root = str(tmp_path_factory.mktemp("digits"))
+    write_digits_csv(f"{root}/raw/digits.csv")
+    result = preprocess(f"{root}/raw/digits.csv", root, SCHEMA, seed=0)
+    return DataSpec(dataset_url=result.dataset_url, schema=SCHEMA)
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """The largest relative difference, by norm, between two state dicts' tensors."""
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in a)
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """A private local Ray instance (never joins another one on the machine)."""
     import ray

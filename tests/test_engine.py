@@ -5,24 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import DataSpec, EngineError, TrainConfig, evaluate, fit
+from engine import EngineError, TrainConfig, evaluate, fit
 from engine.collective import available_collectives, create_collective
 from engine.worker import split_global_batch
-from models.digits import SCHEMA, DigitsClassifier, write_digits_csv
-from storage.dataset import preprocess
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> DataSpec:
-    root = str(tmp_path_factory.mktemp("digits"))
-    write_digits_csv(f"{root}/raw/digits.csv")
-    result = preprocess(f"{root}/raw/digits.csv", root, SCHEMA, seed=0)
-    return DataSpec(dataset_url=result.dataset_url, schema=SCHEMA)
-
-
-def _relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in a)
+from models.digits import DigitsClassifier
+from tests.conftest import relative_difference
 
 
 @pytest.mark.parametrize(("size", "world"), [(64, 1), (64, 2), (29, 2), (7, 3), (2, 5)])
@@ -47,9 +34,9 @@ def test_two_workers_end_an_epoch_with_the_weights_of_one(ray_session, digits, t
         )
         states[workers] = result.state_dict
     initial = DigitsClassifier(hidden=32).state_dict()
-    assert _relative_difference(states[2], states[1]) < 1e-5
+    assert relative_difference(states[2], states[1]) < 1e-5
     # ...and training really moved the weights, so the comparison above means something.
-    assert _relative_difference(states[1], initial) > 1e-2
+    assert relative_difference(states[1], initial) > 1e-2
 
 
 @pytest.mark.ray

@@ -5,22 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import DataSpec, TrainConfig, fit
-from models.digits import SCHEMA, DigitsClassifier, write_digits_csv
-from storage.dataset import preprocess
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> DataSpec:
-    root = str(tmp_path_factory.mktemp("digits"))
-    write_digits_csv(f"{root}/raw/digits.csv")
-    result = preprocess(f"{root}/raw/digits.csv", root, SCHEMA, seed=0)
-    return DataSpec(dataset_url=result.dataset_url, schema=SCHEMA)
-
-
-def _relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in a)
+from engine import TrainConfig, fit
+from models.digits import DigitsClassifier
+from tests.conftest import relative_difference
 
 
 def _train(digits, tmp_path, **config) -> dict[str, torch.Tensor]:
@@ -40,6 +27,6 @@ def test_ring_training_ends_with_the_weights_of_native_training(ray_session, dig
     native = _train(digits, tmp_path, collective="native")
     # Small buckets: several all-reduces per step, started from inside backward.
     ring = _train(digits, tmp_path, collective="ring", bucket_mb=0.004)
-    assert _relative_difference(ring, native) < 1e-5
+    assert relative_difference(ring, native) < 1e-5
     initial = DigitsClassifier(hidden=32).state_dict()
-    assert _relative_difference(native, initial) > 1e-2  # training really moved the weights
+    assert relative_difference(native, initial) > 1e-2  # training really moved the weights
