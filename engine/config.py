@@ -36,6 +36,9 @@ class TrainConfig:
     """Ray CPUs reserved for each worker; also its torch thread count (at least 1)."""
     timeout_s: float = 120.0
     """How long a worker start (placement, rendezvous) may wait before the run fails."""
+    checkpoint_every: int = 0
+    """Checkpoint the training state every this many steps (and at every epoch end) when
+    ``fit`` is given a store; 0 checkpoints at epoch ends only."""
     collective_timeout_s: float = 10.0
     """Every collective's deadline: a worker that died or stopped answering makes the others
     fail with ``PeerLostError`` within this time."""
@@ -56,6 +59,12 @@ class TrainConfig:
         if self.compression not in COMPRESSIONS:
             raise ValueError(
                 f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}"
+            )
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int):
+            raise ValueError(f"checkpoint_every must be an integer, got {self.checkpoint_every!r}")
+        if self.checkpoint_every < 0:
+            raise ValueError(
+                f"checkpoint_every must be 0 (epoch ends only) or more, got {self.checkpoint_every}"
             )
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -11,10 +13,11 @@ from typing import Any
 import torch
 
 from engine.config import DataSpec, TrainConfig
-from engine.group import InProcessGroup, RayWorkerGroup
+from engine.group import InProcessGroup, RayWorkerGroup, WorkerGroup
 from engine.worker import evaluate_module
 from storage.checkpoint import load_model
 from storage.dataset import read_split
+from storage.store import CheckpointStore, CommittedCheckpoint
 
 __all__ = ["EpochMetrics", "FitResult", "evaluate", "fit"]
 
@@ -42,6 +45,8 @@ class FitResult:
     metrics: dict[str, float] = field(default_factory=dict)
     """The last epoch's metrics."""
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
+    resumed_from: int | None = None
+    """The step this run resumed from, or ``None`` if it started afresh."""
 
 
 def fit(
@@ -54,6 +59,8 @@ def fit(
     in_process: bool = False,
     on_epoch: EpochCallback | None = None,
     meta: dict[str, Any] | None = None,
+    store_url: str | None = None,
+    run_key: str | None = None,
 ) -> FitResult:
     """Train ``module_cls(**hparams)`` on ``data`` with ``config.workers`` data-parallel workers.
 
@@ -61,34 +68,39 @@ def fit(
     split across the workers and their gradients are averaged through ``config.collective``
     every step, so the result does not depend on the number of workers.
 
+    With ``store_url``, the training state is checkpointed there under ``run_key`` every
+    ``config.checkpoint_every`` steps and at the end of every epoch (asynchronously: a step
+    is blocked only while the state is copied to host memory), and a call with a run key that
+    already has a committed checkpoint resumes from the newest one that verifies. The resumed
+    run ends with the same weights, bit for bit, as the uninterrupted one; calling again after
+    it finished trains nothing and returns the same result.
+
     Args:
         module_cls: a ``LightningModule`` class; ``training_step`` returns the batch-mean loss.
         hparams: keyword arguments for ``module_cls``; checked here, before any worker starts.
         data: the preprocessed dataset.
-        config: workers, epochs, global batch, seed, collective.
+        config: workers, epochs, global batch, seed, collective, checkpoint interval.
         checkpoint_uri: fsspec URL where the trained model is committed.
         in_process: run the single worker in this process instead of a Ray actor.
         on_epoch: called after every epoch with its metrics (progress display, tuning reports).
         meta: extra JSON metadata recorded in the checkpoint.
+        store_url: fsspec URL of the checkpoint store; ``None`` trains without checkpoints.
+        run_key: the run's identity in the store, stable across retries (the flow run id).
 
     Returns:
         The checkpoint URL, the per-epoch metrics and the final weights.
+
+    Raises:
+        ValueError: bad hyperparameters, ``store_url`` without ``run_key``, or a checkpoint of
+            ``run_key`` written by a different configuration.
+        CheckpointStorageError: ``store_url`` cannot be written (checked before training).
     """
     _check_module(module_cls, hparams)
+    resume = _Resume.find(module_cls, hparams, data, config, store_url, run_key)
     group_cls = InProcessGroup if in_process else RayWorkerGroup
     group = group_cls(module_cls, hparams=hparams, data=data, config=config)
-    history: list[EpochMetrics] = []
     try:
-        for epoch in range(config.epochs):
-            started = time.perf_counter()
-            metrics = _mean(group.call("train_epoch", epoch))
-            metrics.update(_mean(group.call("evaluate", "validation")))
-            history.append(
-                EpochMetrics(epoch=epoch, metrics=metrics, seconds=time.perf_counter() - started)
-            )
-            log.info("epoch %d/%d %s", epoch + 1, config.epochs, _fmt(metrics))
-            if on_epoch is not None:
-                on_epoch(history[-1])
+        history = _train(group, config, resume, on_epoch)
         uri = group.call_rank0(
             "save",
             checkpoint_uri,
@@ -101,13 +113,164 @@ def fit(
                 "batch_size": config.batch_size,
                 "collective": config.collective,
                 "dataset_url": data.dataset_url,
+                **({"run_key": run_key} if run_key else {}),
                 **(meta or {}),
             },
         )
         state = group.call_rank0("state_dict")
     finally:
         group.shutdown()
-    return FitResult(checkpoint=uri, history=history, metrics=history[-1].metrics, state_dict=state)
+    return FitResult(
+        checkpoint=uri,
+        history=history,
+        metrics=history[-1].metrics,
+        state_dict=state,
+        resumed_from=resume.step if resume.checkpoint is not None else None,
+    )
+
+
+def _train(
+    group: WorkerGroup, config: TrainConfig, resume: _Resume, on_epoch: EpochCallback | None
+) -> list[EpochMetrics]:
+    """The driver loop: steps in chunks that end where a checkpoint or an epoch ends."""
+    steps_per_epoch = group.call_rank0("epoch_steps")
+    resume.check_layout(steps_per_epoch)
+    if resume.checkpoint is not None:
+        group.call("restore", resume.store_url, resume.checkpoint)
+        log.info(
+            "run %s resumes from step %d (epoch %d, step %d of %d) at %s",
+            resume.run_key,
+            resume.step,
+            resume.step // steps_per_epoch + 1,
+            resume.step % steps_per_epoch,
+            steps_per_epoch,
+            resume.checkpoint.url,
+        )
+    history = list(resume.history)
+    sums, samples, seconds = dict(resume.sums), resume.samples, resume.seconds
+    step, total = resume.step, config.epochs * steps_per_epoch
+    every = config.checkpoint_every or steps_per_epoch
+    while step < total:
+        epoch, first = divmod(step, steps_per_epoch)
+        count = min(every - step % every, steps_per_epoch - first)
+        started = time.perf_counter()
+        for part, n in group.call("train_steps", epoch, first, count):
+            for name, value in part.items():
+                sums[name] = sums.get(name, 0.0) + value
+            samples += n
+        step += count
+        if step % steps_per_epoch == 0:
+            metrics = {name: value / max(samples, 1) for name, value in sorted(sums.items())}
+            metrics.update(_mean(group.call("evaluate", "validation")))
+            seconds += time.perf_counter() - started
+            history.append(EpochMetrics(epoch=epoch, metrics=metrics, seconds=seconds))
+            log.info("epoch %d/%d %s", epoch + 1, config.epochs, _fmt(metrics))
+            sums, samples, seconds = {}, 0, 0.0
+            if on_epoch is not None:
+                on_epoch(history[-1])
+        else:
+            seconds += time.perf_counter() - started
+        if resume.store_url is not None and (step % every == 0 or step % steps_per_epoch == 0):
+            group.call_rank0(
+                "checkpoint",
+                resume.store_url,
+                resume.run_key,
+                step=step,
+                metadata=resume.metadata(step, steps_per_epoch, history, sums, samples, seconds),
+                metrics=history[-1].metrics if history else {},
+            )
+    if resume.store_url is not None:
+        flushed = group.call_rank0("flush_checkpoints")
+        for error in flushed["errors"]:
+            log.warning("a checkpoint of run %s was not saved: %s", resume.run_key, error)
+    return history
+
+
+@dataclass(kw_only=True)
+class _Resume:
+    """Where a run starts: step 0, or the newest committed checkpoint of its run key."""
+
+    store_url: str | None = None
+    run_key: str | None = None
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    checkpoint: CommittedCheckpoint | None = None
+    step: int = 0
+    history: list[EpochMetrics] = field(default_factory=list)
+    sums: dict[str, float] = field(default_factory=dict)
+    samples: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def find(
+        cls,
+        module_cls: type,
+        hparams: dict[str, Any],
+        data: DataSpec,
+        config: TrainConfig,
+        store_url: str | None,
+        run_key: str | None,
+    ) -> _Resume:
+        """Check the store is writable and read its newest checkpoint of ``run_key``."""
+        if store_url is None:
+            return cls()
+        if not run_key:
+            raise ValueError("store_url needs a run_key: the name checkpoints are kept under")
+        store = CheckpointStore(store_url)
+        store.check_writable()  # a wrong URL fails now, not after an hour of training
+        fingerprint = {
+            "module": f"{module_cls.__module__}.{module_cls.__qualname__}",
+            "hparams": json.loads(json.dumps(hparams)),
+            "seed": config.seed,
+            "batch_size": config.batch_size,
+            "dataset_url": data.dataset_url,
+        }
+        resume = cls(store_url=store.url, run_key=run_key, fingerprint=fingerprint)
+        latest = store.latest(run_key)
+        if latest is None:
+            return resume
+        saved = latest.metadata.get("fingerprint")
+        if saved != fingerprint:
+            raise ValueError(
+                f"run {run_key!r} has a checkpoint at {latest.url} written with {saved}, which "
+                f"differs from this run's {fingerprint}; use a new run key to start afresh"
+            )
+        resume.checkpoint, resume.step = latest, latest.step
+        resume.history = [EpochMetrics(**entry) for entry in latest.metadata["history"]]
+        resume.sums = dict(latest.metadata["epoch_sums"])
+        resume.samples = int(latest.metadata["epoch_samples"])
+        resume.seconds = float(latest.metadata["epoch_seconds"])
+        return resume
+
+    def check_layout(self, steps_per_epoch: int) -> None:
+        if self.checkpoint is not None and (
+            self.checkpoint.metadata["steps_per_epoch"] != steps_per_epoch
+        ):
+            raise ValueError(
+                f"{self.checkpoint.url} was written with "
+                f"{self.checkpoint.metadata['steps_per_epoch']} steps per epoch, this run has "
+                f"{steps_per_epoch}: the dataset changed; use a new run key"
+            )
+
+    def metadata(
+        self,
+        step: int,
+        steps_per_epoch: int,
+        history: list[EpochMetrics],
+        sums: dict[str, float],
+        samples: int,
+        seconds: float,
+    ) -> dict[str, Any]:
+        """What a resumed driver needs besides the tensors: position and metrics so far."""
+        return {
+            "fingerprint": self.fingerprint,
+            "epoch": step // steps_per_epoch,
+            "step_in_epoch": step % steps_per_epoch,
+            "steps_per_epoch": steps_per_epoch,
+            "history": [dataclasses.asdict(entry) for entry in history],
+            "epoch_sums": sums,
+            "epoch_samples": samples,
+            "epoch_seconds": seconds,
+        }
 
 
 def evaluate(

@@ -16,9 +16,12 @@ import torch
 from engine.collective import Collective, GradientBuckets, create_collective
 from engine.config import DataSpec, TrainConfig
 from storage.checkpoint import save_model
+from storage.checkpointer import AsyncCheckpointer
 from storage.dataset import read_split
+from storage.reshard import REPLICATED, load_data_parallel, load_training_state, training_state
+from storage.store import CheckpointStore, CommittedCheckpoint
 
-__all__ = ["RankWorker", "evaluate_module", "split_global_batch"]
+__all__ = ["RankWorker", "evaluate_module", "split_global_batch", "step_seed"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -26,6 +29,16 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def split_global_batch(indices: torch.Tensor, *, rank: int, world_size: int) -> torch.Tensor:
     """This rank's contiguous part of a global batch (parts differ by at most one sample)."""
     return torch.tensor_split(indices, world_size)[rank]
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The torch seed of ``rank`` at global ``step``.
+
+    Reseeding every step makes the random stream (dropout masks) a function of where the run
+    is, not of how it got there, so a run resumed from a checkpoint draws the same numbers as
+    the uninterrupted one without any RNG state in the checkpoint.
+    """
+    return (seed * 1_000_003 + step) * 1_009 + rank
 
 
 class _MetricCapture:
@@ -74,8 +87,14 @@ class RankWorker:
         self.optimizer = _single_optimizer(self.module.configure_optimizers())
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.train_x, self.train_y = _tensors(*read_split(data.dataset_url, "train", data.schema))
+        self.steps_per_epoch = -(-len(self.train_y) // config.batch_size)
         self.collective: Collective | None = None
         self.buckets: GradientBuckets | None = None
+        self.checkpointer: AsyncCheckpointer | None = None
+
+    def epoch_steps(self) -> int:
+        """Steps (global batches) in one epoch of the training split."""
+        return self.steps_per_epoch
 
     def rendezvous_address(self) -> str:
         """A ``tcp://host:port`` on this worker's node where rank 0 can host the rendezvous."""
@@ -105,21 +124,34 @@ class RankWorker:
             self.params, self.collective, bucket_bytes=int(self.config.bucket_mb * 2**20)
         )
 
-    def train_epoch(self, epoch: int) -> tuple[dict[str, float], int]:
-        """Run one epoch; return this rank's metric sums (weighted by samples) and sample count."""
+    def train_steps(self, epoch: int, first: int, count: int) -> tuple[dict[str, float], int]:
+        """Run steps ``first .. first + count - 1`` of ``epoch``.
+
+        Returns:
+            This rank's metric sums (weighted by samples) and its sample count.
+        """
         assert self.buckets is not None, "connect() must run before training"
+        if not 0 <= first < first + count <= self.steps_per_epoch:
+            raise ValueError(
+                f"steps {first}..{first + count - 1} are outside epoch {epoch}, "
+                f"which has {self.steps_per_epoch} steps"
+            )
         order = torch.randperm(
             len(self.train_y), generator=torch.Generator().manual_seed(self.config.seed + epoch)
         )
+        size = self.config.batch_size
         sums: dict[str, float] = defaultdict(float)
-        count = 0
-        for step, start in enumerate(range(0, len(order), self.config.batch_size)):
-            batch = order[start : start + self.config.batch_size]
+        samples = 0
+        for step in range(first, first + count):
+            torch.manual_seed(
+                step_seed(self.config.seed, epoch * self.steps_per_epoch + step, self.rank)
+            )
+            batch = order[step * size : (step + 1) * size]
             mine = split_global_batch(batch, rank=self.rank, world_size=self.world_size)
             for name, value in self._train_step(mine, len(batch), step).items():
                 sums[name] += value * len(mine)
-            count += len(mine)
-        return dict(sums), count
+            samples += len(mine)
+        return dict(sums), samples
 
     def _train_step(self, mine: torch.Tensor, global_size: int, step: int) -> dict[str, float]:
         capture = _MetricCapture()
@@ -146,6 +178,57 @@ class RankWorker:
             self.module, x[mine], y[mine], split=split, batch_size=self.config.batch_size
         )
 
+    def restore(self, store_url: str, checkpoint: CommittedCheckpoint) -> int:
+        """Load the model and optimizer state of ``checkpoint``; return its step."""
+        store = CheckpointStore(store_url)
+        state = load_data_parallel(store, checkpoint, rank=self.rank, world_size=self.world_size)
+        load_training_state(
+            self.module, self.optimizer, state.replicated, checkpoint.metadata["optimizer"]
+        )
+        return checkpoint.step
+
+    def checkpoint(
+        self,
+        store_url: str,
+        run_key: str,
+        *,
+        step: int,
+        metadata: dict[str, Any],
+        metrics: dict[str, float],
+    ) -> None:
+        """Queue the replicated training state for an asynchronous save (rank 0 only).
+
+        Training is blocked only while the tensors are copied to host memory; the write to
+        storage happens in the background and never moves "latest" unless it commits.
+        """
+        if self.checkpointer is None:
+            self.checkpointer = AsyncCheckpointer(CheckpointStore(store_url), check_writable=False)
+            self._guard = self.checkpointer.guard(self.optimizer)
+        tensors, optimizer_meta = training_state(self.module, self.optimizer)
+        self.checkpointer.save(
+            run_key,
+            step=step,
+            shards={REPLICATED: tensors},
+            metadata={**metadata, "optimizer": optimizer_meta},
+            metrics=metrics,
+            overlap=True,
+        )
+
+    def flush_checkpoints(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Wait for background saves; return the last committed step and any failures."""
+        if self.checkpointer is None:
+            return {"committed_step": None, "errors": [], "stalled_s": 0.0}
+        saver = self.checkpointer
+        saver.close(timeout_s)
+        self._guard.remove()
+        self.checkpointer = None
+        committed = saver.last_committed
+        return {
+            "committed_step": None if committed is None else committed.step,
+            "errors": [failure.error for failure in saver.errors],
+            "stalled_s": saver.stalled_s,
+        }
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
@@ -155,6 +238,9 @@ class RankWorker:
         return save_model(uri, self.module, hparams=hparams, metrics=metrics, meta=meta)
 
     def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            self.checkpointer = None
         if self.buckets is not None:
             self.buckets.close()
             self.buckets = None
