@@ -37,6 +37,8 @@ def train_pipeline(
     serve: bool = True,
     serve_port: Annotated[int, Field(ge=1, le=65_535)] = 8000,
     seed: Annotated[int, Field(ge=0)] = 0,
+    checkpoint_every: Annotated[int, Field(ge=0)] = 0,
+    run_key: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._=-]{0,199}$")] = None,
 ) -> dict:
     """Train the digits classifier end to end and serve it.
 
@@ -54,11 +56,15 @@ def train_pipeline(
         serve: serve the trained model over HTTP with Ray Serve.
         serve_port: HTTP port of the served model on 127.0.0.1.
         seed: seeds data splits, weight initialisation and shuffling.
+        checkpoint_every: checkpoint the training state every this many steps (0: at epoch
+            ends only); a retried run resumes from the newest checkpoint.
+        run_key: what checkpoints are kept under; empty means this flow run's id, which
+            stays the same across its retries. Give the key of a killed local run to resume it.
     """
     if batch_size < workers:
         raise ValueError(f"batch_size ({batch_size}) must be at least workers ({workers})")
     storage_url = absolute(storage_url)
-    run_key = str(flow_run.get_id() or "local")
+    run_key = run_key or str(flow_run.get_id() or "local")
     source = absolute(data_url) if data_url else demo_data(storage_url)
     dataset = preprocess(source, storage_url, seed=seed)
     hparams = {"lr": learning_rate, "hidden": hidden}
@@ -79,6 +85,7 @@ def train_pipeline(
         hparams=hparams,
         workers=workers,
         epochs=epochs,
+        checkpoint_every=checkpoint_every,
         **common,
     )
     test = evaluate(trained["checkpoint"], dataset["dataset_url"])
@@ -92,6 +99,7 @@ def train_pipeline(
         "dataset_url": dataset["dataset_url"],
         "rejected_rows": dataset["rejected_rows"],
         "run_key": run_key,
+        "resumed_from_step": trained["resumed_from_step"],
     }
     if serve:
         result.update(serve_task(model_uri, dataset["dataset_url"], port=serve_port))

@@ -27,10 +27,21 @@ def train(
     epochs: int,
     batch_size: int,
     seed: int,
+    checkpoint_every: int = 0,
 ) -> dict:
-    """Train on ``workers`` Ray actors; return the checkpoint URL and the final metrics."""
+    """Train on ``workers`` Ray actors; return the checkpoint URL and the final metrics.
+
+    The training state is checkpointed under ``storage_url/checkpoints/{run_key}``, so a
+    retried flow run (same run key) resumes where the failed attempt stopped.
+    """
     connect()
-    config = TrainConfig(workers=workers, epochs=epochs, batch_size=batch_size, seed=seed)
+    config = TrainConfig(
+        workers=workers,
+        epochs=epochs,
+        batch_size=batch_size,
+        seed=seed,
+        checkpoint_every=checkpoint_every,
+    )
     with _epoch_progress(epochs) as on_epoch:
         result = fit(
             DigitsClassifier,
@@ -39,11 +50,20 @@ def train(
             config=config,
             checkpoint_uri=join(storage_url, "runs", run_key, "model"),
             on_epoch=on_epoch,
-            meta={"run_key": run_key},
+            store_url=join(storage_url, "checkpoints"),
+            run_key=run_key,
+        )
+    if result.resumed_from is not None:
+        get_run_logger().warning(
+            "resumed run %s from its checkpoint at step %d", run_key, result.resumed_from
         )
     epoch_table(result.history, key="training-metrics")
     loss_curve(result.history, key="training-loss-curve")
-    return {"checkpoint": result.checkpoint, "metrics": result.metrics}
+    return {
+        "checkpoint": result.checkpoint,
+        "metrics": result.metrics,
+        "resumed_from_step": result.resumed_from,
+    }
 
 
 @contextmanager

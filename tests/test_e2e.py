@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from sklearn.datasets import load_digits
 
 from models.digits import write_digits_csv
@@ -110,6 +111,63 @@ def test_cli_runs_the_flow_with_no_server(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
     assert proc.returncode == 0
+
+
+def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
+    """The whole process tree of a run is killed mid-training, as on a preempted machine."""
+    from engine import DataSpec, TrainConfig, fit
+    from models.digits import SCHEMA, DigitsClassifier
+    from storage import CheckpointStore, load_model
+
+    storage = tmp_path / "storage"
+    args = [
+        sys.executable,
+        "-m",
+        "flows.train_pipeline",
+        "--workers=1",
+        "--tune-trials=0",
+        "--no-serve",
+        "--epochs=60",
+        "--checkpoint-every=5",
+        "--hidden=32",
+        "--run-key=nightly-7",
+        f"--storage-url={storage}",
+    ]
+    env = _clean_env(PREFECT_HOME=str(tmp_path / "prefect"))
+    first = subprocess.Popen(args, cwd=ROOT, env=env, start_new_session=True, **_QUIET)
+    store = CheckpointStore(str(storage / "checkpoints"))
+    try:
+        deadline = time.monotonic() + 300
+        while not store.checkpoints("nightly-7"):
+            assert first.poll() is None, "the run ended before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 5 minutes"
+            time.sleep(0.05)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    killed_at = store.latest("nightly-7").step
+    assert 0 < killed_at < 60 * 23
+
+    second = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    result = json.loads(second.stdout.strip().splitlines()[-1])
+    assert result["resumed_from_step"] >= killed_at
+    assert result["run_key"] == "nightly-7"
+
+    reference = fit(
+        DigitsClassifier,
+        hparams=result["hparams"],
+        data=DataSpec(dataset_url=result["dataset_url"], schema=SCHEMA),
+        config=TrainConfig(workers=1, epochs=60, batch_size=64, seed=0, checkpoint_every=5),
+        checkpoint_uri=str(tmp_path / "reference"),
+        in_process=True,
+    )
+    resumed, _ = load_model(result["checkpoint"])
+    for name, tensor in reference.state_dict.items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+
+
+_QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 
 
 def test_missing_data_url_fails_the_run_naming_it(tmp_path):

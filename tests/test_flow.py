@@ -24,6 +24,8 @@ PARAMETERS = [
     "serve",
     "serve_port",
     "seed",
+    "checkpoint_every",
+    "run_key",
 ]
 
 
