@@ -1,10 +1,13 @@
-"""Serve a model checkpoint over HTTP with Ray Serve.
+"""Serve a model checkpoint, or a registry's production version, over HTTP with Ray Serve.
 
-:func:`serve_model` deploys one Serve application per model on an already initialised Ray:
-a :class:`ModelServer` replica loads the checkpoint and answers ``POST /predict``,
-``GET /healthz`` and ``GET /model`` behind a FastAPI ingress. The Serve controller is
-detached, so an application deployed on a long-running Ray head keeps serving after the
-caller's process exits; :func:`shutdown_serving` deletes it.
+:func:`serve_model` deploys one Serve application for one checkpoint on an already
+initialised Ray; :func:`serve_registry` deploys one that serves whatever the registry's
+production pointer names and follows it: each replica polls the pointer (every ``poll_s``),
+loads and self-checks a new version in a background thread, then swaps one reference, so
+no request fails or mixes models during the switch. A :class:`ModelServer` replica answers
+``POST /predict``, ``GET /healthz`` and ``GET /model`` behind a FastAPI ingress. The Serve
+controller is detached, so an application deployed on a long-running Ray head keeps
+serving after the caller's process exits; :func:`shutdown_serving` deletes it.
 
 The module is generic over the served model: it reads the input's name, shape and range
 from the module's ``input_schema`` class attribute and the answer's name from
@@ -24,13 +27,14 @@ import logging
 import math
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import torch
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
@@ -38,7 +42,7 @@ from starlette.exceptions import HTTPException
 
 from storage.checkpoint import ModelCheckpoint, load_model
 
-__all__ = ["ModelServer", "ServingError", "serve_model", "shutdown_serving"]
+__all__ = ["ModelServer", "ServingError", "serve_model", "serve_registry", "shutdown_serving"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,8 @@ _HEALTH_POLL_S = 0.25
 _MAX_INSTANCES = 1024
 _BATCH_WAIT_S = 0.005
 _INSTANCES = "instances"
+_VERSION_HEADER = "X-Model-Version"
+_SWAP_RETRY_S = 30.0
 
 
 class ServingError(RuntimeError):
@@ -64,7 +70,9 @@ def serve_model(
     app_name: str = "ringflow",
     route_prefix: str = "/",
     max_batch_size: int = 32,
+    batching: bool = True,
     token_env: str = "RINGFLOW_SERVE_TOKEN",
+    token_file: str | None = None,
     max_body_bytes: int = 1_000_000,
 ) -> str:
     """Deploy (or redeploy) the model at ``model_uri``, wait until it answers, return its URL.
@@ -76,8 +84,11 @@ def serve_model(
         app_name: Serve application name; deploying the same name again replaces it.
         route_prefix: URL prefix of the application, unique among Serve's applications.
         max_batch_size: most single-input requests run together in one forward pass.
+        batching: batch concurrent single-input requests on the server (``@serve.batch``);
+            off, each runs its own forward pass.
         token_env: environment variable which, when set at deploy time, holds the bearer
             token every request must present.
+        token_file: file holding the bearer token (a mounted secret); wins over ``token_env``.
         max_body_bytes: largest request body accepted; larger ones get HTTP 413.
 
     Returns:
@@ -92,15 +103,96 @@ def serve_model(
     _check_arguments(host, port, route_prefix, max_batch_size, max_body_bytes)
     module, _ = load_model(model_uri)  # CheckpointError propagates before anything deploys
     _check_servable(module, model_uri)
-    token = _token_from_env(token_env)
+    options = _ServerOptions(
+        max_batch_size=max_batch_size, batching=batching, max_body_bytes=max_body_bytes
+    )
+    return _deploy(
+        _FixedModel(uri=model_uri),
+        options,
+        token=_read_token(token_env, token_file),
+        address=(host, port, route_prefix),
+        app_name=app_name,
+    )
+
+
+def serve_registry(
+    registry_url: str,
+    model: str,
+    *,
+    poll_s: float = 1.0,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    app_name: str = "ringflow",
+    route_prefix: str = "/",
+    max_batch_size: int = 32,
+    batching: bool = True,
+    token_env: str = "RINGFLOW_SERVE_TOKEN",
+    token_file: str | None = None,
+    max_body_bytes: int = 1_000_000,
+) -> str:
+    """Serve ``model``'s production version from the registry, following the pointer.
+
+    Every replica reads the production pointer every ``poll_s`` seconds. When it names
+    another version (a promotion or a rollback), the replica loads it in the background,
+    checks that it answers a probe input and takes the same input as the served one, and
+    only then swaps it in; requests in flight finish on the model they started with. A
+    version that fails to load or check is logged and skipped; the old one keeps serving.
+    ``GET /model`` reports the served version, its training time and its metrics.
+
+    Args:
+        registry_url: the registry root (:class:`storage.registry.ModelRegistry`'s ``url``),
+            read with fsspec's default credentials (environment, instance profile).
+        model: the registered model's name.
+        poll_s: seconds between two reads of the production pointer.
+        host, port, app_name, route_prefix, max_batch_size, batching, token_env, token_file,
+            max_body_bytes: as for :func:`serve_model`.
+
+    Returns:
+        The endpoint URL.
+
+    Raises:
+        ServingError: nothing is in production yet, bad arguments, or a failed deployment.
+        CheckpointError: the production checkpoint is missing or corrupt.
+    """
+    from storage.registry import ModelRegistry
+
+    _check_arguments(host, port, route_prefix, max_batch_size, max_body_bytes)
+    if not (isinstance(poll_s, int | float) and 0.05 <= poll_s <= 3600):
+        raise ServingError(f"poll_s must be a number of seconds in 0.05..3600, got {poll_s!r}")
+    source = _RegistryModel(url=registry_url, model=model, poll_s=float(poll_s))
+    record = ModelRegistry(registry_url, model).production_version()
+    if record is None:
+        raise ServingError(
+            f"{registry_url}/{model} has no production version yet: register one and promote "
+            "it (storage.registry.promote_if_better) before serving"
+        )
+    module, _ = load_model(record.uri)
+    _check_servable(module, record.uri)
+    options = _ServerOptions(
+        max_batch_size=max_batch_size, batching=batching, max_body_bytes=max_body_bytes
+    )
+    return _deploy(
+        source,
+        options,
+        token=_read_token(token_env, token_file),
+        address=(host, port, route_prefix),
+        app_name=app_name,
+    )
+
+
+def _deploy(
+    source: "_FixedModel | _RegistryModel",
+    options: "_ServerOptions",
+    *,
+    token: str | None,
+    address: tuple[str, int, str],
+    app_name: str,
+) -> str:
+    host, port, route_prefix = address
     auth = _TokenCheck.for_token(token) if token is not None else None
     _start_serve(host, port)
-    app = ModelServer.options(max_ongoing_requests=max(100, 2 * max_batch_size)).bind(
-        model_uri,
-        max_batch_size=max_batch_size,
-        max_body_bytes=max_body_bytes,
-        auth=auth,
-    )
+    ongoing = max(100, 2 * options.max_batch_size)
+    app = ModelServer.options(max_ongoing_requests=ongoing).bind(source, options, auth=auth)
     try:
         serve.run(app, name=app_name, route_prefix=route_prefix)
     except RuntimeError as err:
@@ -110,7 +202,7 @@ def serve_model(
         ) from err
     url = _endpoint(host, port, route_prefix)
     _wait_healthy(url, token)
-    logger.info("serving %s as %r at %s", model_uri, app_name, url)
+    logger.info("serving %s as %r at %s", source, app_name, url)
     return url
 
 
@@ -152,14 +244,26 @@ def _check_servable(module: torch.nn.Module, model_uri: str) -> None:
         raise ServingError(f"{model_uri}: output_name must be a plain name, got {output!r}")
 
 
-def _token_from_env(token_env: str) -> str | None:
-    """The bearer token from the caller's environment, or ``None`` when it is not set."""
-    token = os.environ.get(token_env)
-    if token is None:
-        return None
+def _read_token(token_env: str, token_file: str | None) -> str | None:
+    """The bearer token from ``token_file`` or else ``token_env``; ``None`` when neither.
+
+    Error messages name where the token came from, never the token.
+    """
+    if token_file is not None:
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                token = f.read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ServingError(f"cannot read the bearer token file {token_file}: {err}") from err
+        where = f"the token file {token_file}"
+    else:
+        token = os.environ.get(token_env)
+        if token is None:
+            return None
+        where = token_env
     if not token.strip():
-        # An empty variable is more likely a failed substitution than a wish for no auth.
-        raise ServingError(f"{token_env} is set but empty; unset it to serve without a token")
+        # An empty secret is more likely a failed substitution than a wish for no auth.
+        raise ServingError(f"{where} is set but empty; unset it to serve without a token")
     return token.strip()
 
 
@@ -405,19 +509,139 @@ def _fingerprint(state_dict: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _model_info(ckpt: ModelCheckpoint, module: torch.nn.Module, fingerprint: str) -> dict:
-    return _finite_json(
-        {
+def _model_info(
+    ckpt: ModelCheckpoint, module: torch.nn.Module, fingerprint: str, record: Any
+) -> dict:
+    """What ``GET /model`` answers; ``record`` is the registry's ModelVersion, if any."""
+    info = {
+        "uri": ckpt.uri,
+        "module": ckpt.module,
+        "fingerprint": fingerprint,
+        "version": None,
+        "trained_at": None,
+        "hparams": ckpt.hparams,
+        "metrics": ckpt.metrics,
+        "meta": ckpt.meta,
+        "input": module.input_schema,
+        "output": module.output_name,
+    }
+    if record is not None:
+        info |= {
+            "version": record.version,
+            "trained_at": record.trained_at,
+            "registered_at": record.registered_at,
+            "metrics": record.metrics,
+            "training_metrics": ckpt.metrics,
+            "data_fingerprint": record.data_fingerprint,
+        }
+    return _finite_json(info)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ServerOptions:
+    """How a replica serves, whichever model it serves."""
+
+    max_batch_size: int
+    batching: bool
+    max_body_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class _FixedModel:
+    """Serve one checkpoint for the application's lifetime."""
+
+    uri: str
+
+    def __str__(self) -> str:
+        return self.uri
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RegistryModel:
+    """Serve a registry's production version and follow its pointer."""
+
+    url: str
+    model: str
+    poll_s: float
+
+    def __str__(self) -> str:
+        return f"{self.url}/{self.model} (production, polled every {self.poll_s:g} s)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Served:
+    """A loaded, checked model and everything answers say about it. Replaced as a whole
+    on a swap, so a request that took one reference uses one model throughout."""
+
+    module: torch.nn.Module
+    spec: _InputSpec
+    output: str
+    version: str | None
+    """The registry version, ``None`` when serving a bare checkpoint."""
+    tag: dict[str, Any]
+    """``model`` in every answer: uri, module, fingerprint, version."""
+    info: dict[str, Any]
+    """``GET /model``."""
+
+
+def _load_served(uri: str, record: Any = None) -> _Served:
+    """Load the checkpoint at ``uri`` and check it answers a probe before it serves."""
+    module, ckpt = load_model(uri)
+    _check_servable(module, uri)
+    spec = _InputSpec.of(module.input_schema)
+    _probe(module, spec, uri)
+    fingerprint = _fingerprint(ckpt.state_dict)
+    version = None if record is None else record.version
+    return _Served(
+        module=module,
+        spec=spec,
+        output=module.output_name,
+        version=version,
+        tag={
             "uri": ckpt.uri,
             "module": ckpt.module,
             "fingerprint": fingerprint,
-            "hparams": ckpt.hparams,
-            "metrics": ckpt.metrics,
-            "meta": ckpt.meta,
-            "input": module.input_schema,
-            "output": module.output_name,
-        }
+            "version": version,
+        },
+        info=_model_info(ckpt, module, fingerprint, record),
     )
+
+
+def _probe(module: torch.nn.Module, spec: _InputSpec, uri: str) -> None:
+    """One forward pass on a valid input: one row of finite scores, or the model is refused."""
+    value = spec.low if spec.low is not None else min(0.0, spec.high or 0.0)
+    with torch.inference_mode():
+        scores = module(torch.full((1, *spec.shape), value, dtype=torch.float32))
+    if scores.ndim != 2 or scores.shape[0] != 1 or not bool(torch.isfinite(scores).all()):
+        raise ServingError(
+            f"{uri} failed its self-check: a valid input gave scores of shape "
+            f"{list(scores.shape)} (finite: {bool(torch.isfinite(scores).all())})"
+        )
+
+
+def _forward(served: _Served, rows: list[list[float]]) -> list[dict[str, Any]]:
+    x = torch.tensor(rows, dtype=torch.float32).reshape(len(rows), *served.spec.shape)
+    with torch.inference_mode():
+        probabilities = torch.softmax(served.module(x).float(), dim=-1)
+    return [{served.output: int(p.argmax()), "probabilities": p.tolist()} for p in probabilities]
+
+
+def _instances(spec: _InputSpec, value: Any) -> list[list[float]]:
+    if not isinstance(value, list):
+        raise _BadRequest(f"{_INSTANCES} must be an array of inputs, found {_json_type(value)}")
+    if not value:
+        raise _BadRequest(f"{_INSTANCES} is empty: send at least one input")
+    if len(value) > _MAX_INSTANCES:
+        raise _BadRequest(
+            f"{_INSTANCES} has {len(value)} inputs, over the limit of {_MAX_INSTANCES} per request"
+        )
+    return [spec.values(row, f"{_INSTANCES}[{i}]") for i, row in enumerate(value)]
+
+
+def _registry(source: _RegistryModel) -> Any:
+    from storage.registry import ModelRegistry
+
+    return ModelRegistry(source.url, source.model)
 
 
 # Everything ModelServer uses is defined above it: Serve pickles the class when it is
@@ -471,37 +695,46 @@ def _keep_replica_grpc_on_node_address() -> None:
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(_api)
 class ModelServer:
-    """One replica: loads the checkpoint once and answers predictions for it.
+    """One replica: loads the model once, answers predictions, follows a registry pointer.
 
     Args:
-        model_uri: the checkpoint to serve.
-        max_batch_size: most single-input requests batched into one forward pass.
-        max_body_bytes: largest request body accepted.
+        source: a fixed checkpoint, or a registry whose production version to follow.
+        options: batching and body limits.
         auth: the bearer token's digest, or ``None`` to serve without a token.
     """
 
     def __init__(
         self,
-        model_uri: str,
+        source: _FixedModel | _RegistryModel,
+        options: _ServerOptions,
         *,
-        max_batch_size: int,
-        max_body_bytes: int,
         auth: _TokenCheck | None,
     ) -> None:
         _keep_replica_grpc_on_node_address()
-        module, ckpt = load_model(model_uri)
-        self._module = module
-        self._spec = _InputSpec.of(module.input_schema)
-        self._output = module.output_name
-        self._max_body_bytes = max_body_bytes
+        self._max_body_bytes = options.max_body_bytes
+        self._batching = options.batching
         self._auth = auth
-        self._version = {
-            "uri": ckpt.uri,
-            "module": ckpt.module,
-            "fingerprint": _fingerprint(ckpt.state_dict),
-        }
-        self._info = _model_info(ckpt, module, self._version["fingerprint"])
-        self._predict_one.set_max_batch_size(max_batch_size)
+        self._predict_one.set_max_batch_size(options.max_batch_size)
+        self._stop = threading.Event()
+        if isinstance(source, _FixedModel):
+            self._served = _load_served(source.uri)
+            return
+        registry = _registry(source)
+        record = registry.production_version()
+        if record is None:
+            raise ServingError(f"{registry.url} has no production version")
+        self._served = _load_served(record.uri, record)
+        threading.Thread(
+            target=self._follow_production,
+            args=(registry, source.poll_s),
+            name="ringflow-follow-production",
+            daemon=True,
+        ).start()
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
 
     @_api.get("/healthz")
     async def healthz(self, request: Request) -> dict[str, str]:
@@ -511,26 +744,36 @@ class ModelServer:
     @_api.get("/model")
     async def model(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
-        return self._info
+        return self._served.info
 
     @_api.post("/predict")
-    async def predict(self, request: Request) -> dict[str, Any]:
+    async def predict(self, request: Request, response: Response) -> dict[str, Any]:
         self._authorize(request)
         payload = _parse_json(await _read_body(request, self._max_body_bytes))
+        spec = self._served.spec  # a swap keeps the input: only compatible models swap in
         if not isinstance(payload, dict):
             raise _BadRequest(f"request body must be a JSON object, found {_json_type(payload)}")
-        has_single, has_batch = self._spec.name in payload, _INSTANCES in payload
+        has_single, has_batch = spec.name in payload, _INSTANCES in payload
         if has_single == has_batch:
             raise _BadRequest(
-                f"request body must have exactly one of the keys {self._spec.name!r} (one "
+                f"request body must have exactly one of the keys {spec.name!r} (one "
                 f"input) or {_INSTANCES!r} (a list of inputs); found keys {sorted(payload)}"
             )
         if has_single:
-            values = self._spec.values(payload[self._spec.name], self._spec.name)
-            return {**await self._predict_one(values), "model": self._version}
-        rows = self._instances(payload[_INSTANCES])
-        predictions = await asyncio.to_thread(self._forward, rows)
-        return {"predictions": predictions, "model": self._version}
+            values = spec.values(payload[spec.name], spec.name)
+            if self._batching:
+                answer = await self._predict_one(values)
+            else:
+                answer = (await asyncio.to_thread(self._predict_rows, [values]))[0]
+        else:
+            rows = _instances(spec, payload[_INSTANCES])
+            served = self._served
+            predictions = await asyncio.to_thread(_forward, served, rows)
+            answer = {"predictions": predictions, "model": served.tag}
+        response.headers[_VERSION_HEADER] = str(
+            answer["model"]["version"] or answer["model"]["fingerprint"]
+        )
+        return answer
 
     def _authorize(self, request: Request) -> None:
         if self._auth is None:
@@ -543,25 +786,53 @@ class ModelServer:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    def _instances(self, value: Any) -> list[list[float]]:
-        if not isinstance(value, list):
-            raise _BadRequest(f"{_INSTANCES} must be an array of inputs, found {_json_type(value)}")
-        if not value:
-            raise _BadRequest(f"{_INSTANCES} is empty: send at least one input")
-        if len(value) > _MAX_INSTANCES:
-            raise _BadRequest(
-                f"{_INSTANCES} has {len(value)} inputs, over the limit of {_MAX_INSTANCES} "
-                "per request"
-            )
-        return [self._spec.values(row, f"{_INSTANCES}[{i}]") for i, row in enumerate(value)]
-
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=_BATCH_WAIT_S)
     async def _predict_one(self, rows: list[list[float]]) -> list[dict[str, Any]]:
         """Run concurrent single-input requests as one forward pass."""
-        return await asyncio.to_thread(self._forward, rows)
+        return await asyncio.to_thread(self._predict_rows, rows)
 
-    def _forward(self, rows: list[list[float]]) -> list[dict[str, Any]]:
-        x = torch.tensor(rows, dtype=torch.float32).reshape(len(rows), *self._spec.shape)
-        with torch.inference_mode():
-            probabilities = torch.softmax(self._module(x).float(), dim=-1)
-        return [{self._output: int(p.argmax()), "probabilities": p.tolist()} for p in probabilities]
+    def _predict_rows(self, rows: list[list[float]]) -> list[dict[str, Any]]:
+        served = self._served  # one model for the whole forward pass, even mid-swap
+        return [{**p, "model": served.tag} for p in _forward(served, rows)]
+
+    def _follow_production(self, registry: Any, poll_s: float) -> None:
+        """Poll the production pointer; load, check and swap in each new version."""
+        retry_at: dict[str, float] = {}
+        while not self._stop.wait(poll_s):
+            try:
+                pointer = registry.production()
+            except Exception as err:  # storage hiccup: keep serving, read again next poll
+                logger.warning("cannot read the production pointer of %s: %s", registry, err)
+                continue
+            wanted = None if pointer is None else pointer.version
+            if wanted in (None, self._served.version) or time.monotonic() < retry_at.get(
+                wanted, 0.0
+            ):
+                continue
+            try:
+                served = self._load_compatible(registry, wanted)
+            except Exception as err:  # a bad version must never take the replica down
+                retry_at[wanted] = time.monotonic() + _SWAP_RETRY_S
+                logger.warning(
+                    "keeping %s: production moved to %s, which did not load or check (%s); "
+                    "trying again in %.0f s",
+                    self._served.version,
+                    wanted,
+                    err,
+                    _SWAP_RETRY_S,
+                )
+                continue
+            old, self._served = self._served.version, served  # one reference: the swap
+            logger.info("swapped %s -> %s (%s)", old, wanted, served.tag["uri"])
+
+    def _load_compatible(self, registry: Any, version: str) -> _Served:
+        record = registry.get(version)
+        served = _load_served(record.uri, record)
+        current = self._served.spec
+        if (served.spec.name, served.spec.shape) != (current.name, current.shape):
+            raise ServingError(
+                f"{version} takes {served.spec.name!r} of shape {list(served.spec.shape)}, the "
+                f"served model {current.name!r} of shape {list(current.shape)}; clients "
+                "would break, so redeploy with serve_registry instead"
+            )
+        return served

@@ -27,6 +27,8 @@ from tests.conftest import free_port
 
 APP = "ringflow-test"
 SECURE_APP = "ringflow-test-secure"
+FILE_TOKEN_APP = "ringflow-test-file-token"
+FILE_TOKEN = "file-token-3a7c9e1f5b2d4068"
 UNSET_TOKEN_ENV = "RINGFLOW_TEST_SERVING_TOKEN_NEVER_SET"
 TOKEN_ENV = "RINGFLOW_TEST_SERVING_TOKEN"
 MAX_BODY = 1_000_000
@@ -72,6 +74,7 @@ def endpoint(ray_session, model, port):
     yield url
     shutdown_serving(APP)
     shutdown_serving(SECURE_APP)
+    shutdown_serving(FILE_TOKEN_APP)
     serve.shutdown()
 
 
@@ -368,3 +371,119 @@ def test_bearer_token_guards_every_route(endpoint, model, port, monkeypatch):
         assert predicted.status_code == 200
     assert token not in repr(serve.status())
     shutdown_serving(SECURE_APP)
+
+
+# --------------------------------------------------------------------------- token file, fuzzing
+
+_PATHS = (("GET", "/healthz"), ("GET", "/model"), ("POST", "/predict"))
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("secret") / "token"
+    path.write_text(f"{FILE_TOKEN}\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def file_token_http(endpoint, model, port, token_file):
+    """A second app with its token from a file, without server-side batching."""
+    url = serve_model(
+        model[1],
+        port=port,
+        app_name=FILE_TOKEN_APP,
+        route_prefix="/filetoken",
+        token_env=UNSET_TOKEN_ENV,
+        token_file=token_file,
+        batching=False,
+    )
+    with httpx.Client(base_url=url, timeout=30.0, trust_env=False) as client:
+        yield client
+
+
+@pytest.mark.parametrize(("content", "match"), [("", "set but empty"), (None, "cannot read")])
+def test_bad_token_file_is_refused_without_deploying(model, tmp_path, content, match):
+    path = tmp_path / "token"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ServingError, match=match):
+        serve_model(model[1], port=free_port(), app_name="never", token_file=str(path))
+
+
+@pytest.mark.ray
+def test_token_file_guards_and_unbatched_answers_match(file_token_http, model):
+    module, _ = model
+    good = {"Authorization": f"Bearer {FILE_TOKEN}"}
+    assert file_token_http.get("/healthz").status_code == 401
+    rows = _pixels(seed=5, n=4)
+    digits = [
+        file_token_http.post("/predict", headers=good, json={"pixels": row}).json()["digit"]
+        for row in rows
+    ]
+    assert digits == _local_digits(module, rows)
+
+
+_header_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
+
+
+@pytest.mark.ray
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scheme=st.sampled_from(["Bearer", "bearer", "Basic", "Token", ""]),
+    token=_header_text,
+    path=st.sampled_from(_PATHS),
+    omit=st.booleans(),
+)
+def test_fuzzed_tokens_are_401(file_token_http, scheme, token, path, omit):
+    if scheme.lower() == "bearer" and token.strip() == FILE_TOKEN:
+        return
+    value = f"{scheme} {token}".strip()  # h11 refuses edge whitespace before it is sent
+    headers = {} if omit or not value else {"Authorization": value}
+    response = file_token_http.request(*path, headers=headers, json={"pixels": _ZEROS})
+    assert response.status_code == 401, response.text
+    assert "token is required" in response.json()["error"]
+
+
+def _numbers(n: int) -> str:
+    return "[" + ",".join(["1"] * n) + "]"
+
+
+_huge = st.one_of(
+    st.integers(65, 700_000).map(lambda n: '{"pixels": ' + _numbers(n) + "}"),
+    st.integers(1, 3).map(lambda d: '{"pixels": ' + "[" * d + _numbers(64) + "]" * d + "}"),
+    st.tuples(st.integers(1025, 4000), st.integers(1, 64)).map(
+        lambda t: '{"instances": [' + ",".join([_numbers(t[1])] * t[0]) + "]}"
+    ),
+)
+
+
+@pytest.mark.ray
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=_huge | (_json_values | _near_valid).map(lambda v: json.dumps(v)))
+def test_fuzzed_bodies_with_a_valid_token_are_4xx_with_a_message(file_token_http, body):
+    good = {"Authorization": f"Bearer {FILE_TOKEN}"}
+    response = file_token_http.post("/predict", content=body.encode(), headers=good)
+    assert response.status_code < 500, response.text
+    if response.status_code != 200:
+        assert 400 <= response.status_code < 500
+        assert response.json()["error"]
+    if len(body) > MAX_BODY:
+        assert response.status_code == 413
+
+
+@pytest.mark.ray
+def test_still_serving_after_fuzzing_and_token_never_logged(http, file_token_http, model):
+    module, _ = model
+    row = _pixels(seed=6, n=1)[0]
+    good = {"Authorization": f"Bearer {FILE_TOKEN}"}
+    for client, headers in ((http, {}), (file_token_http, good)):
+        response = client.post("/predict", headers=headers, json={"pixels": row})
+        assert response.status_code == 200, response.text
+        assert response.json()["digit"] == _local_digits(module, [row])[0]
+    import ray
+
+    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+    for directory, _, files in os.walk(logs):
+        for name in files:
+            with open(os.path.join(directory, name), "rb") as f:
+                assert FILE_TOKEN.encode() not in f.read(), name

@@ -1,0 +1,656 @@
+"""A model registry on any fsspec URL: numbered versions and an atomic production pointer.
+
+Layout under ``{url}/{model}/``::
+
+    versions/v0001/model/model.safetensors   the weights (a copy of the trained checkpoint)
+    versions/v0001/model/manifest.json       the checkpoint's manifest (storage.checkpoint)
+    versions/v0001/version.json              the commit: metrics, hparams, data fingerprint
+    versions/v0001/decision.json             the promotion gate's last verdict, if any
+    production.json                          the pointer: which version serves, and history
+
+A version exists once its ``version.json`` is written, after the checkpoint it describes,
+and never changes afterwards. ``production.json`` is one JSON object carrying a SHA-256 of
+itself, replaced in one step (a rename on a file system, a single PUT on an object store),
+so a reader sees either the old pointer or the new one. It keeps the stack of earlier
+production versions, so :meth:`ModelRegistry.rollback` returns to the one before.
+
+One writer per model at a time (a Prefect flow run, or a person rolling back): the registry
+does not lock against a second one. Nothing is pickled; everything is JSON or safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from numbers import Real
+from typing import Any, Literal
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from storage.checkpoint import read_checkpoint
+from storage.fs import join, read_bytes, sha256
+
+__all__ = [
+    "GateDecision",
+    "ModelRegistry",
+    "ModelVersion",
+    "Production",
+    "RegistryError",
+    "dataset_fingerprint",
+    "production_checkpoint",
+    "promote_if_better",
+]
+
+_log = logging.getLogger(__name__)
+
+_VERSION_FORMAT = "ringflow.registry.version/1"
+_POINTER_FORMAT = "ringflow.registry.production/1"
+_POINTER = "production.json"
+_RECORD = "version.json"
+_DECISION = "decision.json"
+_CHECKPOINT_FILES = ("model.safetensors", "manifest.json")  # manifest last: it commits
+_DATASET_MANIFEST = "_manifest.json"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_VERSION = re.compile(r"^v(\d{4,})$")
+_HISTORY_KEPT = 100
+
+EvaluateFn = Callable[[str], Mapping[str, float]]
+"""Evaluates the checkpoint at a URI on held-out data; returns metrics by name."""
+
+
+class RegistryError(RuntimeError):
+    """The registry cannot do what was asked: an unknown version, a damaged record, or a
+    promotion the gate cannot decide."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelVersion:
+    """A committed, immutable model version."""
+
+    model: str
+    """Registered model name, such as ``"digits"``."""
+    version: str
+    """``v0001``, ``v0002``, ...: numbered in registration order."""
+    uri: str
+    """URL of the version's checkpoint; :func:`storage.checkpoint.load_model` accepts it."""
+    metrics: dict[str, float]
+    """Held-out metrics measured when it was registered (``test_accuracy``, ...)."""
+    hparams: dict[str, Any]
+    """Keyword arguments that rebuild the module."""
+    data_fingerprint: str | None
+    """SHA-256 of the dataset manifest it was trained and evaluated on."""
+    dataset_url: str | None
+    """The dataset it was trained and evaluated on."""
+    trained_at: str
+    """UTC time training finished, ISO 8601."""
+    registered_at: str
+    """UTC time of registration, ISO 8601."""
+    run_key: str | None = None
+    """The training run that produced it; registering the same run again is a no-op."""
+    checkpoint_sha256: str = ""
+    """SHA-256 of the weights file, as its checkpoint manifest records it."""
+    source: str = ""
+    """Where the checkpoint was copied from."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Free-form JSON metadata."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Production:
+    """What the production pointer says."""
+
+    model: str
+    version: str
+    """The version being served."""
+    sequence: int
+    """Counts pointer moves; a reader that sees a higher number sees a newer pointer."""
+    updated_at: str
+    """UTC time of the last move, ISO 8601."""
+    reason: str
+    """Why the pointer last moved."""
+    previous: tuple[str, ...] = ()
+    """Earlier production versions, oldest first; rollback returns to the last one."""
+    history: tuple[dict[str, Any], ...] = ()
+    """The last moves, oldest first: ``{sequence, action, version, at, reason}``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateDecision:
+    """The promotion gate's verdict, with the numbers it compared."""
+
+    promoted: bool
+    candidate: str
+    production: str | None
+    """The production version the candidate was compared with (``None``: there was none)."""
+    metric: str
+    mode: str
+    tolerance: float
+    candidate_value: float | None
+    production_value: float | None
+    basis: str
+    """How the numbers were obtained: ``"first"``, ``"stored"`` or ``"re-evaluated"``."""
+    reason: str
+    """One sentence a person reads: why the candidate was or was not promoted."""
+    decided_at: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+class ModelRegistry:
+    """Versions and the production pointer of one model under one fsspec URL.
+
+    Args:
+        url: root URL or local path (``file://``, a plain path, ``memory://``, ``s3://``...).
+        model: the model's name: letters, digits and ``._-``.
+        storage_options: keyword arguments for the fsspec filesystem (endpoint, profile).
+            Checkpoint *sources* passed to :meth:`register` are read with fsspec's defaults.
+    """
+
+    def __init__(
+        self, url: str, model: str, *, storage_options: Mapping[str, Any] | None = None
+    ) -> None:
+        if not isinstance(model, str) or not _NAME.match(model):
+            raise ValueError(
+                f"model must be 1-100 letters, digits or '._-' starting with a letter or digit, "
+                f"got {model!r}"
+            )
+        url = url if "://" in url else os.path.abspath(os.path.expanduser(url))
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        except (ImportError, ValueError) as err:
+            raise ValueError(
+                f"cannot open {url!r}: {err}. Install the fsspec package for its protocol "
+                "(s3fs for s3://, gcsfs for gs://) or use a local path."
+            ) from err
+        self.url = join(url, model)
+        self.model = model
+        self._fs = fs
+        self._root = join(root.rstrip("/") or root, model)
+        self._local = isinstance(fs, LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"ModelRegistry({self.url!r})"
+
+    # ------------------------------------------------------------------------ versions
+
+    def register(
+        self,
+        checkpoint_uri: str,
+        *,
+        metrics: Mapping[str, float],
+        data_fingerprint: str | None,
+        dataset_url: str | None = None,
+        trained_at: str | None = None,
+        run_key: str | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> ModelVersion:
+        """Copy a verified checkpoint in as the next version and commit its record.
+
+        Registering the same checkpoint of the same ``run_key`` again returns the version
+        registered the first time, so a retried task does not add a version.
+
+        Args:
+            checkpoint_uri: a checkpoint written by :func:`storage.checkpoint.save_model`.
+            metrics: its held-out metrics; non-finite values (a diverged loss) are dropped.
+            data_fingerprint: :func:`dataset_fingerprint` of the data it was trained on.
+            dataset_url: that dataset, so the gate can re-evaluate on its test split.
+            trained_at: when training finished (ISO 8601); defaults to now.
+            run_key: the training run, for idempotent retries.
+            meta: extra JSON metadata.
+
+        Raises:
+            CheckpointError: the checkpoint is missing or does not verify.
+            ValueError: metrics or meta that JSON cannot hold.
+        """
+        ckpt = read_checkpoint(checkpoint_uri)  # verifies sizes and checksums before copying
+        blobs = {name: read_bytes(join(checkpoint_uri, name)) for name in _CHECKPOINT_FILES}
+        weights_sha = sha256(blobs["model.safetensors"])
+        for existing in self.versions():
+            if run_key is not None and (existing.run_key, existing.checkpoint_sha256) == (
+                run_key,
+                weights_sha,
+            ):
+                return existing
+        version = f"v{self._next_number():04d}"
+        directory = self._path("versions", version)
+        for name in _CHECKPOINT_FILES:
+            self._publish(join(directory, "model", name), blobs[name])
+        now = _now()
+        record = ModelVersion(
+            model=self.model,
+            version=version,
+            uri=join(self.url, "versions", version, "model"),
+            metrics=_finite_metrics(metrics),
+            hparams=dict(ckpt.hparams),
+            data_fingerprint=data_fingerprint,
+            dataset_url=dataset_url,
+            trained_at=trained_at or now,
+            registered_at=now,
+            run_key=run_key,
+            checkpoint_sha256=weights_sha,
+            source=checkpoint_uri,
+            meta=_json_copy(meta or {}, "meta"),
+        )
+        body = {"format": _VERSION_FORMAT, **record.as_dict()}
+        self._publish(join(directory, _RECORD), _sealed(body))
+        _log.info("registered %s %s from %s", self.model, version, checkpoint_uri)
+        return record
+
+    def versions(self) -> list[ModelVersion]:
+        """Every committed version, oldest first; uncommitted leftovers are skipped."""
+        found = []
+        for number in self._numbers():
+            record = self._read_record(f"v{number:04d}")
+            if record is not None:
+                found.append(record)
+        return found
+
+    def get(self, version: str) -> ModelVersion:
+        """The committed version named ``version``.
+
+        Raises:
+            RegistryError: no such committed version, or its record is damaged.
+        """
+        if not isinstance(version, str) or not _VERSION.match(version):
+            raise RegistryError(f"{self.url}: versions are named v0001, v0002...; got {version!r}")
+        record = self._read_record(version)
+        if record is None:
+            known = ", ".join(v.version for v in self.versions()) or "none"
+            raise RegistryError(f"{self.url} has no version {version} (committed: {known})")
+        return record
+
+    # ------------------------------------------------------------------------ production
+
+    def production(self) -> Production | None:
+        """The production pointer, or ``None`` before the first promotion.
+
+        Raises:
+            RegistryError: the pointer exists but is damaged or was edited by hand.
+        """
+        path = self._path(_POINTER)
+        try:
+            self._fs.invalidate_cache(path)
+            data = self._fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+        body = _unseal(data, join(self.url, _POINTER))
+        if body.get("format") != _POINTER_FORMAT or body.get("model") != self.model:
+            raise RegistryError(f"{join(self.url, _POINTER)} is not a production pointer")
+        try:
+            return Production(
+                model=body["model"],
+                version=body["version"],
+                sequence=int(body["sequence"]),
+                updated_at=str(body["updated_at"]),
+                reason=str(body["reason"]),
+                previous=tuple(body["previous"]),
+                history=tuple(body["history"]),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise RegistryError(f"{join(self.url, _POINTER)} is malformed: {err}") from err
+
+    def production_version(self) -> ModelVersion | None:
+        """The version the production pointer names, or ``None`` before the first promotion."""
+        pointer = self.production()
+        return None if pointer is None else self.get(pointer.version)
+
+    def promote(self, version: str, *, reason: str = "promoted") -> Production:
+        """Point production at ``version`` (which must be committed); the old one is kept
+        on the rollback stack. Promoting the current production version changes nothing."""
+        self.get(version)
+        current = self.production()
+        if current is not None and current.version == version:
+            return current
+        previous = () if current is None else (*current.previous, current.version)
+        return self._move(current, version, previous, action="promote", reason=reason)
+
+    def rollback(self, *, reason: str = "rollback") -> Production:
+        """Point production back at the version that was production before the current one.
+
+        Raises:
+            RegistryError: nothing is in production, or it has no earlier version.
+        """
+        current = self.production()
+        if current is None:
+            raise RegistryError(f"{self.url}: nothing is in production, so nothing to roll back")
+        if not current.previous:
+            raise RegistryError(
+                f"{self.url}: {current.version} is the first production version; there is no "
+                "earlier one to roll back to (promote a version by name instead)"
+            )
+        target = current.previous[-1]
+        self.get(target)  # still committed: never point production at a missing version
+        return self._move(current, target, current.previous[:-1], action="rollback", reason=reason)
+
+    def record_decision(self, decision: GateDecision) -> None:
+        """Keep the gate's verdict next to the candidate, for whoever asks why later."""
+        path = self._path("versions", decision.candidate, _DECISION)
+        self._publish(path, json.dumps(decision.as_dict(), indent=1, sort_keys=True).encode())
+
+    def decision(self, version: str) -> dict[str, Any] | None:
+        """The gate's last recorded verdict on ``version``, or ``None``."""
+        try:
+            return json.loads(self._fs.cat_file(self._path("versions", version, _DECISION)))
+        except FileNotFoundError:
+            return None
+
+    # ------------------------------------------------------------------------ internals
+
+    def _move(
+        self,
+        current: Production | None,
+        version: str,
+        previous: tuple[str, ...],
+        *,
+        action: str,
+        reason: str,
+    ) -> Production:
+        sequence = 1 if current is None else current.sequence + 1
+        now = _now()
+        event = {"sequence": sequence, "action": action, "version": version, "at": now}
+        history = (*(() if current is None else current.history), {**event, "reason": reason})
+        pointer = Production(
+            model=self.model,
+            version=version,
+            sequence=sequence,
+            updated_at=now,
+            reason=reason,
+            previous=previous,
+            history=history[-_HISTORY_KEPT:],
+        )
+        body = {"format": _POINTER_FORMAT, **asdict(pointer)}
+        body["previous"], body["history"] = list(pointer.previous), list(pointer.history)
+        self._publish(self._path(_POINTER), _sealed(body))
+        _log.info("%s production -> %s (%s: %s)", self.model, version, action, reason)
+        return pointer
+
+    def _read_record(self, version: str) -> ModelVersion | None:
+        path = self._path("versions", version, _RECORD)
+        try:
+            self._fs.invalidate_cache(path)
+            data = self._fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+        body = _unseal(data, join(self.url, "versions", version, _RECORD))
+        if body.pop("format", None) != _VERSION_FORMAT or body.get("version") != version:
+            raise RegistryError(f"{join(self.url, 'versions', version)} has a foreign record")
+        try:
+            return ModelVersion(**body)
+        except TypeError as err:
+            raise RegistryError(f"{join(self.url, 'versions', version)}: {err}") from err
+
+    def _numbers(self) -> list[int]:
+        """Numbers of every version directory, committed or not."""
+        path = self._path("versions")
+        try:
+            self._fs.invalidate_cache(path)
+            entries = self._fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        matches = (_VERSION.match(e.rstrip("/").rsplit("/", 1)[-1]) for e in entries)
+        return sorted({int(m.group(1)) for m in matches if m})
+
+    def _next_number(self) -> int:
+        # Above every directory, committed or not: a leftover is never reused, so a number
+        # once seen by anyone always names the same weights.
+        numbers = self._numbers()
+        return (numbers[-1] if numbers else 0) + 1
+
+    def _publish(self, path: str, data: bytes) -> None:
+        """Make ``path`` hold ``data`` in one step: a rename on disk, a single PUT elsewhere."""
+        if not self._local:
+            self._fs.pipe_file(path, data)
+            return
+        directory = path.rsplit("/", 1)[0]
+        self._fs.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _path(self, *parts: str) -> str:
+        return join(self._root, *parts)
+
+
+# ---------------------------------------------------------------------------- gate
+
+
+def promote_if_better(
+    registry: ModelRegistry,
+    candidate_version: str,
+    *,
+    evaluate_fn: EvaluateFn | None = None,
+    metric: str = "test_accuracy",
+    mode: Literal["min", "max"] = "max",
+    tolerance: float = 0.0,
+) -> GateDecision:
+    """Promote ``candidate_version`` only if it is at least as good as production.
+
+    Both versions are judged on the same held-out data. When they were trained on the same
+    dataset (equal data fingerprints) their stored metrics are compared; otherwise, or when
+    a stored metric is missing, ``evaluate_fn`` re-evaluates *both* checkpoints on the
+    candidate's held-out data. The first version is always promoted. The verdict is
+    recorded next to the candidate (``decision.json``) and returned.
+
+    Args:
+        registry: the model's registry.
+        candidate_version: a committed version, e.g. from :meth:`ModelRegistry.register`.
+        evaluate_fn: ``checkpoint URI -> metrics`` on the candidate's held-out test split.
+        metric: the metric compared.
+        mode: ``"max"`` when larger is better (accuracy), ``"min"`` for a loss.
+        tolerance: how much worse than production the candidate may be and still be
+            promoted (absolute, in the metric's units); 0 means "at least as good".
+
+    Raises:
+        RegistryError: the data fingerprints differ (or a metric is missing) and no
+            ``evaluate_fn`` was given, so the two cannot be compared fairly.
+        ValueError: a bad ``mode`` or ``tolerance``.
+    """
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    if not (isinstance(tolerance, int | float) and math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+    candidate = registry.get(candidate_version)
+    production = registry.production_version()
+    judge = _Judge(metric=metric, mode=mode, tolerance=float(tolerance))
+    if production is None:
+        decision = judge.first(candidate)
+    elif production.version == candidate.version:
+        decision = judge.already(candidate)
+    else:
+        values, basis = _compare_values(candidate, production, metric, evaluate_fn)
+        decision = judge.compare(candidate, production, *values, basis=basis)
+    registry.record_decision(decision)
+    if decision.promoted and (production is None or production.version != candidate.version):
+        registry.promote(candidate.version, reason=decision.reason)
+    _log.info("gate on %s %s: %s", registry.model, candidate.version, decision.reason)
+    return decision
+
+
+def _compare_values(
+    candidate: ModelVersion,
+    production: ModelVersion,
+    metric: str,
+    evaluate_fn: EvaluateFn | None,
+) -> tuple[tuple[float | None, float | None], str]:
+    same_data = (
+        candidate.data_fingerprint is not None
+        and candidate.data_fingerprint == production.data_fingerprint
+    )
+    stored = (candidate.metrics.get(metric), production.metrics.get(metric))
+    if same_data and None not in stored:
+        return stored, "stored"
+    if evaluate_fn is None:
+        why = "they were trained on different data" if not same_data else f"{metric} is missing"
+        raise RegistryError(
+            f"cannot compare {candidate.version} with production {production.version} on "
+            f"{metric}: {why}. Pass evaluate_fn to re-evaluate both on the candidate's "
+            "held-out test split."
+        )
+    values = tuple(_metric_of(evaluate_fn(v.uri), metric, v) for v in (candidate, production))
+    return values, "re-evaluated"
+
+
+def _metric_of(metrics: Mapping[str, float], metric: str, version: ModelVersion) -> float | None:
+    if metric not in metrics:
+        raise RegistryError(
+            f"evaluate_fn returned no {metric!r} for {version.version} (got {sorted(metrics)}); "
+            "pick a metric it reports"
+        )
+    value = metrics[metric]
+    return float(value) if _finite(value) else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Judge:
+    metric: str
+    mode: str
+    tolerance: float
+
+    def first(self, candidate: ModelVersion) -> GateDecision:
+        return self._decide(
+            candidate,
+            None,
+            promoted=True,
+            values=(candidate.metrics.get(self.metric), None),
+            basis="first",
+            reason=f"{candidate.version} is the first version: promoted without comparison",
+        )
+
+    def already(self, candidate: ModelVersion) -> GateDecision:
+        return self._decide(
+            candidate,
+            candidate.version,
+            promoted=True,
+            values=(candidate.metrics.get(self.metric),) * 2,
+            basis="stored",
+            reason=f"{candidate.version} is already in production",
+        )
+
+    def compare(
+        self,
+        candidate: ModelVersion,
+        production: ModelVersion,
+        new: float | None,
+        old: float | None,
+        *,
+        basis: str,
+    ) -> GateDecision:
+        name, c, p = self.metric, candidate.version, production.version
+        on = "on the same data" if basis == "stored" else "both re-evaluated on the same split"
+        if new is None:
+            promoted, reason = False, f"kept {p}: {c} has no finite {name} ({on})"
+        elif old is None:
+            promoted, reason = True, f"promoted {c}: {name}={new:.4f}, {p} has none ({on})"
+        else:
+            sign = 1.0 if self.mode == "max" else -1.0
+            promoted = sign * (new - old) >= -self.tolerance
+            verdict = f"promoted {c}" if promoted else f"kept {p}"
+            better = "higher" if self.mode == "max" else "lower"
+            reason = (
+                f"{verdict}: {name} {new:.4f} vs {old:.4f} for {p} ({better} is better, "
+                f"tolerance {self.tolerance:g}, {on})"
+            )
+        return self._decide(
+            candidate, p, promoted=promoted, values=(new, old), basis=basis, reason=reason
+        )
+
+    def _decide(
+        self,
+        candidate: ModelVersion,
+        production: str | None,
+        *,
+        promoted: bool,
+        values: tuple[float | None, float | None],
+        basis: str,
+        reason: str,
+    ) -> GateDecision:
+        return GateDecision(
+            promoted=promoted,
+            candidate=candidate.version,
+            production=production,
+            metric=self.metric,
+            mode=self.mode,
+            tolerance=self.tolerance,
+            candidate_value=values[0],
+            production_value=values[1],
+            basis=basis,
+            reason=reason,
+            decided_at=_now(),
+        )
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def dataset_fingerprint(dataset_url: str) -> str:
+    """SHA-256 of a committed dataset's manifest: equal fingerprints mean the same splits,
+    row for row (the manifest lists every shard's checksum)."""
+    return sha256(read_bytes(join(dataset_url, _DATASET_MANIFEST)))
+
+
+def production_checkpoint(
+    url: str, model: str, *, storage_options: Mapping[str, Any] | None = None
+) -> str | None:
+    """The checkpoint URI of ``model``'s production version, or ``None`` if there is none
+    (for warm-starting a retrain from what is served)."""
+    version = ModelRegistry(url, model, storage_options=storage_options).production_version()
+    return None if version is None else version.uri
+
+
+def _sealed(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON carrying a SHA-256 of its own canonical form."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    sealed = {**body, "checksum": "sha256:" + sha256(canonical.encode())}
+    return json.dumps(sealed, indent=1, sort_keys=True, allow_nan=False).encode()
+
+
+def _unseal(data: bytes, url: str) -> dict[str, Any]:
+    try:
+        body = json.loads(data)
+        checksum = body.pop("checksum")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as err:
+        raise RegistryError(f"{url} is not a registry record: {err}") from err
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    if checksum != "sha256:" + sha256(canonical.encode()):
+        raise RegistryError(f"{url} fails its checksum (damaged or edited by hand)")
+    return body
+
+
+def _finite_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    wrong = {k: v for k, v in metrics.items() if isinstance(v, bool) or not isinstance(v, Real)}
+    if wrong:
+        raise ValueError(f"metrics must map names to numbers, got {wrong!r}")
+    return {str(k): float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+
+
+def _json_copy(value: Mapping[str, Any], what: str) -> dict[str, Any]:
+    try:
+        return json.loads(json.dumps(dict(value), allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{what} must be JSON-serialisable: {err}") from err
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")

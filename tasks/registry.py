@@ -1,0 +1,158 @@
+"""Register trained models, gate their promotion to production, and roll back by hand.
+
+The Prefect tasks ``register`` and ``promote`` wrap :mod:`storage.registry`; the registry
+of a pipeline lives under ``{storage_url}/registry``. From a shell::
+
+    python -m tasks.registry show     --storage-url .ringflow/storage --model digits
+    python -m tasks.registry rollback --storage-url .ringflow/storage --model digits
+    python -m tasks.registry promote  --storage-url .ringflow/storage --model digits --version v0003
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+
+from prefect import task
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_logger, get_run_logger
+
+from storage.dataset import TableSchema
+from storage.fs import absolute, join
+from storage.registry import (
+    ModelRegistry,
+    RegistryError,
+    dataset_fingerprint,
+    production_checkpoint,
+    promote_if_better,
+)
+
+__all__ = ["main", "model_registry", "promote", "register", "warm_start_checkpoint"]
+
+
+def model_registry(storage_url: str, model: str = "digits") -> ModelRegistry:
+    """The registry of ``model`` in a pipeline's storage, ``{storage_url}/registry``."""
+    return ModelRegistry(join(absolute(storage_url), "registry"), model)
+
+
+def warm_start_checkpoint(storage_url: str, model: str = "digits") -> str | None:
+    """The production checkpoint to warm-start a retrain from, or ``None`` if none yet."""
+    return production_checkpoint(join(absolute(storage_url), "registry"), model)
+
+
+@task(name="register")
+def register(
+    checkpoint: str,
+    storage_url: str,
+    *,
+    metrics: Mapping[str, float],
+    dataset_url: str,
+    run_key: str,
+    model: str = "digits",
+) -> dict:
+    """Register a trained checkpoint as the model's next version; return its record."""
+    record = model_registry(storage_url, model).register(
+        checkpoint,
+        metrics=metrics,
+        data_fingerprint=dataset_fingerprint(dataset_url),
+        dataset_url=dataset_url,
+        run_key=run_key,
+    )
+    _logger().info("registered %s %s (%s)", model, record.version, record.uri)
+    return record.as_dict()
+
+
+@task(name="promote")
+def promote(
+    version: str,
+    storage_url: str,
+    *,
+    model: str = "digits",
+    metric: str = "test_accuracy",
+    mode: str = "max",
+    tolerance: float = 0.0,
+) -> dict:
+    """Promote ``version`` to production if it is at least as good as the current one.
+
+    When the two were trained on different data, both are re-evaluated on the candidate's
+    held-out test split. Returns the gate's decision (``promoted``, ``reason``, the values).
+    """
+    registry = model_registry(storage_url, model)
+    decision = promote_if_better(
+        registry,
+        version,
+        evaluate_fn=_test_split_evaluator(registry, version),
+        metric=metric,
+        mode=mode,
+        tolerance=tolerance,
+    )
+    _logger().info("promotion gate: %s", decision.reason)
+    return decision.as_dict()
+
+
+def _test_split_evaluator(registry: ModelRegistry, version: str):
+    """``uri -> test metrics`` on the held-out test split of ``version``'s dataset."""
+    from engine import DataSpec
+    from engine import evaluate as evaluate_model
+
+    dataset_url = registry.get(version).dataset_url
+    if dataset_url is None:
+        return None
+    data = DataSpec(dataset_url=dataset_url, schema=_schema(registry.model))
+    return lambda uri: evaluate_model(uri, data, split="test")
+
+
+def _logger():
+    """The task run's logger, or the module's when a task body runs outside Prefect."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return get_logger(__name__)
+
+
+def _schema(model: str) -> TableSchema:
+    if model == "digits":
+        from models.digits import SCHEMA
+
+        return SCHEMA
+    raise RegistryError(f"no dataset schema is known for model {model!r}; add it to _schema")
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``show``, ``rollback`` or ``promote`` a version by hand; prints the pointer as JSON."""
+    parser = argparse.ArgumentParser(prog="python -m tasks.registry", description=__doc__)
+    parser.add_argument("command", choices=("show", "rollback", "promote"))
+    parser.add_argument("--storage-url", required=True, help="the pipeline's storage_url")
+    parser.add_argument("--model", default="digits")
+    parser.add_argument("--version", help="promote: the version to put in production")
+    parser.add_argument("--reason", default=None, help="recorded in the pointer's history")
+    args = parser.parse_args(argv)
+    registry = model_registry(args.storage_url, args.model)
+    try:
+        if args.command == "rollback":
+            registry.rollback(reason=args.reason or "manual rollback")
+        elif args.command == "promote":
+            if not args.version:
+                parser.error("promote needs --version")
+            registry.promote(args.version, reason=args.reason or "manual promotion")
+        pointer = registry.production()
+    except RegistryError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if pointer is None:
+        print(json.dumps({"model": args.model, "production": None}))
+        return 0
+    shown = {"model": pointer.model, "production": pointer.version, "sequence": pointer.sequence}
+    shown |= {"previous": list(pointer.previous), "reason": pointer.reason}
+    shown["versions"] = [v.version for v in registry.versions()]
+    print(json.dumps(shown))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
