@@ -36,6 +36,14 @@ class TrainConfig:
     """Ray CPUs reserved for each worker; also its torch thread count (at least 1)."""
     timeout_s: float = 120.0
     """How long a worker start (placement, rendezvous) may wait before the run fails."""
+    min_workers: int | None = None
+    """Training goes on after losing workers while at least this many remain (elastic);
+    ``None`` means ``workers``: a lost worker is replaced before training goes on."""
+    commit_every: int = 10
+    """Workers commit their state in memory every this many steps (and at epoch ends); a
+    lost worker costs at most the steps since the last commit."""
+    max_failures: int = 3
+    """Worker losses a run survives; one more fails it."""
     checkpoint_every: int = 0
     """Checkpoint the training state every this many steps (and at every epoch end) when
     ``fit`` is given a store; 0 checkpoints at epoch ends only."""
@@ -60,6 +68,7 @@ class TrainConfig:
             raise ValueError(
                 f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}"
             )
+        self._check_elastic()
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int):
             raise ValueError(f"checkpoint_every must be an integer, got {self.checkpoint_every!r}")
         if self.checkpoint_every < 0:
@@ -76,6 +85,19 @@ class TrainConfig:
             raise ValueError(
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
             )
+
+    def _check_elastic(self) -> None:
+        if self.min_workers is not None:
+            _positive_int("min_workers", self.min_workers)
+            if self.min_workers > self.workers:
+                raise ValueError(
+                    f"min_workers ({self.min_workers}) must not exceed workers ({self.workers})"
+                )
+        _positive_int("commit_every", self.commit_every)
+        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int):
+            raise ValueError(f"max_failures must be an integer, got {self.max_failures!r}")
+        if self.max_failures < 0:
+            raise ValueError(f"max_failures must be 0 or more, got {self.max_failures}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any
 
 from engine.config import DataSpec, TrainConfig
-from engine.errors import EngineError, WorkerFailedError
+from engine.elastic.coordinator import (
+    Coordinator,
+    ElasticEvent,
+    FailurePolicy,
+    GiveUp,
+    WaitForWorkers,
+)
+from engine.errors import CollectiveError, EngineError, WorkerFailedError
 from engine.worker import RankWorker
 
-__all__ = ["InProcessGroup", "RayWorkerGroup", "WorkerGroup"]
+__all__ = ["InProcessGroup", "MembershipLost", "RayWorkerGroup", "WorkerGroup"]
+
+log = logging.getLogger("ringflow.engine")
 
 
 class WorkerGroup:
@@ -20,6 +31,16 @@ class WorkerGroup:
 
     def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
+
+    def commit(self, step: int) -> None:
+        """Every rank keeps its state at ``step`` in memory, to roll back to."""
+
+    def recover(self, lost: MembershipLost, *, at_step: int) -> int:
+        raise lost
+
+    @property
+    def events(self) -> list[ElasticEvent]:
+        return []
 
     def shutdown(self) -> None:
         raise NotImplementedError
@@ -45,7 +66,14 @@ class InProcessGroup(WorkerGroup):
 
 
 class RayWorkerGroup(WorkerGroup):
-    """``config.workers`` Ray actors, started together or not at all.
+    """``config.workers`` Ray actors, gang-scheduled, that survive losing some of them.
+
+    Every call goes to the current members in rank order. When a member dies (its actor is
+    gone) or stops answering (the others' collectives pass their deadline), the call raises
+    :class:`MembershipLost`; :meth:`recover` then has the coordinator decide the new
+    membership, rebuilds the ring among the survivors without restarting them, and rolls
+    them back to the last commit. Replacements start in the background in the lost workers'
+    placement-group bundles and join at a later commit, once they are up.
 
     Raises:
         EngineError: the cluster cannot place the workers within ``config.timeout_s``.
@@ -54,9 +82,11 @@ class RayWorkerGroup(WorkerGroup):
     def __init__(self, module_cls: type, *, hparams: dict, data: DataSpec, config: TrainConfig):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self._timeout = config.timeout_s
+        self._config = config
+        self._spec = {"hparams": hparams, "data": data, "config": config}
+        self._actor_cls = ray.remote(RankWorker)
+        self._module_cls = module_cls
         _check_capacity(config)
         bundles = [{"CPU": config.cpus_per_worker} for _ in range(config.workers)]
         self._pg = placement_group(bundles, strategy="PACK")
@@ -68,18 +98,18 @@ class RayWorkerGroup(WorkerGroup):
                 f"Ray could not place {config.workers} workers of {config.cpus_per_worker} CPU "
                 f"within {config.timeout_s:.0f} s; free resources, lower workers or raise timeout_s"
             ) from None
-        actor = ray.remote(RankWorker)
-        env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-        self._actors = [
-            actor.options(
-                num_cpus=config.cpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=rank
-                ),
-                runtime_env={"env_vars": env} if _single_node() else None,
-            ).remote(module_cls, hparams=hparams, data=data, config=config, rank=rank)
-            for rank in range(config.workers)
-        ]
+        self._next_id = 0
+        self._actors: dict[str, Any] = {}
+        self._bundles: dict[str, int] = {}
+        self._starting: dict[str, tuple[Any, Any]] = {}
+        """Replacements being started: worker id -> (actor, ref of a call that ends when up)."""
+        ids = [self._spawn(bundle, rank=bundle) for bundle in range(config.workers)]
+        self.coordinator = Coordinator(
+            ids,
+            min_workers=config.min_workers or config.workers,
+            max_workers=config.workers,
+            policy=FailurePolicy(max_failures=config.max_failures),
+        )
         try:
             init_method = self.call_rank0("rendezvous_address")
             self.call("connect", init_method)
@@ -87,34 +117,224 @@ class RayWorkerGroup(WorkerGroup):
             self.shutdown()
             raise
 
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.coordinator.members
+
+    @property
+    def events(self) -> list[ElasticEvent]:
+        return self.coordinator.events
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self._actors]
-        return self._get(refs)
+        refs = {w: getattr(self._actors[w], method).remote(*args, **kwargs) for w in self.members}
+        return self._gather(method, refs)
 
     def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._get([getattr(self._actors[0], method).remote(*args, **kwargs)])[0]
+        return self._call_one(self.members[0], method, *args, **kwargs)
 
-    def _get(self, refs: list) -> list[Any]:
+    def _call_one(self, worker: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        ref = getattr(self._actors[worker], method).remote(*args, **kwargs)
+        return self._gather(method, {worker: ref})[0]
+
+    def commit(self, step: int) -> None:
+        """Every member commits ``step``; then ready replacements join the group."""
+        self.call("commit", step)
+        self.coordinator.committed(step)
+        self._admit_ready(step)
+
+    def recover(self, lost: MembershipLost, *, at_step: int) -> int:
+        """Apply the coordinator's decision on ``lost``; return the step training resumes at.
+
+        Raises:
+            EngineError: the failure budget is spent, or too few workers are left and no
+                replacement came within ``config.timeout_s``.
+        """
         import ray
 
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as err:
-            rank = _failed_rank(refs)
-            raise WorkerFailedError(f"worker rank {rank} died: {err}", rank=rank) from err
-        except ray.exceptions.RayTaskError as err:
-            rank = _failed_rank(refs)
-            raise WorkerFailedError(
-                f"worker rank {rank} raised {type(err.cause).__name__}: {err.cause}", rank=rank
-            ) from err.cause
+        decision = self.coordinator.lost(lost.workers, at_step=at_step, cause=lost.cause)
+        log.warning("%s", lost.cause)
+        for worker in lost.workers:
+            actor = self._actors.pop(worker, None)
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        if isinstance(decision, GiveUp):
+            raise EngineError(f"training stopped: {decision.reason}")
+        step = decision.step
+        if isinstance(decision, WaitForWorkers):
+            self._fill(decision.count, wait=True)
+        self._rewire()
+        self.call("rollback", step)
+        self._admit_ready(step)
+        log.warning(
+            "training goes on with %d workers from the commit at step %d (%d steps lost)",
+            len(self.members),
+            step,
+            at_step - step,
+        )
+        return step
 
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for a in getattr(self, "_actors", []):
-            ray.kill(a)
+        for actor in [*self._actors.values(), *(a for a, _ in self._starting.values())]:
+            ray.kill(actor)
+        self._actors, self._starting = {}, {}
         remove_placement_group(self._pg)
+
+    # ------------------------------------------------------------------------ membership
+
+    def _spawn(self, bundle: int, *, rank: int) -> str:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        worker = f"worker-{self._next_id}"
+        self._next_id += 1
+        env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        actor = self._actor_cls.options(
+            num_cpus=self._config.cpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=bundle
+            ),
+            runtime_env={"env_vars": env} if _single_node() else None,
+            name=None,
+        ).remote(self._module_cls, rank=rank, **self._spec)
+        self._actors[worker] = actor
+        self._bundles[worker] = bundle
+        return worker
+
+    def _fill(self, count: int, *, wait: bool) -> None:
+        """Start replacements in free bundles; with ``wait``, until ``count`` are up."""
+        import ray
+
+        used = {self._bundles[w] for w in (*self.members, *self._starting)}
+        free = [b for b in range(self._config.workers) if b not in used]
+        for bundle in free[: max(0, self.coordinator.vacancies() - len(self._starting))]:
+            worker = self._spawn(bundle, rank=0)
+            actor = self._actors.pop(worker)
+            self._starting[worker] = (actor, actor.epoch_steps.remote())
+        if not wait:
+            return
+        refs = [ref for _, ref in self._starting.values()]
+        ready, _ = ray.wait(refs, num_returns=min(count, len(refs)), timeout=self._config.timeout_s)
+        if len(ready) < count:
+            raise EngineError(
+                self.coordinator.wait_failed(
+                    f"{count} replacement(s) not up within timeout_s={self._config.timeout_s:g}"
+                ).reason
+            )
+
+    def _admit_ready(self, step: int) -> None:
+        """Replacements that are up adopt the commit of ``step`` and join the ring."""
+        import ray
+
+        if self.coordinator.vacancies() > len(self._starting):
+            self._fill(0, wait=False)
+        ready = []
+        for worker, (actor, ref) in list(self._starting.items()):
+            done, _ = ray.wait([ref], timeout=0)
+            if not done:
+                continue
+            del self._starting[worker]
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as err:
+                self.coordinator.spawn_failed(f"{worker} did not start: {err}")
+                continue
+            ready.append((worker, actor))
+        if not ready:
+            return
+        state = self._actors[self.members[0]].committed_state.remote(step)
+        self._gather_new([actor.adopt.remote(step, state) for _, actor in ready])
+        for worker, actor in ready:
+            self._actors[worker] = actor
+        self.coordinator.joined([w for w, _ in ready])
+        log.warning(
+            "%s joined at step %d; %d workers",
+            ", ".join(w for w, _ in ready),
+            step,
+            len(self.members),
+        )
+        self._rewire()
+
+    def _gather_new(self, refs: list) -> None:
+        import ray
+
+        ray.get(refs, timeout=self._config.timeout_s)
+
+    def _rewire(self) -> None:
+        """Rebuild the ring among the members, in their order, without restarting them."""
+        init_method = self._call_one(self.members[0], "rendezvous_address")
+        size = len(self.members)
+        refs = {
+            w: self._actors[w].reconfigure.remote(rank, size, init_method)
+            for rank, w in enumerate(self.members)
+        }
+        self._gather("reconfigure", refs)
+
+    def _gather(self, method: str, refs: dict[str, Any]) -> list[Any]:
+        """Results in rank order, or :class:`MembershipLost` naming the lost workers.
+
+        A worker whose actor died is lost. A worker whose call failed with a collective
+        error survived but saw a peer go; once one call has failed, the others get the
+        collective deadline plus a margin to finish, and a worker still busy then is lost
+        too (it stopped answering: SIGSTOP, a hung host).
+        """
+        import ray
+
+        pending = {ref: worker for worker, ref in refs.items()}
+        results: dict[str, Any] = {}
+        lost: dict[str, str] = {}
+        blamed: list[tuple[str, CollectiveError]] = []
+        grace_until: float | None = None
+        while pending:
+            timeout = None if grace_until is None else max(0.0, grace_until - time.monotonic())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not done:
+                break
+            worker = pending.pop(done[0])
+            try:
+                results[worker] = ray.get(done[0])
+            except ray.exceptions.RayActorError as err:
+                lost[worker] = f"its process died ({type(err).__name__})"
+            except ray.exceptions.RayTaskError as err:
+                if not isinstance(err.cause, CollectiveError):
+                    rank = list(refs).index(worker)
+                    raise WorkerFailedError(
+                        f"worker rank {rank} raised {type(err.cause).__name__} in {method}: "
+                        f"{err.cause}",
+                        rank=rank,
+                    ) from err.cause
+                blamed.append((worker, err.cause))
+            if (lost or blamed) and grace_until is None:
+                grace_until = time.monotonic() + self._config.collective_timeout_s + 2.0
+        for worker in pending.values():
+            lost[worker] = "it stopped answering"
+        if not lost:
+            lost = _blamed_peers(list(refs), [error for _, error in blamed])
+        if lost:
+            raise MembershipLost(lost, during=method)
+        if blamed:
+            raise blamed[0][1]
+        return [results[w] for w in refs]
+
+
+def _blamed_peers(ranks: list[str], errors: list[CollectiveError]) -> dict[str, str]:
+    """The workers the survivors' errors name as the lost peer (by rank in this call)."""
+    lost: dict[str, str] = {}
+    for error in errors:
+        peer = getattr(error, "peer", None)
+        if peer is not None and 0 <= peer < len(ranks):
+            lost.setdefault(ranks[peer], f"peers report: {error}")
+    return lost
+
+
+class MembershipLost(EngineError):
+    """Workers were lost during a call; ``workers`` maps each to why."""
+
+    def __init__(self, workers: dict[str, str], *, during: str) -> None:
+        self.workers = dict(workers)
+        self.cause = "; ".join(f"{w} lost during {during}: {why}" for w, why in workers.items())
+        super().__init__(self.cause)
 
 
 def _failed_rank(refs: list) -> int | None:

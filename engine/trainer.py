@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from engine.config import DataSpec, TrainConfig
-from engine.group import InProcessGroup, RayWorkerGroup, WorkerGroup
+from engine.elastic.coordinator import ElasticEvent
+from engine.group import InProcessGroup, MembershipLost, RayWorkerGroup, WorkerGroup
 from engine.worker import evaluate_module
 from storage.checkpoint import load_model
 from storage.dataset import read_split
@@ -47,6 +48,8 @@ class FitResult:
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
     resumed_from: int | None = None
     """The step this run resumed from, or ``None`` if it started afresh."""
+    events: list[ElasticEvent] = field(default_factory=list)
+    """Resumes, lost workers, rollbacks and joins, in order."""
 
 
 def fit(
@@ -118,6 +121,7 @@ def fit(
             },
         )
         state = group.call_rank0("state_dict")
+        events = resume.events() + group.events
     finally:
         group.shutdown()
     return FitResult(
@@ -126,6 +130,7 @@ def fit(
         metrics=history[-1].metrics,
         state_dict=state,
         resumed_from=resume.step if resume.checkpoint is not None else None,
+        events=events,
     )
 
 
@@ -149,41 +154,66 @@ def _train(
     history = list(resume.history)
     sums, samples, seconds = dict(resume.sums), resume.samples, resume.seconds
     step, total = resume.step, config.epochs * steps_per_epoch
-    every = config.checkpoint_every or steps_per_epoch
+    bounds = [config.commit_every, config.checkpoint_every or steps_per_epoch]
+    group.commit(step)
     while step < total:
         epoch, first = divmod(step, steps_per_epoch)
-        count = min(every - step % every, steps_per_epoch - first)
+        count = min([b - step % b for b in bounds] + [steps_per_epoch - first])
         started = time.perf_counter()
-        for part, n in group.call("train_steps", epoch, first, count):
-            for name, value in part.items():
-                sums[name] = sums.get(name, 0.0) + value
-            samples += n
+        try:
+            chunk_sums, chunk_samples = dict(sums), samples
+            for part, n in group.call("train_steps", epoch, first, count):
+                for name, value in part.items():
+                    chunk_sums[name] = chunk_sums.get(name, 0.0) + value
+                chunk_samples += n
+            metrics = None
+            if (step + count) % steps_per_epoch == 0:
+                metrics = {k: v / max(chunk_samples, 1) for k, v in sorted(chunk_sums.items())}
+                metrics.update(_mean(group.call("evaluate", "validation")))
+            group.commit(step + count)
+        except MembershipLost as lost:
+            # Nothing of this chunk was kept: the members are back at the commit of ``step``.
+            step = group.recover(lost, at_step=step + count)
+            continue
         step += count
-        if step % steps_per_epoch == 0:
-            metrics = {name: value / max(samples, 1) for name, value in sorted(sums.items())}
-            metrics.update(_mean(group.call("evaluate", "validation")))
-            seconds += time.perf_counter() - started
+        sums, samples = chunk_sums, chunk_samples
+        seconds += time.perf_counter() - started
+        if metrics is not None:
             history.append(EpochMetrics(epoch=epoch, metrics=metrics, seconds=seconds))
             log.info("epoch %d/%d %s", epoch + 1, config.epochs, _fmt(metrics))
             sums, samples, seconds = {}, 0, 0.0
             if on_epoch is not None:
                 on_epoch(history[-1])
-        else:
-            seconds += time.perf_counter() - started
-        if resume.store_url is not None and (step % every == 0 or step % steps_per_epoch == 0):
-            group.call_rank0(
-                "checkpoint",
-                resume.store_url,
-                resume.run_key,
-                step=step,
-                metadata=resume.metadata(step, steps_per_epoch, history, sums, samples, seconds),
-                metrics=history[-1].metrics if history else {},
-            )
+        if resume.store_url and (step % bounds[1] == 0 or step % steps_per_epoch == 0):
+            meta = resume.metadata(step, steps_per_epoch, history, sums, samples, seconds)
+            step = _checkpoint(group, resume, step, meta, history)
     if resume.store_url is not None:
         flushed = group.call_rank0("flush_checkpoints")
         for error in flushed["errors"]:
             log.warning("a checkpoint of run %s was not saved: %s", resume.run_key, error)
     return history
+
+
+def _checkpoint(
+    group: WorkerGroup,
+    resume: _Resume,
+    step: int,
+    metadata: dict[str, Any],
+    history: list[EpochMetrics],
+) -> int:
+    """Queue an asynchronous checkpoint of ``step`` on rank 0."""
+    try:
+        group.call_rank0(
+            "checkpoint",
+            resume.store_url,
+            resume.run_key,
+            step=step,
+            metadata=metadata,
+            metrics=history[-1].metrics if history else {},
+        )
+    except MembershipLost as lost:  # rank 0 went: the next checkpoint is taken as usual
+        return group.recover(lost, at_step=step)
+    return step
 
 
 @dataclass(kw_only=True)
@@ -240,6 +270,12 @@ class _Resume:
         resume.samples = int(latest.metadata["epoch_samples"])
         resume.seconds = float(latest.metadata["epoch_seconds"])
         return resume
+
+    def events(self) -> list[ElasticEvent]:
+        if self.checkpoint is None:
+            return []
+        cause = f"run {self.run_key} resumed from its checkpoint at {self.checkpoint.url}"
+        return [ElasticEvent(kind="resumed", step=self.step, workers=0, cause=cause)]
 
     def check_layout(self, steps_per_epoch: int) -> None:
         if self.checkpoint is not None and (

@@ -6,6 +6,7 @@ own process, so a tuning trial trains through exactly the code ``train`` uses.
 
 from __future__ import annotations
 
+import copy
 import socket
 from collections import defaultdict
 from collections.abc import Mapping
@@ -91,6 +92,7 @@ class RankWorker:
         self.collective: Collective | None = None
         self.buckets: GradientBuckets | None = None
         self.checkpointer: AsyncCheckpointer | None = None
+        self._commits: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
 
     def epoch_steps(self) -> int:
         """Steps (global batches) in one epoch of the training split."""
@@ -108,6 +110,12 @@ class RankWorker:
 
     def connect(self, init_method: str = "") -> None:
         """Join the collective and start from rank 0's weights, as DDP does."""
+        self._join_ring(init_method)
+        with torch.no_grad():
+            for tensor in self.module.state_dict().values():
+                self.collective.broadcast_(tensor, src=0)
+
+    def _join_ring(self, init_method: str) -> None:
         self.collective = create_collective(
             self.config.collective,
             rank=self.rank,
@@ -117,12 +125,49 @@ class RankWorker:
             connect_timeout_s=self.config.timeout_s,
             compression=self.config.compression,
         )
-        with torch.no_grad():
-            for tensor in self.module.state_dict().values():
-                self.collective.broadcast_(tensor, src=0)
         self.buckets = GradientBuckets(
             self.params, self.collective, bucket_bytes=int(self.config.bucket_mb * 2**20)
         )
+
+    def reconfigure(self, rank: int, world_size: int, init_method: str = "") -> None:
+        """Leave the old ring and join a new one as ``rank`` of ``world_size``, keeping state.
+
+        The elastic group calls it on survivors after a membership change; every member then
+        rolls back to (or adopts) the same commit, so no weights need to be broadcast.
+        """
+        self._leave_ring()
+        self.rank, self.world_size = rank, world_size
+        self._join_ring(init_method)
+
+    def commit(self, step: int) -> None:
+        """Keep a copy of the model and optimizer state at ``step`` in memory.
+
+        The previous commit is kept too: if the group loses a worker while committing, some
+        members may have committed ``step`` and others not, and all roll back to the older.
+        """
+        model = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        self._commits[step] = (model, copy.deepcopy(self.optimizer.state_dict()))
+        for old in sorted(self._commits)[:-2]:
+            del self._commits[old]
+
+    def rollback(self, step: int) -> None:
+        """Return to the commit of ``step`` (model and optimizer, bit for bit)."""
+        model, optimizer = self.committed_state(step)
+        with torch.no_grad():
+            for name, tensor in self.module.state_dict().items():
+                tensor.copy_(model[name])
+        self.optimizer.load_state_dict(copy.deepcopy(optimizer))
+
+    def committed_state(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The commit of ``step``, for rolling back or for a worker joining the group."""
+        if step not in self._commits:
+            raise RuntimeError(f"no commit of step {step}; this worker has {sorted(self._commits)}")
+        return self._commits[step]
+
+    def adopt(self, step: int, state: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> None:
+        """Take the survivors' commit of ``step`` as this worker's state."""
+        self._commits = {step: ({k: v.clone() for k, v in state[0].items()}, state[1])}
+        self.rollback(step)
 
     def train_steps(self, epoch: int, first: int, count: int) -> tuple[dict[str, float], int]:
         """Run steps ``first .. first + count - 1`` of ``epoch``.
@@ -241,6 +286,9 @@ class RankWorker:
         if self.checkpointer is not None:
             self.checkpointer.close()
             self.checkpointer = None
+        self._leave_ring()
+
+    def _leave_ring(self) -> None:
         if self.buckets is not None:
             self.buckets.close()
             self.buckets = None

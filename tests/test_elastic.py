@@ -1,0 +1,241 @@
+"""Elastic training: the coordinator's decisions, and real workers killed or stopped mid-run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import EngineError, TrainConfig, fit
+from engine.elastic.coordinator import (
+    Continue,
+    Coordinator,
+    FailurePolicy,
+    GiveUp,
+    Phase,
+    WaitForWorkers,
+)
+from models.digits import DigitsClassifier
+from tests.conftest import relative_difference
+
+# ---------------------------------------------------------------------------- coordinator
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _coordinator(min_workers=2, max_workers=3, **policy) -> Coordinator:
+    return Coordinator(
+        [f"w{i}" for i in range(max_workers)],
+        min_workers=min_workers,
+        max_workers=max_workers,
+        policy=FailurePolicy(**policy),
+        clock=FakeClock(),
+    )
+
+
+def test_a_lost_worker_leaves_the_survivors_at_the_last_commit():
+    c = _coordinator()
+    c.committed(20)
+    decision = c.lost(["w1"], at_step=27, cause="SIGKILL")
+    assert decision == Continue(("w0", "w2"), 20)
+    assert c.vacancies() == 1
+    lost, rollback = c.events
+    assert (lost.kind, lost.steps_lost, lost.workers) == ("lost", 7, 2)
+    assert "w1: SIGKILL" in lost.cause
+    assert (rollback.kind, rollback.step) == ("rollback", 20)
+    c.joined(["w3"])
+    assert c.members == ("w0", "w2", "w3")
+    assert c.vacancies() == 0
+
+
+def test_below_the_minimum_the_group_waits_for_replacements():
+    c = _coordinator(min_workers=3)
+    c.committed(10)
+    assert c.lost(["w0"], at_step=12, cause="gone") == WaitForWorkers(("w1", "w2"), 1, 10)
+    assert c.phase is Phase.WAITING
+    with pytest.raises(EngineError, match="while waiting"):
+        c.committed(12)
+    c.joined(["w3"])
+    assert c.phase is Phase.RUNNING
+    assert isinstance(c.wait_failed("no capacity"), GiveUp)
+
+
+def test_the_failure_budget_ends_the_run_with_the_reason():
+    c = _coordinator(min_workers=1, max_failures=1)
+    assert isinstance(c.lost(["w0"], at_step=1, cause="a"), Continue)
+    decision = c.lost(["w1"], at_step=2, cause="b")
+    assert isinstance(decision, GiveUp)
+    assert "max_failures=1" in decision.reason
+    assert c.phase is Phase.FAILED
+    assert c.vacancies() == 0
+
+
+def test_replacements_that_fail_to_start_back_off_exponentially():
+    c = _coordinator(backoff_s=2.0, max_backoff_s=5.0)
+    c.lost(["w2"], at_step=0, cause="gone")
+    clock = c._clock
+    waits = []
+    for _ in range(3):
+        c.spawn_failed("no node")
+        start = clock.now
+        while c.vacancies() == 0:
+            clock.now += 0.5
+        waits.append(clock.now - start)
+    assert waits == [2.0, 4.0, 5.0]
+
+
+def test_membership_and_policy_are_checked():
+    with pytest.raises(ValueError, match="min_workers <= max_workers"):
+        Coordinator(["a", "b"], min_workers=3, max_workers=2)
+    with pytest.raises(ValueError, match="distinct"):
+        Coordinator(["a", "a"], min_workers=1, max_workers=2)
+    with pytest.raises(ValueError, match="max_failures"):
+        FailurePolicy(max_failures=-1)
+    c = _coordinator()
+    with pytest.raises(EngineError, match="not members"):
+        c.lost(["nobody"], at_step=0, cause="?")
+    c.committed(5)
+    with pytest.raises(EngineError, match="behind"):
+        c.committed(4)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"workers": 2, "min_workers": 3}, "min_workers"),
+        ({"min_workers": 0}, "min_workers"),
+        ({"commit_every": 0}, "commit_every"),
+        ({"max_failures": -1}, "max_failures"),
+    ],
+)
+def test_bad_elastic_settings_fail_before_training(fields, named):
+    with pytest.raises(ValueError, match=named):
+        TrainConfig(**fields)
+
+
+# ---------------------------------------------------------------------------- real workers
+
+HPARAMS = {"hidden": 32, "lr": 0.01}
+
+
+class PacedDigits(DigitsClassifier):
+    """The demo model with steps that wait as if on an accelerator, leaving the CPUs free:
+    on this 2-core machine a replacement worker can only start while the others wait."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.01)
+        return super().training_step(batch, batch_idx)
+
+
+def _worker_pids() -> list[int]:
+    import psutil
+
+    pids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if " ".join(p.cmdline()).startswith("ray::RankWorker"):
+                pids.append(p.pid)
+        except psutil.Error:
+            continue
+    return sorted(pids)
+
+
+def _fit(digits, tmp_path, name, *, on_epoch=None, module=DigitsClassifier, **config):
+    return fit(
+        module,
+        hparams=HPARAMS,
+        data=digits,
+        config=TrainConfig(
+            **{
+                "workers": 3,
+                "epochs": 4,
+                "batch_size": 64,
+                "seed": 2,
+                "cpus_per_worker": 0.5,
+                "collective_timeout_s": 3.0,
+                **config,
+            }
+        ),
+        checkpoint_uri=str(tmp_path / name),
+        on_epoch=on_epoch,
+    )
+
+
+def _strike(sig: int, *, after_epoch: int, delay_s: float):
+    """An ``on_epoch`` callback that sends ``sig`` to one worker once ``after_epoch`` ends."""
+    struck: list[tuple[int, float]] = []
+
+    def hit() -> None:
+        time.sleep(delay_s)
+        pid = _worker_pids()[1]
+        os.kill(pid, sig)
+        struck.append((pid, time.time()))
+
+    def on_epoch(m) -> None:
+        if m.epoch == after_epoch and not struck:
+            threading.Thread(target=hit, daemon=True).start()
+
+    return on_epoch, struck
+
+
+@pytest.mark.ray
+def test_a_killed_worker_leaves_two_that_go_on_and_a_third_rejoins(ray_session, digits, tmp_path):
+    # Long enough for a replacement actor to start while the two survivors train.
+    paced = {"module": PacedDigits, "epochs": 40}
+    reference = _fit(digits, tmp_path, "reference", **paced)
+    on_epoch, struck = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.02)
+    result = _fit(digits, tmp_path, "elastic", min_workers=2, on_epoch=on_epoch, **paced)
+    assert struck, "no worker was killed"
+    kinds = [e.kind for e in result.events]
+    assert kinds[:3] == ["lost", "rollback", "joined"], result.events
+    lost, rollback, joined = result.events[:3]
+    assert lost.workers == 2
+    assert joined.workers == 3
+    assert joined.step > rollback.step  # it joined at a later commit, not at once
+    assert lost.at - struck[0][1] < 10  # the loss was seen within seconds
+    assert relative_difference(result.state_dict, reference.state_dict) < 1e-5
+    assert (
+        relative_difference(reference.state_dict, DigitsClassifier(hidden=32).state_dict()) > 1e-2
+    )
+
+
+@pytest.mark.ray
+def test_a_worker_replaced_at_once_ends_bit_for_bit(ray_session, digits, tmp_path):
+    reference = _fit(digits, tmp_path, "reference", workers=2)
+    on_epoch, struck = _strike(signal.SIGKILL, after_epoch=1, delay_s=0.0)
+    result = _fit(digits, tmp_path, "replaced", workers=2, on_epoch=on_epoch)
+    assert struck
+    assert [e.kind for e in result.events] == ["lost", "rollback", "joined"]
+    for name, tensor in reference.state_dict.items():
+        assert torch.equal(result.state_dict[name], tensor), name
+
+
+@pytest.mark.ray
+def test_a_stopped_worker_is_dropped_at_the_deadline(ray_session, digits, tmp_path):
+    reference = _fit(digits, tmp_path, "reference")
+    on_epoch, struck = _strike(signal.SIGSTOP, after_epoch=0, delay_s=0.02)
+    started = time.monotonic()
+    result = _fit(digits, tmp_path, "stopped", min_workers=2, on_epoch=on_epoch)
+    assert struck
+    lost = next(e for e in result.events if e.kind == "lost")
+    assert "stopped answering" in lost.cause or "timed out" in lost.cause or "stopped" in lost.cause
+    assert lost.at - struck[0][1] < 3.0 + 2.0 + 5.0  # deadline + margin + slack
+    assert relative_difference(result.state_dict, reference.state_dict) < 1e-5
+    assert time.monotonic() - started < 120
+
+
+@pytest.mark.ray
+def test_losing_more_workers_than_the_budget_fails_with_the_reason(ray_session, digits, tmp_path):
+    on_epoch, _ = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.0)
+    with pytest.raises(EngineError, match="max_failures=0"):
+        _fit(digits, tmp_path, "budget", workers=2, max_failures=0, on_epoch=on_epoch)
