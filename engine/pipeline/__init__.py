@@ -1,0 +1,54 @@
+"""Pipeline parallelism: a layer-sequence model cut into stages on Ray actors, micro-batches
+scheduled by GPipe or 1F1B, activations and gradients sent point to point between
+neighbouring stages, optionally replicated data-parallel (DP x PP).
+
+Layout: ``partition`` (which layers each stage owns), ``schedule`` (the order of forwards
+and backwards), ``stage`` (one stage's compute), ``p2p`` (transfers with deadlines),
+``execute`` (a stage through a schedule), ``worker`` + ``fit`` (training runs).
+"""
+
+from engine.pipeline.config import BALANCES, PipelineConfig
+from engine.pipeline.execute import MicroBatches, StepTiming, run_forward, run_schedule
+from engine.pipeline.fit import check_pipeline, fit_pipeline
+from engine.pipeline.p2p import StageLink
+from engine.pipeline.partition import (
+    Partition,
+    balanced_bounds,
+    model_layers,
+    partition_model,
+    trim_to_stage,
+)
+from engine.pipeline.schedule import (
+    Action,
+    available_schedules,
+    max_in_flight,
+    register_schedule,
+    stage_actions,
+)
+from engine.pipeline.stage import PipelineStage
+from engine.pipeline.worker import PipelineWorker, TensorData
+
+__all__ = [
+    "BALANCES",
+    "Action",
+    "MicroBatches",
+    "Partition",
+    "PipelineConfig",
+    "PipelineStage",
+    "PipelineWorker",
+    "StageLink",
+    "StepTiming",
+    "TensorData",
+    "available_schedules",
+    "balanced_bounds",
+    "check_pipeline",
+    "fit_pipeline",
+    "max_in_flight",
+    "model_layers",
+    "partition_model",
+    "register_schedule",
+    "run_forward",
+    "run_schedule",
+    "stage_actions",
+    "trim_to_stage",
+]

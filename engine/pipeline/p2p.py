@@ -1,0 +1,171 @@
+"""Point-to-point between the neighbouring stages of one pipeline, with deadlines.
+
+Activations flow forward over one process group and their gradients backward over another,
+so each group carries traffic one way per pair and both ends see it in the same order; on
+NCCL this also keeps a send in one direction from blocking a receive in the other (the
+deadlock ``batch_isend_irecv`` exists to avoid). Sends are asynchronous; every receive is
+waited for with the deadline ``timeout_s``, and a neighbour that died or stopped answering
+raises ``PeerLostError`` or ``CollectiveTimeoutError`` naming that stage, never a hang.
+
+On CPU (gloo) the deadline is enforced by this module. On GPU (NCCL) waits only order the
+compute stream; the deadline is NCCL's own process-group timeout, set to ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import CollectiveTimeoutError, PeerLostError
+
+__all__ = ["PendingReceive", "StageLink"]
+
+FORWARD, BACKWARD = "activation", "gradient"
+
+
+@dataclass
+class PendingReceive:
+    """A receive posted ahead of the action that needs it."""
+
+    work: dist.Work
+    buffer: torch.Tensor
+    peer: int
+    what: str
+
+
+class StageLink:
+    """This stage's connections to the stages before and after it in its pipeline.
+
+    Args:
+        store: a rendezvous store shared by the pipeline's stages (give each pipeline
+            replica its own ``PrefixStore``).
+        stage: this stage's index; its rank in both groups.
+        stages: stages in the pipeline.
+        timeout_s: every receive's deadline.
+        connect_timeout_s: how long connecting may wait for every stage.
+        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors; the default process group
+            must be initialised with one rank per stage).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: dist.Store | None,
+        stage: int,
+        stages: int,
+        timeout_s: float,
+        connect_timeout_s: float = 120.0,
+        backend: str = "gloo",
+    ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        self.stage, self.stages, self.timeout_s = stage, stages, timeout_s
+        self._sends: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self.prepost = 2
+        """Receives posted ahead of the action that needs them."""
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        if stages == 1:
+            return
+        if backend == "nccl":
+            timeout = dt.timedelta(seconds=timeout_s)
+            self._groups = {d: dist.new_group(backend="nccl", timeout=timeout) for d in _DIRS}
+            self._connect_nccl()
+        else:
+            timeout = dt.timedelta(seconds=max(timeout_s, connect_timeout_s))
+            self._groups = {
+                d: dist.ProcessGroupGloo(dist.PrefixStore(d, store), stage, stages, timeout)
+                for d in _DIRS
+            }
+        self._deadline = backend == "gloo"
+        # gloo moves bytes on its own threads: receives posted ahead overlap compute. NCCL
+        # receives posted ahead of sends in the other direction can stall the pair: none.
+        self.prepost = 2 if backend == "gloo" else 0
+
+    def _connect_nccl(self) -> None:
+        """Create every pair's NCCL communicator now, in one order on every stage.
+
+        NCCL creates a pair's communicator at its first transfer and blocks the host until
+        both ends join: a stage that first receives a gradient would wait there for a
+        neighbour that is itself waiting to send it an activation.
+        """
+        token = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        for what in _DIRS:
+            if self.stage > 0:
+                self._groups[what].recv([token], self.stage - 1, 0).wait()
+            if self.stage < self.stages - 1:
+                self._groups[what].send([token], self.stage + 1, 0).wait()
+        torch.cuda.synchronize()
+
+    def send(self, tensor: torch.Tensor, *, what: str, micro: int) -> None:
+        """Start sending ``tensor`` to the next stage (activation) or the previous (gradient)."""
+        peer = self.stage + 1 if what == FORWARD else self.stage - 1
+        tensor = tensor.contiguous()
+        work = self._groups[what].send([tensor], peer, micro)
+        self._sends.append((work, tensor, peer))
+        self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+    def post_receive(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        what: str,
+        micro: int,
+    ) -> PendingReceive:
+        """Post the receive of micro-batch ``micro``'s activation (from the previous stage) or
+        gradient (from the next)."""
+        peer = self.stage - 1 if what == FORWARD else self.stage + 1
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        work = self._groups[what].recv([buffer], peer, micro)
+        return PendingReceive(work=work, buffer=buffer, peer=peer, what=what)
+
+    def wait(self, pending: PendingReceive) -> torch.Tensor:
+        """The received tensor, once it arrived.
+
+        Raises:
+            CollectiveTimeoutError: nothing arrived within ``timeout_s``.
+            PeerLostError: the neighbour's connection broke (it died).
+        """
+        self._wait(pending.work, pending.peer, f"pipeline {pending.what} receive")
+        return pending.buffer
+
+    def flush(self) -> None:
+        """Wait until every send has left (end of a step)."""
+        sends, self._sends = self._sends, []
+        for work, _, peer in sends:
+            self._wait(work, peer, "pipeline send")
+
+    def barrier(self) -> None:
+        """All stages of the pipeline meet (benchmarks line up their steps with it)."""
+        if self._groups:
+            self._wait(self._groups[FORWARD].barrier(), None, "pipeline barrier")
+
+    def _wait(self, work: dist.Work, peer: int | None, op: str) -> None:
+        if not self._deadline:
+            work.wait()
+            return
+        try:
+            work.wait(dt.timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            timed_out = "timed out" in str(err).lower()
+            kind = CollectiveTimeoutError if timed_out else PeerLostError
+            what = "stopped answering" if timed_out else "was lost"
+            raise kind(
+                f"pipeline stage {peer} {what} during {op} (stage {self.stage} saw: {err}); "
+                f"the deadline is {self.timeout_s:g} s: raise collective_timeout_s "
+                "(TrainConfig) if the stages are merely slow",
+                peer=peer,
+                op=op,
+                rank=self.stage,
+            ) from err
+
+    def close(self) -> None:
+        self._sends = []
+        self._groups = {}
+
+
+_DIRS = (FORWARD, BACKWARD)

@@ -1,0 +1,287 @@
+"""One pipeline stage of one data-parallel replica: its layers, optimizer, links and data.
+
+The same class runs in a Ray actor (``fit_pipeline``) or in a thread of the caller's process
+(``in_process=True``). Every worker is called with the same methods in the same order.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+import urllib.parse
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.collective import Collective, create_collective
+from engine.config import DataSpec, TrainConfig
+from engine.pipeline.config import PipelineConfig
+from engine.pipeline.execute import MicroBatches, run_forward, run_schedule
+from engine.pipeline.p2p import StageLink
+from engine.pipeline.partition import Partition
+from engine.pipeline.schedule import stage_actions
+from engine.pipeline.stage import PipelineStage
+from engine.worker import _single_optimizer, split_global_batch
+from storage.dataset import read_split
+from storage.reshard import training_state
+
+__all__ = ["PipelineWorker", "TensorData", "pipeline_batch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorData:
+    """A dataset given as tensors instead of a preprocessed ``DataSpec`` (tests, notebooks).
+
+    Each split is ``(features, labels)`` with the samples along the first dimension.
+    """
+
+    splits: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def read(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if split not in self.splits:
+            raise ValueError(f"TensorData has no split {split!r}; it has {sorted(self.splits)}")
+        return self.splits[split]
+
+
+def read_tensors(data: DataSpec | TensorData, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(features, labels)`` of ``split``, from either kind of dataset."""
+    if isinstance(data, TensorData):
+        return data.read(split)
+    x, y = read_split(data.dataset_url, split, data.schema)
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def pipeline_batch(
+    module: torch.nn.Module, features: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first stage's input and the loss target: ``module.pipeline_batch`` if defined."""
+    hook = getattr(module, "pipeline_batch", None)
+    return hook(features, labels) if callable(hook) else (features, labels)
+
+
+class PipelineWorker:
+    """Trains stage ``stage`` of pipeline replica ``replica``.
+
+    Args:
+        module_cls: the user's module class (a layer sequence with ``pipeline_loss``).
+        hparams: keyword arguments for ``module_cls``.
+        data: the dataset.
+        config: the run's engine configuration (``workers`` is the number of replicas).
+        pipeline: stages, micro-batches, schedule.
+        partition: the layers of every stage, decided once by the caller.
+        replica: this worker's data-parallel replica.
+        stage: this worker's stage.
+    """
+
+    def __init__(
+        self,
+        module_cls: type[torch.nn.Module],
+        *,
+        hparams: dict[str, Any],
+        data: DataSpec | TensorData,
+        config: TrainConfig,
+        pipeline: PipelineConfig,
+        partition: Partition,
+        replica: int,
+        stage: int,
+    ) -> None:
+        torch.set_num_threads(max(1, int(config.cpus_per_worker)))
+        self.config, self.pipeline, self.data = config, pipeline, data
+        self.replica, self.replicas = replica, config.workers
+        torch.manual_seed(config.seed)  # every stage builds the unsplit model's weights
+        self.module = module_cls(**hparams)
+        self.train_x, self.train_y = read_tensors(data, "train")
+        example, _ = pipeline_batch(self.module, self.train_x[:1], self.train_y[:1])
+        last = stage == partition.stages - 1
+        self.stage = PipelineStage(
+            self.module,
+            partition=partition,
+            stage=stage,
+            example=example,
+            loss_fn=self.module.pipeline_loss if last else None,
+            recompute=pipeline.recompute,
+        )
+        self.optimizer = _single_optimizer(self.module.configure_optimizers())
+        self.params = self.stage.parameters()
+        self.link: StageLink | None = None
+        self.collective: Collective | None = None
+        self._store: dist.Store | None = None
+
+    # ------------------------------------------------------------------ connecting
+
+    def rendezvous_addresses(self) -> tuple[str, str]:
+        """Two ``tcp://host:port`` on this worker's node: one for its pipeline's store (used
+        when this is stage 0), one for its stage's data-parallel ring (when replica 0)."""
+        host = _node_ip()
+        return _free_address(host), _free_address(host)
+
+    def connect(self, pipeline_address: str, ring_address: str) -> None:
+        """Join this replica's pipeline, then this stage's data-parallel ring."""
+        self._store = _tcp_store(
+            pipeline_address, is_master=self.stage.is_first, timeout_s=self.config.timeout_s
+        )
+        self.link = StageLink(
+            store=self._store,
+            stage=self.stage.stage,
+            stages=self.stage.stages,
+            timeout_s=self.config.collective_timeout_s,
+            connect_timeout_s=self.config.timeout_s,
+        )
+        if self.replicas > 1:
+            self.collective = create_collective(
+                self.config.collective,
+                rank=self.replica,
+                world_size=self.replicas,
+                init_method=ring_address,
+                timeout_s=self.config.collective_timeout_s,
+                connect_timeout_s=self.config.timeout_s,
+                compression=self.config.compression,
+            )
+
+    # ------------------------------------------------------------------ training
+
+    def train_epoch(self, epoch: int) -> tuple[dict[str, float], int]:
+        """One epoch; the last stage returns its loss sum (weighted by samples) and count."""
+        order = torch.randperm(
+            len(self.train_y), generator=torch.Generator().manual_seed(self.config.seed + epoch)
+        )
+        total, count = 0.0, 0
+        for start in range(0, len(order), self.config.batch_size):
+            batch = order[start : start + self.config.batch_size]
+            mine = split_global_batch(batch, rank=self.replica, world_size=self.replicas)
+            total += self.train_step(mine, global_size=len(batch))
+            count += len(mine)
+        if not self.stage.is_last:
+            return {}, 0
+        return {"train_loss": total}, count
+
+    def train_step(self, mine: torch.Tensor, *, global_size: int) -> float:
+        """One optimizer step on this replica's samples ``mine`` of a global batch.
+
+        Returns:
+            On the last stage, the loss summed over ``mine`` (0.0 elsewhere).
+        """
+        assert self.link is not None, "connect() must run before training"
+        parts = self._split(mine)
+        micro = self._micro_batches(parts, self.train_x, self.train_y, global_size)
+        self.optimizer.zero_grad(set_to_none=False)
+        actions = stage_actions(
+            self.pipeline.schedule,
+            stage=self.stage.stage,
+            stages=self.stage.stages,
+            micro_batches=len(parts),
+        )
+        losses = run_schedule(self.stage, actions, link=self.link, micro=micro)
+        self._reduce_gradients()
+        self.optimizer.step()
+        if not self.stage.is_last:
+            return 0.0
+        return sum(loss * len(part) for loss, part in zip(losses, parts, strict=True))
+
+    def _split(self, mine: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Fewer samples than micro-batches (a short last batch): one sample per micro-batch.
+        return torch.tensor_split(mine, min(self.pipeline.micro_batches, len(mine)))
+
+    def _micro_batches(
+        self, parts: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor, global_size: int
+    ) -> MicroBatches:
+        inputs, targets = [], []
+        for part in parts:
+            first_input, target = pipeline_batch(self.module, x[part], y[part])
+            inputs.append(first_input)
+            targets.append(target)
+        return MicroBatches(
+            sizes=tuple(len(part) for part in parts),
+            inputs=inputs if self.stage.is_first else None,
+            targets=targets if self.stage.is_last else None,
+            weights=tuple(len(part) / global_size for part in parts),
+        )
+
+    def _reduce_gradients(self) -> None:
+        """Sum this stage's gradients over the replicas (each already weighted by its share)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.collective is None:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        self.collective.allreduce_(flat, op="sum")
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    # ------------------------------------------------------------------ evaluation, state
+
+    def evaluate(self, split: str) -> tuple[dict[str, float], int]:
+        """Forward this replica's part of ``split`` through the pipeline; the last stage
+        returns ``val_loss`` (``{split}_loss`` for other splits) and ``pipeline_metrics``."""
+        assert self.link is not None, "connect() must run before evaluating"
+        x, y = read_tensors(self.data, split)
+        mine = split_global_batch(torch.arange(len(y)), rank=self.replica, world_size=self.replicas)
+        prefix = "val" if split == "validation" else split
+        sums: dict[str, float] = defaultdict(float)
+        for start in range(0, len(mine), self.config.batch_size):
+            parts = self._split(mine[start : start + self.config.batch_size])
+            micro = self._micro_batches(parts, x, y, 1)
+            outputs = run_forward(self.stage, link=self.link, micro=micro)
+            for out, target in zip(outputs, micro.targets or [], strict=True):
+                for name, value in self._metrics(out, target).items():
+                    sums[f"{prefix}_{name}"] += value * len(out)
+        return (dict(sums), len(mine)) if self.stage.is_last else ({}, 0)
+
+    @torch.no_grad()
+    def _metrics(self, out: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+        values = {"loss": float(self.module.pipeline_loss(out, target))}
+        extra = getattr(self.module, "pipeline_metrics", None)
+        if callable(extra):
+            values.update({k: float(v) for k, v in extra(out, target).items()})
+        return values
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's module tensors under their full names."""
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This stage's model and optimizer state by full name, for ``pipeline_shards``."""
+        tensors, metadata = training_state(self.module, self.optimizer)
+        return {k: v.detach().cpu().clone() for k, v in tensors.items()}, metadata
+
+    def peak_in_flight(self) -> int:
+        return self.stage.peak_in_flight
+
+    def close(self) -> None:
+        if self.collective is not None:
+            self.collective.close()
+            self.collective = None
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        self._store = None
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:  # the GPU benchmark machine has no Ray
+        pass
+    return "127.0.0.1"
+
+
+def _free_address(host: str) -> str:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+def _tcp_store(address: str, *, is_master: bool, timeout_s: float) -> dist.Store:
+    url = urllib.parse.urlparse(address)
+    return dist.TCPStore(
+        url.hostname, url.port, is_master=is_master, timeout=dt.timedelta(seconds=timeout_s)
+    )

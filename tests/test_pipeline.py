@@ -1,0 +1,427 @@
+"""Pipeline parallelism in one process: schedules, partitioning, and stages in threads that
+talk over real gloo point-to-point on loopback, checked against the unsplit model."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime as dt
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from engine import CollectiveTimeoutError, TrainConfig
+from engine.pipeline import (
+    Action,
+    MicroBatches,
+    PipelineConfig,
+    PipelineStage,
+    StageLink,
+    TensorData,
+    balanced_bounds,
+    check_pipeline,
+    fit_pipeline,
+    max_in_flight,
+    partition_model,
+    run_schedule,
+    stage_actions,
+)
+from storage.reshard import load_pipeline_stage, load_training_state, pipeline_shards
+from storage.store import CheckpointStore
+from tests.conftest import free_port, relative_difference
+
+FEATURES, CLASSES = 8, 3
+
+
+class ToyNet(nn.Module):
+    """A layer sequence with parameters in nested containers (names like ``blocks.1.0.weight``)."""
+
+    def __init__(self, *, width: int = 16, depth: int = 4, lr: float = 0.01, dropout: float = 0.0):
+        super().__init__()
+        self.lr = lr
+        self.inp = nn.Linear(FEATURES, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(dropout))
+            for _ in range(depth)
+        )
+        self.out = nn.Linear(width, CLASSES)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.inp, *self.blocks, self.out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+    def pipeline_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def toy_data(samples: int = 61, seed: int = 1) -> TensorData:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, FEATURES, generator=g)
+    y = torch.randint(0, CLASSES, (samples,), generator=g)
+    return TensorData(splits={"train": (x, y), "validation": (x[:20], y[:20])})
+
+
+def stage_step(
+    stages: int, *, schedule: str, micro_batches: int, samples: int = 13, recompute=False
+) -> tuple[dict[str, torch.Tensor], list[int], torch.Tensor, torch.Tensor]:
+    """One training step of a ``stages``-stage ToyNet in threads over gloo.
+
+    Returns:
+        Every parameter's gradient by full name, each stage's peak of micro-batches in
+        flight, and the batch.
+    """
+    x, y = toy_data(samples).splits["train"]
+    torch.manual_seed(0)
+    partition = partition_model(ToyNet(), PipelineConfig(stages=stages, balance="params"))
+    port = free_port()
+    master = tcp_store(port, is_master=True)
+    parts = torch.tensor_split(torch.arange(samples), micro_batches)
+
+    built = []
+    for s in range(stages):  # here, not in the threads: they would share torch's generator
+        torch.manual_seed(0)
+        built.append(
+            PipelineStage(
+                ToyNet(),
+                partition=partition,
+                stage=s,
+                example=x[:1],
+                loss_fn=lambda out, t: F.cross_entropy(out, t),
+                recompute=recompute,
+            )
+        )
+
+    def run(s: int) -> tuple[dict[str, torch.Tensor], int]:
+        stage = built[s]
+        link = StageLink(
+            store=tcp_store(port), stage=s, stages=stages, timeout_s=10, connect_timeout_s=10
+        )
+        micro = MicroBatches(
+            sizes=tuple(len(p) for p in parts),
+            inputs=[x[p] for p in parts],
+            targets=[y[p] for p in parts],
+            weights=tuple(len(p) / samples for p in parts),
+        )
+        actions = stage_actions(schedule, stage=s, stages=stages, micro_batches=len(parts))
+        run_schedule(stage, actions, link=link, micro=micro)
+        grads = {n: p.grad.clone() for n, p in stage.module.named_parameters()}
+        return grads, stage.peak_in_flight
+
+    with concurrent.futures.ThreadPoolExecutor(stages) as pool:
+        results = list(pool.map(run, range(stages)))
+    del master
+    grads = {name: g for part, _ in results for name, g in part.items()}
+    return grads, [peak for _, peak in results], x, y
+
+
+def tcp_store(port: int, *, is_master: bool = False) -> dist.Store:
+    """One store client per stage: a client must not be shared between threads."""
+    return dist.TCPStore("127.0.0.1", port, is_master=is_master, timeout=dt.timedelta(10))
+
+
+def unsplit_gradients(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = ToyNet()
+    F.cross_entropy(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "micro"), [(2, 1), (2, 4), (3, 2), (3, 7), (4, 4)])
+def test_every_schedule_runs_each_micro_batch_forward_then_backward_once(name, stages, micro):
+    for s in range(stages):
+        actions = stage_actions(name, stage=s, stages=stages, micro_batches=micro)
+        forwards = [a.micro for a in actions if a.kind == "F"]
+        backwards = [a.micro for a in actions if a.kind == "B"]
+        assert forwards == list(range(micro))
+        assert backwards == list(range(micro))
+        for i in range(micro):
+            assert actions.index(Action("F", i)) < actions.index(Action("B", i))
+
+
+def test_neighbours_see_transfers_in_the_same_order():
+    # What stage s sends forward, stage s+1 receives in the same order, and likewise backward.
+    for name in ("gpipe", "1f1b"):
+        for stages, micro in [(2, 3), (3, 8), (4, 2)]:
+            orders = [
+                stage_actions(name, stage=s, stages=stages, micro_batches=micro)
+                for s in range(stages)
+            ]
+            for s in range(stages - 1):
+                assert [a for a in orders[s] if a.kind == "F"] == [
+                    a for a in orders[s + 1] if a.kind == "F"
+                ]
+                assert [a for a in orders[s + 1] if a.kind == "B"] == [
+                    a for a in orders[s] if a.kind == "B"
+                ]
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 8), (3, 8), (4, 2)])
+def test_1f1b_keeps_at_most_p_in_flight_and_gpipe_keeps_m(stages, micro):
+    for s in range(stages):
+        one_f = stage_actions("1f1b", stage=s, stages=stages, micro_batches=micro)
+        gpipe = stage_actions("gpipe", stage=s, stages=stages, micro_batches=micro)
+        assert max_in_flight(one_f) == min(stages - s, micro)
+        assert max_in_flight(gpipe) == micro
+
+
+def test_unknown_schedule_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"schedule must be one of \['1f1b', 'gpipe'\]"):
+        PipelineConfig(schedule="zb")
+
+
+# ---------------------------------------------------------------------------- partitioning
+
+
+def test_balanced_bounds_minimise_the_largest_stage():
+    assert balanced_bounds([1, 1, 1, 1], 2) == (0, 2, 4)
+    assert balanced_bounds([5, 1, 1, 1, 1, 1], 2) == (0, 1, 6)
+    assert balanced_bounds([1, 2, 3, 4, 5], 3) == (0, 3, 4, 5)
+    assert balanced_bounds([3, 3, 3], 3) == (0, 1, 2, 3)
+
+
+def test_params_balance_gives_each_stage_a_share_of_the_layers():
+    partition = partition_model(ToyNet(), PipelineConfig(stages=3, balance="params"))
+    assert partition.names == ("inp", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "out")
+    assert partition.stages == 3
+    assert all(partition.layers_of(s) for s in range(3))
+
+
+def test_time_balance_profiles_on_an_example():
+    config = PipelineConfig(stages=2, balance="time")
+    partition = partition_model(ToyNet(), config, example=torch.randn(4, FEATURES))
+    assert partition.bounds[::2] == (0, 6)
+    assert 0 < partition.bounds[1] < 6
+
+
+def test_explicit_split_points_by_name_or_index():
+    by_name = partition_model(ToyNet(), PipelineConfig(stages=3, balance=("blocks.1", "out")))
+    by_index = partition_model(ToyNet(), PipelineConfig(stages=3, balance=(2, 5)))
+    assert by_name.bounds == by_index.bounds == (0, 2, 5, 6)
+
+
+def test_split_points_the_module_declares():
+    class Marked(ToyNet):
+        pipeline_split_points = ("blocks.2",)
+
+    partition = partition_model(Marked(), PipelineConfig(stages=2, balance="module"))
+    assert partition.layers_of(1) == ("blocks.2", "blocks.3", "out")
+
+
+@pytest.mark.parametrize(
+    ("model", "config", "message"),
+    [
+        (ToyNet(depth=1), PipelineConfig(stages=4), r"stages \(4\) exceeds the model's 3 layers"),
+        (nn.Linear(2, 2), PipelineConfig(stages=2), "is not a layer sequence"),
+        (ToyNet(), PipelineConfig(stages=3, balance=(3, 2)), "must be increasing"),
+        (ToyNet(), PipelineConfig(stages=2, balance=("nope",)), "'nope' is not a layer"),
+        (ToyNet(), PipelineConfig(stages=2, balance="module"), "declares no pipeline_split"),
+    ],
+)
+def test_bad_partitions_are_refused(model, config, message):
+    with pytest.raises(ValueError, match=message):
+        partition_model(model, config)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"stages": 0}, "stages"),
+        ({"micro_batches": 0}, "micro_batches"),
+        ({"balance": "weights"}, "balance"),
+        ({"stages": 3, "balance": ("out",)}, "balance has 1 split points"),
+        ({"recompute": "yes"}, "recompute"),
+    ],
+)
+def test_bad_pipeline_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PipelineConfig(**kwargs)
+
+
+def test_global_batch_too_small_for_the_micro_batches_is_refused_before_workers_start():
+    with pytest.raises(ValueError, match=r"batch_size \(6\) is smaller than micro_batches \(4\)"):
+        check_pipeline(
+            ToyNet,
+            hparams={},
+            data=toy_data(),
+            config=TrainConfig(workers=2, batch_size=6),
+            pipeline=PipelineConfig(stages=2, micro_batches=4),
+        )
+
+
+def test_a_module_without_a_loss_is_refused_before_workers_start():
+    with pytest.raises(ValueError, match="must define pipeline_loss"):
+        check_pipeline(
+            nn.Sequential,
+            hparams={},
+            data=toy_data(),
+            config=TrainConfig(workers=1, batch_size=8),
+            pipeline=PipelineConfig(stages=1),
+        )
+
+
+# ---------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "micro"), [(2, 1), (2, 4), (3, 2), (3, 5)])
+def test_gradients_match_the_unsplit_model(schedule, stages, micro):
+    # 13 samples: micro-batches of uneven size (13 = 3+3+3+2+2 for 5), and M < P cases.
+    grads, _, x, y = stage_step(stages, schedule=schedule, micro_batches=micro)
+    assert relative_difference(grads, unsplit_gradients(x, y)) < 1e-5
+
+
+def test_recomputed_activations_give_the_same_gradients():
+    grads, _, x, y = stage_step(3, schedule="1f1b", micro_batches=4, recompute=True)
+    assert relative_difference(grads, unsplit_gradients(x, y)) < 1e-5
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(3, 8), (2, 6)])
+def test_1f1b_holds_at_most_p_micro_batches_of_activations_where_gpipe_holds_m(stages, micro):
+    _, one_f, _, _ = stage_step(stages, schedule="1f1b", micro_batches=micro, samples=16)
+    _, gpipe, _, _ = stage_step(stages, schedule="gpipe", micro_batches=micro, samples=16)
+    assert one_f == [stages - s for s in range(stages)]
+    assert gpipe == [micro] * stages
+
+
+def unsplit_training(data: TensorData, config: TrainConfig) -> dict[str, torch.Tensor]:
+    """What ``fit`` on one worker computes: Adam on the mean loss of each global batch."""
+    torch.manual_seed(config.seed)
+    model = ToyNet()
+    optimizer = model.configure_optimizers()
+    x, y = data.splits["train"]
+    for epoch in range(config.epochs):
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(config.seed + epoch))
+        for start in range(0, len(y), config.batch_size):
+            batch = order[start : start + config.batch_size]
+            optimizer.zero_grad()
+            F.cross_entropy(model(x[batch]), y[batch]).backward()
+            optimizer.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(("stages", "schedule", "micro"), [(2, "gpipe", 3), (3, "1f1b", 4)])
+def test_fit_pipeline_in_process_ends_with_the_unsplit_weights(stages, schedule, micro, tmp_path):
+    data = toy_data()  # 61 samples in batches of 16: the last global batch has 13
+    config = TrainConfig(workers=1, epochs=2, batch_size=16, seed=3)
+    result = fit_pipeline(
+        ToyNet,
+        hparams={},
+        data=data,
+        config=config,
+        pipeline=PipelineConfig(stages=stages, micro_batches=micro, schedule=schedule),
+        checkpoint_uri=str(tmp_path / "model"),
+        in_process=True,
+    )
+    assert relative_difference(result.state_dict, unsplit_training(data, config)) < 1e-5
+    assert [sorted(h.metrics) for h in result.history] == [["train_loss", "val_loss"]] * 2
+
+
+# ---------------------------------------------------------------------------- deadlines
+
+
+def test_a_silent_neighbour_raises_a_timeout_naming_it():
+    port = free_port()
+    master = tcp_store(port, is_master=True)
+    x = torch.randn(4, FEATURES)
+    partition = partition_model(ToyNet(), PipelineConfig(stages=2))
+
+    def first_stage() -> None:
+        stage = PipelineStage(ToyNet(), partition=partition, stage=0, example=x)
+        link = StageLink(
+            store=tcp_store(port), stage=0, stages=2, timeout_s=1.0, connect_timeout_s=10
+        )
+        micro = MicroBatches(sizes=(4,), inputs=[x], weights=(1.0,))
+        run_schedule(
+            stage, stage_actions("1f1b", stage=0, stages=2, micro_batches=1), link=link, micro=micro
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(first_stage)
+        # The second stage joins and then never answers (hung, or busy elsewhere).
+        silent = pool.submit(
+            StageLink,
+            store=tcp_store(port),
+            stage=1,
+            stages=2,
+            timeout_s=1.0,
+            connect_timeout_s=10,
+        )
+        with pytest.raises(CollectiveTimeoutError) as caught:
+            running.result(timeout=30)
+        silent.result()
+    del master
+    assert caught.value.peer == 1
+    assert "collective_timeout_s" in str(caught.value)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def test_stage_checkpoints_load_bitwise_into_other_stage_counts(tmp_path):
+    x, y = toy_data(8).splits["train"]
+    saved = []
+    for s in range(2):  # train each stage of a 2-stage pipeline one step, then save it
+        torch.manual_seed(0)
+        stage = PipelineStage(
+            ToyNet(),
+            partition=partition_model(ToyNet(), PipelineConfig(stages=2)),
+            stage=s,
+            example=x,
+            loss_fn=lambda out, t: F.cross_entropy(out, t),
+        )
+        optimizer = stage.module.configure_optimizers()
+        for p in stage.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        saved.append(training_state_of(stage.module, optimizer))
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    committed = store.save(
+        "run",
+        step=1,
+        shards=pipeline_shards([t for t, _ in saved]),
+        metadata={"optim": merge([m for _, m in saved])},
+    )
+    whole = {k: v for tensors, _ in saved for k, v in tensors.items()}
+    for stages in (1, 3):
+        loaded = {}
+        for s in range(stages):
+            torch.manual_seed(123)  # other weights: loading must replace every one
+            stage = PipelineStage(
+                ToyNet(),
+                partition=partition_model(ToyNet(), PipelineConfig(stages=stages)),
+                stage=s,
+                example=x,
+                loss_fn=lambda out, t: F.cross_entropy(out, t),
+            )
+            optimizer = stage.module.configure_optimizers()
+            tensors = load_pipeline_stage(store, committed, names=stage.module.state_dict())
+            load_training_state(stage.module, optimizer, tensors, committed.metadata["optim"])
+            loaded.update(training_state_of(stage.module, optimizer)[0])
+        assert loaded.keys() == whole.keys()
+        assert all(torch.equal(loaded[k], whole[k]) for k in whole)
+
+
+def training_state_of(module, optimizer):
+    from storage.reshard import training_state
+
+    tensors, metadata = training_state(module, optimizer)
+    return {k: v.clone() for k, v in tensors.items()}, metadata
+
+
+def merge(metadatas):
+    from storage.reshard import merge_optimizer_metadata
+
+    return merge_optimizer_metadata(metadatas)

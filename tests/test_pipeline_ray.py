@@ -1,0 +1,133 @@
+"""Pipeline stages as Ray actors: real gloo point-to-point between processes, DP x PP."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine import TrainConfig, WorkerFailedError
+from engine.pipeline import PipelineConfig, TensorData, fit_pipeline
+from storage.checkpoint import load_model
+from storage.dataset import read_split
+from tests import test_pipeline
+from tests.conftest import relative_difference
+from tests.test_pipeline import ToyNet, toy_data
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _models_by_value(ray_session):
+    """Ship the test models to the actors by value: the actors need not import tests/."""
+    for module in (sys.modules[__name__], test_pipeline):
+        ray_session.cloudpickle.register_pickle_by_value(module)
+    yield
+    for module in (sys.modules[__name__], test_pipeline):
+        ray_session.cloudpickle.unregister_pickle_by_value(module)
+
+
+class DigitsPipe(nn.Module):
+    """An MLP over the digits' 64 pixels as a three-layer sequence."""
+
+    def __init__(self, *, hidden: int = 32, lr: float = 0.005) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.net)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def pipeline_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, target)
+
+    def pipeline_metrics(self, out: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"accuracy": (out.argmax(dim=1) == target).float().mean()}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class DiesInStageOne(ToyNet):
+    """Its last layer ends its process at the third training step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    def pipeline_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        if self.steps == 3:
+            os._exit(1)
+        return super().pipeline_loss(out, target)
+
+
+def unsplit_training(model: nn.Module, x, y, config: TrainConfig) -> dict[str, torch.Tensor]:
+    """What ``fit`` on one worker computes: the optimizer on each global batch's mean loss."""
+    optimizer = model.configure_optimizers()
+    for epoch in range(config.epochs):
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(config.seed + epoch))
+        for start in range(0, len(y), config.batch_size):
+            batch = order[start : start + config.batch_size]
+            optimizer.zero_grad()
+            model.pipeline_loss(model(x[batch]), y[batch]).backward()
+            optimizer.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_two_stage_actors_train_the_digits_to_the_unsplit_weights(digits, tmp_path):
+    config = TrainConfig(workers=1, epochs=2, batch_size=128, seed=5, cpus_per_worker=0.5)
+    result = fit_pipeline(
+        DigitsPipe,
+        hparams={},
+        data=digits,
+        config=config,
+        pipeline=PipelineConfig(stages=2, micro_batches=4, schedule="1f1b", balance=(2,)),
+        checkpoint_uri=str(tmp_path / "model"),
+    )
+    x, y = (torch.from_numpy(a) for a in read_split(digits.dataset_url, "train", digits.schema))
+    torch.manual_seed(config.seed)
+    expected = unsplit_training(DigitsPipe(), x, y, config)
+    assert relative_difference(result.state_dict, expected) < 1e-5
+    assert set(result.metrics) == {"train_loss", "val_loss", "val_accuracy"}
+    module, checkpoint = load_model(result.checkpoint)  # committed as the whole model
+    assert relative_difference(module.state_dict(), expected) < 1e-5
+    assert checkpoint.meta["partition"] == [["net.0", "net.1"], ["net.2"]]
+
+
+def test_two_replicas_of_two_stages_match_the_unsplit_model(tmp_path):
+    data = toy_data(samples=70)  # batches of 24: the last global batch (22) splits 11 + 11
+    config = TrainConfig(workers=2, epochs=2, batch_size=24, seed=2, cpus_per_worker=0.5)
+    result = fit_pipeline(
+        ToyNet,
+        hparams={},
+        data=data,
+        config=config,
+        pipeline=PipelineConfig(stages=2, micro_batches=3, schedule="gpipe"),
+        checkpoint_uri=str(tmp_path / "model"),
+    )
+    torch.manual_seed(config.seed)
+    expected = unsplit_training(ToyNet(), *data.splits["train"], config)
+    assert relative_difference(result.state_dict, expected) < 1e-5
+
+
+def test_a_stage_that_dies_fails_the_run_naming_it(tmp_path):
+    config = TrainConfig(
+        workers=1, epochs=1, batch_size=8, cpus_per_worker=0.5, collective_timeout_s=5
+    )
+    with pytest.raises(WorkerFailedError, match="replica 0 stage 1 died"):
+        fit_pipeline(
+            DiesInStageOne,
+            hparams={},
+            data=TensorData(splits=toy_data(samples=40).splits),
+            config=config,
+            pipeline=PipelineConfig(stages=2, micro_batches=2),
+            checkpoint_uri=str(tmp_path / "model"),
+        )
