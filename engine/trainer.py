@@ -156,9 +156,10 @@ def _train(
     step, total = resume.step, config.epochs * steps_per_epoch
     bounds = [config.commit_every, config.checkpoint_every or steps_per_epoch]
     group.commit(step)
+    probe = False  # after a loss, commit after one step: the new ring is proven at once
     while step < total:
         epoch, first = divmod(step, steps_per_epoch)
-        count = min([b - step % b for b in bounds] + [steps_per_epoch - first])
+        count = 1 if probe else min([b - step % b for b in bounds] + [steps_per_epoch - first])
         started = time.perf_counter()
         try:
             chunk_sums, chunk_samples = dict(sums), samples
@@ -174,8 +175,10 @@ def _train(
         except MembershipLost as lost:
             # Nothing of this chunk was kept: the members are back at the commit of ``step``.
             step = group.recover(lost, at_step=step + count)
+            probe = True
             continue
         step += count
+        probe = False
         sums, samples = chunk_sums, chunk_samples
         seconds += time.perf_counter() - started
         if metrics is not None:

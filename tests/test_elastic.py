@@ -53,9 +53,13 @@ def test_a_lost_worker_leaves_the_survivors_at_the_last_commit():
     assert (lost.kind, lost.steps_lost, lost.workers) == ("lost", 7, 2)
     assert "w1: SIGKILL" in lost.cause
     assert (rollback.kind, rollback.step) == ("rollback", 20)
+    c.committed(21)
+    assert c.events[-1].kind == "recovered"
     c.joined(["w3"])
     assert c.members == ("w0", "w2", "w3")
     assert c.vacancies() == 0
+    c.committed(30)
+    assert [e.kind for e in c.events] == ["lost", "rollback", "recovered", "joined"]
 
 
 def test_below_the_minimum_the_group_waits_for_replacements():
@@ -197,9 +201,9 @@ def test_a_killed_worker_leaves_two_that_go_on_and_a_third_rejoins(ray_session, 
     result = _fit(digits, tmp_path, "elastic", min_workers=2, on_epoch=on_epoch, **paced)
     assert struck, "no worker was killed"
     kinds = [e.kind for e in result.events]
-    assert kinds[:3] == ["lost", "rollback", "joined"], result.events
-    lost, rollback, joined = result.events[:3]
-    assert lost.workers == 2
+    assert kinds == ["lost", "rollback", "recovered", "joined"], result.events
+    lost, rollback, recovered, joined = result.events
+    assert lost.workers == recovered.workers == 2
     assert joined.workers == 3
     assert joined.step > rollback.step  # it joined at a later commit, not at once
     assert lost.at - struck[0][1] < 10  # the loss was seen within seconds
@@ -215,7 +219,8 @@ def test_a_worker_replaced_at_once_ends_bit_for_bit(ray_session, digits, tmp_pat
     on_epoch, struck = _strike(signal.SIGKILL, after_epoch=1, delay_s=0.0)
     result = _fit(digits, tmp_path, "replaced", workers=2, on_epoch=on_epoch)
     assert struck
-    assert [e.kind for e in result.events] == ["lost", "rollback", "joined"]
+    assert [e.kind for e in result.events] == ["lost", "rollback", "joined", "recovered"]
+    assert result.events[-1].workers == 2
     for name, tensor in reference.state_dict.items():
         assert torch.equal(result.state_dict[name], tensor), name
 

@@ -68,7 +68,8 @@ class ElasticEvent:
     """One membership change, rollback or resume, as logged and reported."""
 
     kind: str
-    """``lost``, ``rollback``, ``joined``, ``resumed`` or ``gave_up``."""
+    """``lost``, ``rollback``, ``recovered`` (the first commit after a loss), ``joined``,
+    ``resumed`` or ``gave_up``."""
     step: int
     """The training step the group is at after the event."""
     workers: int
@@ -140,6 +141,7 @@ class Coordinator:
         self._clock = clock
         self._next_spawn_at = 0.0
         self._spawn_failures = 0
+        self._recovering = False
 
     # ------------------------------------------------------------------------ events
 
@@ -150,6 +152,9 @@ class Coordinator:
         if step < self.committed_step:
             raise EngineError(f"commit at step {step} is behind the last, {self.committed_step}")
         self.committed_step = step
+        if self._recovering and step > self.events[-1].step:
+            self._recovering = False
+            self._record("recovered", len(self.members), "first steps done after the loss")
 
     def lost(self, workers: Iterable[str], *, at_step: int, cause: str) -> Decision:
         """``workers`` died or stopped answering while the group worked towards ``at_step``.
@@ -178,6 +183,7 @@ class Coordinator:
             f"back to the commit at step {self.committed_step}",
             lost_steps,
         )
+        self._recovering = True
         if len(self.members) < self.min_workers:
             self.phase = Phase.WAITING
             count = self.min_workers - len(self.members)
