@@ -20,6 +20,15 @@ export PREFECT_UI_ENABLED="${PREFECT_UI_ENABLED:-true}"
 export PREFECT_WORKER_QUERY_SECONDS="${PREFECT_WORKER_QUERY_SECONDS:-2}"
 export DO_NOT_TRACK=1
 
+# Preempted runs come back (docs/preemption.md): flow processes send a heartbeat this often
+# (seconds, at least 30); deploy.sh's automations mark a run silent for the grace period Crashed
+# and reschedule a Crashed run of a deployment tagged RINGFLOW_RESUME_TAG while it has started
+# at most RINGFLOW_MAX_RESTARTS times.
+export PREFECT_FLOWS_HEARTBEAT_FREQUENCY="${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30}"
+export RINGFLOW_HEARTBEAT_GRACE_SECONDS="${RINGFLOW_HEARTBEAT_GRACE_SECONDS:-$((3 * PREFECT_FLOWS_HEARTBEAT_FREQUENCY))}"
+export RINGFLOW_MAX_RESTARTS="${RINGFLOW_MAX_RESTARTS:-3}"
+export RINGFLOW_RESUME_TAG="${RINGFLOW_RESUME_TAG:-auto-resume}"
+
 # Ray: flows reach it through RAY_ADDRESS. Set it before calling a script to use an existing
 # cluster; otherwise start.sh starts a local head on loopback.
 if [ -z "${RAY_ADDRESS:-}" ] || [ "${RINGFLOW_LOCAL_RAY:-0}" = 1 ]; then

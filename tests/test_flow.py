@@ -26,6 +26,7 @@ PARAMETERS = [
     "seed",
     "checkpoint_every",
     "run_key",
+    "max_restarts",
 ]
 
 

@@ -1,0 +1,183 @@
+"""The automations that bring a preempted ``train-pipeline`` run back: run by deploy.sh.
+
+Prefect retries a flow run whose code raised (``retries=`` on the flow), but not one whose
+process or host died: a killed flow process is marked Crashed by its worker and never retried
+(PrefectHQ/prefect#10211), and a run whose worker died with it stays Running forever. Two
+automations close both gaps for the deployments tagged ``RINGFLOW_RESUME_TAG``:
+
+* ``ringflow: crash silent runs``: a run that sent a heartbeat and then neither another one
+  nor a final state within ``RINGFLOW_HEARTBEAT_GRACE_SECONDS`` is marked Crashed.
+* ``ringflow: reschedule crashed runs``: a Crashed run is put back to Scheduled
+  (``AwaitingRetry``), so the same flow run, with the same id and so the same checkpoints,
+  runs again on any worker of its pool. Only runs that have started at most
+  ``RINGFLOW_MAX_RESTARTS`` times are rescheduled: that is the guard against a crash loop.
+
+Applying them is idempotent: an automation of the same name is updated in place, duplicates
+are deleted. Run ``python deployments/automations.py --help`` for the settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+from prefect import get_client
+from prefect.automations import Automation
+from prefect.client.schemas.objects import StateType
+from prefect.events.actions import ChangeFlowRunState
+from prefect.events.schemas.automations import EventTrigger, Posture
+from prefect.events.schemas.events import ResourceSpecification
+
+__all__ = ["ResumePolicy", "apply", "automations"]
+
+CRASH_SILENT = "ringflow: crash silent runs"
+RESCHEDULE_CRASHED = "ringflow: reschedule crashed runs"
+_FINAL_EVENTS = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumePolicy:
+    """When a run counts as lost, and how often it is brought back."""
+
+    tag: str = "auto-resume"
+    """Only flow runs of deployments with this tag are watched and rescheduled."""
+    heartbeat_seconds: int = 30
+    """``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` of the flow processes (Prefect's minimum is 30)."""
+    grace_seconds: int = 90
+    """A run silent for this long after a heartbeat is marked Crashed."""
+    max_restarts: int = 3
+    """A crashed run is rescheduled only while it has started at most this many times."""
+
+    def __post_init__(self) -> None:
+        if not self.tag:
+            raise ValueError("tag (RINGFLOW_RESUME_TAG) must not be empty")
+        if self.heartbeat_seconds < 30:
+            raise ValueError(
+                f"heartbeat_seconds (PREFECT_FLOWS_HEARTBEAT_FREQUENCY) must be at least 30, "
+                f"got {self.heartbeat_seconds}"
+            )
+        if self.grace_seconds <= self.heartbeat_seconds:
+            raise ValueError(
+                f"grace_seconds (RINGFLOW_HEARTBEAT_GRACE_SECONDS, {self.grace_seconds}) must be "
+                f"longer than heartbeat_seconds ({self.heartbeat_seconds}); 3x is a safe margin"
+            )
+        if not 0 <= self.max_restarts <= 100:
+            raise ValueError(
+                f"max_restarts (RINGFLOW_MAX_RESTARTS) must be in 0..100, got {self.max_restarts}"
+            )
+
+    @classmethod
+    def from_env(cls) -> ResumePolicy:
+        """The policy that deployments/env.sh describes."""
+        heartbeat = int(os.environ.get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30"))
+        return cls(
+            tag=os.environ.get("RINGFLOW_RESUME_TAG", "auto-resume"),
+            heartbeat_seconds=heartbeat,
+            grace_seconds=int(os.environ.get("RINGFLOW_HEARTBEAT_GRACE_SECONDS", 3 * heartbeat)),
+            max_restarts=int(os.environ.get("RINGFLOW_MAX_RESTARTS", "3")),
+        )
+
+
+def automations(policy: ResumePolicy) -> list[Automation]:
+    """The two automations of ``policy``, ready to apply."""
+    tagged = ResourceSpecification({"prefect.resource.id": f"prefect.tag.{policy.tag}"})
+    crash_silent = Automation(
+        name=CRASH_SILENT,
+        description=(
+            f"Marks a flow run tagged {policy.tag!r} Crashed when it sends no heartbeat for "
+            f"{policy.grace_seconds} s: its process or host is gone. Created by "
+            "deployments/automations.py."
+        ),
+        trigger=EventTrigger(
+            posture=Posture.Proactive,
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *_FINAL_EVENTS},
+            match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
+            match_related=tagged,
+            for_each={"prefect.resource.id"},
+            threshold=1,
+            within=timedelta(seconds=policy.grace_seconds),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=(
+                    f"No heartbeat for {policy.grace_seconds} s: the flow run's process or its "
+                    "host was lost (ringflow automation)"
+                ),
+            )
+        ],
+    )
+    reschedule = Automation(
+        name=RESCHEDULE_CRASHED,
+        description=(
+            f"Puts a Crashed flow run tagged {policy.tag!r} back to Scheduled so it resumes "
+            f"from its checkpoints, while it has started at most {policy.max_restarts} times. "
+            "Created by deployments/automations.py."
+        ),
+        trigger=EventTrigger(
+            posture=Posture.Reactive,
+            expect={"prefect.flow-run.Crashed"},
+            match=ResourceSpecification(
+                {
+                    "prefect.resource.id": "prefect.flow-run.*",
+                    # The loop guard, on the server: a run that crashed before it ever ran
+                    # (run count 0) or has used its restarts is left Crashed.
+                    "prefect.run-count": [str(n) for n in range(1, policy.max_restarts + 1)],
+                }
+            ),
+            match_related=tagged,
+            for_each={"prefect.resource.id"},
+            threshold=1,
+            within=timedelta(0),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.SCHEDULED,
+                name="AwaitingRetry",
+                message=(
+                    "Rescheduled after a crash, to resume from its latest checkpoint "
+                    f"(ringflow automation; at most {policy.max_restarts} restarts)"
+                ),
+            )
+        ],
+    )
+    return [crash_silent, reschedule]
+
+
+def apply(automation: Automation) -> Automation:
+    """Create ``automation``, or update the one of the same name; delete any duplicates."""
+    with get_client(sync_client=True) as client:
+        existing = client.read_automations_by_name(automation.name)
+        for duplicate in existing[1:]:
+            client.delete_automation(duplicate.id)
+    if not existing:
+        return automation.create()
+    automation.id = existing[0].id
+    automation.update()
+    return automation
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python deployments/automations.py",
+        description="Create or update the automations that resume preempted runs.",
+        epilog="Settings come from the environment (deployments/env.sh): RINGFLOW_RESUME_TAG, "
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY, RINGFLOW_HEARTBEAT_GRACE_SECONDS, "
+        "RINGFLOW_MAX_RESTARTS.",
+    )
+    parser.parse_args(argv)
+    try:
+        policy = ResumePolicy.from_env()
+    except ValueError as err:
+        parser.error(str(err))
+    for automation in automations(policy):
+        applied = apply(automation)
+        print(f"automation {applied.name!r}: {applied.id}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
