@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from engine.collective import COMPRESSIONS, available_collectives
 from storage.dataset import TableSchema
 
-__all__ = ["DataSpec", "TrainConfig"]
+__all__ = ["PLACEMENTS", "DataSpec", "TrainConfig"]
+
+PLACEMENTS = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
+"""``TrainConfig.placement`` to the Ray placement-group strategy."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +35,9 @@ class TrainConfig:
     """Gradients are reduced in buckets of about this many MiB, each while backward runs."""
     compression: str = "none"
     """Gradients travel as ``none`` (float32), ``bf16`` or ``fp16``; summed in float32."""
+    placement: str = "pack"
+    """How workers spread over Ray nodes: ``pack`` (as few nodes as possible), ``spread``
+    (as many as possible) or ``strict_spread`` (one worker per node)."""
     cpus_per_worker: float = 1.0
     """Ray CPUs reserved for each worker; also its torch thread count (at least 1)."""
     timeout_s: float = 120.0
@@ -77,6 +83,10 @@ class TrainConfig:
             )
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"placement must be one of {sorted(PLACEMENTS)}, got {self.placement!r}"
+            )
         if self.cpus_per_worker <= 0:
             raise ValueError(f"cpus_per_worker must be positive, got {self.cpus_per_worker}")
         if self.timeout_s <= 0:

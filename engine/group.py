@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from engine.config import DataSpec, TrainConfig
+from engine.config import PLACEMENTS, DataSpec, TrainConfig
 from engine.elastic.coordinator import (
     Coordinator,
     ElasticEvent,
@@ -89,7 +89,7 @@ class RayWorkerGroup(WorkerGroup):
         self._module_cls = module_cls
         _check_capacity(config)
         bundles = [{"CPU": config.cpus_per_worker} for _ in range(config.workers)]
-        self._pg = placement_group(bundles, strategy="PACK")
+        self._pg = placement_group(bundles, strategy=PLACEMENTS[config.placement])
         try:
             ray.get(self._pg.ready(), timeout=config.timeout_s)
         except ray.exceptions.GetTimeoutError:
