@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from datetime import UTC, datetime
 
 from prefect import task
+from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -57,6 +59,7 @@ def train(
         get_run_logger().warning(
             "resumed run %s from its checkpoint at step %d", run_key, result.resumed_from
         )
+    _report_events(result.events)
     epoch_table(result.history, key="training-metrics")
     loss_curve(result.history, key="training-loss-curve")
     return {
@@ -64,6 +67,38 @@ def train(
         "metrics": result.metrics,
         "resumed_from_step": result.resumed_from,
     }
+
+
+def _report_events(events: list) -> None:
+    """Log every resume, lost worker, rollback and join, and keep them as an artifact."""
+    if not events:
+        return
+    logger = get_run_logger()
+    rows = []
+    for event in events:
+        logger.warning(
+            "%s at step %d: %s (%d workers, %d steps lost)",
+            event.kind,
+            event.step,
+            event.cause,
+            event.workers,
+            event.steps_lost,
+        )
+        rows.append(
+            {
+                "time": datetime.fromtimestamp(event.at, UTC).isoformat(timespec="seconds"),
+                "event": event.kind,
+                "step": event.step,
+                "workers": event.workers,
+                "steps lost": event.steps_lost,
+                "cause": event.cause,
+            }
+        )
+    create_table_artifact(
+        key="training-events",
+        table=rows,
+        description="Resumes, lost workers, rollbacks and joins during training",
+    )
 
 
 @contextmanager
