@@ -10,6 +10,10 @@ and ``bf16_speedup_64mib_up`` (the worst native-float32/ours-bfloat16 ratio from
 
     python -m bench.allreduce                                 # CPU, gloo, 2 and 4 processes
     python -m bench.allreduce --backend nccl --procs 2        # one process per GPU
+    python -m bench.allreduce --backend nccl --procs 2,4,8    # one host, 2 to 8 GPUs
+
+A process count larger than the GPUs present is skipped with a note, so the same command
+runs unchanged on a 4-GPU and an 8-GPU host.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class Options:
 
 def main(argv: list[str] | None = None) -> dict:
     options = _parse(argv)
+    # NVLink multicast (NVLS) can wedge a shared host's GPUs: off unless the user says otherwise.
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     print(
         f"# all-reduce, backend={options.backend}, transport={options.transport}, "
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, "
@@ -206,6 +212,10 @@ def _summary(rows: list[dict]) -> dict:
         "min_ratio_16mib_up": round(min(from_16), 3) if from_16 else None,
         "min_ratio_128mib_up": round(min(from_128), 3) if from_128 else None,
         "bf16_speedup_64mib_up": round(min(from_64), 3) if from_64 else None,
+        "min_ratio_16mib_up_by_procs": {
+            n: round(min(r["ratio"] for r in rows if r["procs"] == n and r["bytes"] >= 16 * MIB), 3)
+            for n in sorted({r["procs"] for r in rows if r["bytes"] >= 16 * MIB})
+        },
         "rows": [
             {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows
         ],

@@ -1,7 +1,7 @@
 """Data-parallel training throughput: ours against torch DDP and Ray Train's TorchTrainer.
 
 The same model (an MLP over the digits' 64 pixels), the same data, epochs, global batch and
-seed, with 2 workers, in one run:
+seed, with 2 workers (``--workers``), in one run:
 
 - ``ours (engine.fit)``: the engine's ``fit`` on Ray actors, gradients through our ring with
   buckets started during backward (CPU only: the engine's workers are CPU workers);
@@ -15,13 +15,24 @@ For each it prints the training-loop throughput (samples per second once the wor
 and the end-to-end one (start-up included). The last line is one JSON object with
 ``ours_vs_ddp`` (loop throughput) and ``ours_vs_torchtrainer`` (end to end).
 
+Scaling: ``--workers 1,2,4,8`` runs every runner at each count, one process per GPU on CUDA;
+with ``--per-worker-batch B`` the global batch is ``B x workers`` (weak scaling: every GPU
+does the same work at every count). It prints samples/s, ours/DDP and the scaling efficiency
+``throughput(n) / (n x throughput(1))`` of ours and of DDP, and adds ``scaling_efficiency``
+and ``ddp_scaling_efficiency`` (at the largest count) and ``ours_vs_ddp_by_workers`` to the
+JSON; ``ours_vs_ddp`` is then the ratio at the largest count. Counts above the GPUs present
+are skipped with a note, so the same command runs unchanged on 4 and on 8 GPUs.
+
     python -m bench.dp_throughput                                  # CPU, small MLP
     python -m bench.dp_throughput --device cuda --hidden 4096 --layers 6 --batch-size 512
+    python -m bench.dp_throughput --device cuda --workers 1,2,4,8 --hidden 8192 --layers 8 \
+        --per-worker-batch 1024 --epochs 2 --warmup-steps 3 --runners ours_processes,ddp
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -29,15 +40,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
-
-WORKERS = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,15 +57,22 @@ class Spec:
     layers: int
     epochs: int
     batch_size: int
+    """The global batch (split over the workers)."""
     seed: int
     device: str
     bucket_mb: float
     data: str
+    workers: int = 2
+    warmup_steps: int = 0
+    """Steps run before the loop's clock starts (CUDA: cuBLAS, NCCL and allocator set-up)."""
+    amp: str = "none"
+    """``bf16``: forward and backward under ``torch.autocast`` (fp32 weights and gradients)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Result:
     runner: str
+    workers: int
     samples: int
     loop_s: float
     end_to_end_s: float
@@ -108,18 +124,47 @@ def bench_classifier() -> type:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    spec, runners = _parse(argv)
+    spec, runners, counts, per_worker = _parse(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # NVLink multicast (NVLS) can wedge a shared host's GPUs: off unless the user says otherwise.
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     root = tempfile.mkdtemp(prefix="ringflow-dp-")
     data = _digits(root) if spec.data == "digits" else None
-    x, y = _train_arrays(data) if data is not None else _synthetic(spec)
     params = sum(p.numel() for p in mlp(hidden=spec.hidden, layers=spec.layers).parameters())
+    batch = f"per-worker batch {per_worker}" if per_worker else f"global batch {spec.batch_size}"
     print(
         f"# dp throughput: MLP 64-{spec.hidden}x{spec.layers}-10 ({params / 1e6:.2f} M params, "
-        f"{params * 4 / 2**20:.1f} MiB of gradients), {WORKERS} workers, {spec.epochs} epochs "
-        f"of {len(y)} {spec.data} samples, global batch {spec.batch_size}, device {spec.device}, "
-        f"{os.cpu_count()} CPUs",
+        f"{params * 4 / 2**20:.1f} MiB of gradients), workers {counts}, {spec.epochs} epochs, "
+        f"{batch}, {spec.warmup_steps} warm-up steps, amp {spec.amp}, device {spec.device} "
+        f"({_device_name(spec.device)}), {os.cpu_count()} CPUs, torch {torch.__version__}",
+        flush=True,
+    )
+    results = []
+    for n in counts:
+        if spec.device == "cuda" and torch.cuda.device_count() < n:
+            print(f"# skipping {n} workers: only {torch.cuda.device_count()} GPUs", flush=True)
+            continue
+        spec_n = replace(
+            spec, workers=n, batch_size=per_worker * n if per_worker else spec.batch_size
+        )
+        results += _run_count(spec_n, runners, data=data, root=root)
+    summary = _summary(spec, results)
+    # The spec's workers and global batch vary by count: say what was asked for instead.
+    summary["spec"].update(workers=counts, batch_size=None if per_worker else spec.batch_size)
+    summary["per_worker_batch"] = per_worker
+    if len({r.workers for r in results}) > 1:
+        _print_scaling(summary)
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def _run_count(spec: Spec, runners: list[str], *, data, root: str) -> list[Result]:
+    """Every runner at ``spec.workers`` workers."""
+    x, y = _train_arrays(data) if data is not None else _synthetic(spec)
+    print(
+        f"# {spec.workers} workers: {len(y)} {spec.data} samples an epoch, global batch "
+        f"{spec.batch_size}",
         flush=True,
     )
     results = []
@@ -129,24 +174,33 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         result = _RUNNERS[name](spec, data=data, x=x, y=y, root=root)
         print(
-            f"{result.runner:<20} loop {result.loop_samples_per_s:9.1f} samples/s "
-            f"({result.loop_s:6.2f} s)   end to end {result.end_to_end_samples_per_s:9.1f} "
-            f"samples/s ({result.end_to_end_s:6.2f} s)",
+            f"{result.runner:<20} n={result.workers} loop {result.loop_samples_per_s:9.1f} "
+            f"samples/s ({result.loop_s:6.2f} s)   end to end "
+            f"{result.end_to_end_samples_per_s:9.1f} samples/s ({result.end_to_end_s:6.2f} s)",
             flush=True,
         )
         results.append(result)
-    summary = _summary(spec, results)
-    print(json.dumps(summary), flush=True)
-    return summary
+    return results
 
 
-def _parse(argv: list[str] | None) -> tuple[Spec, list[str]]:
+def _parse(argv: list[str] | None) -> tuple[Spec, list[str], list[int], int | None]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64, help="the global batch")
+    parser.add_argument(
+        "--per-worker-batch",
+        type=int,
+        default=None,
+        help="weak scaling: the global batch is this times the workers (overrides --batch-size)",
+    )
+    parser.add_argument("--workers", default="2", help="worker counts, comma-separated: 1,2,4,8")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=None, help="untimed steps first; default 0 (CPU), 3"
+    )
+    parser.add_argument("--amp", choices=("none", "bf16"), default="none")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument(
@@ -170,11 +224,23 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[str]]:
         device=args.device,
         bucket_mb=args.bucket_mb,
         data=args.data or ("digits" if args.device == "cpu" else "synthetic"),
+        warmup_steps=(
+            args.warmup_steps
+            if args.warmup_steps is not None
+            else (0 if args.device == "cpu" else 3)
+        ),
+        amp=args.amp,
     )
+    if args.amp != "none" and args.device == "cpu":
+        parser.error("--amp bf16 is for --device cuda")
     default = ["ours_processes", "ddp", "torchtrainer"]
     if args.device == "cpu":
         default.insert(0, "ours_engine")
-    return spec, (args.runners.split(",") if args.runners else default)
+    counts = [int(n) for n in args.workers.split(",")]
+    if any(n < 1 for n in counts):
+        parser.error(f"--workers must be positive counts, got {args.workers}")
+    runners = args.runners.split(",") if args.runners else default
+    return spec, runners, counts, args.per_worker_batch
 
 
 # -- the per-step loop every spawned runner shares -----------------------------------------
@@ -190,23 +256,45 @@ def train_loop(
     rank: int,
     before_backward: Callable[[float], None] = lambda weight: None,
     after_backward: Callable[[], None] = lambda: None,
-) -> int:
-    """The engine's step: this rank's part of each global batch; returns samples seen."""
-    seen = 0
+) -> tuple[int, float]:
+    """The engine's step: this rank's part of each global batch.
+
+    The first ``spec.warmup_steps`` steps run before the clock starts.
+
+    Returns:
+        The samples seen in the timed steps (all ranks together), and their seconds.
+    """
+    seen, step, started = 0, 0, time.perf_counter()
     for epoch in range(spec.epochs):
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(spec.seed + epoch))
         for start in range(0, len(order), spec.batch_size):
+            if step == spec.warmup_steps:
+                _sync(x.device)
+                seen, started = 0, time.perf_counter()
             batch = order[start : start + spec.batch_size]
-            mine = torch.tensor_split(batch, WORKERS)[rank].to(x.device)
+            mine = torch.tensor_split(batch, spec.workers)[rank].to(x.device)
             optimizer.zero_grad(set_to_none=False)
             before_backward(len(mine) / len(batch))
-            F.cross_entropy(model(x[mine] / 16.0), y[mine]).backward()
+            with _autocast(spec, x.device):
+                loss = F.cross_entropy(model(x[mine] / 16.0), y[mine])
+            loss.backward()
             after_backward()
             optimizer.step()
             seen += len(batch)
-    if x.is_cuda:
-        torch.cuda.synchronize()
-    return seen
+            step += 1
+    _sync(x.device)
+    return seen, time.perf_counter() - started
+
+
+def _autocast(spec: Spec, device: torch.device) -> contextlib.AbstractContextManager:
+    if spec.amp == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # -- runners ----------------------------------------------------------------------------------
@@ -225,7 +313,7 @@ def _run_ours_engine(spec: Spec, *, data, x, y, root: str) -> Result:
             hparams={"hidden": spec.hidden, "layers": spec.layers},
             data=data,
             config=TrainConfig(
-                workers=WORKERS,
+                workers=spec.workers,
                 epochs=spec.epochs,
                 batch_size=spec.batch_size,
                 seed=spec.seed,
@@ -240,6 +328,7 @@ def _run_ours_engine(spec: Spec, *, data, x, y, root: str) -> Result:
     loop = sum(epoch.seconds for epoch in result.history)  # train + a small validation pass
     return Result(
         runner="ours (engine.fit)",
+        workers=spec.workers,
         samples=spec.epochs * len(y),
         loop_s=loop,
         end_to_end_s=end_to_end,
@@ -253,12 +342,14 @@ def _run_spawned(name: str, runner: str, spec: Spec, x, y) -> Result:
     mp.spawn(
         _spawned_rank,
         args=(runner, spec, x, y, _free_port(), queue),
-        nprocs=WORKERS,
+        nprocs=spec.workers,
         join=True,
     )
     end_to_end = time.perf_counter() - started
     samples, loop = queue.get()
-    return Result(runner=name, samples=samples, loop_s=loop, end_to_end_s=end_to_end)
+    return Result(
+        runner=name, workers=spec.workers, samples=samples, loop_s=loop, end_to_end_s=end_to_end
+    )
 
 
 def _spawned_rank(rank: int, runner: str, spec: Spec, x, y, port: int, queue) -> None:
@@ -272,7 +363,7 @@ def _spawned_rank(rank: int, runner: str, spec: Spec, x, y, port: int, queue) ->
     x, y = x.to(device), y.to(device)
     address = f"tcp://127.0.0.1:{port}"
     if runner == "ddp":
-        dist.init_process_group(backend, init_method=address, rank=rank, world_size=WORKERS)
+        dist.init_process_group(backend, init_method=address, rank=rank, world_size=spec.workers)
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=spec.bucket_mb)
         hooks = {}
         close = dist.destroy_process_group
@@ -280,9 +371,7 @@ def _spawned_rank(rank: int, runner: str, spec: Spec, x, y, port: int, queue) ->
         hooks, close = _ours_hooks(model, rank=rank, backend=backend, address=address, spec=spec)
     # Before the clock: the first Adam imports torch._dynamo, seconds on a small machine.
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    started = time.perf_counter()
-    samples = train_loop(model, optimizer, x, y, spec=spec, rank=rank, **hooks)
-    loop = time.perf_counter() - started
+    samples, loop = train_loop(model, optimizer, x, y, spec=spec, rank=rank, **hooks)
     close()
     if rank == 0:
         queue.put((samples, loop))
@@ -293,7 +382,7 @@ def _ours_hooks(model: nn.Module, *, rank: int, backend: str, address: str, spec
 
     ring = RingCollective(
         rank=rank,
-        world_size=WORKERS,
+        world_size=spec.workers,
         init_method=address,
         backend=backend,
         timeout_s=60,
@@ -335,7 +424,7 @@ def _run_torchtrainer(spec: Spec, *, data, x, y, root: str) -> Result:
             _torchtrainer_loop,
             train_loop_config={"spec": asdict(spec), "x": x, "y": y, "out": out},
             scaling_config=ScalingConfig(
-                num_workers=WORKERS,
+                num_workers=spec.workers,
                 use_gpu=spec.device == "cuda",
                 resources_per_worker={"CPU": 1},
             ),
@@ -349,6 +438,7 @@ def _run_torchtrainer(spec: Spec, *, data, x, y, root: str) -> Result:
         metrics = json.load(f)
     return Result(
         runner="Ray TorchTrainer",
+        workers=spec.workers,
         samples=int(metrics["samples"]),
         loop_s=float(metrics["loop_s"]),
         end_to_end_s=end_to_end,
@@ -367,9 +457,7 @@ def _torchtrainer_loop(config: dict) -> None:
     device = next(model.parameters()).device
     x, y = config["x"].to(device), config["y"].to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    started = time.perf_counter()
-    samples = train_loop(model, optimizer, x, y, spec=spec, rank=context.get_world_rank())
-    loop_s = time.perf_counter() - started
+    samples, loop_s = train_loop(model, optimizer, x, y, spec=spec, rank=context.get_world_rank())
     if context.get_world_rank() == 0:
         with open(config["out"], "w") as f:
             json.dump({"samples": samples, "loop_s": loop_s}, f)
@@ -420,33 +508,96 @@ def _has_ray_train() -> bool:
 
 
 def _summary(spec: Spec, results: list[Result]) -> dict:
-    by = {r.runner: r for r in results}
+    """Headline ratios at the largest worker count, and scaling over the counts run."""
+    largest = max((r.workers for r in results), default=spec.workers)
+    by = {r.runner: r for r in results if r.workers == largest}
     ours = by.get("ours (engine.fit)") or by.get("ours (processes)")
     ddp, trainer = by.get("torch DDP"), by.get("Ray TorchTrainer")
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return round(a / b, 3) if a and b else None
-
+    scaling = _scaling(results)
     return {
-        "ours_vs_ddp": ratio(ours and ours.loop_samples_per_s, ddp and ddp.loop_samples_per_s),
-        "ours_processes_vs_ddp": ratio(
+        "ours_vs_ddp": _ratio(ours and ours.loop_samples_per_s, ddp and ddp.loop_samples_per_s),
+        "ours_processes_vs_ddp": _ratio(
             by.get("ours (processes)") and by["ours (processes)"].loop_samples_per_s,
             ddp and ddp.loop_samples_per_s,
         ),
-        "ours_vs_torchtrainer": ratio(
+        "ours_vs_torchtrainer": _ratio(
             ours and ours.end_to_end_samples_per_s, trainer and trainer.end_to_end_samples_per_s
         ),
+        "workers": largest,
+        "scaling_efficiency": scaling["ours (processes)"].get(largest),
+        "ddp_scaling_efficiency": scaling["torch DDP"].get(largest),
+        "ours_vs_ddp_by_workers": {
+            n: _ratio(ours_n, ddp_n) for n, (ours_n, ddp_n) in _pairs(results).items()
+        },
+        "scaling_efficiency_by_workers": scaling,
         "spec": asdict(spec),
-        "results": {
-            r.runner: {
-                "loop_samples_per_s": round(r.loop_samples_per_s, 1),
-                "end_to_end_samples_per_s": round(r.end_to_end_samples_per_s, 1),
-                "loop_s": round(r.loop_s, 3),
-                "end_to_end_s": round(r.end_to_end_s, 3),
-            }
-            for r in results
+        "results": {r.runner: _numbers(r) for r in results if r.workers == largest},
+        "by_workers": {
+            n: {r.runner: _numbers(r) for r in results if r.workers == n}
+            for n in sorted({r.workers for r in results})
         },
     }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def _numbers(r: Result) -> dict:
+    return {
+        "loop_samples_per_s": round(r.loop_samples_per_s, 1),
+        "end_to_end_samples_per_s": round(r.end_to_end_samples_per_s, 1),
+        "loop_s": round(r.loop_s, 3),
+        "end_to_end_s": round(r.end_to_end_s, 3),
+    }
+
+
+def _pairs(results: list[Result]) -> dict[int, tuple[float | None, float | None]]:
+    """Per worker count: the loop throughput of ours (processes) and of DDP."""
+    pairs = {}
+    for n in sorted({r.workers for r in results}):
+        at = {r.runner: r.loop_samples_per_s for r in results if r.workers == n}
+        pairs[n] = (at.get("ours (processes)"), at.get("torch DDP"))
+    return pairs
+
+
+def _scaling(results: list[Result]) -> dict[str, dict[int, float]]:
+    """``throughput(n) / (n x throughput(1))`` per runner; empty without a 1-worker run."""
+    scaling: dict[str, dict[int, float]] = {"ours (processes)": {}, "torch DDP": {}}
+    for runner in scaling:
+        rates = {r.workers: r.loop_samples_per_s for r in results if r.runner == runner}
+        if 1 in rates:
+            scaling[runner] = {n: round(v / (n * rates[1]), 3) for n, v in sorted(rates.items())}
+    return scaling
+
+
+def _print_scaling(summary: dict) -> None:
+    print(
+        f"{'workers':>7} {'ours samples/s':>15} {'DDP samples/s':>14} {'ours/DDP':>9} "
+        f"{'ours eff':>9} {'DDP eff':>8}",
+        flush=True,
+    )
+    ours_eff = summary["scaling_efficiency_by_workers"]["ours (processes)"]
+    ddp_eff = summary["scaling_efficiency_by_workers"]["torch DDP"]
+    for n, row in summary["by_workers"].items():
+        ours = row.get("ours (processes)", {}).get("loop_samples_per_s")
+        ddp = row.get("torch DDP", {}).get("loop_samples_per_s")
+        print(
+            f"{n:>7} {_cell(ours, 15, '.1f')} {_cell(ddp, 14, '.1f')} "
+            f"{_cell(summary['ours_vs_ddp_by_workers'].get(n), 9, '.3f')} "
+            f"{_cell(ours_eff.get(n), 9, '.3f')} {_cell(ddp_eff.get(n), 8, '.3f')}",
+            flush=True,
+        )
+
+
+def _cell(value: float | None, width: int, fmt: str) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}"
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda" and torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return "CPU"
 
 
 def _free_port() -> int:

@@ -1,30 +1,44 @@
 """Pipeline bubble: each stage's idle fraction against theory, and ours against torch's.
 
-Two stages of equal cost (an MLP of ``Linear + ReLU`` blocks, half of them per stage, one
-torch thread per stage) run a schedule (``1f1b`` by default) with M micro-batches of a fixed
-size, for M in 4, 8, 16. For every step each stage records its compute time; its bubble is
-the rest of the step's makespan (first stage start to last stage end), and theory says
-(P-1)/(M+P-1). The stages run in spawned processes with the engine's own stage code
-(``PipelineStage``, ``StageLink``, ``run_schedule``): gloo on CPU, NCCL on GPU, no Ray.
+P stages of equal cost (an MLP of ``Linear + ReLU`` blocks, ``--layers-per-stage`` of them
+per stage) run a schedule (``1f1b`` by default) with M micro-batches of a fixed size, for M
+in 4, 8, 16. For every step each stage records its compute time; its bubble is the rest of
+the step's makespan (first stage start to last stage end), and theory says (P-1)/(M+P-1).
+The stages run in spawned processes with the engine's own stage code (``PipelineStage``,
+``StageLink``, ``run_schedule``): gloo on CPU, NCCL on GPU (one process per GPU), no Ray.
 
-With ``--device cuda`` (2 GPUs) the same stages also run under torch.distributed.pipelining's
-``Schedule1F1B`` with the same P and M in the same run, and the throughput ratio is reported.
-The last line is one JSON object with ``max_bubble_excess`` (the largest measured bubble
-over theory, minus 1) and, when compared, ``ours_vs_torch_pipelining``.
+Layouts (``--layouts 1x2,2x2,1x4,4x1``): ``DxP`` is D data-parallel replicas of a P-stage
+pipeline, D*P processes. After each step every stage's gradients are summed over its D
+replicas through our ring (``RingCollective``, one flat buffer, as
+``engine.pipeline.PipelineWorker`` does); the bubble is measured on the schedule alone, the
+throughput (samples/s = D x M x micro-size / step) over the whole step, all-reduce included.
 
-    python -m bench.pipeline                        # CPU, 2 processes
+With ``--device cuda`` the same stages also run under torch.distributed.pipelining's
+``Schedule1F1B`` with the same D, P and M in the same run (the stage's gradients summed over
+its replicas with ``dist.all_reduce`` on the replicas' group), and the throughput ratio is
+reported. The last line is one JSON object with ``max_bubble_excess`` (the largest measured
+bubble over theory, minus 1, over the layouts with P > 1) and, when compared,
+``ours_vs_torch_pipelining`` (the smallest ours/torch throughput ratio); ``by_layout`` holds
+each layout's figures. A layout needing more GPUs than present is skipped with a note, so
+the same command runs unchanged on 4 and on 8 GPUs.
+
+    python -m bench.pipeline                        # CPU, 2 processes (layout 1x2)
+    python -m bench.pipeline --layouts 2x2          # CPU, 4 processes
     python -m bench.pipeline --device cuda --hidden 8192 --micro-size 256
+    python -m bench.pipeline --device cuda --layouts 2x2,1x4,4x1,2x4,4x2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -32,12 +46,14 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
-STAGES = 2
-
 
 @dataclass(frozen=True, kw_only=True)
 class Spec:
     device: str
+    replicas: int
+    """D: data-parallel replicas of the pipeline."""
+    stages: int
+    """P: stages per replica."""
     hidden: int
     layers_per_stage: int
     micro_size: int
@@ -51,35 +67,62 @@ class Spec:
 
 def mlp(spec: Spec) -> nn.Sequential:
     blocks: list[nn.Module] = []
-    for _ in range(STAGES * spec.layers_per_stage):
+    for _ in range(spec.stages * spec.layers_per_stage):
         blocks += [nn.Linear(spec.hidden, spec.hidden), nn.ReLU()]
     return nn.Sequential(*blocks)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    spec = _parse(argv)
+    base, layouts = _parse(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # NVLink multicast (NVLS) can wedge a shared host's GPUs: off unless the user says otherwise.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    params = sum(p.numel() for p in mlp(spec).parameters())
     print(
-        f"# pipeline bubble: {STAGES} stages x {spec.layers_per_stage} blocks of "
-        f"Linear({spec.hidden}, {spec.hidden}) ({params / 1e6:.1f} M params), micro-batches of "
-        f"{spec.micro_size}, schedule {spec.schedule}, device {spec.device}, "
-        f"{os.cpu_count()} CPUs, fastest of {spec.steps} steps after {spec.warmup} warm-up",
+        f"# pipeline bubble: layouts {','.join(f'{d}x{p}' for d, p in layouts)} (replicas x "
+        f"stages), {base.layers_per_stage} blocks of Linear({base.hidden}, {base.hidden}) per "
+        f"stage, micro-batches of {base.micro_size}, schedule {base.schedule}, device "
+        f"{base.device} ({_device_name(base.device)}), {os.cpu_count()} CPUs, torch "
+        f"{torch.__version__}, fastest of {base.steps} steps after {base.warmup} warm-up",
         flush=True,
     )
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.spawn(_rank, args=(spec, _free_port(), queue), nprocs=STAGES, join=True)
-    reports = dict(queue.get() for _ in range(STAGES))
-    summary = _report(spec, reports)
+    by_layout = {}
+    for replicas, stages in layouts:
+        spec = replace(base, replicas=replicas, stages=stages)
+        if spec.device == "cuda" and torch.cuda.device_count() < replicas * stages:
+            print(
+                f"# skipping layout {replicas}x{stages}: needs {replicas * stages} GPUs, "
+                f"{torch.cuda.device_count()} here",
+                flush=True,
+            )
+            continue
+        by_layout[f"{replicas}x{stages}"] = _run_layout(spec)
+    summary = _summary(base, by_layout)
     print(json.dumps(summary), flush=True)
     return summary
 
 
-def _parse(argv: list[str] | None) -> Spec:
+def _run_layout(spec: Spec) -> dict:
+    world = spec.replicas * spec.stages
+    params = sum(p.numel() for p in mlp(spec).parameters())
+    print(
+        f"## layout {spec.replicas}x{spec.stages}: {spec.replicas} replicas x {spec.stages} "
+        f"stages, {world} processes, {params / 1e6:.1f} M params",
+        flush=True,
+    )
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_rank, args=(spec, _free_port(), queue), nprocs=world, join=True)
+    reports = dict(queue.get() for _ in range(world))
+    return _report(spec, reports)
+
+
+def _parse(argv: list[str] | None) -> tuple[Spec, list[tuple[int, int]]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--layouts",
+        default="1x2",
+        help="DxP layouts, comma-separated: D data-parallel replicas of P stages (1x2, 2x2, 4x2)",
+    )
     parser.add_argument("--hidden", type=int, default=None, help="default 1024 (CPU), 8192 (GPU)")
     parser.add_argument("--layers-per-stage", type=int, default=4)
     parser.add_argument("--micro-size", type=int, default=None, help="default 64 (CPU), 512")
@@ -94,9 +137,12 @@ def _parse(argv: list[str] | None) -> Spec:
         help="also run torch.distributed.pipelining Schedule1F1B (default: on CUDA only)",
     )
     args = parser.parse_args(argv)
+    layouts = [_layout(text, parser) for text in args.layouts.split(",")]
     cuda = args.device == "cuda"
-    return Spec(
+    spec = Spec(
         device=args.device,
+        replicas=layouts[0][0],
+        stages=layouts[0][1],
         hidden=args.hidden or (8192 if cuda else 1024),
         layers_per_stage=args.layers_per_stage,
         micro_size=args.micro_size or (512 if cuda else 64),
@@ -106,55 +152,150 @@ def _parse(argv: list[str] | None) -> Spec:
         schedule=args.schedule,
         compare_torch=cuda if args.compare_torch is None else args.compare_torch,
     )
+    return spec, layouts
+
+
+def _layout(text: str, parser: argparse.ArgumentParser) -> tuple[int, int]:
+    replicas, _, stages = text.strip().lower().partition("x")
+    if not (replicas.isdigit() and stages.isdigit() and int(replicas) > 0 and int(stages) > 0):
+        parser.error(f"--layouts takes DxP pairs of positive counts like 2x2, got {text!r}")
+    return int(replicas), int(stages)
 
 
 # -- one spawned stage -------------------------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Groups:
+    """This process's process groups: its pipeline's (per use) and its stage's replicas'."""
+
+    link: tuple  # (activations, gradients) of our StageLink
+    ring: object  # our ring's NCCL group
+    torch_pipe: object  # torch.distributed.pipelining's
+    torch_replicas: object  # torch's side of the gradient sum
+
+
 def _rank(rank: int, spec: Spec, port: int, queue) -> None:
+    from engine.collective import RingCollective
     from engine.pipeline import PipelineConfig, PipelineStage, StageLink, partition_model
 
-    torch.set_num_threads(1)
+    replica, stage_index = divmod(rank, spec.stages)
+    world = spec.replicas * spec.stages
     cuda = spec.device == "cuda"
+    torch.set_num_threads(4 if cuda else 1)  # more only for building the model on the host
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     store = dist.TCPStore(
-        "127.0.0.1", port, STAGES, is_master=rank == 0, timeout=dt.timedelta(seconds=120)
+        "127.0.0.1", port, world, is_master=rank == 0, timeout=dt.timedelta(seconds=120)
     )
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(
-        backend, store=dist.PrefixStore("default", store), rank=rank, world_size=STAGES
+        backend, store=dist.PrefixStore("default", store), rank=rank, world_size=world
     )
+    groups = _new_groups(spec, replica=replica, stage=stage_index)
     torch.manual_seed(spec.seed)
     model = mlp(spec)
     x = torch.randn(spec.micro_size, spec.hidden)
     y = torch.randn(spec.micro_size, spec.hidden)
-    split = (2 * spec.layers_per_stage,)  # half the blocks (Linear + ReLU) each
-    partition = partition_model(model, PipelineConfig(stages=STAGES, balance=split))
+    split = tuple(2 * spec.layers_per_stage * s for s in range(1, spec.stages))
+    partition = partition_model(model, PipelineConfig(stages=spec.stages, balance=split))
     stage = PipelineStage(
-        model, partition=partition, stage=rank, example=x, loss_fn=F.mse_loss, device=device
+        model, partition=partition, stage=stage_index, example=x, loss_fn=F.mse_loss, device=device
     )
-    link = StageLink(
-        store=dist.PrefixStore("ours", store),
-        stage=rank,
-        stages=STAGES,
-        timeout_s=60,
-        backend=backend,
-    )
+    torch.set_num_threads(1)
+    with _handing(groups.link, "engine.pipeline.p2p"):
+        link = StageLink(
+            store=dist.PrefixStore(f"ours/{replica}", store),
+            stage=stage_index,
+            stages=spec.stages,
+            timeout_s=60,
+            backend=backend,
+        )
+    with _handing((groups.ring,), "engine.collective._p2p", world_size=spec.replicas):
+        ring = RingCollective(
+            rank=replica,
+            world_size=spec.replicas,
+            backend=backend,
+            store=dist.PrefixStore(f"ring/{stage_index}", store),
+            timeout_s=60,
+        )
     x, y = x.to(device), y.to(device)
-    report = {"bubble": {}, "throughput": {}}
+    report = {"bubble": {}, "throughput": {}, "ring": ring.transport}
     for m in spec.micro_batches:
         report["bubble"][m] = _timed_steps(stage, link, spec, m, x, y)
         if spec.compare_torch:
             report["throughput"][m] = {
-                "ours": _ours_seconds(stage, link, spec, m, x, y),
-                "torch": _torch_seconds(stage, spec, m, x, y, device),
+                "ours": _ours_seconds(stage, link, ring, spec, m, x, y),
+                "torch": _torch_seconds(stage, groups, spec, m, x, y, device),
             }
     dist.barrier()
     queue.put((rank, report))
+    ring.close()
     link.close()
     dist.destroy_process_group()
+
+
+def _new_groups(spec: Spec, *, replica: int, stage: int) -> _Groups:
+    """Every group of the layout, created on every rank in the same order (as NCCL needs)."""
+    pipes = [[r * spec.stages + s for s in range(spec.stages)] for r in range(spec.replicas)]
+    columns = [[r * spec.stages + s for r in range(spec.replicas)] for s in range(spec.stages)]
+    mine: dict[str, list] = {"link": [], "ring": [], "torch_pipe": [], "torch_replicas": []}
+    for r, ranks in enumerate(pipes):
+        made = [dist.new_group(ranks) for _ in range(3)]  # activations, gradients, torch's
+        if r == replica:
+            mine["link"], mine["torch_pipe"] = made[:2], [made[2]]
+    for s, ranks in enumerate(columns):
+        made = [dist.new_group(ranks) for _ in range(2)]  # our ring, torch's all-reduce
+        if s == stage:
+            mine["ring"], mine["torch_replicas"] = [made[0]], [made[1]]
+    return _Groups(
+        link=tuple(mine["link"]),
+        ring=mine["ring"][0],
+        torch_pipe=mine["torch_pipe"][0],
+        torch_replicas=mine["torch_replicas"][0],
+    )
+
+
+class _GroupsFor:
+    """``torch.distributed`` as an engine module sees it while it connects, with its groups
+    handed over: the engine's NCCL paths build their groups from the default one and so
+    assume it is theirs alone, which a DxP layout in one world is not."""
+
+    def __init__(self, groups: tuple, world_size: int | None) -> None:
+        self._groups, self._world_size = list(groups), world_size
+
+    def new_group(self, *args, **kwargs):
+        return self._groups.pop(0)
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_world_size(self, *args) -> int:
+        return self._world_size if self._world_size is not None else dist.get_world_size(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+
+@contextlib.contextmanager
+def _handing(groups: tuple, module_name: str, *, world_size: int | None = None) -> Iterator[None]:
+    """While an engine object connects over NCCL, its ``new_group`` returns ``groups``.
+
+    gloo (CPU) needs none of this: the engine's gloo paths rendezvous through the store.
+    """
+    import importlib
+
+    module = importlib.import_module(module_name)
+    if dist.get_backend() != "nccl":
+        yield
+        return
+    before = module.dist
+    module.dist = _GroupsFor(groups, world_size)
+    try:
+        yield
+    finally:
+        module.dist = before
 
 
 def _micro(spec: Spec, m: int, x: torch.Tensor, y: torch.Tensor):
@@ -169,7 +310,7 @@ def _timed_steps(stage, link, spec: Spec, m: int, x, y) -> list[tuple[float, flo
     """``(start, end, compute seconds)`` of each measured step on this stage."""
     from engine.pipeline import StepTiming, run_schedule, stage_actions
 
-    actions = stage_actions(spec.schedule, stage=stage.stage, stages=STAGES, micro_batches=m)
+    actions = stage_actions(spec.schedule, stage=stage.stage, stages=spec.stages, micro_batches=m)
     micro = _micro(spec, m, x, y)
     records = []
     for step in range(spec.warmup + spec.steps):
@@ -181,36 +322,58 @@ def _timed_steps(stage, link, spec: Spec, m: int, x, y) -> list[tuple[float, flo
     return records
 
 
-def _ours_seconds(stage, link, spec: Spec, m: int, x, y) -> float:
-    """Seconds per step of our schedule, untimed inside (no synchronisation per action)."""
+def _ours_seconds(stage, link, ring, spec: Spec, m: int, x, y) -> float:
+    """Seconds per step of our schedule and gradient sum (no synchronisation per action)."""
     from engine.pipeline import run_schedule, stage_actions
 
-    actions = stage_actions("1f1b", stage=stage.stage, stages=STAGES, micro_batches=m)
+    actions = stage_actions("1f1b", stage=stage.stage, stages=spec.stages, micro_batches=m)
     micro = _micro(spec, m, x, y)
+    params = stage.parameters()
 
     def step() -> None:
         run_schedule(stage, actions, link=link, micro=micro)
+        _sum_gradients(params, lambda flat: ring.allreduce_(flat, op="sum"), spec)
 
     return _seconds_per_step(step, spec, x.device)
 
 
-def _torch_seconds(stage, spec: Spec, m: int, x, y, device) -> float:
+def _torch_seconds(stage, groups: _Groups, spec: Spec, m: int, x, y, device) -> float:
     """Seconds per step of torch.distributed.pipelining's Schedule1F1B on the same layers."""
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B
 
     submodule = nn.Sequential(*stage.layers)
-    torch_stage = TorchStage(submodule, stage.stage, STAGES, device)
+    torch_stage = TorchStage(submodule, stage.stage, spec.stages, device, group=groups.torch_pipe)
     schedule = Schedule1F1B(torch_stage, n_microbatches=m, loss_fn=F.mse_loss)
     full_x, full_y = torch.cat([x] * m), torch.cat([y] * m)
+    params = [p for p in submodule.parameters() if p.requires_grad]
+
+    def all_reduce(flat: torch.Tensor) -> None:
+        dist.all_reduce(flat, group=groups.torch_replicas)
 
     def step() -> None:
-        if stage.is_first:
+        if stage.is_first and stage.is_last:
+            schedule.step(full_x, target=full_y, losses=[])
+        elif stage.is_first:
             schedule.step(full_x)
         else:
             schedule.step(target=full_y, losses=[])
+        _sum_gradients(params, all_reduce, spec)
 
     return _seconds_per_step(step, spec, device)
+
+
+def _sum_gradients(params: list[torch.Tensor], all_reduce, spec: Spec) -> None:
+    """The stage's gradients summed over its replicas in one flat buffer, then copied back."""
+    if spec.replicas == 1:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+    all_reduce(flat)
+    offset = 0
+    for p in params:
+        if p.grad is not None:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
 
 def _seconds_per_step(step, spec: Spec, device: torch.device) -> float:
@@ -235,17 +398,23 @@ def _sync(device: torch.device) -> None:
 
 
 def _report(spec: Spec, reports: dict[int, dict]) -> dict:
+    """One layout's table: per stage, the worst bubble over its replicas."""
+    P, D = spec.stages, spec.replicas
     print(
         f"{'M':>4} {'theory':>8} "
-        + " ".join(f"{f'stage {s}':>8}" for s in range(STAGES))
+        + " ".join(f"{f'stage {s}':>8}" for s in range(P))
         + f" {'excess':>8} {'step ms':>8}",
         flush=True,
     )
     rows = []
     for m in spec.micro_batches:
-        theory = (STAGES - 1) / (m + STAGES - 1)
-        bubbles, step_s = _bubbles([reports[s]["bubble"][m] for s in range(STAGES)])
-        excess = max(bubbles) / theory - 1
+        theory = (P - 1) / (m + P - 1)
+        per_replica = [
+            _bubbles([reports[r * P + s]["bubble"][m] for s in range(P)]) for r in range(D)
+        ]
+        bubbles = [max(b[s] for b, _ in per_replica) for s in range(P)]
+        step_s = max(span for _, span in per_replica)
+        excess = max(bubbles) / theory - 1 if theory > 0 else None
         rows.append(
             {
                 "micro_batches": m,
@@ -255,22 +424,24 @@ def _report(spec: Spec, reports: dict[int, dict]) -> dict:
                 "step_s": step_s,
             }
         )
+        shown = f"{excess:>+8.1%}" if excess is not None else f"{'-':>8}"
         print(
             f"{m:>4} {theory:>8.3f} "
             + " ".join(f"{b:>8.3f}" for b in bubbles)
-            + f" {excess:>+8.1%} {step_s * 1e3:>8.1f}",
+            + f" {shown} {step_s * 1e3:>8.1f}",
             flush=True,
         )
-    summary = {
-        "bench": "pipeline",
-        "spec": asdict(spec),
-        "stages": STAGES,
+    excesses = [r["excess"] for r in rows if r["excess"] is not None]
+    result = {
+        "replicas": D,
+        "stages": P,
+        "ring_transport": reports[0]["ring"],
         "rows": rows,
-        "max_bubble_excess": max(r["excess"] for r in rows),
+        "max_bubble_excess": max(excesses) if excesses else None,
     }
     if spec.compare_torch:
-        summary.update(_throughput(spec, reports))
-    return summary
+        result.update(_throughput(spec, reports))
+    return result
 
 
 def _bubbles(per_stage: list[list[tuple[float, float, float]]]) -> tuple[list[float], float]:
@@ -289,17 +460,54 @@ def _bubbles(per_stage: list[list[tuple[float, float, float]]]) -> tuple[list[fl
 
 
 def _throughput(spec: Spec, reports: dict[int, dict]) -> dict:
-    ratios = {}
-    print(f"{'M':>4} {'ours ms':>9} {'torch ms':>9} {'ours/torch':>11}", flush=True)
+    ratios, rates = {}, {}
+    print(
+        f"{'M':>4} {'ours ms':>9} {'torch ms':>9} {'ours samples/s':>15} "
+        f"{'torch samples/s':>16} {'ours/torch':>11}",
+        flush=True,
+    )
     for m in spec.micro_batches:
-        ours = max(reports[s]["throughput"][m]["ours"] for s in range(STAGES))
-        theirs = max(reports[s]["throughput"][m]["torch"] for s in range(STAGES))
+        ours = max(r["throughput"][m]["ours"] for r in reports.values())
+        theirs = max(r["throughput"][m]["torch"] for r in reports.values())
+        samples = spec.replicas * m * spec.micro_size
         ratios[m] = theirs / ours  # throughput ratio: samples per second, ours over torch's
-        print(f"{m:>4} {ours * 1e3:>9.2f} {theirs * 1e3:>9.2f} {ratios[m]:>11.3f}", flush=True)
+        rates[m] = {"ours": samples / ours, "torch": samples / theirs}
+        print(
+            f"{m:>4} {ours * 1e3:>9.2f} {theirs * 1e3:>9.2f} {samples / ours:>15.1f} "
+            f"{samples / theirs:>16.1f} {ratios[m]:>11.3f}",
+            flush=True,
+        )
     return {
         "ours_vs_torch_pipelining": min(ratios.values()),
         "ours_vs_torch_pipelining_by_m": ratios,
+        "samples_per_s_by_m": rates,
     }
+
+
+def _summary(spec: Spec, by_layout: dict[str, dict]) -> dict:
+    excesses = [r["max_bubble_excess"] for r in by_layout.values()]
+    excesses = [e for e in excesses if e is not None]
+    compared = [
+        r["ours_vs_torch_pipelining"] for r in by_layout.values() if "ours_vs_torch_pipelining" in r
+    ]
+    summary = {
+        "bench": "pipeline",
+        "spec": asdict(spec),
+        "max_bubble_excess": max(excesses) if excesses else None,
+        "by_layout": by_layout,
+    }
+    if len(by_layout) == 1:  # one layout: its figures at the top level, as before layouts
+        (only,) = by_layout.values()
+        summary.update({k: v for k, v in only.items() if k != "max_bubble_excess"})
+    if compared:
+        summary["ours_vs_torch_pipelining"] = min(compared)
+    return summary
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda" and torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return "CPU"
 
 
 def _free_port() -> int:
