@@ -16,7 +16,7 @@ from engine.config import DataSpec, TrainConfig
 from engine.elastic.coordinator import ElasticEvent
 from engine.group import InProcessGroup, MembershipLost, RayWorkerGroup, WorkerGroup
 from engine.worker import evaluate_module
-from storage.checkpoint import load_model
+from storage.checkpoint import load_model, read_checkpoint
 from storage.dataset import read_split
 from storage.store import CheckpointStore, CommittedCheckpoint
 
@@ -64,6 +64,7 @@ def fit(
     meta: dict[str, Any] | None = None,
     store_url: str | None = None,
     run_key: str | None = None,
+    init_from: str | None = None,
 ) -> FitResult:
     """Train ``module_cls(**hparams)`` on ``data`` with ``config.workers`` data-parallel workers.
 
@@ -89,6 +90,8 @@ def fit(
         meta: extra JSON metadata recorded in the checkpoint.
         store_url: fsspec URL of the checkpoint store; ``None`` trains without checkpoints.
         run_key: the run's identity in the store, stable across retries (the flow run id).
+        init_from: URL of a committed model to start from (warm start: its weights, a fresh
+            optimizer); ignored when the run resumes from its own checkpoint.
 
     Returns:
         The checkpoint URL, the per-epoch metrics and the final weights.
@@ -99,10 +102,15 @@ def fit(
         CheckpointStorageError: ``store_url`` cannot be written (checked before training).
     """
     _check_module(module_cls, hparams)
-    resume = _Resume.find(module_cls, hparams, data, config, store_url, run_key)
+    if init_from is not None:
+        _check_warm_start(module_cls, hparams, init_from)
+    resume = _Resume.find(module_cls, hparams, data, config, store_url, run_key, init_from)
     group_cls = InProcessGroup if in_process else RayWorkerGroup
     group = group_cls(module_cls, hparams=hparams, data=data, config=config)
     try:
+        if init_from is not None and resume.checkpoint is None:
+            group.call("warm_start", init_from)
+            log.info("warm start from %s", init_from)
         history = _train(group, config, resume, on_epoch)
         uri = group.call_rank0(
             "save",
@@ -242,6 +250,7 @@ class _Resume:
         config: TrainConfig,
         store_url: str | None,
         run_key: str | None,
+        init_from: str | None = None,
     ) -> _Resume:
         """Check the store is writable and read its newest checkpoint of ``run_key``."""
         if store_url is None:
@@ -256,6 +265,7 @@ class _Resume:
             "seed": config.seed,
             "batch_size": config.batch_size,
             "dataset_url": data.dataset_url,
+            **({"init_from": init_from} if init_from else {}),
         }
         resume = cls(store_url=store.url, run_key=run_key, fingerprint=fingerprint)
         latest = store.latest(run_key)
@@ -333,6 +343,22 @@ def _check_module(module_cls: type, hparams: dict[str, Any]) -> None:
     for hook in ("training_step", "configure_optimizers", "validation_step"):
         if not callable(getattr(module_cls, hook, None)):
             raise TypeError(f"{module_cls.__name__} must define {hook}()")
+
+
+def _check_warm_start(module_cls: type, hparams: dict[str, Any], init_from: str) -> None:
+    """The warm-start model must have this run's tensors, names and shapes."""
+    saved = read_checkpoint(init_from).state_dict
+    wanted = module_cls(**hparams).state_dict()
+    differ = sorted(
+        name
+        for name in set(saved) | set(wanted)
+        if name not in saved or name not in wanted or saved[name].shape != wanted[name].shape
+    )
+    if differ:
+        raise ValueError(
+            f"cannot warm-start {module_cls.__name__}({hparams}) from {init_from}: tensors "
+            f"{differ[:5]} are missing or shaped differently (trained with other hparams?)"
+        )
 
 
 def _mean(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:

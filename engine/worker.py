@@ -16,7 +16,7 @@ import torch
 
 from engine.collective import Collective, GradientBuckets, create_collective
 from engine.config import DataSpec, TrainConfig
-from storage.checkpoint import save_model
+from storage.checkpoint import read_checkpoint, save_model
 from storage.checkpointer import AsyncCheckpointer
 from storage.dataset import read_split
 from storage.reshard import REPLICATED, load_data_parallel, load_training_state, training_state
@@ -222,6 +222,10 @@ class RankWorker:
         return evaluate_module(
             self.module, x[mine], y[mine], split=split, batch_size=self.config.batch_size
         )
+
+    def warm_start(self, model_uri: str) -> None:
+        """Start from the weights of the committed model at ``model_uri`` (fresh optimizer)."""
+        self.module.load_state_dict(read_checkpoint(model_uri).state_dict, strict=True)
 
     def restore(self, store_url: str, checkpoint: CommittedCheckpoint) -> int:
         """Load the model and optimizer state of ``checkpoint``; return its step."""

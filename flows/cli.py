@@ -19,7 +19,18 @@ from prefect.utilities.callables import parameter_schema
 
 __all__ = ["build_parser", "main"]
 
-_TYPES = {"integer": int, "number": float, "string": str}
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text!r}")
+    return value
+
+
+_TYPES = {"integer": int, "number": float, "string": str, "object": _json_object}
 
 QUIET_ENV = {
     "DO_NOT_TRACK": "1",
@@ -55,7 +66,8 @@ def build_parser(flow: Flow) -> argparse.ArgumentParser:
                 dest=name,
                 type=_TYPES[kind],
                 default=prop.get("default"),
-                metavar=kind.upper(),
+                choices=prop.get("enum"),
+                metavar="JSON" if kind == "object" else kind.upper(),
                 help=help_text,
             )
     parser.add_argument(

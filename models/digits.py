@@ -47,10 +47,23 @@ class DigitsClassifier(L.LightningModule):
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr}")
         self.save_hyperparameters()
+        self.scale = _Scale(1 / 16.0)
         self.net = nn.Sequential(nn.Linear(PIXELS, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.net(pixels / 16.0)
+        return self.net(self.scale(pixels))
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """Forward order, for pipeline stages (docs/pipeline.md)."""
+        return [self.scale, *self.net]
+
+    @staticmethod
+    def pipeline_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, labels)
+
+    @staticmethod
+    def pipeline_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"accuracy": (logits.argmax(dim=1) == labels).float().mean()}
 
     def training_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
@@ -74,6 +87,17 @@ class DigitsClassifier(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+
+class _Scale(nn.Module):
+    """Pixel intensities (0-16) to 0-1; a layer of its own so pipeline stages can hold it."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
 
 
 def write_digits_csv(url: str) -> int:

@@ -8,7 +8,7 @@ import io
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from engine import EpochMetrics
-from engine.tuning import TrialSummary
+from engine.tuning import SearchResult, TrialSummary
 
 
 def epoch_table(history: list[EpochMetrics], *, key: str) -> None:
@@ -34,18 +34,47 @@ def loss_curve(history: list[EpochMetrics], *, key: str) -> None:
 
 
 def trial_table(trials: list[TrialSummary], *, metric: str, key: str) -> None:
+    """One row per trial: its parameters, metric, epochs run, how it ended, executions."""
     rows = [
-        {"trial": t.trial_id, **t.params, metric: t.metric, "epochs": t.epochs, "state": t.state}
+        {
+            "trial": t.trial_id + (" (base)" if t.is_base else ""),
+            **t.params,
+            metric: None if t.metric is None else round(t.metric, 5),
+            "epochs": t.epochs,
+            "state": t.state,
+            "executions": t.executions,
+        }
         for t in trials
     ]
-    create_table_artifact(key=key, table=rows, description="Tuning trials and how each ended")
+    stopped = sum(t.state == "stopped early" for t in trials)
+    create_table_artifact(
+        key=key,
+        table=rows,
+        description=f"Tuning trials and how each ended ({stopped} of {len(trials)} stopped early)",
+    )
 
 
 def trial_curves(trials: list[TrialSummary], *, metric: str, key: str) -> None:
+    """The metric over epochs of every trial; trials stopped early are dashed."""
     fig, ax = _figure()
     for t in trials:
-        ax.plot(range(1, len(t.curve) + 1), t.curve, marker="o", label=f"{t.trial_id} ({t.state})")
+        style = "--" if t.state == "stopped early" else "-"
+        label = f"{t.trial_id}{' base' if t.is_base else ''} ({t.state})"
+        ax.plot(range(1, len(t.curve) + 1), t.curve, style, marker="o", label=label)
     _publish_plot(fig, ax, ylabel=metric, key=key, description=f"{metric} per epoch of each trial")
+
+
+def best_configuration(result: SearchResult, *, metric: str, key: str) -> None:
+    """The configuration the search chose, against the base configuration."""
+    base = "n/a" if result.base_metric is None else f"{result.base_metric:.4f}"
+    create_markdown_artifact(
+        key=key,
+        markdown="| hyperparameter | value |\n|---|---|\n"
+        + "".join(f"| {k} | {v} |\n" for k, v in result.best_params.items())
+        + f"| {metric} | {result.best_metric:.4f} (base configuration: {base}) |\n"
+        + f"| trial | {result.best_trial} |\n| checkpoint | `{result.best_checkpoint}` |\n",
+        description="The configuration the search chose",
+    )
 
 
 def _figure():

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from engine import DataSpec, EpochMetrics, TrainConfig, fit
 from engine import evaluate as evaluate_model
 from engine.cluster import connect
+from engine.pipeline import PipelineConfig, fit_pipeline
 from models.digits import SCHEMA, DigitsClassifier
 from storage import copy_checkpoint, join
 from tasks.report import epoch_table, loss_curve
@@ -25,36 +26,45 @@ def train(
     *,
     run_key: str,
     hparams: dict,
-    workers: int,
-    epochs: int,
-    batch_size: int,
-    seed: int,
-    checkpoint_every: int = 0,
+    engine: dict,
+    pipeline: dict | None = None,
+    init_from: str | None = None,
 ) -> dict:
-    """Train on ``workers`` Ray actors; return the checkpoint URL and the final metrics.
+    """Train on Ray actors; return the checkpoint URL and the final metrics.
 
-    The training state is checkpointed under ``storage_url/checkpoints/{run_key}``, so a
+    Args:
+        engine: ``TrainConfig`` fields (workers, epochs, batch size, seed, elasticity...).
+        pipeline: ``PipelineConfig`` fields; with more than one stage the model is split into
+            pipeline stages, ``engine["workers"]`` replicas of them.
+        init_from: a committed model to warm-start from.
+
+    Data-parallel training is checkpointed under ``storage_url/checkpoints/{run_key}``, so a
     retried flow run (same run key) resumes where the failed attempt stopped.
     """
     connect()
-    config = TrainConfig(
-        workers=workers,
-        epochs=epochs,
-        batch_size=batch_size,
-        seed=seed,
-        checkpoint_every=checkpoint_every,
-    )
-    with _epoch_progress(epochs) as on_epoch:
-        result = fit(
-            DigitsClassifier,
-            hparams=hparams,
-            data=DataSpec(dataset_url=dataset_url, schema=SCHEMA),
-            config=config,
-            checkpoint_uri=join(storage_url, "runs", run_key, "model"),
-            on_epoch=on_epoch,
-            store_url=join(storage_url, "checkpoints"),
-            run_key=run_key,
-        )
+    if pipeline and pipeline.get("stages", 1) > 1 and "cpus_per_worker" not in engine:
+        engine = {**engine, "cpus_per_worker": _stage_cpus(engine["workers"] * pipeline["stages"])}
+    config = TrainConfig(**engine)
+    common = {
+        "hparams": hparams,
+        "data": DataSpec(dataset_url=dataset_url, schema=SCHEMA),
+        "config": config,
+        "checkpoint_uri": join(storage_url, "runs", run_key, "model"),
+    }
+    with _epoch_progress(config.epochs) as on_epoch:
+        if pipeline and pipeline.get("stages", 1) > 1:
+            result = fit_pipeline(
+                DigitsClassifier, **common, pipeline=PipelineConfig(**pipeline), on_epoch=on_epoch
+            )
+        else:
+            result = fit(
+                DigitsClassifier,
+                **common,
+                on_epoch=on_epoch,
+                store_url=join(storage_url, "checkpoints"),
+                run_key=run_key,
+                init_from=init_from,
+            )
     if result.resumed_from is not None:
         get_run_logger().warning(
             "resumed run %s from its checkpoint at step %d", run_key, result.resumed_from
@@ -67,6 +77,14 @@ def train(
         "metrics": result.metrics,
         "resumed_from_step": result.resumed_from,
     }
+
+
+def _stage_cpus(actors: int) -> float:
+    """CPUs per pipeline-stage actor: one each where the cluster has them, else a fair share
+    (on a laptop, 2 replicas x 2 stages share its cores)."""
+    import ray
+
+    return min(1.0, ray.cluster_resources().get("CPU", 1.0) / actors)
 
 
 def _report_events(events: list) -> None:

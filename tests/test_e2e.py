@@ -170,6 +170,33 @@ def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
 _QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 
 
+def test_cli_trains_in_pipeline_stages(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.train_pipeline",
+            "--workers=1",
+            "--pipeline-stages=2",
+            "--micro-batches=4",
+            "--tune-trials=0",
+            "--no-serve",
+            "--epochs=6",
+            f"--storage-url={tmp_path / 'storage'}",
+        ],
+        cwd=ROOT,
+        env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["test_accuracy"] > 0.9
+    assert summary["promoted"] is True
+    assert "first version" in summary["gate_reason"] or "promoted" in summary["gate_reason"]
+
+
 def test_missing_data_url_fails_the_run_naming_it(tmp_path):
     missing = tmp_path / "nowhere.csv"
     result = subprocess.run(

@@ -114,3 +114,31 @@ def test_more_workers_than_cpus_is_refused_up_front(ray_session, digits, tmp_pat
             config=TrainConfig(workers=64, epochs=1, batch_size=64),
             checkpoint_uri=str(tmp_path / "never"),
         )
+
+
+def test_warm_start_begins_from_the_given_model(digits, tmp_path):
+    def run(name, **kwargs):
+        return fit(
+            DigitsClassifier,
+            hparams={"hidden": 32, "lr": 0.01},
+            data=digits,
+            config=TrainConfig(workers=1, epochs=2, batch_size=64, seed=1),
+            checkpoint_uri=str(tmp_path / name),
+            in_process=True,
+            **kwargs,
+        )
+
+    first = run("first")
+    cold = run("cold")
+    warm = run("warm", init_from=first.checkpoint)
+    assert warm.history[0].metrics["train_loss"] < 0.8 * cold.history[0].metrics["train_loss"]
+    with pytest.raises(ValueError, match="cannot warm-start"):
+        fit(
+            DigitsClassifier,
+            hparams={"hidden": 64, "lr": 0.01},
+            data=digits,
+            config=TrainConfig(workers=1, epochs=1, batch_size=64),
+            checkpoint_uri=str(tmp_path / "wide"),
+            in_process=True,
+            init_from=first.checkpoint,
+        )

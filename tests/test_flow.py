@@ -21,12 +21,23 @@ PARAMETERS = [
     "hidden",
     "tune_trials",
     "tune_epochs",
+    "tune_space",
+    "tune_algorithm",
+    "tune_max_concurrent",
+    "use_best_checkpoint",
     "serve",
     "serve_port",
     "seed",
     "checkpoint_every",
     "run_key",
     "max_restarts",
+    "min_workers",
+    "commit_every",
+    "pipeline_stages",
+    "micro_batches",
+    "pipeline_schedule",
+    "warm_start",
+    "promotion_tolerance",
 ]
 
 
@@ -83,3 +94,19 @@ def test_cli_rejects_unknown_option():
     result = _cli("--bogus", "1")
     assert result.returncode == 2
     assert "unrecognized arguments: --bogus" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tune-space", "[1, 2]"], "must be a JSON object"),
+        (["--tune-algorithm", "grid"], "invalid choice"),
+        (["--pipeline-stages", "0"], "pipeline_stages"),
+        (["--commit-every", "0"], "commit_every"),
+    ],
+)
+def test_cli_rejects_bad_new_options_before_running(args, message):
+    result = _cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Starting temporary server" not in result.stdout + result.stderr
