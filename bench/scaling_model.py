@@ -3,24 +3,30 @@
 The time of one ring all-reduce of ``S`` bytes over ``n`` ranks is modelled as
 
     serial      T = c(n) * (alpha + 2(n-1) * gamma + 2(n-1)/n * B(S))
-    overlapped  T = max(alpha + 2(n-1) * h,  2(n-1) * (gamma + S/n * beta))
+    overlapped  T = max(alpha + 2(n-1) * h,  2(n-1) * (gamma + S/n * beta_n))
 
 ``alpha`` is the fixed cost of one call, ``gamma`` the cost of one hop (the ring makes 2(n-1)
 of them), ``beta`` seconds per byte on one link. On a CPU the ranks do every step themselves
 (serial): ``B(S) = min(S, C) * beta_cache + max(0, S - C) * beta`` (the first ``C`` bytes,
 C = the L2 cache, move faster), and ``c(n) = max(1, n / cores) ** kappa`` is the slowdown
 when more ranks than cores share the machine (kappa = 1: a fair share of the cores). On a
-GPU the host only launches (``h`` per hop, measured separately) while the device moves
-bytes, so the slower of the two sets the pace (overlapped).
+GPU the host only launches (``h`` per hop) while the device moves bytes, so the slower of the
+two sets the pace (overlapped). ``h`` is fitted when the host-bound points span two rank
+counts (else fixed from the data file). ``beta_n`` is ``beta`` for n = 2 (each hop sends to
+and receives from one peer) and, where the data file asks for it, a separately fitted
+``beta_multi`` for n >= 3 (two different peers per hop): on 4 H100s the per-byte cost is
+1.7x the 2-GPU one, which the hop count does not explain (docs/scaling.md, section 1).
 
 The fit (weighted least squares on relative error, parameters kept non-negative) reads its
 points from ``bench/scaling_data.json``. The predictions combine the fitted GPU ring with
 public interconnect figures and simulate a data-parallel step bucket by bucket, with the
-all-reduce of each bucket overlapping the rest of the backward pass. ``docs/scaling.md``
-states every assumption. The last line printed is one JSON object with ``max_fit_error``.
+all-reduce of each bucket overlapping the rest of the backward pass, and check the step
+model against the measured 4-GPU data-parallel efficiency. ``docs/scaling.md`` states every
+assumption. The last line printed is one JSON object with ``max_fit_error``.
 
     python -m bench.scaling_model
-    python -m bench.scaling_model --check docs/benchmarks-gpu-scaling.md   # a later run
+    python -m bench.scaling_model --check docs/benchmarks.md   # its GPU all-reduce tables
+    python -m bench.scaling_model --check "$OUT/allreduce.txt" # bench/scaling_run.sh output
 """
 
 from __future__ import annotations
@@ -63,7 +69,12 @@ class RingFit:
     model: str = "serial"
     """``serial`` (CPU: the ranks do everything) or ``overlapped`` (GPU: host launches)."""
     host_gamma: float = 0.0
-    """Host time to launch one hop (s), overlapped model only; fixed, not fitted."""
+    """Host time to launch one hop (s), overlapped model only."""
+    host_gamma_fitted: bool = False
+    """True when ``host_gamma`` was fitted (host-bound points at two or more rank counts)."""
+    beta_multi: float | None = None
+    """Seconds per byte when n >= 3 (send and receive go to different peers); ``None``: as
+    ``beta``. Overlapped model, only where the data file sets ``beta_by_peers``."""
     cores: int | None = None
     """Cores the ranks share (serial model); ``None``: one device per rank."""
     kappa: float = 1.0
@@ -75,6 +86,10 @@ class RingFit:
     gamma_identified: bool = True
     """False when every point had the same rank count, so gamma was folded into alpha."""
 
+    def beta_at(self, n: int) -> float:
+        """Seconds per byte on one link in a ring of ``n``."""
+        return self.beta_multi if n >= 3 and self.beta_multi is not None else self.beta
+
     def time(self, n: int, size: float) -> float:
         """Predicted seconds for one all-reduce of ``size`` bytes over ``n`` ranks."""
         if n <= 1:
@@ -82,7 +97,7 @@ class RingFit:
         hops = 2 * (n - 1)
         if self.model == "overlapped":
             host = self.alpha + hops * self.host_gamma
-            return max(host, hops * (self.gamma + size / n * self.beta))
+            return max(host, hops * (self.gamma + size / n * self.beta_at(n)))
         cached = min(size, self.cache_bytes)
         per_link = cached * self.beta_cache + (size - cached) * self.beta
         return _contention(n, self.cores, self.kappa) * (
@@ -161,19 +176,26 @@ def _fit_serial(spec: dict, n, size, y, one_n: bool) -> RingFit:
 def _fit_overlapped(spec: dict, n, size, y) -> RingFit:
     """Try every split into host-bound (small) and device-bound (large) points; keep the best.
 
-    The device part is linear in (gamma, beta), the host part in alpha; the max of the two is
-    what we measure, so the split that explains the points best is chosen exhaustively.
+    The device part is linear in (gamma, beta[, beta_multi]), the host part in (alpha, h);
+    the max of the two is what we measure, so the split that explains the points best is
+    chosen exhaustively (points ordered by bytes per rank). ``h`` is fitted when the
+    host-bound points span two or more rank counts, else fixed at ``host_gamma_us``.
     """
-    h = spec["host_gamma_us"] * 1e-6
+    fixed_h = spec.get("host_gamma_us")
+    fixed_h = None if fixed_h is None else fixed_h * 1e-6
+    by_peers = bool(spec.get("beta_by_peers")) and bool(np.any(n >= 3))
     hops = 2 * (n - 1)
-    order = np.argsort(size / n)
+    per_link = hops / n * size
+    multi = n >= 3
+    device_cols = [hops, per_link * ~multi, per_link * multi] if by_peers else [hops, per_link]
+    device = np.column_stack(device_cols)
+    order = np.argsort(size / n, kind="stable")
     best = None
     for k in range(0, len(y) - 1):
         host_i, dev_i = order[:k], order[k:]
-        gamma, beta = nonneg_wls(np.column_stack([hops, hops / n * size])[dev_i], y[dev_i])
-        base = y[host_i] - hops[host_i] * h if k else np.array([0.0])
-        weights = 1 / y[host_i] ** 2 if k else np.array([1.0])
-        alpha = max(0.0, float(np.sum(base * weights) / np.sum(weights)))
+        gamma, beta, *rest = nonneg_wls(device[dev_i], y[dev_i])
+        beta_multi = (rest[0] or None) if by_peers else None
+        alpha, h, h_fitted = _fit_host(n[host_i], y[host_i], fixed_h)
         fit = RingFit(
             platform=spec["name"],
             alpha=alpha,
@@ -181,11 +203,26 @@ def _fit_overlapped(spec: dict, n, size, y) -> RingFit:
             beta=beta,
             model="overlapped",
             host_gamma=h,
+            host_gamma_fitted=h_fitted,
+            beta_multi=beta_multi,
         )
         err = _sq_rel_error(fit, n, size, y)
         if best is None or err < best[0]:
             best = (err, fit)
     return best[1]
+
+
+def _fit_host(n, y, fixed_h: float | None) -> tuple[float, float, bool]:
+    """alpha and h of the host floor ``alpha + 2(n-1) h`` from host-bound points."""
+    if not len(y):
+        return 0.0, fixed_h or 0.0, False
+    hops = 2 * (n - 1)
+    if len(set(n.tolist())) >= 2:
+        alpha, h = nonneg_wls(np.column_stack([np.ones_like(y), hops]), y)
+        return alpha, h, True
+    h = fixed_h or 0.0
+    alpha, _ = nonneg_wls(np.column_stack([np.ones_like(y), np.zeros_like(y)]), y - hops * h)
+    return alpha, h, False
 
 
 def _sq_rel_error(fit: RingFit, n, size, y) -> float:
@@ -264,16 +301,17 @@ class Cluster:
 def h100_clusters(gpu: RingFit) -> list[Cluster]:
     """H100 nodes (8 GPUs on NVLink, as we measured) joined by 100 to 400 Gb/s NICs.
 
-    Inside a node: our fitted hop cost and bandwidth. Across nodes: the same hop cost plus the
-    difference NCCL's model puts between a network step and an NVLink step (6.2 us), and the
-    NIC's line rate. One NIC per node is a commodity cloud node; eight (one per GPU) is a
-    DGX H100 / rail-optimised node (8 x 400 Gb/s ConnectX-7).
+    Inside a node: our fitted hop cost and bandwidth (the n >= 3 bandwidth where fitted: a
+    ring of 8 sends and receives to different peers, as on 4 GPUs). Across nodes: the same
+    hop cost plus the difference NCCL's model puts between a network step and an NVLink step
+    (6.2 us), and the NIC's line rate. One NIC per node is a commodity cloud node; eight (one
+    per GPU) is a DGX H100 / rail-optimised node (8 x 400 Gb/s ConnectX-7).
     """
     extra = (NCCL_HOP_US["net"] - NCCL_HOP_US["nvlink"]) * 1e-6
     common = {
         "gpus_per_node": 8,
         "intra_gamma": gpu.gamma,
-        "intra_beta": gpu.beta,
+        "intra_beta": gpu.beta_at(8),
         "net_gamma": gpu.gamma + extra,
         "alpha": gpu.alpha,
         "host_gamma": gpu.host_gamma,
@@ -463,18 +501,23 @@ HOROVOD_FUSION_BYTES = 64 * MIB  # Tensor Fusion buffer in the 2018 paper
 
 
 def read_results(path: str) -> list[dict]:
-    """Measured ring times from a results file: ``bench.allreduce`` output or a markdown table.
+    """Measured ring times from a results file: markdown tables or ``bench.allreduce`` output.
 
-    Understood, in this order: the JSON summary line ``bench.allreduce`` prints (``rows``
-    with ``procs``, ``bytes``, ``ring_ms``, ``native_ms``); its per-size lines (``n=4 16MiB
-    native ... ms ... | ring ... ms``); markdown rows ``| procs | size | native ms | ring ms |``.
+    Understood, in this order (the first that yields rows wins):
+
+    - markdown GPU all-reduce tables, recognised by their header: first column ``GPUs``, and
+      columns ``size``, ``native ms`` and ``ring ms`` found by name wherever they stand
+      (``| GPUs | size | native ms | native GiB/s | ring ms | ... |``). Every other table
+      (the CPU table's ``procs``, a 2-GPU table with no count column) is skipped;
+    - the JSON summary line ``bench.allreduce`` prints (``rows`` with ``procs``, ``bytes``,
+      ``ring_ms``, ``native_ms``);
+    - its per-size lines (``n=4 16MiB native ... ms ... | ring ... ms``).
 
     Returns:
         Rows with ``procs``, ``bytes``, ``ring_ms`` and, where given, ``native_ms``.
     """
     text = Path(path).read_text()
-    rows = _rows_from_json(text) or _rows_from_lines(text) or _rows_from_markdown(text)
-    return rows
+    return _rows_from_markdown(text) or _rows_from_json(text) or _rows_from_lines(text)
 
 
 def _rows_from_json(text: str) -> list[dict]:
@@ -507,22 +550,42 @@ def _rows_from_lines(text: str) -> list[dict]:
     ]
 
 
-_MD = re.compile(r"^\|\s*(\d+)\s*\|\s*([\d.]+)\s*(KiB|MiB|GiB)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)")
+_SIZE = re.compile(r"^([\d.]+)\s*(B|KiB|MiB|GiB)$")
+_NUMBER = re.compile(r"[\d.]+")
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip().strip("*").strip() for c in line.strip().strip("|").split("|")]
 
 
 def _rows_from_markdown(text: str) -> list[dict]:
-    rows = []
+    """Rows of every GPU all-reduce table (see ``read_results``); other tables are skipped."""
+    rows: list[dict] = []
+    cols: dict[str, int] | None = None
     for line in text.splitlines():
-        m = _MD.match(line.strip())
-        if m:
-            rows.append(
-                {
-                    "procs": int(m[1]),
-                    "bytes": int(float(m[2]) * _UNITS[m[3]]),
-                    "native_ms": float(m[4]),
-                    "ring_ms": float(m[5]),
-                }
-            )
+        if not line.strip().startswith("|"):
+            cols = None  # a table ends at the first line that is not a row
+            continue
+        cells = _cells(line)
+        names = [c.lower() for c in cells]
+        if names[0] == "gpus" and {"size", "native ms", "ring ms"} <= set(names):
+            cols = {name: names.index(name) for name in ("size", "native ms", "ring ms")}
+            continue
+        if cols is None or not cells[0].isdigit():
+            continue  # not in a GPU table, or its |---| line
+        size = _SIZE.match(cells[cols["size"]].replace(" ", ""))
+        ring = _NUMBER.fullmatch(cells[cols["ring ms"]])
+        if not size or not ring:
+            continue
+        native = _NUMBER.fullmatch(cells[cols["native ms"]])
+        rows.append(
+            {
+                "procs": int(cells[0]),
+                "bytes": int(float(size[1]) * _UNITS[size[2]]),
+                "native_ms": float(native[0]) if native else None,
+                "ring_ms": float(ring[0]),
+            }
+        )
     return rows
 
 
@@ -547,6 +610,68 @@ def check_rows(rows: list[dict], fits: dict[str, RingFit]) -> list[dict]:
     return out
 
 
+# ------------------------------------------------------------- the step model, checked on 4 GPUs
+
+
+def dp_check(spec: dict, fits: dict[str, RingFit]) -> list[dict]:
+    """Predicted against measured DP efficiency of the 4-GPU run (``dp_check`` in the data).
+
+    Weak scaling; the 1-GPU step is measured (batch / samples per second). Each bucket's
+    all-reduce is the fitted ring of the case (``ring``) at n ranks. With ``overlap`` false
+    (our GPU ring: its additions run on the compute stream and every hop makes that stream
+    wait on NCCL's, so nothing of the backward pass runs under a hop) the step is the 1-GPU
+    step plus every bucket's all-reduce. With ``overlap`` true (DDP) both bounds are given:
+    nothing hidden, and the bucket-by-bucket overlap of ``backward_overlap_time`` (backward =
+    2/3 of the step) with no contention for the SMs.
+    """
+    buckets = [float(b) for b in spec["buckets_bytes"]]
+    out = []
+    for case in spec["cases"]:
+        fit = fits[case["ring"]]
+        step1 = spec["batch_per_gpu"] / case["samples_per_s"]["1"]
+        for n_str, measured in case["efficiency"].items():
+            n = int(n_str)
+            comm = sum(fit.time(n, b) for b in buckets)
+            exposed = step1 / (step1 + comm)
+            row = {
+                "case": case["name"],
+                "procs": n,
+                "step1_ms": step1 * 1e3,
+                "allreduce_ms": comm * 1e3,
+                "no_overlap": exposed,
+                "overlap": None,
+                "measured": measured,
+            }
+            if case.get("overlap"):
+                backward = step1 * 2 / 3
+                done, end = 0.0, 0.0
+                for b in buckets:
+                    done += b
+                    end = max(end, backward * done / sum(buckets)) + fit.time(n, b)
+                row["overlap"] = step1 / (step1 / 3 + max(backward, end))
+            predicted = row["overlap"] if case.get("overlap") else exposed
+            row["error"] = (predicted - measured) / measured
+            row["error_no_overlap"] = (exposed - measured) / measured
+            out.append(row)
+    return out
+
+
+def print_dp_check(rows: list[dict]) -> None:
+    print("\n## DP efficiency, model vs the 4 x H100 run (MLP 470M, 1,024 samples per GPU)")
+    print(
+        "| case | GPUs | 1-GPU step ms | all-reduce ms (model) | model, nothing hidden | "
+        "model, overlapped | measured | error (nothing hidden) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        over = f"{r['overlap']:.3f}" if r["overlap"] is not None else "n/a"
+        print(
+            f"| {r['case']} | {r['procs']} | {r['step1_ms']:.1f} | {r['allreduce_ms']:.1f} | "
+            f"{r['no_overlap']:.3f} | {over} | {r['measured']:.3f} | "
+            f"{r['error_no_overlap']:+.1%} |"
+        )
+
+
 # ------------------------------------------------------------------------------- reporting
 
 
@@ -567,9 +692,14 @@ def print_fits(fits: dict[str, RingFit]) -> None:
             cache = f"{1 / f.beta_cache / 1e9:.2f} GB/s" if f.beta_cache else "free"
             other = f"cores={f.cores}, kappa={f.kappa:.2f}, first {_human(f.cache_bytes)}: {cache}"
         if f.model == "overlapped":
-            other = f"host {f.host_gamma * 1e6:.0f} us/hop (fixed)"
+            how = "fitted" if f.host_gamma_fitted else "fixed"
+            other = f"h = {f.host_gamma * 1e6:.1f} us/hop host ({how})"
+            if f.beta_multi:
+                other += f"; n >= 3: 1/beta = {1 / f.beta_multi / 1e9:.1f} GB/s"
         gamma = f"{f.gamma * 1e6:.1f} us" if f.gamma_identified else "in alpha (one n)"
         bw = f"{1 / f.beta / 1e9:.1f} GB/s" if f.beta else "inf"
+        if f.beta_multi:
+            bw += " (n = 2)"
         print(f"| {f.platform} | {f.model} | {f.alpha * 1e6:.1f} us | {gamma} | {bw} | {other} |")
 
 
@@ -692,7 +822,23 @@ def main(argv: list[str] | None = None) -> dict:
     summary["max_fit_error_by_platform"] = {
         p: round(max(abs(r["error"]) for r in fit_rows if r["platform"] == p), 4) for p in fits
     }
+    alt = _one_beta_alternative(data)
+    if alt:
+        summary["max_fit_error_one_beta"] = alt
     summary.update(_check(args.check, fits))
+    if "dp_check" in data:
+        dp_rows = dp_check(data["dp_check"], fits)
+        print_dp_check(dp_rows)
+        summary["dp_check"] = {
+            f"{r['case']} n={r['procs']}": {
+                "model_no_overlap": round(r["no_overlap"], 3),
+                "model_overlap": None if r["overlap"] is None else round(r["overlap"], 3),
+                "measured": r["measured"],
+            }
+            for r in dp_rows
+        }
+        ours = [abs(r["error"]) for r in dp_rows if r["case"].startswith("ours")]
+        summary["dp_check_max_error_ours"] = round(max(ours), 4) if ours else None
 
     clusters = h100_clusters(fits["nccl-nvlink-h100"])
     dp = dp_table((RESNET50, GPT_1_3B, GPT_1_3B_BIG), clusters, ("flat", "hier", "tree"))
@@ -704,6 +850,28 @@ def main(argv: list[str] | None = None) -> dict:
     summary.update(_headlines(dp, pp, knees, horovod, rail, commodity))
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def _one_beta_alternative(data: dict) -> dict:
+    """The worst fit error of each ``beta_by_peers`` platform refitted with one beta for all n.
+
+    Printed so that what the extra term buys is visible, not hidden.
+    """
+    out = {}
+    for spec in data["platforms"]:
+        if not spec.get("beta_by_peers"):
+            continue
+        fit = fit_platform({**spec, "beta_by_peers": False})
+        n, size, y = _points(spec)
+        errs = [(fit.time(int(a), b) - t) / t for a, b, t in zip(n, size, y, strict=True)]
+        worst = int(np.argmax(np.abs(errs)))
+        print(
+            f"\n(one beta for every n, {spec['name']}: h = {fit.host_gamma * 1e6:.1f} us, "
+            f"gamma = {fit.gamma * 1e6:.1f} us, 1/beta = {1 / fit.beta / 1e9:.1f} GB/s; "
+            f"worst {errs[worst]:+.1%} at n = {int(n[worst])}, {_human(size[worst])})"
+        )
+        out[spec["name"]] = round(float(np.max(np.abs(errs))), 4)
+    return out
 
 
 def _check(path: str | None, fits: dict[str, RingFit]) -> dict:

@@ -62,6 +62,27 @@ def test_overlapped_fit_recovers_device_and_host_terms():
     assert fit.beta == pytest.approx(truth.beta, rel=1e-6)
 
 
+def test_overlapped_fit_with_two_rank_counts_fits_h_and_a_beta_per_peer_case():
+    truth = sm.RingFit(
+        platform="gpu",
+        alpha=120e-6,
+        gamma=25e-6,
+        beta=1 / 250e9,
+        model="overlapped",
+        host_gamma=55e-6,
+        beta_multi=1 / 150e9,
+    )
+    sizes = [MIB, 16 * MIB, 128 * MIB, 256 * MIB, 512 * MIB, 1 << 30]
+    points = [{"procs": n, "bytes": s, "ms": truth.time(n, s) * 1e3} for n in (2, 4) for s in sizes]
+    spec = {"name": "gpu", "model": "overlapped", "host_gamma_us": 67, "beta_by_peers": True}
+    fit = sm.fit_platform({**spec, "points": points})
+    assert fit.host_gamma_fitted
+    assert fit.host_gamma == pytest.approx(55e-6, rel=1e-6)  # not the fixed 67 us
+    assert fit.alpha == pytest.approx(truth.alpha, rel=1e-6)
+    assert fit.beta == pytest.approx(truth.beta, rel=1e-6)
+    assert fit.beta_multi == pytest.approx(truth.beta_multi, rel=1e-6)
+
+
 def test_one_process_count_folds_gamma_into_alpha():
     truth = sm.RingFit(platform="x", alpha=30e-6, gamma=0.0, beta=1 / 300e9)
     fit = sm.fit_platform({"name": "x", "model": "serial", "points": _points(truth, (2,))})
@@ -147,12 +168,58 @@ def test_read_results_understands_the_bench_output_and_markdown(tmp_path):
     ]
     table = tmp_path / "results.md"
     table.write_text(
-        "| procs | size | native ms | ring ms |\n|---|---|---|---|\n| 4 | 64 MiB | 0.4 | 0.5 |\n"
+        "| GPUs | size | native ms | ring ms |\n|---|---|---|---|\n| 4 | 64 MiB | 0.4 | 0.5 |\n"
     )
     assert sm.read_results(str(table))[0]["ring_ms"] == 0.5
     summary = tmp_path / "summary.txt"
     summary.write_text(json.dumps({"rows": [{"procs": 4, "bytes": MIB, "ring_ms": 0.2}]}) + "\n")
     assert sm.read_results(str(summary))[0]["bytes"] == MIB
+
+
+CPU_AND_GPU_TABLES = """\
+### CPU
+
+| procs | size | native ms | ring ms | ring GiB/s | ratio | ring bf16 ms | bf16 speedup |
+|---:|---:|---:|---:|---:|---:|---:|---:|
+| 4 | 256 MiB | 640 | 416 | 0.90 | 1.54 | 446 | 1.43 |
+
+| size | native ms | ring ms | ring GiB/s | ratio |
+|---:|---:|---:|---:|---:|
+| 1 MiB | 0.030 | 0.235 | 4.2 | 0.13 |
+
+### GPU
+
+| GPUs | size | native ms | native GiB/s | ring ms | ring GiB/s | ratio |
+|---:|---:|---:|---:|---:|---:|---:|
+| 2 | 256 MiB | 0.898 | 278 | 1.077 | 232 | **0.83** |
+| 4 | 1 MiB | 0.037 | 39.4 | 0.470 | 3.1 | 0.08 |
+| 4 | 256 MiB | 1.182 | 317 | 2.794 | 134 | **0.42** |
+
+| case | 1-GPU step | measured |
+|---|---:|---:|
+| 4 | 75.9 ms | 0.792 |
+"""
+
+
+def test_check_reads_only_the_gpu_allreduce_tables(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(CPU_AND_GPU_TABLES)
+    assert sm.read_results(str(doc)) == [
+        {"procs": 2, "bytes": 256 * MIB, "native_ms": 0.898, "ring_ms": 1.077},
+        {"procs": 4, "bytes": MIB, "native_ms": 0.037, "ring_ms": 0.47},
+        {"procs": 4, "bytes": 256 * MIB, "native_ms": 1.182, "ring_ms": 2.794},
+    ]
+
+
+def test_model_reproduces_the_4gpu_measurements():
+    data = json.loads(sm.DATA.read_text())
+    fits, rows = sm.fit_all(data)
+    assert max(abs(r["error"]) for r in rows) <= 0.2
+    assert fits["nccl-nvlink-h100"].host_gamma_fitted
+    dp = sm.dp_check(data["dp_check"], fits)
+    ours = [r for r in dp if r["case"].startswith("ours")]
+    assert ours
+    assert all(abs(r["error"]) <= 0.2 for r in ours)
 
 
 def test_cli_last_line_is_json_with_the_fit_error(capsys, tmp_path):
