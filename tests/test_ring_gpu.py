@@ -100,12 +100,32 @@ def _correctness_main(rank: int, port: int, queue) -> None:
         ]
         if [float(w.wait()[0]) for w in works] != [2.0 * i for i in range(5)]:
             failures.append("async")
+        failures += _side_stream_failures(ring, rank)
         for r in rings.values():
             r.close()
         dist.destroy_process_group()
         queue.put((rank, failures))
     except Exception:  # noqa: BLE001 - the test reports it
         queue.put((rank, [traceback.format_exc()]))
+
+
+def _side_stream_failures(ring, rank: int) -> list[str]:
+    """The ring runs beside the caller's stream, and results land where they belong."""
+    failures = []
+    grid = torch.full((512, 768), float(rank + 1), device="cuda").t()  # not contiguous
+    if not torch.equal(ring.allreduce_(grid), torch.full_like(grid, 3.0)):
+        failures.append("non-contiguous")
+    x = torch.full((16 << 20,), float(rank + 1), device="cuda")
+    work = ring.allreduce_async_(x)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of the caller's stream, launched after the ring
+    started = time.monotonic()
+    ring._transport._stream.synchronize()
+    beside = time.monotonic() - started
+    if beside > 0.5:
+        failures.append(f"the ring waited for the caller's later work ({beside:.2f} s)")
+    if not torch.equal(work.wait(), torch.full_like(x, 3.0)):
+        failures.append("beside")
+    return failures
 
 
 def test_nccl_ring_matches_nccl_all_reduce():

@@ -1,10 +1,11 @@
 """Transports over ``torch.distributed`` point-to-point: gloo (CPU, TCP) and NCCL (GPU).
 
 gloo keeps several segments in flight: it posts receives ``window`` hops ahead and lets its own
-threads move the bytes while this thread reduces. NCCL enqueues the hops on its stream and
-the additions on the compute stream, ``lookahead`` hops apart when a chunk is cut in
-segments; the host only launches, and a watchdog thread holds each collective to its
-deadline.
+threads move the bytes while this thread reduces. NCCL runs a whole collective, transfers and
+additions, on a side stream of the ring's own, ``lookahead`` hops apart when a chunk is cut in
+segments: the caller's stream waits for it once, when the caller waits for the collective,
+so backward keeps computing while gradient buckets are summed. The host only launches, and a
+watchdog thread holds each collective to its deadline.
 
 When a hop fails, the survivors agree through the rendezvous store on which peer to blame:
 the first verdict written there wins (``compare_set``). A rank whose left neighbour died sees
@@ -254,44 +255,60 @@ class NcclTransport(Transport):
                 )
             self._group = dist.new_group(backend="nccl", timeout=timeout)
         self._arbiter = _StoreArbiter(store, rank=rank, world_size=world_size, timeout_s=timeout_s)
+        self._stream: torch.cuda.Stream | None = None
         self._watchdog = _NcclWatchdog(self)
 
     def run(
         self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None, deadline: Deadline
     ) -> Completion:
-        """Enqueue every hop and return: the GPU runs them while the host carries on."""
+        """Enqueue every hop on the side stream and return: the GPU runs them meanwhile.
+
+        The side stream first waits for what the caller's stream has enqueued so far (the
+        tensor's last writes), and nothing after: later computation runs alongside.
+        """
         self._watchdog.raise_failure()  # an earlier collective hung: this one would too
+        caller = torch.cuda.current_stream()
+        side = self._side_stream(caller.device)
+        side.wait_stream(caller)
         try:
-            return self._enqueue(schedule, wire=wire, finish=finish, deadline=deadline)
+            with torch.cuda.stream(side):
+                self._enqueue(schedule, wire=wire, finish=finish)
         except RuntimeError as err:  # NCCL refuses work once a communicator was aborted
             if self._watchdog.failure is None:
                 self._blame(deadline, cause=str(err), timed_out=False)
             raise self._watchdog.failure from err
+        done = torch.cuda.Event()
+        done.record(side)
+        # The schedule's views keep the caller's tensor alive until the GPU is done with it,
+        # so its memory cannot go to another stream's allocation while the ring still runs.
+        self._watchdog.watch(done, deadline, keep=schedule)
+        return _SideStreamWork(done, caller.device, self._watchdog)
 
-    def _enqueue(
-        self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None, deadline: Deadline
-    ) -> Completion:
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._stream is None:
+            # High priority: a hop's addition, short, runs before the next backward kernel,
+            # so the next hop is not held up behind the caller's computation.
+            self._stream = torch.cuda.Stream(device=device, priority=-1)
+        return self._stream
+
+    def _enqueue(self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None) -> None:
         lookahead = min(self._lookahead, schedule.lag - 1)
-        pending: deque[tuple[Hop, list[dist.Work], torch.Tensor | None]] = deque()
+        pending: deque[tuple[Hop, dist.Work | None, torch.Tensor | None]] = deque()
         for hop in schedule.hops:
             pending.append((hop, *self._launch(hop, wire)))
             while len(pending) > lookahead:
                 self._land(*pending.popleft(), finish)
         while pending:
             self._land(*pending.popleft(), finish)
-        done = torch.cuda.Event()
-        done.record()
-        self._watchdog.watch(done, deadline)
-        return self._watchdog
 
-    def _launch(self, hop: Hop, wire: torch.dtype) -> tuple[list[dist.Work], torch.Tensor | None]:
+    def _launch(self, hop: Hop, wire: torch.dtype) -> tuple[dist.Work | None, torch.Tensor | None]:
         """Enqueue one hop's send and receive as one NCCL group, so they run together.
 
-        Straight on the process group rather than through ``batch_isend_irecv``: each hop
-        costs host time, and the host must stay ahead of the GPU.
+        Straight on the process group: ``batch_isend_irecv`` makes the same group call with
+        more Python around it, and each hop's host time must stay below its GPU time.
         """
         if hop.send is None and hop.recv is None:
-            return [], None
+            return None, None
         device, received = (hop.send if hop.send is not None else hop.recv).device, None
         self._group._start_coalescing(device)
         if hop.send is not None:
@@ -303,15 +320,14 @@ class NcclTransport(Transport):
             direct = not hop.reduce and hop.recv.dtype == wire
             received = hop.recv if direct else hop.recv.new_empty(hop.recv.numel(), dtype=wire)
             self._group.recv([received], self._left, 0)
-        work = self._group._end_coalescing(device)
-        return [work] if work is not None else [], received
+        return self._group._end_coalescing(device), received
 
     @staticmethod
     def _land(
-        hop: Hop, works: list[dist.Work], received: torch.Tensor | None, finish: Finisher | None
+        hop: Hop, work: dist.Work | None, received: torch.Tensor | None, finish: Finisher | None
     ) -> None:
-        for work in works:
-            work.wait()  # the compute stream waits for NCCL's; the host does not
+        if work is not None:
+            work.wait()  # the side stream waits for NCCL's; the host does not
         if received is not None:
             land(hop, received, finish)
 
@@ -364,21 +380,34 @@ def _survivable_nccl_errors() -> Iterator[None]:
             os.environ.pop(key, None)
 
 
-class _NcclWatchdog(Completion):
+class _SideStreamWork(Completion):
+    """One collective on the side stream: ``wait`` orders the caller's stream after it.
+
+    Like ``torch.distributed``'s NCCL works, the host never blocks on the GPU, so it keeps
+    launching ahead; a failure the watchdog found is raised instead.
+    """
+
+    def __init__(self, done: torch.cuda.Event, device: torch.device, watchdog: _NcclWatchdog):
+        self._done, self._device, self._watchdog = done, device, watchdog
+
+    def wait(self) -> None:
+        self._watchdog.raise_failure()
+        torch.cuda.current_stream(self._device).wait_event(self._done)
+
+
+class _NcclWatchdog:
     """Holds every collective the GPU still runs to its deadline, from a thread of its own.
 
-    Like ``torch.distributed``'s NCCL works, the ring's ``wait`` only orders the caller's
-    stream after the collective: the host never blocks on the GPU, so it keeps launching
-    ahead. When a collective passes its deadline this thread aborts the communicator (so
-    hung kernels return) and records the verdict, which the next ``wait`` or collective on
-    this rank raises.
+    It also holds what each collective's kernels use until they finished. When a collective
+    passes its deadline this thread aborts the communicator (so hung kernels return) and
+    records the verdict, which the next ``wait`` or collective on this rank raises.
     """
 
     _POLL_S = 1e-3
 
     def __init__(self, transport: NcclTransport) -> None:
         self._transport = transport
-        self._pending: deque[tuple[torch.cuda.Event, Deadline]] = deque()
+        self._pending: deque[tuple[torch.cuda.Event, Deadline, object]] = deque()
         self._changed = threading.Condition()
         self._stopped = False
         self.failure: PeerLostError | None = None
@@ -386,13 +415,11 @@ class _NcclWatchdog(Completion):
         self._thread.daemon = True
         self._thread.start()
 
-    def watch(self, done: torch.cuda.Event, deadline: Deadline) -> None:
+    def watch(self, done: torch.cuda.Event, deadline: Deadline, *, keep: object) -> None:
+        """Hold ``deadline`` until ``done`` happened on the GPU, and ``keep`` alive until then."""
         with self._changed:
-            self._pending.append((done, deadline))
+            self._pending.append((done, deadline, keep))
             self._changed.notify()
-
-    def wait(self) -> None:
-        self.raise_failure()
 
     def raise_failure(self) -> None:
         if self.failure is not None:
@@ -410,7 +437,7 @@ class _NcclWatchdog(Completion):
                 self._changed.wait_for(lambda: self._pending or self._stopped)
                 if self._stopped:
                     return
-                done, deadline = self._pending[0]
+                done, deadline, _ = self._pending[0]
             if done.query():
                 with self._changed:
                     self._pending.popleft()

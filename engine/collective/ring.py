@@ -5,7 +5,8 @@ raise ``PeerLostError`` (``CollectiveTimeoutError`` for a stopped one) naming th
 within ``timeout_s``. On CPU the transport does the copying itself, so collectives run one at
 a time on a communication thread, in the order they were started, and ``allreduce_async_``
 overlaps them with the caller's computation. On GPU, NCCL only enqueues work on streams: the
-caller's thread launches it, as DDP does, and a watchdog thread holds it to its deadline.
+caller's thread launches it, as DDP does, onto a side stream that the caller's stream waits
+for in ``wait``, and a watchdog thread holds it to its deadline.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ class RingCollective(Collective):
         )
         finish = _finisher(op, self.world_size)
         completion = self._transport.run(schedule, wire=wire, finish=finish, deadline=deadline)
-        return _unflat(flat, tensor), completion
+        return _unflat(flat, tensor, completion)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, deadline: Deadline) -> _Started:
         flat = _flat(tensor)
@@ -227,7 +228,7 @@ class RingCollective(Collective):
         completion = self._transport.run(
             schedule, wire=tensor.dtype, finish=None, deadline=deadline
         )
-        return _unflat(flat, tensor), completion
+        return _unflat(flat, tensor, completion)
 
     def _all_gather(self, out: torch.Tensor, deadline: Deadline) -> _Started:
         schedule = all_gather_schedule(
@@ -386,10 +387,29 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
 
-def _unflat(flat: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+def _unflat(flat: torch.Tensor, tensor: torch.Tensor, completion: Completion | None) -> _Started:
+    """``tensor`` holding the result computed in ``flat``, once ``completion`` is waited for."""
+    if flat.data_ptr() == tensor.data_ptr() and tensor.is_contiguous():
+        return tensor, completion
+    if completion is None:  # the transport is done already
         tensor.copy_(flat.view_as(tensor))
-    return tensor
+        return tensor, None
+    return tensor, _CopyBack(completion, flat=flat, tensor=tensor)
+
+
+class _CopyBack(Completion):
+    """Device work that ran on a contiguous copy of ``tensor``: copy back once it is done.
+
+    The copy runs on the stream that waits, after the collective, never on the side stream
+    while the collective may still be running.
+    """
+
+    def __init__(self, completion: Completion, *, flat: torch.Tensor, tensor: torch.Tensor):
+        self._completion, self._flat, self._tensor = completion, flat, tensor
+
+    def wait(self) -> None:
+        self._completion.wait()
+        self._tensor.copy_(self._flat.view_as(self._tensor))
 
 
 def _on_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
