@@ -60,6 +60,8 @@ def train_pipeline(
     max_restarts: Annotated[int, Field(ge=0, le=100)] = 3,
     min_workers: Annotated[int | None, Field(ge=1, le=1024)] = None,
     commit_every: Positive = 10,
+    placement: Literal["pack", "spread", "strict_spread"] = "pack",
+    cpus_per_worker: Annotated[float | None, Field(gt=0, le=1024)] = None,
     pipeline_stages: Annotated[int, Field(ge=1, le=64)] = 1,
     micro_batches: Positive = 4,
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b",
@@ -99,6 +101,10 @@ def train_pipeline(
         min_workers: training goes on after losing workers while this many remain; empty
             means all of them (a lost worker is replaced first).
         commit_every: steps between in-memory commits; a lost worker costs at most these.
+        placement: workers on as few Ray nodes as possible (pack), on as many as possible
+            (spread), or one per node (strict_spread).
+        cpus_per_worker: CPUs each worker reserves; empty means 1 (a fair share of the
+            cluster per pipeline stage).
         pipeline_stages: split the model into this many pipeline stages (1: no pipeline).
         micro_batches: micro-batches per global batch and replica, with pipeline stages.
         pipeline_schedule: 1f1b (at most as many micro-batches in flight as stages) or gpipe.
@@ -148,6 +154,8 @@ def train_pipeline(
             "checkpoint_every": checkpoint_every,
             "min_workers": min_workers,
             "commit_every": commit_every,
+            "placement": placement,
+            **({"cpus_per_worker": cpus_per_worker} if cpus_per_worker else {}),
         }
         pipeline = {
             "stages": pipeline_stages,

@@ -33,6 +33,8 @@ PARAMETERS = [
     "max_restarts",
     "min_workers",
     "commit_every",
+    "placement",
+    "cpus_per_worker",
     "pipeline_stages",
     "micro_batches",
     "pipeline_schedule",
