@@ -123,9 +123,10 @@ class Stack:
         )
 
 
-@pytest.fixture
-def stack(tmp_path):
-    stack = Stack(tmp_path / "state")
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """One stack for the module's tests: starting and deploying it takes over a minute."""
+    stack = Stack(tmp_path_factory.mktemp("preemption") / "state")
     try:
         stack.script("start.sh")
         stack.script("deploy.sh")
