@@ -44,17 +44,18 @@ def _last_failure() -> tuple[str, datetime | None]:
     if run_id is not None:
         with get_client(sync_client=True) as client:
             states = sorted(client.read_flow_run_states(run_id), key=lambda s: s.timestamp)
-    running = [i for i, s in enumerate(states) if s.is_running()]
-    cause = None
-    # Back from the current start to the previous one: the crash or failure in between.
-    for state in reversed(states[running[-2] + 1 : running[-1]] if len(running) > 1 else []):
+    current = max((i for i, s in enumerate(states) if s.is_running()), default=len(states))
+    # Back from the current start: the newest crash or failure before it (the worker's and
+    # the automations' states are timestamped by different processes, so do not assume they
+    # sit between two Running states), else the newest rescheduling.
+    earlier = states[:current]
+    for state in reversed(earlier):
         if state.is_crashed() or state.is_failed():
             return f"{state.name}: {state.message}", state.timestamp
-        if state.is_scheduled():
-            cause = cause or state
-    if cause is None:
-        return "an earlier run under the same run key stopped", None
-    return f"{cause.name}: {cause.message}", cause.timestamp
+    for state in reversed(earlier):
+        if state.is_scheduled() and state.name != "Scheduled":
+            return f"{state.name}: {state.message}", state.timestamp
+    return "an earlier run under the same run key stopped", None
 
 
 def _steps_lost(
