@@ -57,7 +57,9 @@ def _torture(root: str, args: argparse.Namespace, rng: random.Random) -> dict[st
             if child.poll() is not None:
                 if child.returncode == 0:
                     break
-                raise RuntimeError(f"the training process failed with {child.returncode}")
+                with open(f"{root}/tortured.log") as f:
+                    tail = f.read()[-3000:]
+                raise RuntimeError(f"the training process failed ({child.returncode}):\n{tail}")
             if counts["worker"] + counts["flow"] >= args.kills or not _training(child):
                 time.sleep(0.1)
                 continue
@@ -79,11 +81,12 @@ def _torture(root: str, args: argparse.Namespace, rng: random.Random) -> dict[st
 
 
 def _child(root: str, name: str, epochs: int) -> subprocess.Popen:
+    log = open(f"{root}/{name}.log", "a")  # noqa: SIM115 - the child writes to it until it ends
     return subprocess.Popen(
         [sys.executable, "-m", "bench.torture", "--child", root, name, str(epochs)],
         start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -145,16 +148,17 @@ def _compare(root: str, counts: dict[str, int], reference_s: float, tortured_s: 
 
 def _run_child(root: str, name: str, epochs: int) -> None:
     """One training process: resumes the run key's checkpoint if there is one."""
+    from engine.cluster import QUIET_ENV
+
+    for key, value in {**QUIET_ENV, "GLOO_SOCKET_IFNAME": "lo"}.items():
+        os.environ.setdefault(key, value)  # before Ray is imported: it reads them then
     import ray
     from safetensors.torch import save_file
 
     from bench.dp_throughput import _digits
     from engine import TrainConfig, fit
-    from engine.cluster import QUIET_ENV
     from models.digits import DigitsClassifier
 
-    for key, value in {**QUIET_ENV, "GLOO_SOCKET_IFNAME": "lo"}.items():
-        os.environ.setdefault(key, value)
     data = _digits(f"{root}/data-{name}")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     result = fit(

@@ -14,6 +14,7 @@ import torch
 
 from engine.config import DataSpec, TrainConfig
 from engine.elastic.coordinator import ElasticEvent
+from engine.errors import EngineError, WorkerFailedError
 from engine.group import InProcessGroup, MembershipLost, RayWorkerGroup, WorkerGroup
 from engine.worker import evaluate_module
 from storage.checkpoint import load_model, read_checkpoint
@@ -105,8 +106,9 @@ def fit(
     if init_from is not None:
         _check_warm_start(module_cls, hparams, init_from)
     resume = _Resume.find(module_cls, hparams, data, config, store_url, run_key, init_from)
-    group_cls = InProcessGroup if in_process else RayWorkerGroup
-    group = group_cls(module_cls, hparams=hparams, data=data, config=config)
+    group = _start_group(
+        InProcessGroup if in_process else RayWorkerGroup, module_cls, hparams, data, config
+    )
     try:
         if init_from is not None and resume.checkpoint is None:
             group.call("warm_start", init_from)
@@ -140,6 +142,31 @@ def fit(
         resumed_from=resume.step if resume.checkpoint is not None else None,
         events=events,
     )
+
+
+def _start_group(
+    group_cls: type[WorkerGroup],
+    module_cls: type,
+    hparams: dict[str, Any],
+    data: DataSpec,
+    config: TrainConfig,
+) -> WorkerGroup:
+    """Start the workers; a worker lost while they connect starts the group again.
+
+    Nothing is committed yet at that point, so there is nothing to roll back to: the group is
+    shut down and started afresh, up to ``config.max_failures`` times.
+    """
+    for attempt in range(config.max_failures + 1):
+        try:
+            return group_cls(module_cls, hparams=hparams, data=data, config=config)
+        except (MembershipLost, WorkerFailedError) as err:
+            if attempt == config.max_failures:
+                raise EngineError(
+                    f"the workers did not start: {err} (after {attempt + 1} attempts; "
+                    f"max_failures={config.max_failures})"
+                ) from err
+            log.warning("a worker was lost while the group started (%s); starting again", err)
+    raise AssertionError("unreachable")
 
 
 def _train(

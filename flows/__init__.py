@@ -1,3 +1,15 @@
-"""Prefect flows. Each file holds one flow; deployments live in ``deployments/``."""
+"""Prefect flows. Each file holds one flow; deployments live in ``deployments/``.
+
+Importing a flow imports its tasks, and with them Ray, which reads some settings only once, on
+import: they are set here first, so a flow run from the command line keeps a local Ray quiet
+and on loopback (``engine.cluster.QUIET_ENV``). Values already in the environment win.
+"""
+
+import os
+
+from engine.cluster import QUIET_ENV
+
+for _key, _value in QUIET_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 __all__: list[str] = []
