@@ -68,7 +68,8 @@ def _torture(root: str, args: argparse.Namespace, rng: random.Random) -> dict[st
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
                 counts["flow"] += 1
-                print(f"# kill {sum(counts.values())}: the whole training process", flush=True)
+                kills = counts["worker"] + counts["flow"]
+                print(f"# kill {kills}: the whole training process", flush=True)
                 child = _child(root, "tortured", args.epochs)
                 counts["restarts"] += 1
             elif _kill_a_worker(child, rng):
