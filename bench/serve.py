@@ -32,6 +32,11 @@ from typing import Any
 
 import httpx
 
+from engine.cluster import QUIET_ENV
+
+for _key, _value in QUIET_ENV.items():
+    os.environ.setdefault(_key, _value)  # before Ray is imported: a local Ray stays on loopback
+
 PIXELS = 64
 _VERSION_HEADER = "x-model-version"
 
