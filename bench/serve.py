@@ -32,11 +32,6 @@ from typing import Any
 
 import httpx
 
-from engine.cluster import QUIET_ENV
-
-for _key, _value in QUIET_ENV.items():
-    os.environ.setdefault(_key, _value)  # before Ray is imported: a local Ray stays on loopback
-
 PIXELS = 64
 _VERSION_HEADER = "x-model-version"
 
@@ -76,6 +71,8 @@ async def _worker(
         if response.status_code != 200:
             tally.fail(f"HTTP {response.status_code}: {response.text[:200]}")
             continue
+        if not tally.latencies_ms:  # tells a caller waiting on stderr that the load is on
+            print("first answer", file=sys.stderr, flush=True)
         tally.latencies_ms.append((done - sent) * 1000.0)
         tally.versions.append((done - start, response.headers.get(_VERSION_HEADER, "?")))
 
@@ -170,6 +167,10 @@ def load_in_subprocess(url: str, *, duration_s: float, concurrency: int) -> dict
 
 
 def _bench_main(args: argparse.Namespace) -> int:
+    from engine.cluster import QUIET_ENV
+
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)  # before Ray is imported: a local Ray stays on loopback
     import ray
     import torch
     from ray import serve
@@ -178,7 +179,6 @@ def _bench_main(args: argparse.Namespace) -> int:
     from models.digits import DigitsClassifier
     from storage.checkpoint import save_model
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     apps = {"batched": True, "unbatched": False}
     runs = []

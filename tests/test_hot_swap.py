@@ -130,7 +130,8 @@ def test_promotion_under_load_fails_no_request(http, endpoint, storage, digits, 
         text=True,
     )
     try:
-        time.sleep(2.5)  # the load runs on v1 first
+        assert "first answer" in load.stderr.readline()  # the load runs on v1 first
+        time.sleep(1.0)
         decision = _register_and_gate(storage, better, digits, run_key="better")
         promoted_at = time.monotonic()
         info = _wait_for_version(http, "v0002")
