@@ -12,7 +12,16 @@ import uuid
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["absolute", "atomic_write", "exists", "join", "read_bytes", "resolve", "sha256"]
+__all__ = [
+    "absolute",
+    "atomic_write",
+    "exists",
+    "join",
+    "publish",
+    "read_bytes",
+    "resolve",
+    "sha256",
+]
 
 
 def resolve(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -64,12 +73,20 @@ def atomic_write(url: str, data: bytes) -> None:
     parent = path.rsplit("/", 1)[0] if "/" in path else ""
     if parent:
         fs.makedirs(parent, exist_ok=True)
+    publish(fs, path, data)
+
+
+def publish(fs: fsspec.AbstractFileSystem, path: str, data: bytes, *, fsync: bool = True) -> None:
+    """Make ``path`` on ``fs`` hold ``data`` in one step: a single PUT on object stores; on a
+    local disk a temporary sibling (flushed to the device with ``fsync``) renamed over it."""
     if not isinstance(fs, LocalFileSystem):
         fs.pipe_file(path, data)
         return
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     tmp = f"{path}.tmp-{uuid.uuid4().hex}"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import re
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -33,10 +32,9 @@ from numbers import Real
 from typing import Any, Literal
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from storage.checkpoint import read_checkpoint
-from storage.fs import join, read_bytes, sha256
+from storage.fs import join, publish, read_bytes, sha256
 
 __all__ = [
     "GateDecision",
@@ -181,7 +179,6 @@ class ModelRegistry:
         self.model = model
         self._fs = fs
         self._root = join(root.rstrip("/") or root, model)
-        self._local = isinstance(fs, LocalFileSystem)
 
     def __repr__(self) -> str:
         return f"ModelRegistry({self.url!r})"
@@ -412,18 +409,7 @@ class ModelRegistry:
         return (numbers[-1] if numbers else 0) + 1
 
     def _publish(self, path: str, data: bytes) -> None:
-        """Make ``path`` hold ``data`` in one step: a rename on disk, a single PUT elsewhere."""
-        if not self._local:
-            self._fs.pipe_file(path, data)
-            return
-        directory = path.rsplit("/", 1)[0]
-        self._fs.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(self._fs, path, data)
 
     def _path(self, *parts: str) -> str:
         return join(self._root, *parts)

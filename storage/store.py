@@ -45,7 +45,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from storage.checkpoint import CheckpointError
-from storage.fs import absolute, join, sha256
+from storage.fs import absolute, join, publish, sha256
 from storage.retry import CheckpointStorageError, RetryPolicy, call_with_retries
 from storage.tensorfile import CHECKSUMS, TensorFileError, decode, encode, read_verified, write
 
@@ -581,19 +581,9 @@ class CheckpointStore:
 
     def _publish(self, path: str, data: bytes) -> None:
         """Make ``path`` hold ``data`` in one step: a rename on disk, a single PUT elsewhere."""
-        if not self._local:
-            self._fs.pipe_file(path, data)
-            return
-        directory = path.rsplit("/", 1)[0]
-        self._fs.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if self.fsync:
+        publish(self._fs, path, data, fsync=self.fsync)
+        if self._local and self.fsync:
+            directory = path.rsplit("/", 1)[0]
             # The rename and the step directory's own entry must reach the disk as well.
             _fsync_directory(directory)
             _fsync_directory(directory.rsplit("/", 1)[0])
