@@ -4,7 +4,7 @@ from tasks.preprocess import demo_data, preprocess
 from tasks.registry import promote, register, warm_start_checkpoint
 from tasks.resume import report_resume
 from tasks.serve import serve, serve_production
-from tasks.train import evaluate, publish, train
+from tasks.train import evaluate, train
 from tasks.tune import tune
 
 __all__ = [
@@ -12,7 +12,6 @@ __all__ = [
     "evaluate",
     "preprocess",
     "promote",
-    "publish",
     "register",
     "report_resume",
     "serve",

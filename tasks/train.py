@@ -1,4 +1,4 @@
-"""Distributed training, evaluation and publication of the demo model."""
+"""Distributed training and evaluation of the demo model."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from engine import evaluate as evaluate_model
 from engine.cluster import connect
 from engine.pipeline import PipelineConfig, fit_pipeline
 from models.digits import SCHEMA, DigitsClassifier
-from storage import copy_checkpoint, join
+from storage import join
 from tasks.report import epoch_table, loss_curve
 
 
@@ -146,9 +146,3 @@ def evaluate(checkpoint: str, dataset_url: str) -> dict:
     metrics = evaluate_model(checkpoint, DataSpec(dataset_url=dataset_url, schema=SCHEMA))
     get_run_logger().info("test metrics %s", metrics)
     return metrics
-
-
-@task(name="publish")
-def publish(checkpoint: str, storage_url: str, *, run_key: str) -> str:
-    """Copy the verified checkpoint to the model store; return the model URI."""
-    return copy_checkpoint(checkpoint, join(storage_url, "models", "digits", run_key))
