@@ -120,12 +120,7 @@ def fit(
             hparams=hparams,
             metrics=history[-1].metrics,
             meta={
-                "epochs": config.epochs,
-                "workers": config.workers,
-                "seed": config.seed,
-                "batch_size": config.batch_size,
-                "collective": config.collective,
-                "dataset_url": data.dataset_url,
+                **run_meta(config, data.dataset_url),
                 **({"run_key": run_key} if run_key else {}),
                 **(meta or {}),
             },
@@ -142,6 +137,18 @@ def fit(
         resumed_from=resume.step if resume.checkpoint is not None else None,
         events=events,
     )
+
+
+def run_meta(config: TrainConfig, dataset_url: str | None) -> dict[str, Any]:
+    """What a committed model records about the run that trained it."""
+    return {
+        "epochs": config.epochs,
+        "workers": config.workers,
+        "seed": config.seed,
+        "batch_size": config.batch_size,
+        "collective": config.collective,
+        "dataset_url": dataset_url,
+    }
 
 
 def _start_group(

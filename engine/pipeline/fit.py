@@ -15,7 +15,7 @@ from engine.errors import EngineError, PeerLostError, WorkerFailedError
 from engine.pipeline.config import PipelineConfig
 from engine.pipeline.partition import Partition, model_layers, partition_model
 from engine.pipeline.worker import PipelineWorker, TensorData, pipeline_batch, read_tensors
-from engine.trainer import EpochCallback, EpochMetrics, FitResult, _fmt, _mean
+from engine.trainer import EpochCallback, EpochMetrics, FitResult, _fmt, _mean, run_meta
 from storage.checkpoint import save_model
 
 __all__ = ["check_pipeline", "fit_pipeline"]
@@ -102,16 +102,11 @@ def fit_pipeline(
         hparams=hparams,
         metrics=history[-1].metrics,
         meta={
-            "epochs": config.epochs,
-            "workers": config.workers,
-            "seed": config.seed,
-            "batch_size": config.batch_size,
-            "collective": config.collective,
+            **run_meta(config, getattr(data, "dataset_url", None)),
             "pipeline_stages": pipeline.stages,
             "micro_batches": pipeline.micro_batches,
             "schedule": pipeline.schedule,
             "partition": [list(partition.layers_of(s)) for s in range(partition.stages)],
-            "dataset_url": getattr(data, "dataset_url", None),
             **(meta or {}),
         },
     )
