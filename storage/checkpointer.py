@@ -62,9 +62,20 @@ class _Request:
 
     run_key: str
     step: int
-    shards: _Shards
+    shards: _Shards | None
+    """``None`` when ``collect`` gathers them in the background."""
     metadata_json: str
     metrics: dict[str, float]
+    collect: Callable[[], tuple[Mapping[str, Mapping[str, torch.Tensor]], Mapping[str, Any]]] | None
+
+    def gathered(self) -> tuple[_Shards, str]:
+        """The shards and the metadata as JSON, gathered now if ``collect`` was given."""
+        if self.collect is None:
+            assert self.shards is not None
+            return self.shards, self.metadata_json
+        shards, metadata = self.collect()
+        _check_shards(shards)
+        return {name: dict(tensors) for name, tensors in shards.items()}, _json(metadata)
 
 
 @dataclass(kw_only=True)
@@ -148,10 +159,12 @@ class AsyncCheckpointer:
         run_key: str,
         *,
         step: int,
-        shards: Mapping[str, Mapping[str, torch.Tensor]],
+        shards: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
         overlap: bool = False,
+        collect: Callable[[], tuple[Mapping[str, Mapping[str, torch.Tensor]], Mapping[str, Any]]]
+        | None = None,
     ) -> None:
         """Copy the state to host memory and queue it for writing; return without waiting.
 
@@ -166,15 +179,34 @@ class AsyncCheckpointer:
             metrics: numbers for the manifest and for retention.
             overlap: copy the tensors in the background instead of now; they must not
                 change until :meth:`fence` returns (see :meth:`guard`).
+            collect: instead of ``shards`` and ``metadata``, a function returning
+                ``(shards, metadata)``. With ``overlap`` it runs in the background too, so
+                the caller waits for nothing but the hand-off; a bad name or non-JSON
+                metadata it returns then raises from the next :meth:`fence`.
 
         Raises:
-            ValueError: a bad name, step or metadata.
+            ValueError: a bad name, step or metadata, or both or neither of ``shards``
+                and ``collect``.
             RuntimeError: the checkpointer is closed.
         """
+        if (shards is None) == (collect is None):
+            raise ValueError("pass the state as exactly one of shards= and collect=")
+        if collect is not None and metadata is not None:
+            raise ValueError("collect= returns the metadata; do not pass metadata= with it")
         self.fence()  # the previous copy must be done: it may be writing into our buffers
         started = time.perf_counter()
         with self._save_lock:
-            metadata_json, metrics_copy = _checked(run_key, step, shards, metadata, metrics)
+            _check_name("run_key", run_key)
+            _check_step(step)
+            metrics_copy = _metrics(metrics or {})
+            if collect is not None and not overlap:
+                shards, metadata = collect()
+                collect = None
+            metadata_json = ""
+            if shards is not None:
+                _check_shards(shards)
+                metadata_json = _json(metadata)
+                shards = {name: dict(tensors) for name, tensors in shards.items()}
             dropped = self._take_pending()
             if dropped is not None:
                 self.replaced += 1
@@ -184,9 +216,10 @@ class AsyncCheckpointer:
             request = _Request(
                 run_key=run_key,
                 step=step,
-                shards={name: dict(tensors) for name, tensors in shards.items()},
+                shards=shards,
                 metadata_json=metadata_json,
                 metrics=metrics_copy,
+                collect=collect,
             )
             if overlap:
                 self._copying = self._copier.submit(self._snapshot, request, dropped)
@@ -208,16 +241,23 @@ class AsyncCheckpointer:
             finally:
                 self.stalled_s += time.perf_counter() - started
 
-    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+    def guard(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module | None = None) -> Any:
         """Make every ``optimizer.step()`` first wait for a background copy (:meth:`fence`).
 
+        Given the ``module``, and if it holds buffers (a forward pass may change them, as
+        BatchNorm's running statistics), its forward pass waits for the copy too.
+
         Returns:
-            The hook's handle; ``handle.remove()`` undoes it.
+            A handle; ``handle.remove()`` undoes it.
         """
-        return optimizer.register_step_pre_hook(lambda *_: self.fence())
+        handles = [optimizer.register_step_pre_hook(lambda *_: self.fence())]
+        if module is not None and any(True for _ in module.buffers()):
+            handles.append(module.register_forward_pre_hook(lambda *_: self.fence()))
+        return _Handles(handles)
 
     def _snapshot(self, request: _Request, dropped: _Snapshot | None) -> None:
-        copied, signature, buffers = self._staging.copy(request.shards, reuse=dropped)
+        shards, metadata_json = request.gathered()
+        copied, signature, buffers = self._staging.copy(shards, reuse=dropped)
         self._post(
             _Snapshot(
                 run_key=request.run_key,
@@ -225,7 +265,7 @@ class AsyncCheckpointer:
                 shards=copied,
                 signature=signature,
                 buffers=buffers,
-                metadata_json=request.metadata_json,
+                metadata_json=metadata_json,
                 metrics=request.metrics,
             )
         )
@@ -340,26 +380,27 @@ class AsyncCheckpointer:
         )
 
 
-def _checked(
-    run_key: str,
-    step: int,
-    shards: Mapping[str, Mapping[str, torch.Tensor]],
-    metadata: Mapping[str, Any] | None,
-    metrics: Mapping[str, float] | None,
-) -> tuple[str, dict[str, float]]:
-    """Check the arguments of a save as the store would; return the metadata as JSON text
-    and a copy of the metrics."""
-    _check_name("run_key", run_key)
-    _check_step(step)
+class _Handles:
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _check_shards(shards: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
     if not shards:
         raise ValueError("shards must name at least one shard")
     for name in shards:
         _check_name("shard name", name)
+
+
+def _json(metadata: Mapping[str, Any] | None) -> str:
     try:
-        metadata_json = json.dumps(dict(metadata or {}))
+        return json.dumps(dict(metadata or {}))
     except (TypeError, ValueError) as err:
         raise ValueError(f"metadata must be JSON-serialisable: {err}") from err
-    return metadata_json, _metrics(metrics or {})
 
 
 def _retryable(error: BaseException) -> bool:

@@ -5,6 +5,7 @@ and never move the latest checkpoint. Slow and failing storage is moto behind th
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -159,6 +160,59 @@ def test_an_overlapped_save_copies_while_training_goes_on(
     assert all(torch.equal(loaded[name], tensor) for name, tensor in expected.items())
     assert not torch.equal(model.weight, expected["model/weight"])  # training went on
     assert optimizer_metadata["optimizer"] == "Adam"
+
+
+def test_a_collected_save_gathers_the_state_in_the_background(tmp_path: Any) -> None:
+    """``collect=`` moves even building the state off the training thread, and the saved
+    state is the one before the next optimizer step, also for a module with buffers, whose
+    forward pass changes them (BatchNorm's running statistics)."""
+    store = CheckpointStore(str(tmp_path))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(16, 8)
+
+    def train_step() -> None:
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    train_step()
+    expected = {name: t.clone() for name, t in training_state(model, optimizer)[0].items()}
+    gathered_in: list[str] = []
+
+    def collect() -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+        gathered_in.append(threading.current_thread().name)
+        time.sleep(0.2)  # a slow gather: the forward pass below must wait for it
+        tensors, metadata = training_state(model, optimizer)
+        return {"replicated": tensors}, {"optimizer": metadata}
+
+    with AsyncCheckpointer(store) as saver:
+        handle = saver.guard(optimizer, model)
+        saver.save(RUN, step=1, collect=collect, overlap=True)
+        train_step()
+        handle.remove()
+    assert gathered_in and gathered_in[0] != threading.current_thread().name
+    loaded = store.load_latest(RUN)
+    assert loaded.metadata["optimizer"]["optimizer"] == "Adam"
+    assert set(loaded.shards["replicated"]) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(loaded.shards["replicated"][name], tensor), name
+    assert not torch.equal(model[1].running_mean, expected["model/1.running_mean"])
+
+
+def test_a_collected_save_reports_bad_metadata_at_the_fence(tmp_path: Any) -> None:
+    store = CheckpointStore(str(tmp_path))
+    tensor = torch.ones(3)
+    with AsyncCheckpointer(store) as saver:
+        saver.save(
+            RUN, step=1, collect=lambda: ({"s": {"t": tensor}}, {"bad": object()}), overlap=True
+        )
+        with pytest.raises(ValueError, match="JSON-serialisable"):
+            saver.fence()
+        with pytest.raises(ValueError, match="exactly one of shards= and collect="):
+            saver.save(RUN, step=2)
+    assert store.latest(RUN) is None
 
 
 def test_a_transient_outage_is_ridden_out(s3: S3Endpoint, faults: Faults) -> None:
