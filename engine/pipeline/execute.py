@@ -70,7 +70,7 @@ def run_schedule(
         The last stage's mean loss of each micro-batch (in micro-batch order); ``[]`` elsewhere.
     """
     inbox = _Inbox(stage, actions, link, micro.sizes, window=link.prepost)
-    losses: dict[int, float] = {}
+    losses: dict[int, torch.Tensor] = {}
     if timing is not None:
         timing.started = time.perf_counter()
     for action in actions:
@@ -82,7 +82,9 @@ def run_schedule(
             timing.busy_s += ended - began
             timing.actions.append((repr(action), began, ended))
         if action.kind == "F" and stage.is_last:
-            losses[action.micro] = float(out)
+            # Kept on the device: reading it now would make the host wait for the GPU
+            # after every forward and leave the GPU idle while the next kernels launch.
+            losses[action.micro] = out.detach()
         elif action.kind == "F":
             link.send(out, what=FORWARD, micro=action.micro)
         elif not stage.is_first:
@@ -90,7 +92,9 @@ def run_schedule(
     link.flush()
     if timing is not None:
         timing.finished = _now(stage, sync)
-    return [losses[i] for i in sorted(losses)]
+    if not losses:
+        return []
+    return torch.stack([losses[i] for i in sorted(losses)]).float().cpu().tolist()
 
 
 def run_forward(
