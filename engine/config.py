@@ -40,6 +40,9 @@ class TrainConfig:
     (as many as possible) or ``strict_spread`` (one worker per node)."""
     cpus_per_worker: float = 1.0
     """Ray CPUs reserved for each worker; also its torch thread count (at least 1)."""
+    gpus_per_worker: int = 0
+    """Ray GPUs reserved for each worker: 0 trains on CPU; more trains on the first of them
+    (``cuda:0``, as Ray sets ``CUDA_VISIBLE_DEVICES``), and gradients travel over NCCL."""
     timeout_s: float = 120.0
     """How long a worker start (placement, rendezvous) may wait before the run fails."""
     min_workers: int | None = None
@@ -89,6 +92,15 @@ class TrainConfig:
             )
         if self.cpus_per_worker <= 0:
             raise ValueError(f"cpus_per_worker must be positive, got {self.cpus_per_worker}")
+        if (
+            isinstance(self.gpus_per_worker, bool)
+            or not isinstance(self.gpus_per_worker, int)
+            or self.gpus_per_worker < 0
+        ):
+            raise ValueError(
+                "gpus_per_worker must be 0 (train on CPU) or a positive whole number of GPUs, "
+                f"got {self.gpus_per_worker!r}"
+            )
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.collective_timeout_s <= 0:

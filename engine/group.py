@@ -88,14 +88,14 @@ class RayWorkerGroup(WorkerGroup):
         self._actor_cls = ray.remote(RankWorker)
         self._module_cls = module_cls
         _check_capacity(config)
-        bundles = [{"CPU": config.cpus_per_worker} for _ in range(config.workers)]
+        bundles = [_worker_bundle(config) for _ in range(config.workers)]
         self._pg = placement_group(bundles, strategy=PLACEMENTS[config.placement])
         try:
             ray.get(self._pg.ready(), timeout=config.timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self._pg)
             raise EngineError(
-                f"Ray could not place {config.workers} workers of {config.cpus_per_worker} CPU "
+                f"Ray could not place {config.workers} workers of {_describe(config)} "
                 f"within {config.timeout_s:.0f} s; free resources, lower workers or raise timeout_s"
             ) from None
         self._next_id = 0
@@ -192,6 +192,7 @@ class RayWorkerGroup(WorkerGroup):
         env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         actor = self._actor_cls.options(
             num_cpus=self._config.cpus_per_worker,
+            num_gpus=self._config.gpus_per_worker,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=bundle
             ),
@@ -295,7 +296,7 @@ class RayWorkerGroup(WorkerGroup):
             try:
                 results[worker] = ray.get(done[0])
             except ray.exceptions.RayActorError as err:
-                lost[worker] = f"its process died ({type(err).__name__})"
+                lost[worker] = _why_gone(err)
             except ray.exceptions.RayTaskError as err:
                 if not isinstance(err.cause, CollectiveError):
                     rank = list(refs).index(worker)
@@ -316,6 +317,15 @@ class RayWorkerGroup(WorkerGroup):
         if blamed:
             raise blamed[0][1]
         return [results[w] for w in refs]
+
+
+def _why_gone(err: Exception) -> str:
+    """Why a worker's actor is gone: the error its start raised (no GPU, a bad dataset URL:
+    the last line of Ray's traceback names it), or that its process died."""
+    if getattr(err, "actor_init_failed", False):
+        lines = str(err).strip().splitlines()
+        return f"it failed to start: {lines[-1].strip() if lines else type(err).__name__}"
+    return f"its process died ({type(err).__name__})"
 
 
 def _blamed_peers(ranks: list[str], errors: list[CollectiveError]) -> dict[str, str]:
@@ -351,16 +361,49 @@ def _failed_rank(refs: list) -> int | None:
     return None
 
 
+def _worker_bundle(config: TrainConfig) -> dict[str, float]:
+    """The Ray resources one worker reserves: its placement-group bundle."""
+    bundle: dict[str, float] = {"CPU": config.cpus_per_worker}
+    if config.gpus_per_worker:
+        bundle["GPU"] = config.gpus_per_worker
+    return bundle
+
+
+def _describe(config: TrainConfig) -> str:
+    """One worker's resources in words: ``1 CPU`` or ``1 CPU and 2 GPU``."""
+    gpus = f" and {config.gpus_per_worker} GPU" if config.gpus_per_worker else ""
+    return f"{config.cpus_per_worker:g} CPU{gpus}"
+
+
 def _check_capacity(config: TrainConfig) -> None:
+    """Refuse, before any worker starts, a run the whole Ray cluster could never place.
+
+    Every worker's bundle is reserved up front (``min_workers`` only decides how many may be
+    lost), so the cluster must hold all ``config.workers`` of them.
+
+    Raises:
+        EngineError: the cluster has fewer CPUs or GPUs than the workers need; the message
+            names the fields to change.
+    """
     import ray
 
-    total = ray.cluster_resources().get("CPU", 0)
+    resources = ray.cluster_resources()
+    total = resources.get("CPU", 0)
     need = config.workers * config.cpus_per_worker
     if need > total:
         raise EngineError(
             f"{config.workers} workers x {config.cpus_per_worker} CPU need {need:g} CPUs but the "
             f"Ray cluster has {total:g}; lower workers or cpus_per_worker, or add Ray nodes"
         )
+    if config.gpus_per_worker:
+        gpus = resources.get("GPU", 0)
+        need = config.workers * config.gpus_per_worker
+        if need > gpus:
+            raise EngineError(
+                f"{config.workers} workers x {config.gpus_per_worker} GPU need {need} GPUs but "
+                f"the Ray cluster has {gpus:g}; lower workers or gpus_per_worker "
+                "(gpus_per_worker=0 trains on CPU), or add Ray nodes with GPUs"
+            )
 
 
 def _single_node() -> bool:

@@ -7,6 +7,7 @@ own process, so a tuning trial trains through exactly the code ``train`` uses.
 from __future__ import annotations
 
 import copy
+import os
 import socket
 from collections import defaultdict
 from collections.abc import Mapping
@@ -16,13 +17,14 @@ import torch
 
 from engine.collective import Collective, GradientBuckets, create_collective
 from engine.config import DataSpec, TrainConfig
+from engine.errors import EngineError
 from storage.checkpoint import read_checkpoint, save_model
 from storage.checkpointer import AsyncCheckpointer
 from storage.dataset import read_split
 from storage.reshard import REPLICATED, load_data_parallel, load_training_state, training_state
 from storage.store import CheckpointStore, CommittedCheckpoint
 
-__all__ = ["RankWorker", "evaluate_module", "split_global_batch", "step_seed"]
+__all__ = ["RankWorker", "evaluate_module", "split_global_batch", "step_seed", "worker_device"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -40,6 +42,28 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     the uninterrupted one without any RNG state in the checkpoint.
     """
     return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+def worker_device(config: TrainConfig) -> torch.device:
+    """Where a worker of ``config`` trains: the CPU, or with ``gpus_per_worker`` the first
+    GPU this process sees (``cuda:0``: Ray gives an actor its GPUs as ``CUDA_VISIBLE_DEVICES``).
+
+    Raises:
+        EngineError: GPUs were asked for but this process cannot use CUDA.
+    """
+    if not config.gpus_per_worker:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise EngineError(
+            f"gpus_per_worker={config.gpus_per_worker} but torch cannot use CUDA in this "
+            f"worker's process (torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda or 'not built in'}, CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); install a CUDA build of torch where "
+            "the workers run and give them GPUs, or set gpus_per_worker=0 to train on CPU"
+        )
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)  # the ring's NCCL transport runs on the current device
+    return device
 
 
 class _MetricCapture:
@@ -67,8 +91,12 @@ class RankWorker:
         module_cls: the user's ``LightningModule`` class.
         hparams: keyword arguments for ``module_cls``.
         data: the preprocessed dataset.
-        config: the run's engine configuration.
+        config: the run's engine configuration; with ``gpus_per_worker`` the worker trains
+            on ``cuda:0`` (see :func:`worker_device`) and its collective runs over NCCL.
         rank: this worker's rank, 0 to ``world_size - 1``.
+
+    Raises:
+        EngineError: ``config.gpus_per_worker`` is set but this process cannot use CUDA.
     """
 
     def __init__(
@@ -83,8 +111,11 @@ class RankWorker:
         torch.set_num_threads(max(1, int(config.cpus_per_worker)))
         self.rank, self.world_size, self.config = rank, config.workers, config
         self.data = data
+        self.device = worker_device(config)
         torch.manual_seed(config.seed)
-        self.module = module_cls(**hparams)
+        # Built on the CPU, so the initial weights are the same wherever the worker trains;
+        # then moved, before the optimizer exists, so its state is created on the device.
+        self.module = module_cls(**hparams).to(self.device)
         self.optimizer = _single_optimizer(self.module.configure_optimizers())
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.train_x, self.train_y = _tensors(*read_split(data.dataset_url, "train", data.schema))
@@ -97,6 +128,15 @@ class RankWorker:
     def epoch_steps(self) -> int:
         """Steps (global batches) in one epoch of the training split."""
         return self.steps_per_epoch
+
+    def device_info(self) -> dict[str, str]:
+        """Where this worker trains: its torch ``device`` and, on GPU, the ``gpu``'s name and
+        the ``visible`` devices (``CUDA_VISIBLE_DEVICES``, as Ray set it for this process)."""
+        info = {"device": str(self.device)}
+        if self.device.type == "cuda":
+            info["gpu"] = torch.cuda.get_device_name(self.device)
+            info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        return info
 
     def rendezvous_address(self) -> str:
         """A ``tcp://host:port`` on this worker's node where rank 0 can host the rendezvous."""
@@ -116,6 +156,10 @@ class RankWorker:
                 self.collective.broadcast_(tensor, src=0)
 
     def _join_ring(self, init_method: str) -> None:
+        # CUDA tensors travel over NCCL: the ring then picks its NCCL transport, and native
+        # joins an NCCL process group. Only then is the argument passed, so a collective that
+        # knows no backend keeps working on CPU.
+        backend = {"backend": "nccl"} if self.device.type == "cuda" else {}
         self.collective = create_collective(
             self.config.collective,
             rank=self.rank,
@@ -124,6 +168,7 @@ class RankWorker:
             timeout_s=self.config.collective_timeout_s,
             connect_timeout_s=self.config.timeout_s,
             compression=self.config.compression,
+            **backend,
         )
         self.buckets = GradientBuckets(
             self.params, self.collective, bucket_bytes=int(self.config.bucket_mb * 2**20)
@@ -140,26 +185,34 @@ class RankWorker:
         self._join_ring(init_method)
 
     def commit(self, step: int) -> None:
-        """Keep a copy of the model and optimizer state at ``step`` in memory.
+        """Keep a copy of the model and optimizer state at ``step`` in host memory.
 
         The previous commit is kept too: if the group loses a worker while committing, some
         members may have committed ``step`` and others not, and all roll back to the older.
+        The copies are CPU tensors whatever the device (the same values, bit for bit), so a
+        commit takes no GPU memory and can be sent to a joining worker through Ray.
         """
-        model = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        self._commits[step] = (model, copy.deepcopy(self.optimizer.state_dict()))
+        model = {k: _host_copy(v) for k, v in self.module.state_dict().items()}
+        self._commits[step] = (model, _host_copy(self.optimizer.state_dict()))
         for old in sorted(self._commits)[:-2]:
             del self._commits[old]
 
     def rollback(self, step: int) -> None:
-        """Return to the commit of ``step`` (model and optimizer, bit for bit)."""
+        """Return to the commit of ``step`` (model and optimizer, bit for bit).
+
+        The host copies are copied onto the worker's device (``load_state_dict`` moves the
+        optimizer state next to its parameters).
+        """
         model, optimizer = self.committed_state(step)
+        if self.checkpointer is not None:
+            self.checkpointer.fence()  # a background copy may still read the weights
         with torch.no_grad():
             for name, tensor in self.module.state_dict().items():
                 tensor.copy_(model[name])
         self.optimizer.load_state_dict(copy.deepcopy(optimizer))
 
     def committed_state(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The commit of ``step``, for rolling back or for a worker joining the group."""
+        """The commit of ``step`` (CPU tensors), for rolling back or for a worker joining."""
         if step not in self._commits:
             raise RuntimeError(f"no commit of step {step}; this worker has {sorted(self._commits)}")
         return self._commits[step]
@@ -207,7 +260,8 @@ class RankWorker:
         # global batch makes the sum over ranks the gradient of the global-batch mean.
         self.buckets.start(weight=len(mine) / global_size)
         if len(mine):
-            out = self.module.training_step((self.train_x[mine], self.train_y[mine]), step)
+            batch = (self.train_x[mine].to(self.device), self.train_y[mine].to(self.device))
+            out = self.module.training_step(batch, step)
             loss = out["loss"] if isinstance(out, Mapping) else out
             loss.backward()  # buckets start their all-reduces from inside backward
             capture.values.setdefault("train_loss", float(loss.detach()))
@@ -220,7 +274,12 @@ class RankWorker:
         x, y = _tensors(*read_split(self.data.dataset_url, split, self.data.schema))
         mine = split_global_batch(torch.arange(len(y)), rank=self.rank, world_size=self.world_size)
         return evaluate_module(
-            self.module, x[mine], y[mine], split=split, batch_size=self.config.batch_size
+            self.module,
+            x[mine],
+            y[mine],
+            split=split,
+            batch_size=self.config.batch_size,
+            device=self.device,
         )
 
     def warm_start(self, model_uri: str) -> None:
@@ -252,16 +311,16 @@ class RankWorker:
         """
         if self.checkpointer is None:
             self.checkpointer = AsyncCheckpointer(CheckpointStore(store_url), check_writable=False)
-            self._guard = self.checkpointer.guard(self.optimizer)
-        tensors, optimizer_meta = training_state(self.module, self.optimizer)
-        self.checkpointer.save(
-            run_key,
-            step=step,
-            shards={REPLICATED: tensors},
-            metadata={**metadata, "optimizer": optimizer_meta},
-            metrics=metrics,
-            overlap=True,
-        )
+            self._guard = self.checkpointer.guard(self.optimizer, self.module)
+
+        def collect() -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+            tensors, optimizer_meta = training_state(self.module, self.optimizer)
+            return {REPLICATED: tensors}, {**metadata, "optimizer": optimizer_meta}
+
+        # Gathering the state, like copying it, runs in the background while the next
+        # forward and backward pass run; the optimizer step (and the forward pass of a
+        # module with buffers) waits for it.
+        self.checkpointer.save(run_key, step=step, collect=collect, metrics=metrics, overlap=True)
 
     def flush_checkpoints(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Wait for background saves; return the last committed step and any failures."""
@@ -279,7 +338,8 @@ class RankWorker:
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        """The model's weights as CPU tensors: the driver may have no GPU."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     def save(
         self, uri: str, *, hparams: dict[str, Any], metrics: dict[str, float], meta: dict[str, Any]
@@ -303,23 +363,45 @@ class RankWorker:
 
 @torch.no_grad()
 def evaluate_module(
-    module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, split: str, batch_size: int
+    module: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    split: str,
+    batch_size: int,
+    device: torch.device | str | None = None,
 ) -> tuple[dict[str, float], int]:
     """Run ``test_step`` (for ``split == "test"``) or ``validation_step`` over ``x, y``.
+
+    Each batch is moved to ``device``; ``None`` means where the module's parameters are.
 
     Returns:
         The sums of every logged metric weighted by batch size, and the number of samples.
     """
+    if device is None:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
     capture = _MetricCapture()
     module.log, module.log_dict = capture.log, capture.log_dict
     step = module.test_step if split == "test" else module.validation_step
     module.eval()
     sums: dict[str, float] = defaultdict(float)
     for i, start in enumerate(range(0, len(y), batch_size)):
-        step((x[start : start + batch_size], y[start : start + batch_size]), i)
+        batch = (x[start : start + batch_size], y[start : start + batch_size])
+        step((batch[0].to(device), batch[1].to(device)), i)
         for name, value in capture.take().items():
             sums[name] += value * len(y[start : start + batch_size])
     return dict(sums), len(y)
+
+
+def _host_copy(value: Any) -> Any:
+    """A deep copy of ``value`` (a state dict) with every tensor copied to host memory."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Mapping):
+        return {k: _host_copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_host_copy(v) for v in value)
+    return copy.deepcopy(value)
 
 
 def _tensors(features: Any, labels: Any) -> Batch:

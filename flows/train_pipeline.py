@@ -62,6 +62,7 @@ def train_pipeline(
     commit_every: Positive = 10,
     placement: Literal["pack", "spread", "strict_spread"] = "pack",
     cpus_per_worker: Annotated[float | None, Field(gt=0, le=1024)] = None,
+    gpus_per_worker: Annotated[int, Field(ge=0, le=64)] = 0,
     pipeline_stages: Annotated[int, Field(ge=1, le=64)] = 1,
     micro_batches: Positive = 4,
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b",
@@ -105,6 +106,8 @@ def train_pipeline(
             (spread), or one per node (strict_spread).
         cpus_per_worker: CPUs each worker reserves; empty means 1 (a fair share of the
             cluster per pipeline stage).
+        gpus_per_worker: GPUs each worker reserves; it trains on the first of them and
+            gradients travel over NCCL. 0 trains on CPU. Not with pipeline_stages.
         pipeline_stages: split the model into this many pipeline stages (1: no pipeline).
         micro_batches: micro-batches per global batch and replica, with pipeline stages.
         pipeline_schedule: 1f1b (at most as many micro-batches in flight as stages) or gpipe.
@@ -118,7 +121,7 @@ def train_pipeline(
             message=f"Not started again: this is start {attempt} of a run allowed "
             f"{max_restarts} restarts (raise max_restarts to allow more)"
         )
-    _check(workers, batch_size, min_workers, pipeline_stages, micro_batches)
+    _check(workers, batch_size, min_workers, pipeline_stages, micro_batches, gpus_per_worker)
     storage_url = absolute(storage_url)
     run_key = run_key or str(flow_run.get_id() or "local")
     source = absolute(data_url) if data_url else demo_data(storage_url)
@@ -140,7 +143,14 @@ def train_pipeline(
         )
         hparams = best["best_hparams"]
         common.update({k: v for k, v in best["best_train"].items() if k in ("batch_size", "seed")})
-        _check(workers, common["batch_size"], min_workers, pipeline_stages, micro_batches)
+        _check(
+            workers,
+            common["batch_size"],
+            min_workers,
+            pipeline_stages,
+            micro_batches,
+            gpus_per_worker,
+        )
     if use_best_checkpoint and best is not None:
         trained = {"checkpoint": best["best_checkpoint"], "resumed_from_step": None}
     else:
@@ -156,6 +166,7 @@ def train_pipeline(
             "commit_every": commit_every,
             "placement": placement,
             **({"cpus_per_worker": cpus_per_worker} if cpus_per_worker else {}),
+            **({"gpus_per_worker": gpus_per_worker} if gpus_per_worker else {}),
         }
         pipeline = {
             "stages": pipeline_stages,
@@ -212,7 +223,12 @@ def train_pipeline(
 
 
 def _check(
-    workers: int, batch_size: int, min_workers: int | None, stages: int, micro_batches: int
+    workers: int,
+    batch_size: int,
+    min_workers: int | None,
+    stages: int,
+    micro_batches: int,
+    gpus_per_worker: int = 0,
 ) -> None:
     """Combinations of parameters that no single parameter's bounds can refuse."""
     if batch_size < workers:
@@ -223,6 +239,11 @@ def _check(
         raise ValueError(
             f"batch_size ({batch_size}) must be at least micro_batches x workers "
             f"({micro_batches} x {workers}): every micro-batch needs a sample"
+        )
+    if stages > 1 and gpus_per_worker:
+        raise ValueError(
+            f"gpus_per_worker ({gpus_per_worker}) needs pipeline_stages 1: pipeline stages "
+            "train on CPU only for now"
         )
 
 

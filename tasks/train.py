@@ -33,7 +33,8 @@ def train(
     """Train on Ray actors; return the checkpoint URL and the final metrics.
 
     Args:
-        engine: ``TrainConfig`` fields (workers, epochs, batch size, seed, elasticity...).
+        engine: ``TrainConfig`` fields (workers, epochs, batch size, seed, elasticity, CPUs and
+            GPUs per worker...).
         pipeline: ``PipelineConfig`` fields; with more than one stage the model is split into
             pipeline stages, ``engine["workers"]`` replicas of them.
         init_from: a committed model to warm-start from.

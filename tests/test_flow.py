@@ -35,6 +35,7 @@ PARAMETERS = [
     "commit_every",
     "placement",
     "cpus_per_worker",
+    "gpus_per_worker",
     "pipeline_stages",
     "micro_batches",
     "pipeline_schedule",
@@ -73,6 +74,8 @@ def test_cli_help_lists_every_parameter():
         ({"learning_rate": 0}, "learning_rate"),
         ({"serve_port": 70000}, "serve_port"),
         ({"workers": "two"}, "workers"),
+        ({"gpus_per_worker": -1}, "gpus_per_worker"),
+        ({"gpus_per_worker": 0.5}, "gpus_per_worker"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_parameter(params, named):

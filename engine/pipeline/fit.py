@@ -126,8 +126,14 @@ def check_pipeline(
     Raises:
         ValueError: hparams the module refuses, a module that is not a layer sequence or has
             no ``pipeline_loss``, more stages than layers, bad split points, or a global batch
-            too small for ``micro_batches`` micro-batches on each of ``workers`` replicas.
+            too small for ``micro_batches`` micro-batches on each of ``workers`` replicas,
+            or ``gpus_per_worker`` (pipeline stages train on CPU only, for now).
     """
+    if config.gpus_per_worker:
+        raise ValueError(
+            f"gpus_per_worker={config.gpus_per_worker}: pipeline stages train on CPU only for "
+            "now; set gpus_per_worker=0, or train without pipeline stages (engine.fit) on GPUs"
+        )
     if config.batch_size < pipeline.micro_batches * config.workers:
         raise ValueError(
             f"batch_size ({config.batch_size}) is smaller than micro_batches "

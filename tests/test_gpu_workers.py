@@ -1,0 +1,252 @@
+"""Workers on GPUs: ``gpus_per_worker`` is checked, reserved from Ray, and trained on.
+
+The tests marked ``gpu`` need CUDA devices (``-m gpu`` on the lent GPU machine) and are
+skipped elsewhere; the others run on any machine, against Ray clusters without GPUs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from engine import EngineError, TrainConfig, fit
+from engine.group import RayWorkerGroup, _worker_bundle
+from engine.worker import worker_device
+from models.digits import DigitsClassifier
+from tests.conftest import relative_difference
+
+HPARAMS = {"hidden": 32, "lr": 0.01}
+
+
+def needs_2_gpus(test):
+    """Marks ``test`` ``gpu`` and skips it without 2 CUDA devices (before any fixture)."""
+    test = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")(test)
+    return pytest.mark.gpu(test)
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("value", [-1, 1.0, 0.5, True, "1", None])
+def test_bad_gpus_per_worker_names_the_field(value):
+    with pytest.raises(ValueError, match="gpus_per_worker"):
+        TrainConfig(gpus_per_worker=value)
+
+
+def test_gpus_are_reserved_only_when_asked_for():
+    assert TrainConfig().gpus_per_worker == 0
+    assert worker_device(TrainConfig()) == torch.device("cpu")
+    assert _worker_bundle(TrainConfig()) == {"CPU": 1.0}
+    assert _worker_bundle(TrainConfig(cpus_per_worker=4, gpus_per_worker=2)) == {
+        "CPU": 4,
+        "GPU": 2,
+    }
+
+
+def test_pipeline_stages_refuse_gpus_before_any_worker_starts(digits):
+    from engine.pipeline import PipelineConfig
+    from engine.pipeline.fit import check_pipeline
+
+    with pytest.raises(ValueError, match="gpus_per_worker=1"):
+        check_pipeline(
+            DigitsClassifier,
+            hparams=HPARAMS,
+            data=digits,
+            config=TrainConfig(workers=1, gpus_per_worker=1),
+            pipeline=PipelineConfig(stages=2),
+        )
+
+
+def test_the_flow_refuses_gpus_with_pipeline_stages():
+    from flows.train_pipeline import _check
+
+    _check(2, 64, None, 1, 4, 1)  # data parallel on GPUs: fine
+    with pytest.raises(ValueError, match="gpus_per_worker"):
+        _check(2, 64, None, 2, 4, 1)
+
+
+# ---------------------------------------------------------------------------- clusters without GPUs
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("min_workers", [None, 1])
+def test_more_gpus_than_the_cluster_has_are_refused_before_any_worker_starts(
+    ray_session, digits, tmp_path, min_workers
+):
+    """Every bundle is reserved up front, elastic or not: the whole cluster must hold them."""
+    ray = ray_session
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    per_worker = gpus // 2 + 1  # 1 on a cluster without GPUs: 2 workers need more than it has
+    placed = len(ray.util.placement_group_table())
+    with pytest.raises(EngineError, match="lower workers or gpus_per_worker") as refused:
+        fit(
+            DigitsClassifier,
+            hparams=HPARAMS,
+            data=digits,
+            config=TrainConfig(
+                workers=2, epochs=1, gpus_per_worker=per_worker, min_workers=min_workers
+            ),
+            checkpoint_uri=str(tmp_path / "never"),
+        )
+    assert f"need {2 * per_worker} GPUs but the Ray cluster has {gpus}" in str(refused.value)
+    assert len(ray.util.placement_group_table()) == placed  # nothing was even placed
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine can use CUDA")
+def test_an_in_process_worker_without_cuda_says_what_to_change(digits, tmp_path):
+    with pytest.raises(EngineError, match="set gpus_per_worker=0 to train on CPU"):
+        fit(
+            DigitsClassifier,
+            hparams=HPARAMS,
+            data=digits,
+            config=TrainConfig(workers=1, epochs=1, gpus_per_worker=1),
+            checkpoint_uri=str(tmp_path / "never"),
+            in_process=True,
+        )
+
+
+_CLAIMS_GPUS = textwrap.dedent(
+    """
+    import sys
+
+    import ray
+
+    from engine import DataSpec, EngineError, TrainConfig, fit
+    from models.digits import SCHEMA, DigitsClassifier
+
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False,
+             log_to_driver=False)
+    try:
+        fit(
+            DigitsClassifier,
+            hparams={"hidden": 8},
+            data=DataSpec(dataset_url=sys.argv[1], schema=SCHEMA),
+            config=TrainConfig(workers=2, epochs=1, gpus_per_worker=1, max_failures=0),
+            checkpoint_uri=sys.argv[2],
+        )
+    except EngineError as err:
+        print("REFUSED", err)
+    finally:
+        ray.shutdown()
+    """
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine can use CUDA")
+def test_workers_placed_on_gpus_they_cannot_use_say_so(digits, tmp_path):
+    """A Ray cluster that declares GPUs (its own process: the session's has none) places
+    the workers, whose torch cannot use CUDA here: the run fails naming the cause."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CLAIMS_GPUS, digits.dataset_url, str(tmp_path / "never")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused = next(line for line in done.stdout.splitlines() if line.startswith("REFUSED"))
+    assert "it failed to start" in refused
+    assert "gpus_per_worker=1 but torch cannot use CUDA" in refused
+    assert "set gpus_per_worker=0 to train on CPU" in refused
+
+
+# ---------------------------------------------------------------------------- GPUs
+
+
+@pytest.fixture(scope="module")
+def gpu_ray():
+    """Ray with 2 GPUs: the running instance (the session's finds the GPUs by itself) if it
+    has them, else a private one of our own, shut down after this module."""
+    import ray
+
+    if ray.is_initialized():
+        if ray.cluster_resources().get("GPU", 0) < 2:
+            pytest.skip("the running Ray instance has fewer than 2 GPUs")
+        yield ray
+        return
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
+def _fit(digits, tmp_path, **config) -> dict[str, torch.Tensor]:
+    result = fit(
+        DigitsClassifier,
+        hparams=HPARAMS,
+        data=digits,
+        config=TrainConfig(workers=2, epochs=2, batch_size=64, seed=3, **config),
+        checkpoint_uri=str(tmp_path / "_".join(f"{k}-{v}" for k, v in config.items())),
+    )
+    assert result.history[-1].metrics["train_loss"] < result.history[0].metrics["train_loss"]
+    assert "val_loss" in result.metrics  # evaluated on the workers' device too
+    return _cpu(result.state_dict)
+
+
+@needs_2_gpus
+def test_two_gpu_workers_train_as_native_and_as_on_cpu(gpu_ray, digits, tmp_path):
+    # Small buckets: several NCCL all-reduces per step, started from inside backward.
+    ring = _fit(digits, tmp_path, gpus_per_worker=1, collective="ring", bucket_mb=0.004)
+    native = _fit(digits, tmp_path, gpus_per_worker=1, collective="native")
+    cpu = _fit(digits, tmp_path, collective="ring", bucket_mb=0.004)
+    assert relative_difference(ring, native) < 1e-5
+    assert relative_difference(ring, cpu) < 1e-4
+    assert relative_difference(native, cpu) < 1e-4
+    initial = DigitsClassifier(**HPARAMS).state_dict()
+    assert relative_difference(ring, initial) > 1e-2  # training really moved the weights
+
+
+@needs_2_gpus
+def test_gpu_workers_get_a_gpu_each_and_commit_to_host_memory(gpu_ray, digits):
+    config = TrainConfig(workers=2, epochs=1, batch_size=64, seed=3, gpus_per_worker=1)
+    group = RayWorkerGroup(DigitsClassifier, hparams=HPARAMS, data=digits, config=config)
+    try:
+        where = group.call("device_info")
+        assert [w["device"] for w in where] == ["cuda:0", "cuda:0"]
+        assert where[0]["visible"] != where[1]["visible"]  # a GPU each, not the same one
+        group.call("train_steps", 0, 0, 3)
+        group.commit(3)
+        model, optimizer = group.call_rank0("committed_state", 3)
+        tensors = [*model.values()]
+        tensors += [v for s in optimizer["state"].values() for v in s.values()]
+        assert len(tensors) > len(model)  # the optimizer has state by now
+        assert all(t.device.type == "cpu" for t in tensors)
+        at_commit = [_cpu(s) for s in group.call("state_dict")]
+        assert all(torch.equal(at_commit[0][k], at_commit[1][k]) for k in at_commit[0])
+        group.call("train_steps", 0, 3, 2)
+        group.call("rollback", 3)
+        rolled_back = [_cpu(s) for s in group.call("state_dict")]
+        assert all(torch.equal(s[k], at_commit[0][k]) for s in rolled_back for k in s)
+        group.call("train_steps", 0, 3, 2)
+        group.call("adopt", 3, (model, optimizer))  # as a joining worker takes rank 0's commit
+        adopted = [_cpu(s) for s in group.call("state_dict")]
+        assert all(torch.equal(s[k], at_commit[0][k]) for s in adopted for k in s)
+        group.call("train_steps", 0, 3, 2)  # and training goes on from there, on the GPUs
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_in_process_worker_trains_on_the_gpu(digits, tmp_path):
+    def run(name: str, gpus: int) -> dict[str, torch.Tensor]:
+        result = fit(
+            DigitsClassifier,
+            hparams=HPARAMS,
+            data=digits,
+            config=TrainConfig(workers=1, epochs=2, batch_size=64, seed=3, gpus_per_worker=gpus),
+            checkpoint_uri=str(tmp_path / name),
+            in_process=True,
+        )
+        return _cpu(result.state_dict)
+
+    assert relative_difference(run("gpu", 1), run("cpu", 0)) < 1e-4
