@@ -192,7 +192,8 @@ def test_a_collected_save_gathers_the_state_in_the_background(tmp_path: Any) -> 
         saver.save(RUN, step=1, collect=collect, overlap=True)
         train_step()
         handle.remove()
-    assert gathered_in and gathered_in[0] != threading.current_thread().name
+    assert gathered_in
+    assert gathered_in[0] != threading.current_thread().name
     loaded = store.load_latest(RUN)
     assert loaded.metadata["optimizer"]["optimizer"] == "Adam"
     assert set(loaded.shards["replicated"]) == set(expected)
