@@ -72,7 +72,9 @@ def _parse(argv: list[str] | None) -> Options:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="bytes, e.g. 1K,16M,256M")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size")
     parser.add_argument("--target-s", type=float, default=0.15, help="time per timed block")
-    parser.add_argument("--transport", default="auto", help="the ring's: auto, shm, gloo, nccl")
+    parser.add_argument(
+        "--transport", default="auto", help="the ring's: auto, shm, gloo, nccl, symm"
+    )
     parser.add_argument("--segment-bytes", default=None, help="the ring's segment, e.g. 1M")
     args = parser.parse_args(argv)
     return Options(

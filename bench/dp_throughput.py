@@ -72,6 +72,8 @@ class Spec:
     """Steps run before the loop's clock starts (CUDA: cuBLAS, NCCL and allocator set-up)."""
     amp: str = "none"
     """``bf16``: forward and backward under ``torch.autocast`` (fp32 weights and gradients)."""
+    transport: str = "auto"
+    """The ring's transport for ``ours (processes)`` (``engine.collective.TRANSPORTS``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +211,9 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[str], list[int], int | No
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument(
+        "--transport", default="auto", help="our ring's: auto, shm, gloo, nccl or symm (GPU)"
+    )
+    parser.add_argument(
         "--data",
         choices=("digits", "synthetic"),
         default=None,
@@ -235,6 +240,7 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[str], list[int], int | No
             else (0 if args.device == "cpu" else 3)
         ),
         amp=args.amp,
+        transport=args.transport,
     )
     if args.amp != "none" and args.device == "cpu":
         parser.error("--amp bf16 is for --device cuda")
@@ -391,6 +397,7 @@ def _ours_hooks(model: nn.Module, *, rank: int, backend: str, address: str, spec
         init_method=address,
         backend=backend,
         timeout_s=60,
+        transport=spec.transport,
     )
     for tensor in model.state_dict().values():
         ring.broadcast_(tensor, src=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.collective import COMPRESSIONS, available_collectives
+from engine.collective import COMPRESSIONS, TRANSPORTS, available_collectives
 from storage.dataset import TableSchema
 
 __all__ = ["PLACEMENTS", "DataSpec", "TrainConfig"]
@@ -42,7 +42,11 @@ class TrainConfig:
     """Ray CPUs reserved for each worker; also its torch thread count (at least 1)."""
     gpus_per_worker: int = 0
     """Ray GPUs reserved for each worker: 0 trains on CPU; more trains on the first of them
-    (``cuda:0``, as Ray sets ``CUDA_VISIBLE_DEVICES``), and gradients travel over NCCL."""
+    (see ``engine.worker.worker_device``), and gradients travel over NCCL."""
+    ring_transport: str = "auto"
+    """How the ``ring`` collective moves data (``engine.collective.TRANSPORTS``). ``auto``:
+    through shared memory between workers of one host (``shm`` on CPU; ``symm`` on GPU, where
+    they write into each other's GPU memory), else ``gloo`` or ``nccl``."""
     timeout_s: float = 120.0
     """How long a worker start (placement, rendezvous) may wait before the run fails."""
     min_workers: int | None = None
@@ -90,6 +94,7 @@ class TrainConfig:
             raise ValueError(
                 f"placement must be one of {sorted(PLACEMENTS)}, got {self.placement!r}"
             )
+        self._check_transport()
         if self.cpus_per_worker <= 0:
             raise ValueError(f"cpus_per_worker must be positive, got {self.cpus_per_worker}")
         if (
@@ -106,6 +111,22 @@ class TrainConfig:
         if self.collective_timeout_s <= 0:
             raise ValueError(
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
+            )
+
+    def _check_transport(self) -> None:
+        if self.ring_transport not in TRANSPORTS:
+            raise ValueError(
+                f"ring_transport must be one of {TRANSPORTS}, got {self.ring_transport!r}"
+            )
+        gpu = self.ring_transport in ("nccl", "symm")
+        if self.ring_transport != "auto" and gpu != bool(self.gpus_per_worker):
+            raise ValueError(
+                f"ring_transport {self.ring_transport!r} is for "
+                + (
+                    "GPU workers: set gpus_per_worker, or use 'auto' on CPU"
+                    if gpu
+                    else "CPU workers (gpus_per_worker=0): GPU workers use 'auto', 'nccl' or 'symm'"
+                )
             )
 
     def _check_elastic(self) -> None:

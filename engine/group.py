@@ -16,7 +16,7 @@ from engine.elastic.coordinator import (
     WaitForWorkers,
 )
 from engine.errors import CollectiveError, EngineError, WorkerFailedError
-from engine.worker import RankWorker
+from engine.worker import NOSET_VISIBLE_DEVICES, RankWorker
 
 __all__ = ["InProcessGroup", "MembershipLost", "RayWorkerGroup", "WorkerGroup"]
 
@@ -190,6 +190,8 @@ class RayWorkerGroup(WorkerGroup):
         worker = f"worker-{self._next_id}"
         self._next_id += 1
         env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        if self._config.gpus_per_worker:
+            env[NOSET_VISIBLE_DEVICES] = "1"  # workers see each other's GPUs (worker_device)
         actor = self._actor_cls.options(
             num_cpus=self._config.cpus_per_worker,
             num_gpus=self._config.gpus_per_worker,

@@ -24,7 +24,14 @@ from storage.dataset import read_split
 from storage.reshard import REPLICATED, load_data_parallel, load_training_state, training_state
 from storage.store import CheckpointStore, CommittedCheckpoint
 
-__all__ = ["RankWorker", "evaluate_module", "split_global_batch", "step_seed", "worker_device"]
+__all__ = [
+    "NOSET_VISIBLE_DEVICES",
+    "RankWorker",
+    "evaluate_module",
+    "split_global_batch",
+    "step_seed",
+    "worker_device",
+]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -44,9 +51,17 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step) * 1_009 + rank
 
 
+NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+"""Set for a Ray actor, Ray leaves its ``CUDA_VISIBLE_DEVICES`` alone: the actor sees every GPU
+of its node and trains on the first of those Ray assigned it."""
+
+
 def worker_device(config: TrainConfig) -> torch.device:
     """Where a worker of ``config`` trains: the CPU, or with ``gpus_per_worker`` the first
-    GPU this process sees (``cuda:0``: Ray gives an actor its GPUs as ``CUDA_VISIBLE_DEVICES``).
+    GPU Ray assigned it. Ray either hides the other GPUs (``CUDA_VISIBLE_DEVICES``: the GPU is
+    ``cuda:0``) or, with ``NOSET_VISIBLE_DEVICES``, leaves every GPU of the node visible, so
+    that workers on one host get distinct device indices and the ring can move gradients
+    through GPU shared memory (``engine.collective._symm``) rather than NCCL.
 
     Raises:
         EngineError: GPUs were asked for but this process cannot use CUDA.
@@ -61,9 +76,22 @@ def worker_device(config: TrainConfig) -> torch.device:
             f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); install a CUDA build of torch where "
             "the workers run and give them GPUs, or set gpus_per_worker=0 to train on CPU"
         )
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", _assigned_gpu())
     torch.cuda.set_device(device)  # the ring's NCCL transport runs on the current device
     return device
+
+
+def _assigned_gpu() -> int:
+    """This process's index of the first GPU Ray assigned it (0 where Ray hid the others)."""
+    if os.environ.get(NOSET_VISIBLE_DEVICES) != "1":
+        return 0
+    import ray
+
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    if not ids:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",").index(ids[0]) if visible else int(ids[0])
 
 
 class _MetricCapture:
@@ -131,11 +159,16 @@ class RankWorker:
 
     def device_info(self) -> dict[str, str]:
         """Where this worker trains: its torch ``device`` and, on GPU, the ``gpu``'s name and
-        the ``visible`` devices (``CUDA_VISIBLE_DEVICES``, as Ray set it for this process)."""
+        UUID as ``bus`` (which physical GPU), and the ring's ``transport``."""
         info = {"device": str(self.device)}
         if self.device.type == "cuda":
-            info["gpu"] = torch.cuda.get_device_name(self.device)
-            info["visible"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            properties = torch.cuda.get_device_properties(self.device)
+            info["gpu"] = properties.name
+            info["bus"] = (
+                f"{properties.pci_domain_id}:{properties.pci_bus_id}:{properties.pci_device_id}"
+            )
+        if self.collective is not None:
+            info["transport"] = getattr(self.collective, "transport", self.config.collective)
         return info
 
     def rendezvous_address(self) -> str:
@@ -160,6 +193,8 @@ class RankWorker:
         # joins an NCCL process group. Only then is the argument passed, so a collective that
         # knows no backend keeps working on CPU.
         backend = {"backend": "nccl"} if self.device.type == "cuda" else {}
+        if self.config.collective == "ring":
+            backend["transport"] = self.config.ring_transport
         self.collective = create_collective(
             self.config.collective,
             rank=self.rank,

@@ -37,6 +37,20 @@ def test_bad_gpus_per_worker_names_the_field(value):
         TrainConfig(gpus_per_worker=value)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ring_transport": "tcp"}, "ring_transport must be one of"),
+        ({"ring_transport": "symm"}, "is for GPU workers: set gpus_per_worker"),
+        ({"ring_transport": "nccl"}, "is for GPU workers"),
+        ({"ring_transport": "shm", "gpus_per_worker": 1}, "GPU workers use 'auto', 'nccl'"),
+    ],
+)
+def test_a_ring_transport_that_cannot_serve_the_workers_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)
+
+
 def test_gpus_are_reserved_only_when_asked_for():
     assert TrainConfig().gpus_per_worker == 0
     assert worker_device(TrainConfig()) == torch.device("cpu")
@@ -207,12 +221,15 @@ def test_two_gpu_workers_train_as_native_and_as_on_cpu(gpu_ray, digits, tmp_path
 
 @needs_2_gpus
 def test_gpu_workers_get_a_gpu_each_and_commit_to_host_memory(gpu_ray, digits):
-    config = TrainConfig(workers=2, epochs=1, batch_size=64, seed=3, gpus_per_worker=1)
+    config = TrainConfig(
+        workers=2, epochs=1, batch_size=64, seed=3, gpus_per_worker=1, ring_transport="symm"
+    )
     group = RayWorkerGroup(DigitsClassifier, hparams=HPARAMS, data=digits, config=config)
     try:
         where = group.call("device_info")
-        assert [w["device"] for w in where] == ["cuda:0", "cuda:0"]
-        assert where[0]["visible"] != where[1]["visible"]  # a GPU each, not the same one
+        assert sorted(w["device"] for w in where) == ["cuda:0", "cuda:1"]
+        assert where[0]["bus"] != where[1]["bus"]  # a GPU each, not the same one
+        assert [w["transport"] for w in where] == ["symm", "symm"]  # GPU shared memory
         group.call("train_steps", 0, 0, 3)
         group.commit(3)
         model, optimizer = group.call_rank0("committed_state", 3)

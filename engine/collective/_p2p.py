@@ -223,6 +223,7 @@ class NcclTransport(Transport):
     # 512 MiB, pipelined beyond (measured best on 2 H200s, docs/benchmarks.md).
     pipeline_depth = 1
     segment_range = (4 << 20, 512 << 20)
+    _hang = "an NCCL hop hung"
 
     def __init__(
         self,
@@ -336,7 +337,7 @@ class NcclTransport(Transport):
 
         The verdict comes first: whatever the abort makes fail on this rank then finds it.
         """
-        self._blame(deadline, cause="an NCCL hop hung", timed_out=True)
+        self._blame(deadline, cause=self._hang, timed_out=True)
         # Aborting can block on the hung kernels: let it run beside the caller.
         threading.Thread(target=self._abort, name="ringflow-nccl-abort", daemon=True).start()
 

@@ -29,6 +29,7 @@ from engine.collective._schedule import (
     broadcast_schedule,
 )
 from engine.collective._shm import ShmTransport, shm_available
+from engine.collective._symm import SymmTransport, symm_available
 from engine.collective._transport import Completion, Deadline, Finisher, Transport
 from engine.collective.base import (
     Collective,
@@ -43,9 +44,9 @@ from engine.errors import CollectiveError, CollectiveTimeoutError
 
 __all__ = ["TRANSPORTS", "RingCollective"]
 
-TRANSPORTS = ("auto", "shm", "gloo", "nccl")
-"""``auto`` picks ``nccl`` for the nccl backend, ``shm`` when every rank shares this host, and
-``gloo`` otherwise."""
+TRANSPORTS = ("auto", "shm", "gloo", "nccl", "symm")
+"""``auto`` picks shared memory when every rank shares this host (``shm`` on CPU, ``symm`` on
+GPUs, each rank on a GPU of its own), and ``gloo`` or ``nccl`` otherwise."""
 
 
 _Started = tuple[torch.Tensor, Completion | None]
@@ -124,7 +125,7 @@ class RingCollective(Collective):
 
     @property
     def transport(self) -> str:
-        """The transport in use: ``shm``, ``gloo``, ``nccl``, or ``none`` for one rank."""
+        """The transport in use: ``shm``, ``gloo``, ``nccl``, ``symm``, or ``none`` for one rank."""
         return "none" if self._transport is None else self._transport.name
 
     def allreduce_async_(self, tensor: torch.Tensor, *, op: ReduceOp = "sum") -> CollectiveWork:
@@ -349,18 +350,23 @@ def _connect(
     if transport == "shm":
         slot = segment_bytes or ShmTransport.segment_range[1]
         return ShmTransport(**common, segment_bytes=slot)
-    cls = GlooTransport if transport == "gloo" else NcclTransport
+    cls = {"gloo": GlooTransport, "nccl": NcclTransport, "symm": SymmTransport}[transport]
     return cls(**common, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
 
 
 def _pick_transport(store: dist.Store, *, backend: str, rank: int, world_size: int) -> str:
-    if backend == "nccl":
-        return "nccl"
     local = same_host(store, rank=rank, world_size=world_size)
-    # Every rank must pick the same: shm needs all of them on this host, with /dev/shm.
-    store.set(f"shm_ok/{rank}", b"1" if shm_available() else b"0")
-    usable = store.multi_get([f"shm_ok/{q}" for q in range(world_size)])
-    return "shm" if local and all(v == b"1" for v in usable) else "gloo"
+    # Every rank must pick the same: shared memory needs all of them on this host, able to
+    # use it (/dev/shm on CPU; on GPU symmetric memory, each rank on a device of its own:
+    # processes that each see their one GPU as cuda:0 cannot map each other's).
+    shared, remote = ("symm", "nccl") if backend == "nccl" else ("shm", "gloo")
+    able = symm_available() if backend == "nccl" else shm_available()
+    mine = f"{torch.cuda.current_device()}" if backend == "nccl" and able else "cpu"
+    store.set(f"{shared}_ok/{rank}", f"{int(able)}:{mine}".encode())
+    usable = [v.decode() for v in store.multi_get([f"{shared}_ok/{q}" for q in range(world_size)])]
+    able_all = all(v.startswith("1:") for v in usable)
+    distinct = backend != "nccl" or len(set(usable)) == world_size
+    return shared if local and able_all and distinct else remote
 
 
 def _check_arguments(*, backend: str, timeout_s: float, transport: str) -> None:
@@ -368,6 +374,12 @@ def _check_arguments(*, backend: str, timeout_s: float, transport: str) -> None:
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    gpu = transport in ("nccl", "symm")
+    if transport != "auto" and gpu != (backend == "nccl"):
+        raise ValueError(
+            f"transport {transport!r} does not run on the {backend!r} backend: use "
+            + ("'nccl' or 'symm' with backend='nccl'" if gpu else "'shm' or 'gloo' with 'gloo'")
+        )
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
 
