@@ -39,7 +39,8 @@ def train(
             pipeline stages, ``engine["workers"]`` replicas of them.
         init_from: a committed model to warm-start from.
 
-    Data-parallel training is checkpointed under ``storage_url/checkpoints/{run_key}``, so a
+    Training is checkpointed under ``storage_url/checkpoints/{run_key}`` (data parallel: every
+    ``checkpoint_every`` steps and at epoch ends; pipeline stages: at epoch ends), so a
     retried flow run (same run key) resumes where the failed attempt stopped.
     """
     connect()
@@ -55,7 +56,12 @@ def train(
     with _epoch_progress(config.epochs) as on_epoch:
         if pipeline and pipeline.get("stages", 1) > 1:
             result = fit_pipeline(
-                DigitsClassifier, **common, pipeline=PipelineConfig(**pipeline), on_epoch=on_epoch
+                DigitsClassifier,
+                **common,
+                pipeline=PipelineConfig(**pipeline),
+                on_epoch=on_epoch,
+                store_url=join(storage_url, "checkpoints"),
+                run_key=run_key,
             )
         else:
             result = fit(

@@ -170,31 +170,40 @@ def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
 _QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 
 
-def test_cli_trains_in_pipeline_stages(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flows.train_pipeline",
-            "--workers=1",
-            "--pipeline-stages=2",
-            "--micro-batches=4",
-            "--tune-trials=0",
-            "--no-serve",
-            "--epochs=6",
-            f"--storage-url={tmp_path / 'storage'}",
-        ],
-        cwd=ROOT,
-        env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+def test_cli_trains_in_pipeline_stages_and_resumes_under_its_run_key(tmp_path):
+    def run(epochs: int) -> dict:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "flows.train_pipeline",
+                "--workers=1",
+                "--pipeline-stages=2",
+                "--micro-batches=4",
+                "--tune-trials=0",
+                "--no-serve",
+                f"--epochs={epochs}",
+                "--run-key=staged",
+                f"--storage-url={tmp_path / 'storage'}",
+            ],
+            cwd=ROOT,
+            env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    summary = run(6)
+    assert summary["resumed_from_step"] is None
     assert summary["test_accuracy"] > 0.9
     assert summary["promoted"] is True
     assert "first version" in summary["gate_reason"] or "promoted" in summary["gate_reason"]
+    # Started again under the same run key, as a retried flow run is: it goes on after the
+    # 6 epochs its checkpoint holds, instead of training from scratch.
+    longer = run(7)
+    assert longer["resumed_from_step"] == 6 * 23  # 6 epochs of 23 steps (1,437 rows, 64 a batch)
 
 
 def test_missing_data_url_fails_the_run_naming_it(tmp_path):

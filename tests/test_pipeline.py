@@ -425,3 +425,40 @@ def merge(metadatas):
     from storage.reshard import merge_optimizer_metadata
 
     return merge_optimizer_metadata(metadatas)
+
+
+def test_a_pipeline_run_resumes_after_its_last_committed_epoch_bit_for_bit(tmp_path):
+    """``fit_pipeline`` commits every stage's weights and optimizer state at each epoch end;
+    a run started again under the same run key (as a retried flow run is) goes on from there
+    and ends exactly where an uninterrupted run ends. Another run key starts afresh, and a
+    checkpoint of another configuration is refused."""
+    data = toy_data()
+    layout = PipelineConfig(stages=2, micro_batches=3, schedule="1f1b")
+
+    def run(epochs: int, store: str, run_key: str, seed: int = 3):
+        return fit_pipeline(
+            ToyNet,
+            hparams={},
+            data=data,
+            config=TrainConfig(workers=1, epochs=epochs, batch_size=16, seed=seed),
+            pipeline=layout,
+            checkpoint_uri=str(tmp_path / f"model-{run_key}-{epochs}"),
+            in_process=True,
+            store_url=store,
+            run_key=run_key,
+        )
+
+    whole = run(3, str(tmp_path / "a"), "whole")
+    assert whole.resumed_from is None
+    first = run(2, str(tmp_path / "b"), "cut")  # the first attempt, preempted after 2 epochs
+    assert first.resumed_from is None
+    again = run(3, str(tmp_path / "b"), "cut")
+    assert again.resumed_from == 2 * 4  # 2 epochs of 4 steps (61 samples, 16 a batch)
+    assert [e.kind for e in again.events] == ["resumed"]
+    assert [h.epoch for h in again.history] == [0, 1, 2]
+    assert again.history[:2] == first.history
+    assert set(again.state_dict) == set(whole.state_dict)
+    for name, tensor in whole.state_dict.items():
+        assert torch.equal(again.state_dict[name], tensor), name
+    with pytest.raises(ValueError, match="use a new run key"):
+        run(3, str(tmp_path / "b"), "cut", seed=4)

@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import json
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from engine.config import DataSpec, TrainConfig
+from engine.elastic.coordinator import ElasticEvent
 from engine.errors import EngineError, PeerLostError, WorkerFailedError
 from engine.pipeline.config import PipelineConfig
 from engine.pipeline.partition import Partition, model_layers, partition_model
 from engine.pipeline.worker import PipelineWorker, TensorData, pipeline_batch, read_tensors
 from engine.trainer import EpochCallback, EpochMetrics, FitResult, _fmt, _mean, run_meta
 from storage.checkpoint import save_model
+from storage.reshard import merge_optimizer_metadata, pipeline_shards
+from storage.store import CheckpointStore, CommittedCheckpoint
 
 __all__ = ["check_pipeline", "fit_pipeline"]
 
@@ -34,6 +40,8 @@ def fit_pipeline(
     on_epoch: EpochCallback | None = None,
     meta: dict[str, Any] | None = None,
     in_process: bool = False,
+    store_url: str | None = None,
+    run_key: str | None = None,
 ) -> FitResult:
     """Train ``module_cls(**hparams)`` cut into ``pipeline.stages`` stages, replicated
     ``config.workers`` times (data parallel over the replicas).
@@ -56,6 +64,11 @@ def fit_pipeline(
         on_epoch: called after every epoch with its metrics.
         meta: extra JSON metadata recorded in the checkpoint.
         in_process: run the stages as threads of this process (one replica only).
+        store_url: a checkpoint store: the whole training state (every stage's weights and
+            optimizer state, one shard per stage) is committed there at every epoch end,
+            and a run whose ``run_key`` has a checkpoint resumes after its epoch, bit for
+            bit with the same layout (any number of stages can load it).
+        run_key: the name checkpoints are kept under (needed with ``store_url``).
 
     Returns:
         The checkpoint URL, per-epoch metrics (``train_loss``, ``val_loss``, ...) and the
@@ -68,6 +81,7 @@ def fit_pipeline(
     partition = check_pipeline(
         module_cls, hparams=hparams, data=data, config=config, pipeline=pipeline
     )
+    resume = _EpochResume.find(module_cls, hparams, data, config, store_url, run_key)
     group_cls = _ThreadGroup if in_process else _RayGroup
     group = group_cls(
         module_cls,
@@ -77,9 +91,13 @@ def fit_pipeline(
         pipeline=pipeline,
         partition=partition,
     )
-    history: list[EpochMetrics] = []
+    history: list[EpochMetrics] = list(resume.history)
     try:
-        for epoch in range(config.epochs):
+        resume.steps_per_epoch = group.call_replica0("epoch_steps")[0]
+        if resume.checkpoint is not None:
+            group.call("restore", resume.store.url, resume.checkpoint)
+            log.info("run %s resumes after epoch %d", run_key, len(history))
+        for epoch in range(len(history), config.epochs):
             started = time.perf_counter()
             metrics = _mean(group.call("train_epoch", epoch))
             metrics.update(_mean(group.call("evaluate", "validation")))
@@ -87,6 +105,7 @@ def fit_pipeline(
                 EpochMetrics(epoch=epoch, metrics=metrics, seconds=time.perf_counter() - started)
             )
             log.info("epoch %d/%d %s", epoch + 1, config.epochs, _fmt(metrics))
+            resume.commit(group.call_replica0("training_state"), history)
             if on_epoch is not None:
                 on_epoch(history[-1])
         state = {}
@@ -110,7 +129,98 @@ def fit_pipeline(
             **(meta or {}),
         },
     )
-    return FitResult(checkpoint=uri, history=history, metrics=history[-1].metrics, state_dict=state)
+    return FitResult(
+        checkpoint=uri,
+        history=history,
+        metrics=history[-1].metrics,
+        state_dict=state,
+        resumed_from=resume.checkpoint.step if resume.checkpoint is not None else None,
+        events=resume.events(),
+    )
+
+
+@dataclass
+class _EpochResume:
+    """A pipeline run's checkpoints: committed at epoch ends, read back when it starts."""
+
+    store: CheckpointStore | None = None
+    run_key: str = ""
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    checkpoint: CommittedCheckpoint | None = None
+    history: list[EpochMetrics] = field(default_factory=list)
+    steps_per_epoch: int = 1
+    """Checkpoints are numbered by training step, as ``engine.fit`` numbers them."""
+
+    @classmethod
+    def find(
+        cls,
+        module_cls: type,
+        hparams: dict[str, Any],
+        data: DataSpec | TensorData,
+        config: TrainConfig,
+        store_url: str | None,
+        run_key: str | None,
+    ) -> _EpochResume:
+        """Check the store is writable and read its newest checkpoint of ``run_key``.
+
+        Raises:
+            ValueError: no ``run_key``, or its checkpoint was written by another model,
+                hyperparameters, seed, batch or dataset.
+        """
+        if store_url is None:
+            return cls()
+        if not run_key:
+            raise ValueError("store_url needs a run_key: the name checkpoints are kept under")
+        store = CheckpointStore(store_url)
+        store.check_writable()  # a wrong URL fails now, not after an hour of training
+        fingerprint = {
+            "module": f"{module_cls.__module__}.{module_cls.__qualname__}",
+            "hparams": json.loads(json.dumps(hparams)),
+            "seed": config.seed,
+            "batch_size": config.batch_size,
+            "dataset_url": getattr(data, "dataset_url", "tensors"),
+            "pipeline": True,
+        }
+        resume = cls(store=store, run_key=run_key, fingerprint=fingerprint)
+        latest = store.latest(run_key)
+        if latest is None:
+            return resume
+        if latest.metadata.get("fingerprint") != fingerprint:
+            raise ValueError(
+                f"run {run_key!r} has a checkpoint at {latest.url} written with "
+                f"{latest.metadata.get('fingerprint')}, which differs from this run's "
+                f"{fingerprint}; use a new run key to start afresh"
+            )
+        resume.checkpoint = latest
+        resume.history = [EpochMetrics(**entry) for entry in latest.metadata["history"]]
+        return resume
+
+    def commit(
+        self,
+        stages: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
+        history: list[EpochMetrics],
+    ) -> None:
+        """Commit every stage's state after the last epoch of ``history``."""
+        if self.store is None:
+            return
+        self.store.save(
+            self.run_key,
+            step=len(history) * self.steps_per_epoch,
+            shards=pipeline_shards([tensors for tensors, _ in stages]),
+            metadata={
+                "fingerprint": self.fingerprint,
+                "history": [dataclasses.asdict(entry) for entry in history],
+                "optimizer": merge_optimizer_metadata([meta for _, meta in stages]),
+                "stages": len(stages),
+            },
+            metrics=history[-1].metrics,
+        )
+
+    def events(self) -> list[ElasticEvent]:
+        if self.checkpoint is None:
+            return []
+        cause = f"run {self.run_key} resumed from its checkpoint at {self.checkpoint.url}"
+        return [ElasticEvent(kind="resumed", step=self.checkpoint.step, workers=0, cause=cause)]
 
 
 def check_pipeline(

@@ -26,7 +26,8 @@ from engine.pipeline.schedule import stage_actions
 from engine.pipeline.stage import PipelineStage
 from engine.worker import _single_optimizer, split_global_batch
 from storage.dataset import read_split
-from storage.reshard import training_state
+from storage.reshard import load_pipeline_stage, load_training_state, training_state
+from storage.store import CheckpointStore, CommittedCheckpoint
 
 __all__ = ["PipelineWorker", "TensorData", "pipeline_batch"]
 
@@ -249,6 +250,17 @@ class PipelineWorker:
         """This stage's model and optimizer state by full name, for ``pipeline_shards``."""
         tensors, metadata = training_state(self.module, self.optimizer)
         return {k: v.detach().cpu().clone() for k, v in tensors.items()}, metadata
+
+    def epoch_steps(self) -> int:
+        """Steps (global batches) in one epoch of the training split."""
+        return -(-len(self.train_y) // self.config.batch_size)
+
+    def restore(self, store_url: str, checkpoint: CommittedCheckpoint) -> None:
+        """Load this stage's model and optimizer state from a pipeline checkpoint, whatever
+        number of stages wrote it (``storage.reshard.load_pipeline_stage``)."""
+        store = CheckpointStore(store_url)
+        tensors = load_pipeline_stage(store, checkpoint, names=self.module.state_dict().keys())
+        load_training_state(self.module, self.optimizer, tensors, checkpoint.metadata["optimizer"])
 
     def peak_in_flight(self) -> int:
         return self.stage.peak_in_flight
