@@ -261,6 +261,55 @@ def _checkpoint(
     return step
 
 
+def resumed_events(
+    run_key: str | None, checkpoint: CommittedCheckpoint | None
+) -> list[ElasticEvent]:
+    """The ``resumed`` event of a run that started from ``checkpoint`` (none without one)."""
+    if checkpoint is None:
+        return []
+    cause = f"run {run_key} resumed from its checkpoint at {checkpoint.url}"
+    return [ElasticEvent(kind="resumed", step=checkpoint.step, workers=0, cause=cause)]
+
+
+def find_checkpoint(
+    module_cls: type,
+    hparams: dict[str, Any],
+    config: TrainConfig,
+    store_url: str,
+    run_key: str | None,
+    **identity: Any,
+) -> tuple[CheckpointStore, dict[str, Any], CommittedCheckpoint | None]:
+    """Check the store is writable; return it, the run's fingerprint and the run's newest
+    committed checkpoint (``None`` for a new run).
+
+    The fingerprint (module, hyperparameters, seed, global batch and ``identity``) is kept
+    in every checkpoint's metadata: a run key reused for another configuration is refused
+    rather than resumed into it.
+
+    Raises:
+        ValueError: no ``run_key``, or its checkpoint was written with another fingerprint.
+    """
+    if not run_key:
+        raise ValueError("store_url needs a run_key: the name checkpoints are kept under")
+    store = CheckpointStore(store_url)
+    store.check_writable()  # a wrong URL fails now, not after an hour of training
+    fingerprint = {
+        "module": f"{module_cls.__module__}.{module_cls.__qualname__}",
+        "hparams": json.loads(json.dumps(hparams)),
+        "seed": config.seed,
+        "batch_size": config.batch_size,
+        **identity,
+    }
+    latest = store.latest(run_key)
+    if latest is not None and latest.metadata.get("fingerprint") != fingerprint:
+        raise ValueError(
+            f"run {run_key!r} has a checkpoint at {latest.url} written with "
+            f"{latest.metadata.get('fingerprint')}, which differs from this run's "
+            f"{fingerprint}; use a new run key to start afresh"
+        )
+    return store, fingerprint, latest
+
+
 @dataclass(kw_only=True)
 class _Resume:
     """Where a run starts: step 0, or the newest committed checkpoint of its run key."""
@@ -289,28 +338,18 @@ class _Resume:
         """Check the store is writable and read its newest checkpoint of ``run_key``."""
         if store_url is None:
             return cls()
-        if not run_key:
-            raise ValueError("store_url needs a run_key: the name checkpoints are kept under")
-        store = CheckpointStore(store_url)
-        store.check_writable()  # a wrong URL fails now, not after an hour of training
-        fingerprint = {
-            "module": f"{module_cls.__module__}.{module_cls.__qualname__}",
-            "hparams": json.loads(json.dumps(hparams)),
-            "seed": config.seed,
-            "batch_size": config.batch_size,
-            "dataset_url": data.dataset_url,
+        store, fingerprint, latest = find_checkpoint(
+            module_cls,
+            hparams,
+            config,
+            store_url,
+            run_key,
+            dataset_url=data.dataset_url,
             **({"init_from": init_from} if init_from else {}),
-        }
+        )
         resume = cls(store_url=store.url, run_key=run_key, fingerprint=fingerprint)
-        latest = store.latest(run_key)
         if latest is None:
             return resume
-        saved = latest.metadata.get("fingerprint")
-        if saved != fingerprint:
-            raise ValueError(
-                f"run {run_key!r} has a checkpoint at {latest.url} written with {saved}, which "
-                f"differs from this run's {fingerprint}; use a new run key to start afresh"
-            )
         resume.checkpoint, resume.step = latest, latest.step
         resume.history = [EpochMetrics(**entry) for entry in latest.metadata["history"]]
         resume.sums = dict(latest.metadata["epoch_sums"])
@@ -319,10 +358,7 @@ class _Resume:
         return resume
 
     def events(self) -> list[ElasticEvent]:
-        if self.checkpoint is None:
-            return []
-        cause = f"run {self.run_key} resumed from its checkpoint at {self.checkpoint.url}"
-        return [ElasticEvent(kind="resumed", step=self.step, workers=0, cause=cause)]
+        return resumed_events(self.run_key, self.checkpoint)
 
     def check_layout(self, steps_per_epoch: int) -> None:
         if self.checkpoint is not None and (

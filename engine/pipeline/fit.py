@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -14,12 +13,20 @@ from typing import Any
 import torch
 
 from engine.config import DataSpec, TrainConfig
-from engine.elastic.coordinator import ElasticEvent
 from engine.errors import EngineError, PeerLostError, WorkerFailedError
 from engine.pipeline.config import PipelineConfig
 from engine.pipeline.partition import Partition, model_layers, partition_model
 from engine.pipeline.worker import PipelineWorker, TensorData, pipeline_batch, read_tensors
-from engine.trainer import EpochCallback, EpochMetrics, FitResult, _fmt, _mean, run_meta
+from engine.trainer import (
+    EpochCallback,
+    EpochMetrics,
+    FitResult,
+    _fmt,
+    _mean,
+    find_checkpoint,
+    resumed_events,
+    run_meta,
+)
 from storage.checkpoint import save_model
 from storage.reshard import merge_optimizer_metadata, pipeline_shards
 from storage.store import CheckpointStore, CommittedCheckpoint
@@ -135,7 +142,7 @@ def fit_pipeline(
         metrics=history[-1].metrics,
         state_dict=state,
         resumed_from=resume.checkpoint.step if resume.checkpoint is not None else None,
-        events=resume.events(),
+        events=resumed_events(run_key, resume.checkpoint),
     )
 
 
@@ -169,28 +176,18 @@ class _EpochResume:
         """
         if store_url is None:
             return cls()
-        if not run_key:
-            raise ValueError("store_url needs a run_key: the name checkpoints are kept under")
-        store = CheckpointStore(store_url)
-        store.check_writable()  # a wrong URL fails now, not after an hour of training
-        fingerprint = {
-            "module": f"{module_cls.__module__}.{module_cls.__qualname__}",
-            "hparams": json.loads(json.dumps(hparams)),
-            "seed": config.seed,
-            "batch_size": config.batch_size,
-            "dataset_url": getattr(data, "dataset_url", "tensors"),
-            "pipeline": True,
-        }
+        store, fingerprint, latest = find_checkpoint(
+            module_cls,
+            hparams,
+            config,
+            store_url,
+            run_key,
+            dataset_url=getattr(data, "dataset_url", "tensors"),
+            pipeline=True,
+        )
         resume = cls(store=store, run_key=run_key, fingerprint=fingerprint)
-        latest = store.latest(run_key)
         if latest is None:
             return resume
-        if latest.metadata.get("fingerprint") != fingerprint:
-            raise ValueError(
-                f"run {run_key!r} has a checkpoint at {latest.url} written with "
-                f"{latest.metadata.get('fingerprint')}, which differs from this run's "
-                f"{fingerprint}; use a new run key to start afresh"
-            )
         resume.checkpoint = latest
         resume.history = [EpochMetrics(**entry) for entry in latest.metadata["history"]]
         return resume
@@ -215,12 +212,6 @@ class _EpochResume:
             },
             metrics=history[-1].metrics,
         )
-
-    def events(self) -> list[ElasticEvent]:
-        if self.checkpoint is None:
-            return []
-        cause = f"run {self.run_key} resumed from its checkpoint at {self.checkpoint.url}"
-        return [ElasticEvent(kind="resumed", step=self.checkpoint.step, workers=0, cause=cause)]
 
 
 def check_pipeline(
