@@ -25,14 +25,16 @@ WORLD = 2
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _spawn(target, *args) -> list:
+def _spawn(target, *args, reports: int = WORLD, timeout_s: float = 240) -> list:
+    """Start one ``target(rank, *args, queue)`` process per rank; the first ``reports``
+    things they put on the queue."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, *args, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
     try:
-        return [queue.get(timeout=240) for _ in procs]
+        return [queue.get(timeout=timeout_s) for _ in range(reports)]
     finally:
         for p in procs:
             p.join(30)
@@ -179,21 +181,9 @@ def _failure_main(rank: int, port: int, transport: str, queue) -> None:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_gpu_survivor_raises_within_the_deadline(transport: str):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_failure_main, args=(r, port, transport, queue)) for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        rank, (name, peer, op, late_s) = queue.get(timeout=45)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    [(rank, (name, peer, op, late_s))] = _spawn(
+        _failure_main, free_port(), transport, reports=1, timeout_s=45
+    )
     assert rank == 0
     assert name in ("PeerLostError", "CollectiveTimeoutError")
     assert (peer, op) == (1, "allreduce")
@@ -234,19 +224,9 @@ def _stall_main(rank: int, port: int, queue) -> None:
 
 
 def test_symm_survivor_of_a_stalled_peer_raises_within_the_deadline_and_keeps_its_gpu():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_stall_main, args=(r, port, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        rank, (name, peer, usable, after_s) = queue.get(timeout=60)
-    finally:
-        for p in procs:
-            p.join(15)
-            if p.is_alive():
-                p.kill()
+    [(rank, (name, peer, usable, after_s))] = _spawn(
+        _stall_main, free_port(), reports=1, timeout_s=60
+    )
     assert rank == 0
     # Which rank is blamed is a guess when the other is alive but silent; what matters is the
     # typed error by the deadline, with this process's GPU still usable.
