@@ -373,7 +373,12 @@ class _RayGroup:
         return self._get([getattr(a, method).remote(*args) for a in actors])
 
     def _get(self, refs: list) -> list[Any]:
-        """Results in order; the first call to fail (usually the cause) is raised at once."""
+        """Results in order; the first call to fail (usually the cause) is raised at once.
+
+        A stage that saw its neighbour vanish (``PeerLostError``) may report before Ray has
+        noticed the neighbour's death: then the others get a moment to fail too, and a
+        stage that died is named rather than the one that saw it.
+        """
         import ray
 
         pending = list(refs)
@@ -382,8 +387,24 @@ class _RayGroup:
             try:
                 ray.get(done[0])
             except ray.exceptions.RayError as err:
-                raise self._failure(refs.index(done[0]), err) from err
+                index, err = refs.index(done[0]), err
+                if _saw_a_peer_lost(err) and pending:
+                    index, err = self._died_meanwhile(refs, pending) or (index, err)
+                raise self._failure(index, err) from err
         return ray.get(refs)
+
+    def _died_meanwhile(self, refs: list, pending: list) -> tuple[int, Exception] | None:
+        import ray
+
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=_DEATH_GRACE_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                return refs.index(ref), err
+            except ray.exceptions.RayError:
+                continue
+        return None
 
     def _failure(self, index: int, err: Exception) -> WorkerFailedError:
         import ray
@@ -401,6 +422,14 @@ class _RayGroup:
         for a in getattr(self, "_actors", []):
             ray.kill(a)
         remove_placement_group(self._pg)
+
+
+_DEATH_GRACE_S = 5.0
+"""How long a neighbour's loss waits for Ray to report the lost stage's death."""
+
+
+def _saw_a_peer_lost(err: Exception) -> bool:
+    return isinstance(getattr(err, "cause", None), PeerLostError)
 
 
 def _check_capacity(config: TrainConfig, count: int) -> None:
