@@ -48,10 +48,9 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
-from engine.cluster import QUIET_ENV
+from engine.cluster import quiet_environment
 
-for _key, _value in QUIET_ENV.items():
-    os.environ.setdefault(_key, _value)  # before Ray is imported: a local Ray stays on loopback
+quiet_environment()  # before Ray is imported: a local Ray stays on loopback
 
 
 @dataclass(frozen=True, kw_only=True)

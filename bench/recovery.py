@@ -50,10 +50,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kill-after-s", type=float, default=2.0, help="into the training loop")
     parser.add_argument("--runners", default="ours,torchtrainer")
     args = parser.parse_args(argv)
-    from engine.cluster import QUIET_ENV
+    from engine.cluster import quiet_environment
 
-    for key, value in {**QUIET_ENV, "GLOO_SOCKET_IFNAME": "lo"}.items():
-        os.environ.setdefault(key, value)  # Ray binds to loopback only
+    quiet_environment(GLOO_SOCKET_IFNAME="lo")  # Ray binds to loopback only
     results = []
     with tempfile.TemporaryDirectory(prefix="ringflow-recovery-") as root:
         for runner in args.runners.split(","):

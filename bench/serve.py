@@ -167,10 +167,9 @@ def load_in_subprocess(url: str, *, duration_s: float, concurrency: int) -> dict
 
 
 def _bench_main(args: argparse.Namespace) -> int:
-    from engine.cluster import QUIET_ENV
+    from engine.cluster import quiet_environment
 
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)  # before Ray is imported: a local Ray stays on loopback
+    quiet_environment()  # before Ray is imported: a local Ray stays on loopback
     import ray
     import torch
     from ray import serve

@@ -149,10 +149,9 @@ def _compare(root: str, counts: dict[str, int], reference_s: float, tortured_s: 
 
 def _run_child(root: str, name: str, epochs: int) -> None:
     """One training process: resumes the run key's checkpoint if there is one."""
-    from engine.cluster import QUIET_ENV
+    from engine.cluster import quiet_environment
 
-    for key, value in {**QUIET_ENV, "GLOO_SOCKET_IFNAME": "lo"}.items():
-        os.environ.setdefault(key, value)  # before Ray is imported: it reads them then
+    quiet_environment(GLOO_SOCKET_IFNAME="lo")  # before Ray is imported: it reads them then
     import ray
     from safetensors.torch import save_file
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["QUIET_ENV", "connect"]
+__all__ = ["QUIET_ENV", "connect", "quiet_environment"]
 
 log = logging.getLogger("ringflow.engine")
 
@@ -15,6 +15,15 @@ QUIET_ENV = {
     "DO_NOT_TRACK": "1",
 }
 """Offline and quiet: no usage statistics, nothing bound beyond loopback on one machine."""
+
+
+def quiet_environment(**extra: str) -> None:
+    """Set ``QUIET_ENV`` (and ``extra``) in this process's environment where not set already.
+
+    Ray reads some of these once, when it is imported: call this before importing Ray.
+    """
+    for key, value in {**QUIET_ENV, **extra}.items():
+        os.environ.setdefault(key, value)
 
 
 def connect(address: str | None = None, *, num_cpus: int | None = None) -> str:
@@ -27,8 +36,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> str:
     """
     import ray
 
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
+    quiet_environment()
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS")
         if address:

@@ -5,11 +5,8 @@ import: they are set here first, so a flow run from the command line keeps a loc
 and on loopback (``engine.cluster.QUIET_ENV``). Values already in the environment win.
 """
 
-import os
+from engine.cluster import quiet_environment
 
-from engine.cluster import QUIET_ENV
-
-for _key, _value in QUIET_ENV.items():
-    os.environ.setdefault(_key, _value)
+quiet_environment()
 
 __all__: list[str] = []

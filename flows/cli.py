@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -16,6 +15,8 @@ from prefect import Flow
 from prefect.exceptions import ParameterTypeError
 from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 from prefect.utilities.callables import parameter_schema
+
+from engine.cluster import quiet_environment
 
 __all__ = ["build_parser", "main"]
 
@@ -31,14 +32,6 @@ def _json_object(text: str) -> dict:
 
 
 _TYPES = {"integer": int, "number": float, "string": str, "object": _json_object}
-
-QUIET_ENV = {
-    "DO_NOT_TRACK": "1",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "GLOO_SOCKET_IFNAME": "lo",
-}
 
 
 def build_parser(flow: Flow) -> argparse.ArgumentParser:
@@ -102,8 +95,7 @@ def main(flow: Flow, argv: list[str] | None = None) -> int:
     except ParameterTypeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
+    quiet_environment(PREFECT_SERVER_ANALYTICS_ENABLED="false", GLOO_SOCKET_IFNAME="lo")
     # The temporary server runs its database migrations first: on a busy 2-core machine that
     # takes longer than Prefect's default 20 s wait.
     with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 180}):
