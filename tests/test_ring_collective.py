@@ -279,3 +279,32 @@ def test_peer_lost_errors_pickle():
         assert type(back) is type(err)
         assert (back.peer, back.op, back.rank, str(back)) == (err.peer, err.op, err.rank, str(err))
         assert isinstance(back, CollectiveError)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_ranks_without_gpu_shared_memory_all_refuse_it_and_none_waits():
+    """Every rank publishes what it has before any decides, so a rank that cannot use GPU
+    shared memory makes all of them fall back (none left waiting for its answer)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from engine.collective._symm import symm_unusable
+
+    port = free_port()
+    timeout = dt.timedelta(seconds=20)
+    server = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timeout, wait_for_workers=False)
+    stores = [server, dist.TCPStore("127.0.0.1", port, 2, False, timeout=timeout)]
+    answers: dict[int, str | None] = {}
+
+    def decide(rank: int) -> None:
+        answers[rank] = symm_unusable(stores[rank], rank=rank, world_size=2)
+
+    threads = [threading.Thread(target=decide, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert answers[0] == answers[1]
+    assert answers[0] is not None
+    assert "no CUDA" in answers[0]

@@ -41,7 +41,7 @@ from engine.collective._p2p import NcclTransport
 from engine.collective._schedule import Hop, Schedule
 from engine.collective._transport import Finisher, keep_wire_rounding, land
 
-__all__ = ["SymmTransport", "symm_available"]
+__all__ = ["SymmTransport", "symm_available", "symm_unusable"]
 
 _log = logging.getLogger(__name__)
 
@@ -172,24 +172,39 @@ class SymmTransport(NcclTransport):
         super().close()
 
 
-def _check_usable(store: dist.Store, *, rank: int, world_size: int) -> None:
-    """Refuse, on every rank alike, a ring that symmetric memory cannot serve."""
-    if not symm_available():
-        raise ValueError(
-            "transport 'symm' needs CUDA and a torch with symmetric memory "
-            f"(torch {torch.__version__}); use transport='nccl'"
-        )
+def symm_unusable(store: dist.Store, *, rank: int, world_size: int) -> str | None:
+    """Why symmetric memory cannot serve this ring, or ``None`` if it can.
+
+    Every rank publishes what it has before any decides, so all of them reach the same answer:
+    every rank on this host, each able to use symmetric memory, each on a GPU index of its own
+    (processes that each see their one GPU as ``cuda:0`` cannot map each other's).
+    """
     from engine.collective._rendezvous import same_host
 
     local = same_host(store, rank=rank, world_size=world_size)
-    store.set(f"symm_device/{rank}", str(torch.cuda.current_device()).encode())
-    devices = store.multi_get([f"symm_device/{q}" for q in range(world_size)])
-    if not local or len(set(devices)) != world_size:
+    mine = str(torch.cuda.current_device()) if symm_available() else "-"
+    store.set(f"symm_device/{rank}", mine.encode())
+    devices = [d.decode() for d in store.multi_get([f"symm_device/{q}" for q in range(world_size)])]
+    if "-" in devices:
+        return f"a rank has no CUDA or no symmetric memory in its torch (here: {torch.__version__})"
+    if not local:
+        return "the ranks are not all on this host"
+    if len(set(devices)) != world_size:
+        return (
+            f"ranks share GPU indices (devices {devices}); let each process see every GPU and "
+            "pick its own (Ray: RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, as the engine's "
+            "workers do)"
+        )
+    return None
+
+
+def _check_usable(store: dist.Store, *, rank: int, world_size: int) -> None:
+    """Refuse, on every rank alike, a ring that symmetric memory cannot serve."""
+    why = symm_unusable(store, rank=rank, world_size=world_size)
+    if why is not None:
         raise ValueError(
-            "transport 'symm' needs every rank on this host, each on a GPU index of its own "
-            f"(ranks are on devices {[d.decode() for d in devices]}, one host: {local}); "
-            "use transport='nccl', or let each process see every GPU and pick its own "
-            "(Ray: RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, as the engine's workers do)"
+            f"transport 'symm' cannot serve this ring: {why}. Use transport='nccl' (or 'auto', "
+            "which picks it then)"
         )
 
 

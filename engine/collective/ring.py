@@ -29,7 +29,7 @@ from engine.collective._schedule import (
     broadcast_schedule,
 )
 from engine.collective._shm import ShmTransport, shm_available
-from engine.collective._symm import SymmTransport, symm_available
+from engine.collective._symm import SymmTransport, symm_unusable
 from engine.collective._transport import Completion, Deadline, Finisher, Transport
 from engine.collective.base import (
     Collective,
@@ -355,18 +355,14 @@ def _connect(
 
 
 def _pick_transport(store: dist.Store, *, backend: str, rank: int, world_size: int) -> str:
-    local = same_host(store, rank=rank, world_size=world_size)
     # Every rank must pick the same: shared memory needs all of them on this host, able to
-    # use it (/dev/shm on CPU; on GPU symmetric memory, each rank on a device of its own:
-    # processes that each see their one GPU as cuda:0 cannot map each other's).
-    shared, remote = ("symm", "nccl") if backend == "nccl" else ("shm", "gloo")
-    able = symm_available() if backend == "nccl" else shm_available()
-    mine = f"{torch.cuda.current_device()}" if backend == "nccl" and able else "cpu"
-    store.set(f"{shared}_ok/{rank}", f"{int(able)}:{mine}".encode())
-    usable = [v.decode() for v in store.multi_get([f"{shared}_ok/{q}" for q in range(world_size)])]
-    able_all = all(v.startswith("1:") for v in usable)
-    distinct = backend != "nccl" or len(set(usable)) == world_size
-    return shared if local and able_all and distinct else remote
+    # use it (on CPU /dev/shm; on GPU see symm_unusable).
+    if backend == "nccl":
+        return "nccl" if symm_unusable(store, rank=rank, world_size=world_size) else "symm"
+    local = same_host(store, rank=rank, world_size=world_size)
+    store.set(f"shm_ok/{rank}", b"1" if shm_available() else b"0")
+    usable = store.multi_get([f"shm_ok/{q}" for q in range(world_size)])
+    return "shm" if local and all(v == b"1" for v in usable) else "gloo"
 
 
 def _check_arguments(*, backend: str, timeout_s: float, transport: str) -> None:
