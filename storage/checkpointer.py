@@ -73,9 +73,7 @@ class _Request:
         if self.collect is None:
             assert self.shards is not None
             return self.shards, self.metadata_json
-        shards, metadata = self.collect()
-        _check_shards(shards)
-        return {name: dict(tensors) for name, tensors in shards.items()}, _json(metadata)
+        return _prepared(*self.collect())
 
 
 @dataclass(kw_only=True)
@@ -204,9 +202,7 @@ class AsyncCheckpointer:
                 collect = None
             metadata_json = ""
             if shards is not None:
-                _check_shards(shards)
-                metadata_json = _json(metadata)
-                shards = {name: dict(tensors) for name, tensors in shards.items()}
+                shards, metadata_json = _prepared(shards, metadata)
             dropped = self._take_pending()
             if dropped is not None:
                 self.replaced += 1
@@ -389,18 +385,20 @@ class _Handles:
             handle.remove()
 
 
-def _check_shards(shards: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+def _prepared(
+    shards: Mapping[str, Mapping[str, torch.Tensor]], metadata: Mapping[str, Any] | None
+) -> tuple[_Shards, str]:
+    """Check a save's shards and metadata as the store would; return the shards as plain
+    dicts and the metadata as JSON text."""
     if not shards:
         raise ValueError("shards must name at least one shard")
     for name in shards:
         _check_name("shard name", name)
-
-
-def _json(metadata: Mapping[str, Any] | None) -> str:
     try:
-        return json.dumps(dict(metadata or {}))
+        metadata_json = json.dumps(dict(metadata or {}))
     except (TypeError, ValueError) as err:
         raise ValueError(f"metadata must be JSON-serialisable: {err}") from err
+    return {name: dict(tensors) for name, tensors in shards.items()}, metadata_json
 
 
 def _retryable(error: BaseException) -> bool:
