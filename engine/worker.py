@@ -159,7 +159,7 @@ class RankWorker:
 
     def device_info(self) -> dict[str, str]:
         """Where this worker trains: its torch ``device`` and, on GPU, the ``gpu``'s name and
-        UUID as ``bus`` (which physical GPU), and the ring's ``transport``."""
+        PCI address as ``bus`` (which physical GPU), and the ring's ``transport``."""
         info = {"device": str(self.device)}
         if self.device.type == "cuda":
             properties = torch.cuda.get_device_properties(self.device)
@@ -227,7 +227,7 @@ class RankWorker:
         The copies are CPU tensors whatever the device (the same values, bit for bit), so a
         commit takes no GPU memory and can be sent to a joining worker through Ray.
         """
-        model = {k: _host_copy(v) for k, v in self.module.state_dict().items()}
+        model = _host_copy(self.module.state_dict())
         self._commits[step] = (model, _host_copy(self.optimizer.state_dict()))
         for old in sorted(self._commits)[:-2]:
             del self._commits[old]
@@ -374,7 +374,7 @@ class RankWorker:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as CPU tensors: the driver may have no GPU."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        return _host_copy(self.module.state_dict())
 
     def save(
         self, uri: str, *, hparams: dict[str, Any], metrics: dict[str, float], meta: dict[str, Any]
