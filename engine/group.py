@@ -373,8 +373,7 @@ def _worker_bundle(config: TrainConfig) -> dict[str, float]:
 
 def _describe(config: TrainConfig) -> str:
     """One worker's resources in words: ``1 CPU`` or ``1 CPU and 2 GPU``."""
-    gpus = f" and {config.gpus_per_worker} GPU" if config.gpus_per_worker else ""
-    return f"{config.cpus_per_worker:g} CPU{gpus}"
+    return " and ".join(f"{amount:g} {name}" for name, amount in _worker_bundle(config).items())
 
 
 def _check_capacity(config: TrainConfig) -> None:

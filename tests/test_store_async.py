@@ -122,12 +122,10 @@ def test_tensors_may_change_once_save_returns(tmp_path: Any) -> None:
     assert_holds(store, 3)
 
 
-def test_an_overlapped_save_copies_while_training_goes_on(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = CheckpointStore(str(tmp_path))
+def _trained_once(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    """Adam for ``model`` (inputs of 8 features) and a training step, already taken once so
+    that the optimizer has state."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     x = torch.randn(16, 8)
 
@@ -137,6 +135,15 @@ def test_an_overlapped_save_copies_while_training_goes_on(
         optimizer.step()
 
     train_step()
+    return optimizer, train_step
+
+
+def test_an_overlapped_save_copies_while_training_goes_on(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = CheckpointStore(str(tmp_path))
+    model = torch.nn.Linear(8, 4)
+    optimizer, train_step = _trained_once(model)
     copy = storage.checkpointer._StagingBuffers.copy
 
     def slow_copy(*args: Any, **kwargs: Any) -> Any:
@@ -167,17 +174,8 @@ def test_a_collected_save_gathers_the_state_in_the_background(tmp_path: Any) -> 
     state is the one before the next optimizer step, also for a module with buffers, whose
     forward pass changes them (BatchNorm's running statistics)."""
     store = CheckpointStore(str(tmp_path))
-    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4))
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    x = torch.randn(16, 8)
-
-    def train_step() -> None:
-        optimizer.zero_grad()
-        model(x).square().mean().backward()
-        optimizer.step()
-
-    train_step()
+    optimizer, train_step = _trained_once(model)
     expected = {name: t.clone() for name, t in training_state(model, optimizer)[0].items()}
     gathered_in: list[str] = []
 
