@@ -38,6 +38,8 @@ _log = logging.getLogger(__name__)
 
 _Shards = dict[str, dict[str, torch.Tensor]]
 _Signature = tuple[tuple[str, str, torch.dtype, tuple[int, ...], str], ...]
+_Collect = Callable[[], tuple[Mapping[str, Mapping[str, torch.Tensor]], Mapping[str, Any]]]
+"""What ``AsyncCheckpointer.save(collect=...)`` calls: returns ``(shards, metadata)``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +68,7 @@ class _Request:
     """``None`` when ``collect`` gathers them in the background."""
     metadata_json: str
     metrics: dict[str, float]
-    collect: Callable[[], tuple[Mapping[str, Mapping[str, torch.Tensor]], Mapping[str, Any]]] | None
+    collect: _Collect | None
 
     def gathered(self) -> tuple[_Shards, str]:
         """The shards and the metadata as JSON, gathered now if ``collect`` was given."""
@@ -161,8 +163,7 @@ class AsyncCheckpointer:
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
         overlap: bool = False,
-        collect: Callable[[], tuple[Mapping[str, Mapping[str, torch.Tensor]], Mapping[str, Any]]]
-        | None = None,
+        collect: _Collect | None = None,
     ) -> None:
         """Copy the state to host memory and queue it for writing; return without waiting.
 
