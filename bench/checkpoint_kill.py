@@ -31,6 +31,7 @@ import tempfile
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -90,8 +91,13 @@ def run_kills(
     max_delay_s: float = 0.15,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
+    settle: Callable[[], None] | None = None,
 ) -> KillReport:
-    """Kill ``kills`` children saving checkpoints under ``url`` and check each next load."""
+    """Kill ``kills`` children saving checkpoints under ``url`` and check each next load.
+
+    ``settle`` is called after each kill, before the checks: a storage service may still be
+    completing requests the killed child sent (a remote store, or a proxy in front of one).
+    """
     context = mp.get_context("forkserver")
     # The fork server imports torch (and s3fs, where installed) once, so each child starts in
     # milliseconds, not seconds. Modules that fail to import are skipped.
@@ -115,6 +121,8 @@ def run_kills(
         time.sleep(rng.uniform(0, max_delay_s))
         os.kill(child.pid, signal.SIGKILL)
         child.join()
+        if settle is not None:
+            settle()
         report.kills += 1
         seen_committed = max(seen_committed, committed.value)
         loaded = store.load_latest(_RUN_KEY)

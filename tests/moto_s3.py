@@ -42,10 +42,18 @@ class Faults:
     """Delay of a slow request, in seconds."""
     methods: frozenset[str] = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE"})
     """HTTP methods the faults apply to."""
+    released: threading.Event = field(default_factory=lambda: _set_event())
+    """Requests of ``methods`` wait until this is set (30 s at most): clear it to hold them."""
     seed: int = 0
     """Seed of the generator that picks the faulty requests."""
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "500": 0, "slow": 0})
     """How many requests were seen, answered with 500 and delayed."""
+
+
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
 
 
 class FaultProxy:
@@ -55,6 +63,9 @@ class FaultProxy:
         self.faults = faults
         self._random = random.Random(faults.seed)
         self._lock = threading.Lock()
+        self._activity = threading.Condition()
+        self._in_flight = 0
+        self._last_request = time.monotonic()
         handler = type("_Handler", (_ProxyHandler,), {"proxy": self, "upstream": upstream})
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
@@ -72,6 +83,28 @@ class FaultProxy:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+    def settle(self, quiet_s: float = 0.2, timeout: float = 30.0) -> None:
+        """Wait until no request is in flight and none arrived for ``quiet_s`` seconds.
+
+        A request whose client was killed still completes here, as it would on S3: callers
+        that check what the killed client left behind must wait for it.
+        """
+        deadline = time.monotonic() + timeout
+        with self._activity:
+            while time.monotonic() < deadline:
+                quiet_for = time.monotonic() - self._last_request
+                if self._in_flight == 0 and quiet_for >= quiet_s:
+                    return
+                self._activity.wait(max(quiet_s - quiet_for, 0.01))
+        raise TimeoutError(f"the S3 proxy still had requests in flight after {timeout}s")
+
+    def track(self, delta: int) -> None:
+        """Count a request in (``+1``) or out (``-1``)."""
+        with self._activity:
+            self._in_flight += delta
+            self._last_request = time.monotonic()
+            self._activity.notify_all()
 
     def decide(self, method: str) -> tuple[str | None, bool]:
         """Pick this request's fault: ``("before" | "after" | None, slow)``."""
@@ -99,12 +132,21 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         pass
 
     def _relay(self) -> None:
+        self.proxy.track(+1)
+        try:
+            self._relay_tracked()
+        finally:
+            self.proxy.track(-1)
+
+    def _relay_tracked(self) -> None:
         try:
             body = self._read_body()
         except (ConnectionError, ValueError):
             self.close_connection = True
             return
         error, slow = self.proxy.decide(self.command)
+        if self.command in self.proxy.faults.methods:
+            self.proxy.faults.released.wait(timeout=30)
         if slow:
             time.sleep(self.proxy.faults.slow_s)
         if error == "before":
