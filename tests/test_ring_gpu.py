@@ -103,6 +103,7 @@ def _correctness_main(rank: int, port: int, transport: str, queue) -> None:
         ]
         if [float(w.wait()[0]) for w in works] != [2.0 * i for i in range(5)]:
             failures.append("async")
+        failures += _reused_buffer_failures(dist, ring, rank, transport)
         failures += _side_stream_failures(ring, rank)
         for r in rings.values():
             r.close()
@@ -110,6 +111,24 @@ def _correctness_main(rank: int, port: int, transport: str, queue) -> None:
         queue.put((rank, failures))
     except Exception:  # noqa: BLE001 - the test reports it
         queue.put((rank, [traceback.format_exc()]))
+
+
+def _reused_buffer_failures(dist, ring, rank: int, transport: str) -> list[str]:
+    """The same buffer again and again, as gradient buckets are: with RINGFLOW_SYMM_GRAPHS=1
+    the symm transport replays what it recorded the first time, and each replay must sum the
+    buffer's new values."""
+    failures = []
+    bucket = torch.empty((3 << 20) + 5, device="cuda")
+    for round_ in range(3):
+        bucket.copy_(_input(100 + round_, rank, bucket.numel(), torch.float32))
+        want = bucket.clone()
+        dist.all_reduce(want)
+        if not torch.equal(ring.allreduce_(bucket), want):
+            failures.append(f"reused buffer, round {round_}")
+    graphs = os.environ.get("RINGFLOW_SYMM_GRAPHS") == "1"
+    if transport == "symm" and graphs and not ring._transport._graphs:
+        failures.append("no collective was recorded as a CUDA graph")
+    return failures
 
 
 def _side_stream_failures(ring, rank: int) -> list[str]:

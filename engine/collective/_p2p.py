@@ -33,6 +33,7 @@ from engine.collective._transport import (
     Completion,
     Deadline,
     Finisher,
+    Plan,
     Transport,
     keep_wire_rounding,
     land,
@@ -157,9 +158,9 @@ class GlooTransport(Transport):
         self._arbiter = _StoreArbiter(store, rank=rank, world_size=world_size, timeout_s=timeout_s)
 
     def run(
-        self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None, deadline: Deadline
+        self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None, deadline: Deadline
     ) -> None:
-        hops = schedule.hops
+        hops = plan.schedule.hops
         receives: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         sends: deque[tuple[dist.Work, torch.Tensor]] = deque()
         posted = 0
@@ -260,7 +261,7 @@ class NcclTransport(Transport):
         self._watchdog = _NcclWatchdog(self)
 
     def run(
-        self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None, deadline: Deadline
+        self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None, deadline: Deadline
     ) -> Completion:
         """Enqueue every hop on the side stream and return: the GPU runs them meanwhile.
 
@@ -273,16 +274,16 @@ class NcclTransport(Transport):
         side.wait_stream(caller)
         try:
             with torch.cuda.stream(side):
-                self._enqueue(schedule, wire=wire, finish=finish)
+                keep = self._issue(plan, wire=wire, finish=finish)
         except RuntimeError as err:  # NCCL refuses work once a communicator was aborted
             if self._watchdog.failure is None:
                 self._blame(deadline, cause=str(err), timed_out=False)
             raise self._watchdog.failure from err
         done = torch.cuda.Event()
         done.record(side)
-        # The schedule's views keep the caller's tensor alive until the GPU is done with it,
-        # so its memory cannot go to another stream's allocation while the ring still runs.
-        self._watchdog.watch(done, deadline, keep=schedule)
+        # The caller's tensor stays alive until the GPU is done with it, so its memory cannot
+        # go to another stream's allocation while the ring still runs.
+        self._watchdog.watch(done, deadline, keep=keep)
         return _SideStreamWork(done, caller.device, self._watchdog)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -291,6 +292,11 @@ class NcclTransport(Transport):
             # so the next hop is not held up behind the caller's computation.
             self._stream = torch.cuda.Stream(device=device, priority=-1)
         return self._stream
+
+    def _issue(self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None) -> object:
+        """Enqueue the collective on the current (side) stream; return what it uses."""
+        self._enqueue(plan.schedule, wire=wire, finish=finish)
+        return plan.schedule  # its views hold the caller's tensor
 
     def _enqueue(self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None) -> None:
         lookahead = min(self._lookahead, schedule.lag - 1)

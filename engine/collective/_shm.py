@@ -32,10 +32,11 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from engine.collective._schedule import Hop, Schedule
+from engine.collective._schedule import Hop
 from engine.collective._transport import (
     Deadline,
     Finisher,
+    Plan,
     Transport,
     keep_wire_rounding,
     land,
@@ -145,11 +146,11 @@ class ShmTransport(Transport):
     # -- data path -------------------------------------------------------------------------
 
     def run(
-        self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None, deadline: Deadline
+        self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None, deadline: Deadline
     ) -> None:
         """Copy and reduce every segment on this thread: returns once all are done."""
         self._op += 1
-        for hop in schedule.hops:
+        for hop in plan.schedule.hops:
             if hop.send is not None:
                 self._send(hop, wire, deadline)
             if hop.recv is not None:

@@ -15,6 +15,13 @@ Each hop has its own slot, so no slot is written twice within a collective; a ba
 end of each collective lets the next one reuse them. Everything runs on the ring's side
 stream, as on NCCL, and the same watchdog holds it to its deadline.
 
+Host time. A collective is a dozen small launches and their Python; on a slow host that costs
+more than the GPU's work (0.2-0.4 ms a collective on 2 H100s). With ``RINGFLOW_SYMM_GRAPHS=1``
+the first collective on a tensor (same address, length, dtype, reduction) is recorded as a
+CUDA graph, and later ones replay it: one launch. Gradient buckets and benchmark buffers are
+the same tensors every step. Growing the staging buffers drops the graphs. Off by default
+until it has run on GPUs (written in a session without device time: docs/status.md).
+
 Failures. A peer that dies or stops answering leaves this rank's signal waits unanswered. At
 the deadline the watchdog agrees on the lost peer, as on NCCL, then answers the waits itself:
 from a stream of its own it keeps setting this rank's signal slots until the side stream has
@@ -31,7 +38,9 @@ release fail, the waiting kernels give up by themselves ``_KERNEL_GRACE_S`` afte
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import time
 
 import torch
@@ -39,7 +48,7 @@ import torch.distributed as dist
 
 from engine.collective._p2p import NcclTransport
 from engine.collective._schedule import Hop, Schedule
-from engine.collective._transport import Finisher, keep_wire_rounding, land
+from engine.collective._transport import Finisher, Plan, keep_wire_rounding, land
 
 __all__ = ["SymmTransport", "symm_available", "symm_unusable"]
 
@@ -50,6 +59,8 @@ _CHANNELS = 4
 _BARRIER_CHANNEL = _CHANNELS
 _INITIAL_ELEMENTS = 16 << 20
 """Staging allocated when the ring connects (64 MiB of float32); larger collectives grow it."""
+_GRAPHS = 64
+"""Recorded collectives kept (least recently used dropped first)."""
 _KERNEL_GRACE_S = 30.0
 """How long past the collective deadline a waiting kernel spins before it gives up: the
 watchdog must raise the typed error first."""
@@ -85,6 +96,9 @@ class SymmTransport(NcclTransport):
         _check_usable(kwargs["store"], rank=kwargs["rank"], world_size=kwargs["world_size"])
         super().__init__(**kwargs)
         self._buffers: dict[torch.dtype, _Staging] = {}
+        self._graphs: collections.OrderedDict[tuple, torch.cuda.CUDAGraph] | None = None
+        if os.environ.get("RINGFLOW_SYMM_GRAPHS", "0") == "1":
+            self._graphs = collections.OrderedDict()
         # Everything the release needs, made now: with CUDA's lazy module loading, loading a
         # kernel while another spins waiting can block until that one ends, which it won't.
         device = torch.device("cuda", torch.cuda.current_device())
@@ -98,11 +112,60 @@ class SymmTransport(NcclTransport):
         self._staging(torch.float32, _INITIAL_ELEMENTS)
         self._timeout_ms = int((kwargs["timeout_s"] + _KERNEL_GRACE_S) * 1000)
 
+    def _issue(self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None) -> object:
+        """Replay the collective recorded for ``plan.key``, recording it the first time."""
+        if self._graphs is None or plan.key is None:
+            return super()._issue(plan, wire=wire, finish=finish)
+        key = (*plan.key, wire)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._record(plan.schedule, wire=wire, finish=finish)
+            if graph is None:
+                return super()._issue(plan, wire=wire, finish=finish)
+            self._graphs[key] = graph
+            while len(self._graphs) > _GRAPHS:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        graph.replay()
+        return plan.keep
+
+    def _record(
+        self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None
+    ) -> torch.cuda.CUDAGraph | None:
+        """The collective as a CUDA graph of the current stream, or ``None`` if it cannot be."""
+        self._prepare(schedule, wire)  # a rendezvous, which must not run while recording
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: backward keeps launching from autograd's threads meanwhile.
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._enqueue(schedule, wire=wire, finish=finish)
+            finally:
+                graph.capture_end()
+        except RuntimeError:
+            _log.warning(
+                "the ring cannot record its collectives as CUDA graphs here; each collective is "
+                "launched one kernel at a time from now on",
+                exc_info=True,
+            )
+            self._graphs = None
+            return None
+        return graph
+
+    def _prepare(self, schedule: Schedule, wire: torch.dtype) -> _Staging:
+        """The staging buffer the schedule needs, grown on every rank alike if needed."""
+        needed = max(
+            _total(h.send for h in schedule.hops if h.send is not None),
+            _total(h.recv for h in schedule.hops if h.recv is not None),
+            1,
+        )
+        return self._staging(wire, needed)
+
     def _enqueue(self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None) -> None:
+        staging = self._prepare(schedule, wire)
         sends = [hop for hop in schedule.hops if hop.send is not None]
         recvs = [hop for hop in schedule.hops if hop.recv is not None]
-        needed = max(_total(h.send for h in sends), _total(h.recv for h in recvs), 1)
-        staging = self._staging(wire, needed)
         # Slots by tag: this rank's sends and its right neighbour's receives carry the same
         # tags and sizes, so both compute the same offsets.
         send_at = _offsets(sends, lambda h: h.send)
@@ -139,8 +202,11 @@ class SymmTransport(NcclTransport):
             # together: rendezvous is collective. Powers of two keep regrowth rare.
             size = 1 << max(20, (elements - 1).bit_length())
             if current is not None:
-                # Collectives still queued on the side stream may use the old buffer.
+                # Collectives still queued on the side stream may use the old buffer, and
+                # the recorded ones point at it.
                 torch.cuda.current_stream().synchronize()
+                if self._graphs is not None:
+                    self._graphs.clear()
             self._buffers[wire] = current = _Staging(self._group, wire, size, right=self._right)
         return current
 
@@ -168,6 +234,8 @@ class SymmTransport(NcclTransport):
                 time.sleep(1e-3)
 
     def close(self) -> None:
+        if self._graphs is not None:
+            self._graphs.clear()
         self._buffers.clear()
         super().close()
 

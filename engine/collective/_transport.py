@@ -11,7 +11,15 @@ import torch
 
 from engine.collective._schedule import Hop, Schedule
 
-__all__ = ["Completion", "Deadline", "Finisher", "Transport", "keep_wire_rounding", "land"]
+__all__ = [
+    "Completion",
+    "Deadline",
+    "Finisher",
+    "Plan",
+    "Transport",
+    "keep_wire_rounding",
+    "land",
+]
 
 Finisher = Callable[[torch.Tensor], None]
 """Applied to each of this rank's finished segments before they are passed on."""
@@ -31,6 +39,32 @@ class Deadline:
 
     def remaining(self) -> float:
         return self.expires - time.monotonic()
+
+
+class Plan:
+    """One collective on this rank: its schedule, built only when a transport asks for it.
+
+    Args:
+        build: makes the schedule.
+        key: names everything the schedule depends on (operation, the tensor's address, length
+            and dtype, the reduction), so a transport may reuse what it prepared for an equal
+            key instead of building the schedule again; ``None``: do not reuse.
+        keep: what must stay alive until the device has finished the collective.
+    """
+
+    __slots__ = ("_build", "_schedule", "keep", "key")
+
+    def __init__(
+        self, build: Callable[[], Schedule], *, key: tuple | None = None, keep: object = None
+    ) -> None:
+        self._build, self._schedule = build, None
+        self.key, self.keep = key, keep
+
+    @property
+    def schedule(self) -> Schedule:
+        if self._schedule is None:
+            self._schedule = self._build()
+        return self._schedule
 
 
 class Completion(abc.ABC):
@@ -62,13 +96,13 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def run(
         self,
-        schedule: Schedule,
+        plan: Plan,
         *,
         wire: torch.dtype,
         finish: Finisher | None,
         deadline: Deadline,
     ) -> Completion | None:
-        """Issue every hop of ``schedule``; segments travel as ``wire``."""
+        """Issue every hop of ``plan.schedule``; segments travel as ``wire``."""
 
     def close(self) -> None:
         return None

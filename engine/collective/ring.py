@@ -30,7 +30,7 @@ from engine.collective._schedule import (
 )
 from engine.collective._shm import ShmTransport, shm_available
 from engine.collective._symm import SymmTransport, symm_unusable
-from engine.collective._transport import Completion, Deadline, Finisher, Transport
+from engine.collective._transport import Completion, Deadline, Finisher, Plan, Transport
 from engine.collective.base import (
     Collective,
     CollectiveWork,
@@ -205,41 +205,51 @@ class RingCollective(Collective):
         flat = _flat(tensor)
         wire = self._wire if self._wire is not None and tensor.dtype == torch.float32 else None
         wire = wire or tensor.dtype
-        elems = self._elems(-(-flat.numel() // self.world_size), wire, tensor.dtype)
-        schedule = allreduce_schedule(
-            flat,
-            rank=self.rank,
-            world_size=self.world_size,
-            segment_elems=elems,
-            wavefront=self._transport.wavefront,
+        plan = Plan(
+            lambda: allreduce_schedule(
+                flat,
+                rank=self.rank,
+                world_size=self.world_size,
+                segment_elems=self._elems(-(-flat.numel() // self.world_size), wire, flat.dtype),
+                wavefront=self._transport.wavefront,
+            ),
+            key=("allreduce", *_shape_of(flat), wire, op),
+            keep=flat,
         )
         finish = _finisher(op, self.world_size)
-        completion = self._transport.run(schedule, wire=wire, finish=finish, deadline=deadline)
+        completion = self._transport.run(plan, wire=wire, finish=finish, deadline=deadline)
         return _unflat(flat, tensor, completion)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, deadline: Deadline) -> _Started:
         flat = _flat(tensor)
-        schedule = broadcast_schedule(
-            flat,
-            rank=self.rank,
-            world_size=self.world_size,
-            src=src,
-            segment_elems=self._elems(flat.numel(), tensor.dtype),
+        plan = Plan(
+            lambda: broadcast_schedule(
+                flat,
+                rank=self.rank,
+                world_size=self.world_size,
+                src=src,
+                segment_elems=self._elems(flat.numel(), flat.dtype),
+            ),
+            key=("broadcast", *_shape_of(flat), src),
+            keep=flat,
         )
-        completion = self._transport.run(
-            schedule, wire=tensor.dtype, finish=None, deadline=deadline
-        )
+        completion = self._transport.run(plan, wire=flat.dtype, finish=None, deadline=deadline)
         return _unflat(flat, tensor, completion)
 
     def _all_gather(self, out: torch.Tensor, deadline: Deadline) -> _Started:
-        schedule = all_gather_schedule(
-            out.view(-1),
-            rank=self.rank,
-            world_size=self.world_size,
-            segment_elems=self._elems(out[0].numel(), out.dtype),
-            wavefront=self._transport.wavefront,
+        flat = out.view(-1)
+        plan = Plan(
+            lambda: all_gather_schedule(
+                flat,
+                rank=self.rank,
+                world_size=self.world_size,
+                segment_elems=self._elems(out[0].numel(), out.dtype),
+                wavefront=self._transport.wavefront,
+            ),
+            key=("all_gather", *_shape_of(flat)),
+            keep=out,
         )
-        return out, self._transport.run(schedule, wire=out.dtype, finish=None, deadline=deadline)
+        return out, self._transport.run(plan, wire=out.dtype, finish=None, deadline=deadline)
 
     def _elems(self, chunk: int, *dtypes: torch.dtype) -> int:
         """Elements per segment of a ``chunk``-element chunk, the same on every rank.
@@ -389,6 +399,11 @@ def _finisher(op: ReduceOp, world_size: int) -> Finisher | None:
         segment.div_(world_size)
 
     return finish
+
+
+def _shape_of(flat: torch.Tensor) -> tuple:
+    """What a collective's schedule depends on in its (flat, contiguous) tensor."""
+    return (flat.device, flat.data_ptr(), flat.numel(), flat.dtype)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
