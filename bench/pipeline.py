@@ -3,7 +3,11 @@
 P stages of equal cost (an MLP of ``Linear + ReLU`` blocks, ``--layers-per-stage`` of them
 per stage) run a schedule (``1f1b`` by default) with M micro-batches of a fixed size, for M
 in 4, 8, 16. For every step each stage records its compute time; its bubble is the rest of
-the step's makespan (first stage start to last stage end), and theory says (P-1)/(M+P-1).
+the step's makespan (first stage start to last stage end), and theory says (P-1)/(M+P-1)
+for stages of equal cost. So for the bubble the first stage's input requires its gradient:
+a first layer otherwise skips its input's gradient, and the first stage idles for the
+difference, which is imbalance between stages, not the schedule's bubble. On CPU each stage
+process is pinned to a core of its own, as a stage has a device of its own.
 The stages run in spawned processes with the engine's own stage code (``PipelineStage``,
 ``StageLink``, ``run_schedule``): gloo on CPU, NCCL on GPU (one process per GPU), no Ray.
 
@@ -183,6 +187,11 @@ def _rank(rank: int, spec: Spec, port: int, queue) -> None:
     world = spec.replicas * spec.stages
     cuda = spec.device == "cuda"
     torch.set_num_threads(4 if cuda else 1)  # more only for building the model on the host
+    if not cuda and hasattr(os, "sched_setaffinity"):
+        # One core per stage, as one device per stage: a stage the scheduler moves between
+        # cores, or puts beside the other, stalls the whole pipeline for that time.
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -311,6 +320,8 @@ def _timed_steps(stage, link, spec: Spec, m: int, x, y) -> list[tuple[float, flo
     from engine.pipeline import StepTiming, run_schedule, stage_actions
 
     actions = stage_actions(spec.schedule, stage=stage.stage, stages=spec.stages, micro_batches=m)
+    if stage.is_first:
+        x = x.detach().requires_grad_(True)  # the same backward work as the other stages
     micro = _micro(spec, m, x, y)
     records = []
     for step in range(spec.warmup + spec.steps):
