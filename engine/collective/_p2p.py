@@ -57,8 +57,13 @@ class _StoreArbiter:
 
     def fail(self, *, timed_out: bool, suspect: int, deadline: Deadline, cause: str) -> NoReturn:
         peer = _within(self.reserve_s, lambda: self._agree(timed_out=timed_out, suspect=suspect))
-        if peer is None:
-            peer, cause = 0, f"{cause}; the rendezvous store on rank 0 does not answer either"
+        if peer is _SILENT:
+            # Rank 0 hosts the store and takes requests without answering them: it is
+            # stopped, whatever this rank saw first (a survivor that gave up closes its pairs).
+            peer, timed_out = 0, True
+            cause = f"{cause}; the rendezvous store on rank 0 does not answer either"
+        elif peer is _REFUSED:
+            peer, cause = 0, f"{cause}; the rendezvous store on rank 0 is unreachable too"
         kind = CollectiveTimeoutError if timed_out else PeerLostError
         what = "stopped answering" if timed_out else "was lost"
         raise kind(
@@ -103,22 +108,29 @@ class _StoreArbiter:
         return int(self._store.compare_set(_VERDICT_KEY, "", str(peer)))
 
 
-def _within(seconds: float, fn: Callable[[], int]) -> int | None:
-    """``fn()``, or ``None`` if it raised or took longer than ``seconds``.
+_SILENT, _REFUSED = object(), object()
+"""What :func:`_within` returns when ``fn`` got no answer in time, or raised."""
+
+
+def _within(seconds: float, fn: Callable[[], int]) -> int | object:
+    """``fn()``; ``_SILENT`` if it took longer than ``seconds``, ``_REFUSED`` if it raised.
 
     A store whose host is stopped accepts requests and never answers, and the client then
-    waits past its own timeout: only a thread of its own bounds the wait.
+    waits past its own timeout: only a thread of its own bounds the wait. A store whose host
+    died refuses or drops the connection instead, and the call raises.
     """
-    result: list[int] = []
+    result: list[int | object] = []
 
     def run() -> None:
-        with contextlib.suppress(RuntimeError):  # includes the store's DistError
+        try:
             result.append(fn())
+        except RuntimeError:  # includes the store's DistError and its timeouts
+            result.append(_REFUSED)
 
     thread = threading.Thread(target=run, name="ringflow-arbiter", daemon=True)
     thread.start()
     thread.join(seconds)
-    return result[0] if result else None
+    return result[0] if result else _SILENT
 
 
 class GlooTransport(Transport):
