@@ -30,6 +30,12 @@ _INTERNAL_ERROR = (
 )
 
 
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
 @dataclass(kw_only=True)
 class Faults:
     """What the proxy does to the requests it forwards; change the fields at any time."""
@@ -42,18 +48,12 @@ class Faults:
     """Delay of a slow request, in seconds."""
     methods: frozenset[str] = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE"})
     """HTTP methods the faults apply to."""
-    released: threading.Event = field(default_factory=lambda: _set_event())
+    released: threading.Event = field(default_factory=_set_event)
     """Requests of ``methods`` wait until this is set (30 s at most): clear it to hold them."""
     seed: int = 0
     """Seed of the generator that picks the faulty requests."""
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "500": 0, "slow": 0})
     """How many requests were seen, answered with 500 and delayed."""
-
-
-def _set_event() -> threading.Event:
-    event = threading.Event()
-    event.set()
-    return event
 
 
 class FaultProxy:

@@ -286,7 +286,7 @@ class NcclTransport(Transport):
         side.wait_stream(caller)
         try:
             with torch.cuda.stream(side):
-                keep = self._issue(plan, wire=wire, finish=finish)
+                self._issue(plan, wire=wire, finish=finish)
         except RuntimeError as err:  # NCCL refuses work once a communicator was aborted
             if self._watchdog.failure is None:
                 self._blame(deadline, cause=str(err), timed_out=False)
@@ -295,7 +295,7 @@ class NcclTransport(Transport):
         done.record(side)
         # The caller's tensor stays alive until the GPU is done with it, so its memory cannot
         # go to another stream's allocation while the ring still runs.
-        self._watchdog.watch(done, deadline, keep=keep)
+        self._watchdog.watch(done, deadline, keep=plan.keep)
         return _SideStreamWork(done, caller.device, self._watchdog)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -305,10 +305,9 @@ class NcclTransport(Transport):
             self._stream = torch.cuda.Stream(device=device, priority=-1)
         return self._stream
 
-    def _issue(self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None) -> object:
-        """Enqueue the collective on the current (side) stream; return what it uses."""
+    def _issue(self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None) -> None:
+        """Enqueue the collective on the current (side) stream."""
         self._enqueue(plan.schedule, wire=wire, finish=finish)
-        return plan.schedule  # its views hold the caller's tensor
 
     def _enqueue(self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None) -> None:
         lookahead = min(self._lookahead, schedule.lag - 1)

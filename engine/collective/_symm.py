@@ -112,29 +112,30 @@ class SymmTransport(NcclTransport):
         self._staging(torch.float32, _INITIAL_ELEMENTS)
         self._timeout_ms = int((kwargs["timeout_s"] + _KERNEL_GRACE_S) * 1000)
 
-    def _issue(self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None) -> object:
+    def _issue(self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None) -> None:
         """Replay the collective recorded for ``plan.key``, recording it the first time."""
         if self._graphs is None or plan.key is None:
-            return super()._issue(plan, wire=wire, finish=finish)
+            super()._issue(plan, wire=wire, finish=finish)
+            return
         key = (*plan.key, wire)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._record(plan.schedule, wire=wire, finish=finish)
             if graph is None:
-                return super()._issue(plan, wire=wire, finish=finish)
+                super()._issue(plan, wire=wire, finish=finish)
+                return
             self._graphs[key] = graph
             while len(self._graphs) > _GRAPHS:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
         graph.replay()
-        return plan.keep
 
     def _record(
         self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None
     ) -> torch.cuda.CUDAGraph | None:
         """The collective as a CUDA graph of the current stream, or ``None`` if it cannot be."""
-        self._prepare(schedule, wire)  # a rendezvous, which must not run while recording
+        self._prepare(*_sides(schedule), wire)  # may rendezvous: not while recording
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: backward keeps launching from autograd's threads meanwhile.
@@ -153,19 +154,14 @@ class SymmTransport(NcclTransport):
             return None
         return graph
 
-    def _prepare(self, schedule: Schedule, wire: torch.dtype) -> _Staging:
-        """The staging buffer the schedule needs, grown on every rank alike if needed."""
-        needed = max(
-            _total(h.send for h in schedule.hops if h.send is not None),
-            _total(h.recv for h in schedule.hops if h.recv is not None),
-            1,
-        )
+    def _prepare(self, sends: list[Hop], recvs: list[Hop], wire: torch.dtype) -> _Staging:
+        """The staging buffer these hops need, grown on every rank alike if needed."""
+        needed = max(_total(h.send for h in sends), _total(h.recv for h in recvs), 1)
         return self._staging(wire, needed)
 
     def _enqueue(self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None) -> None:
-        staging = self._prepare(schedule, wire)
-        sends = [hop for hop in schedule.hops if hop.send is not None]
-        recvs = [hop for hop in schedule.hops if hop.recv is not None]
+        sends, recvs = _sides(schedule)
+        staging = self._prepare(sends, recvs, wire)
         # Slots by tag: this rank's sends and its right neighbour's receives carry the same
         # tags and sizes, so both compute the same offsets.
         send_at = _offsets(sends, lambda h: h.send)
@@ -303,6 +299,12 @@ def _signal_pad_bytes(handle) -> int:
     import torch.distributed._symmetric_memory as symm_mem
 
     return symm_mem.get_signal_pad_size()
+
+
+def _sides(schedule: Schedule) -> tuple[list[Hop], list[Hop]]:
+    """The schedule's hops that send, and those that receive."""
+    sends = [hop for hop in schedule.hops if hop.send is not None]
+    return sends, [hop for hop in schedule.hops if hop.recv is not None]
 
 
 def _total(tensors) -> int:
