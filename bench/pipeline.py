@@ -35,13 +35,11 @@ the same command runs unchanged on 4 and on 8 GPUs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -213,22 +211,22 @@ def _rank(rank: int, spec: Spec, port: int, queue) -> None:
         model, partition=partition, stage=stage_index, example=x, loss_fn=F.mse_loss, device=device
     )
     torch.set_num_threads(1)
-    with _handing(groups.link, "engine.pipeline.p2p"):
-        link = StageLink(
-            store=dist.PrefixStore(f"ours/{replica}", store),
-            stage=stage_index,
-            stages=spec.stages,
-            timeout_s=60,
-            backend=backend,
-        )
-    with _handing((groups.ring,), "engine.collective._p2p", world_size=spec.replicas):
-        ring = RingCollective(
-            rank=replica,
-            world_size=spec.replicas,
-            backend=backend,
-            store=dist.PrefixStore(f"ring/{stage_index}", store),
-            timeout_s=60,
-        )
+    link = StageLink(
+        store=dist.PrefixStore(f"ours/{replica}", store),
+        stage=stage_index,
+        stages=spec.stages,
+        timeout_s=60,
+        backend=backend,
+        groups=groups.link if cuda else None,
+    )
+    ring = RingCollective(
+        rank=replica,
+        world_size=spec.replicas,
+        backend=backend,
+        store=dist.PrefixStore(f"ring/{stage_index}", store),
+        timeout_s=60,
+        group=groups.ring if cuda else None,
+    )
     x, y = x.to(device), y.to(device)
     report = {"bubble": {}, "throughput": {}, "ring": ring.transport}
     for m in spec.micro_batches:
@@ -264,47 +262,6 @@ def _new_groups(spec: Spec, *, replica: int, stage: int) -> _Groups:
         torch_pipe=mine["torch_pipe"][0],
         torch_replicas=mine["torch_replicas"][0],
     )
-
-
-class _GroupsFor:
-    """``torch.distributed`` as an engine module sees it while it connects, with its groups
-    handed over: the engine's NCCL paths build their groups from the default one and so
-    assume it is theirs alone, which a DxP layout in one world is not."""
-
-    def __init__(self, groups: tuple, world_size: int | None) -> None:
-        self._groups, self._world_size = list(groups), world_size
-
-    def new_group(self, *args, **kwargs):
-        return self._groups.pop(0)
-
-    def is_initialized(self) -> bool:
-        return True
-
-    def get_world_size(self, *args) -> int:
-        return self._world_size if self._world_size is not None else dist.get_world_size(*args)
-
-    def __getattr__(self, name: str):
-        return getattr(dist, name)
-
-
-@contextlib.contextmanager
-def _handing(groups: tuple, module_name: str, *, world_size: int | None = None) -> Iterator[None]:
-    """While an engine object connects over NCCL, its ``new_group`` returns ``groups``.
-
-    gloo (CPU) needs none of this: the engine's gloo paths rendezvous through the store.
-    """
-    import importlib
-
-    module = importlib.import_module(module_name)
-    if dist.get_backend() != "nccl":
-        yield
-        return
-    before = module.dist
-    module.dist = _GroupsFor(groups, world_size)
-    try:
-        yield
-    finally:
-        module.dist = before
 
 
 def _micro(spec: Spec, m: int, x: torch.Tensor, y: torch.Tensor):

@@ -107,7 +107,8 @@ def train_pipeline(
         cpus_per_worker: CPUs each worker reserves; empty means 1 (a fair share of the
             cluster per pipeline stage).
         gpus_per_worker: GPUs each worker reserves; it trains on the first of them and
-            gradients travel over NCCL. 0 trains on CPU. Not with pipeline_stages.
+            gradients travel over NCCL. 0 trains on CPU. With pipeline_stages, each stage
+            of each replica is a worker: workers x pipeline_stages x this many GPUs.
         pipeline_stages: split the model into this many pipeline stages (1: no pipeline).
         micro_batches: micro-batches per global batch and replica, with pipeline stages.
         pipeline_schedule: 1f1b (at most as many micro-batches in flight as stages) or gpipe.
@@ -121,7 +122,7 @@ def train_pipeline(
             message=f"Not started again: this is start {attempt} of a run allowed "
             f"{max_restarts} restarts (raise max_restarts to allow more)"
         )
-    _check(workers, batch_size, min_workers, pipeline_stages, micro_batches, gpus_per_worker)
+    _check(workers, batch_size, min_workers, pipeline_stages, micro_batches)
     storage_url = absolute(storage_url)
     run_key = run_key or str(flow_run.get_id() or "local")
     source = absolute(data_url) if data_url else demo_data(storage_url)
@@ -149,7 +150,6 @@ def train_pipeline(
             min_workers,
             pipeline_stages,
             micro_batches,
-            gpus_per_worker,
         )
     if use_best_checkpoint and best is not None:
         trained = {"checkpoint": best["best_checkpoint"], "resumed_from_step": None}
@@ -228,7 +228,6 @@ def _check(
     min_workers: int | None,
     stages: int,
     micro_batches: int,
-    gpus_per_worker: int = 0,
 ) -> None:
     """Combinations of parameters that no single parameter's bounds can refuse."""
     if batch_size < workers:
@@ -239,11 +238,6 @@ def _check(
         raise ValueError(
             f"batch_size ({batch_size}) must be at least micro_batches x workers "
             f"({micro_batches} x {workers}): every micro-batch needs a sample"
-        )
-    if stages > 1 and gpus_per_worker:
-        raise ValueError(
-            f"gpus_per_worker ({gpus_per_worker}) needs pipeline_stages 1: pipeline stages "
-            "train on CPU only for now"
         )
 
 

@@ -61,26 +61,21 @@ def test_gpus_are_reserved_only_when_asked_for():
     }
 
 
-def test_pipeline_stages_refuse_gpus_before_any_worker_starts(digits):
-    from engine.pipeline import PipelineConfig
-    from engine.pipeline.fit import check_pipeline
+def test_in_process_pipeline_stages_refuse_gpus_before_any_worker_starts(digits, tmp_path):
+    from engine.pipeline import PipelineConfig, fit_pipeline
+    from tests.test_pipeline_ray import DigitsPipe
 
-    with pytest.raises(ValueError, match="gpus_per_worker=1"):
-        check_pipeline(
-            DigitsClassifier,
-            hparams=HPARAMS,
+    with pytest.raises(ValueError, match="in_process runs the stages as threads on CPU"):
+        fit_pipeline(
+            DigitsPipe,
+            hparams={},
             data=digits,
             config=TrainConfig(workers=1, gpus_per_worker=1),
             pipeline=PipelineConfig(stages=2),
+            checkpoint_uri=str(tmp_path / "never"),
+            in_process=True,
         )
-
-
-def test_the_flow_refuses_gpus_with_pipeline_stages():
-    from flows.train_pipeline import _check
-
-    _check(2, 64, None, 1, 4, 1)  # data parallel on GPUs: fine
-    with pytest.raises(ValueError, match="gpus_per_worker"):
-        _check(2, 64, None, 2, 4, 1)
+    assert not (tmp_path / "never").exists()
 
 
 # ---------------------------------------------------------------------------- clusters without GPUs
@@ -108,6 +103,33 @@ def test_more_gpus_than_the_cluster_has_are_refused_before_any_worker_starts(
         )
     assert f"need {2 * per_worker} GPUs but the Ray cluster has {gpus}" in str(refused.value)
     assert len(ray.util.placement_group_table()) == placed  # nothing was even placed
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.ray
+def test_pipeline_stages_on_more_gpus_than_the_cluster_has_are_refused_before_placing(
+    ray_session, digits, tmp_path
+):
+    from engine.pipeline import PipelineConfig, fit_pipeline
+    from tests.test_pipeline_ray import DigitsPipe
+
+    gpus = int(ray_session.cluster_resources().get("GPU", 0))
+    per_worker = gpus // 4 + 1  # 2 replicas x 2 stages need more than the cluster has
+    placed = len(ray_session.util.placement_group_table())
+    with pytest.raises(EngineError, match="add Ray nodes with GPUs") as refused:
+        fit_pipeline(
+            DigitsPipe,
+            hparams={},
+            data=digits,
+            config=TrainConfig(
+                workers=2, epochs=1, cpus_per_worker=0.5, gpus_per_worker=per_worker
+            ),
+            pipeline=PipelineConfig(stages=2),
+            checkpoint_uri=str(tmp_path / "never"),
+        )
+    assert f"4 stage workers x {per_worker} GPU need {4 * per_worker} GPUs" in str(refused.value)
+    assert f"the Ray cluster has {gpus}" in str(refused.value)
+    assert len(ray_session.util.placement_group_table()) == placed
     assert not (tmp_path / "never").exists()
 
 
@@ -267,3 +289,51 @@ def test_an_in_process_worker_trains_on_the_gpu(digits, tmp_path):
         return _cpu(result.state_dict)
 
     assert relative_difference(run("gpu", 1), run("cpu", 0)) < 1e-4
+
+
+@pytest.fixture
+def _pipes_by_value(gpu_ray):
+    """Ship the test models to the stage actors by value: they need not import tests/."""
+    from tests import test_pipeline, test_pipeline_ray
+
+    modules = (test_pipeline, test_pipeline_ray)
+    for module in modules:
+        gpu_ray.cloudpickle.register_pickle_by_value(module)
+    yield
+    for module in modules:
+        gpu_ray.cloudpickle.unregister_pickle_by_value(module)
+
+
+@needs_2_gpus
+@pytest.mark.usefixtures("_pipes_by_value")
+@pytest.mark.parametrize(("stages", "replicas"), [(2, 1), (1, 2)], ids=["2-stages", "2-replicas"])
+def test_pipeline_stages_train_on_a_gpu_each_as_on_cpu(digits, tmp_path, stages, replicas):
+    """Two stages on two GPUs (activations over NCCL), or two one-stage replicas (gradients
+    through the ring over an NCCL group of the run's world), end where the CPU does; a run
+    resumed from its GPU checkpoint ends where the uninterrupted one does."""
+    from engine.pipeline import PipelineConfig, fit_pipeline
+    from tests.test_pipeline_ray import DigitsPipe
+
+    def run(name: str, *, gpus: int, epochs: int, store: str | None = None) -> dict:
+        result = fit_pipeline(
+            DigitsPipe,
+            hparams={},
+            data=digits,
+            config=TrainConfig(
+                workers=replicas, epochs=epochs, batch_size=128, seed=5, gpus_per_worker=gpus
+            ),
+            pipeline=PipelineConfig(stages=stages, micro_batches=4, balance="params"),
+            checkpoint_uri=str(tmp_path / name),
+            store_url=store,
+            run_key="gpu-pipe" if store else None,
+        )
+        assert {"train_loss", "val_loss", "val_accuracy"} <= set(result.metrics)
+        return _cpu(result.state_dict)
+
+    store = (tmp_path / "store").as_uri()
+    gpu = run("gpu", gpus=1, epochs=3)
+    assert relative_difference(gpu, run("cpu", gpus=0, epochs=3)) < 1e-4
+    run("first-two", gpus=1, epochs=2, store=store)  # as if preempted after epoch 2
+    resumed = run("resumed", gpus=1, epochs=3, store=store)
+    assert all(torch.equal(resumed[k], gpu[k]) for k in gpu)
+    assert relative_difference(gpu, DigitsPipe().state_dict()) > 1e-2

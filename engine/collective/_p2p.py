@@ -247,14 +247,23 @@ class NcclTransport(Transport):
         timeout_s: float,
         connect_timeout_s: float,
         lookahead: int = 2,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self._left, self._right = (rank - 1) % world_size, (rank + 1) % world_size
         self._lookahead = lookahead
         # NCCL's watchdog would kill the process at its own timeout: keep it behind ours.
         timeout = dt.timedelta(seconds=max(connect_timeout_s, timeout_s) + 60)
-        self._owns_default_group = not dist.is_initialized()
+        self._owns_default_group = not dist.is_initialized() and group is None
+        self._owns_group = group is None
         with _survivable_nccl_errors():
-            if self._owns_default_group:
+            if group is not None:
+                if group.size() != world_size or group.rank() != rank:
+                    raise ValueError(
+                        f"the ring's group has rank {group.rank()} of {group.size()}; this ring "
+                        f"needs rank {rank} of {world_size}"
+                    )
+                self._group = group
+            elif self._owns_default_group:
                 dist.init_process_group(
                     "nccl",
                     store=dist.PrefixStore("nccl", store),
@@ -267,7 +276,8 @@ class NcclTransport(Transport):
                     f"torch.distributed already runs a group of {dist.get_world_size()} ranks; "
                     f"the ring needs all {world_size} of its ranks to be that group's"
                 )
-            self._group = dist.new_group(backend="nccl", timeout=timeout)
+            if group is None:
+                self._group = dist.new_group(backend="nccl", timeout=timeout)
         self._arbiter = _StoreArbiter(store, rank=rank, world_size=world_size, timeout_s=timeout_s)
         self._stream: torch.cuda.Stream | None = None
         self._watchdog = _NcclWatchdog(self)
@@ -373,7 +383,7 @@ class NcclTransport(Transport):
 
     def close(self) -> None:
         self._watchdog.stop()
-        if self._group is not None and dist.is_initialized():
+        if self._owns_group and self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
             if self._owns_default_group:
                 dist.destroy_process_group()

@@ -34,6 +34,8 @@ class NativeCollective(Collective):
         connect_timeout_s: how long joining may wait for every rank (default ``timeout_s``).
         compression: ``none``, ``bf16`` or ``fp16``: float32 all-reduces travel (and are
             summed) in that dtype, like DDP's compression hooks.
+        group: a process group of exactly these ranks to run over instead of joining the
+            default one (a pipeline's stages on GPUs share one default group).
     """
 
     def __init__(
@@ -46,11 +48,12 @@ class NativeCollective(Collective):
         timeout_s: float = 60.0,
         connect_timeout_s: float | None = None,
         compression: str = "none",
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size)
         self._wire = wire_dtype(compression)
-        self._group = None
-        if world_size > 1:
+        self._group, self._owns_group = group, group is None
+        if group is None and world_size > 1:
             dist.init_process_group(
                 backend=backend,
                 init_method=init_method,
@@ -68,25 +71,25 @@ class NativeCollective(Collective):
             return CompletedWork(tensor)
         wire = self._wire if tensor.dtype == torch.float32 else None
         buffer = tensor if wire is None else tensor.to(wire)
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True)
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         return _NativeWork(
             work, tensor=tensor, buffer=buffer, divisor=self.world_size if op == "avg" else 1
         )
 
     def broadcast_(self, tensor: torch.Tensor, *, src: int = 0) -> torch.Tensor:
         if self._group is not None:
-            dist.broadcast(tensor, src=src)
+            dist.broadcast(tensor, group_src=src, group=self._group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         if self._group is None:
             return [tensor.clone()]
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(out, tensor)
+        dist.all_gather(out, tensor, group=self._group)
         return out
 
     def close(self) -> None:
-        if self._group is not None and dist.is_initialized():
+        if self._owns_group and self._group is not None and dist.is_initialized():
             dist.destroy_process_group()
         self._group = None
 

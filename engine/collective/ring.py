@@ -73,6 +73,9 @@ class RingCollective(Collective):
         transport: one of ``TRANSPORTS``.
         segment_bytes: the largest piece in flight; default per transport.
         store: a rendezvous store to use instead of ``init_method``.
+        group: on ``nccl``, an NCCL process group of exactly this ring's ranks (this rank at
+            ``rank``) to run over; without it the ring makes its own from the default group,
+            which must then be the ring's alone (or not exist yet).
 
     Raises:
         ValueError: an argument is out of range; the message names it.
@@ -91,6 +94,7 @@ class RingCollective(Collective):
         transport: str = "auto",
         segment_bytes: int | None = None,
         store: dist.Store | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size)
         _check_arguments(backend=backend, timeout_s=timeout_s, transport=transport)
@@ -114,6 +118,7 @@ class RingCollective(Collective):
                 timeout_s=timeout_s,
                 connect_timeout_s=connect_timeout_s,
                 segment_bytes=segment_bytes,
+                group=group,
             )
             self._segment_range = (
                 (segment_bytes, segment_bytes) if segment_bytes else self._transport.segment_range
@@ -353,15 +358,20 @@ def _connect(
     timeout_s: float,
     connect_timeout_s: float,
     segment_bytes: int | None,
+    group: dist.ProcessGroup | None,
 ) -> Transport:
+    if group is not None and backend != "nccl":
+        raise ValueError("group is for the nccl backend; gloo rings connect through the store")
     if transport == "auto":
         transport = _pick_transport(store, backend=backend, rank=rank, world_size=world_size)
     common = {"store": store, "rank": rank, "world_size": world_size}
     if transport == "shm":
         slot = segment_bytes or ShmTransport.segment_range[1]
         return ShmTransport(**common, segment_bytes=slot)
-    cls = {"gloo": GlooTransport, "nccl": NcclTransport, "symm": SymmTransport}[transport]
-    return cls(**common, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+    if transport == "gloo":
+        return GlooTransport(**common, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+    cls = NcclTransport if transport == "nccl" else SymmTransport
+    return cls(**common, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, group=group)
 
 
 def _pick_transport(store: dist.Store, *, backend: str, rank: int, world_size: int) -> str:

@@ -14,6 +14,7 @@ import torch
 
 from engine.config import DataSpec, TrainConfig
 from engine.errors import EngineError, PeerLostError, WorkerFailedError
+from engine.group import _describe, _worker_bundle
 from engine.pipeline.config import PipelineConfig
 from engine.pipeline.partition import Partition, model_layers, partition_model
 from engine.pipeline.worker import PipelineWorker, TensorData, pipeline_batch, read_tensors
@@ -27,6 +28,7 @@ from engine.trainer import (
     resumed_events,
     run_meta,
 )
+from engine.worker import NOSET_VISIBLE_DEVICES
 from storage.checkpoint import save_model
 from storage.reshard import merge_optimizer_metadata, pipeline_shards
 from storage.store import CheckpointStore, CommittedCheckpoint
@@ -227,14 +229,8 @@ def check_pipeline(
     Raises:
         ValueError: hparams the module refuses, a module that is not a layer sequence or has
             no ``pipeline_loss``, more stages than layers, bad split points, or a global batch
-            too small for ``micro_batches`` micro-batches on each of ``workers`` replicas,
-            or ``gpus_per_worker`` (pipeline stages train on CPU only, for now).
+            too small for ``micro_batches`` micro-batches on each of ``workers`` replicas.
     """
-    if config.gpus_per_worker:
-        raise ValueError(
-            f"gpus_per_worker={config.gpus_per_worker}: pipeline stages train on CPU only for "
-            "now; set gpus_per_worker=0, or train without pipeline stages (engine.fit) on GPUs"
-        )
     if config.batch_size < pipeline.micro_batches * config.workers:
         raise ValueError(
             f"batch_size ({config.batch_size}) is smaller than micro_batches "
@@ -267,6 +263,11 @@ class _ThreadGroup:
     def __init__(self, module_cls: type, *, config: TrainConfig, **kwargs: Any) -> None:
         if config.workers != 1:
             raise ValueError(f"in_process runs exactly 1 replica (workers=1), got {config.workers}")
+        if config.gpus_per_worker:
+            raise ValueError(
+                "in_process runs the stages as threads on CPU: set gpus_per_worker=0, or run "
+                "GPU stages as Ray actors (in_process=False)"
+            )
         stages = kwargs["partition"].stages
         self._pool = concurrent.futures.ThreadPoolExecutor(stages, "ringflow-stage")
         # One at a time: the workers seed torch's generator, which threads share.
@@ -322,21 +323,24 @@ class _RayGroup:
 
         self._stages, count = pipeline.stages, pipeline.stages * config.workers
         _check_capacity(config, count)
-        self._pg = placement_group([{"CPU": config.cpus_per_worker}] * count, strategy="PACK")
+        self._pg = placement_group([_worker_bundle(config)] * count, strategy="PACK")
         try:
             ray.get(self._pg.ready(), timeout=config.timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self._pg)
             raise EngineError(
-                f"Ray could not place {count} stage workers of {config.cpus_per_worker} CPU "
+                f"Ray could not place {count} stage workers of {_describe(config)} "
                 f"within {config.timeout_s:.0f} s; free resources, lower workers or stages, "
                 "or raise timeout_s"
             ) from None
         env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        if config.gpus_per_worker:
+            env[NOSET_VISIBLE_DEVICES] = "1"  # each stage on its own GPU index (worker_device)
         actor = ray.remote(PipelineWorker)
         self._actors = [
             actor.options(
                 num_cpus=config.cpus_per_worker,
+                num_gpus=config.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=i
                 ),
@@ -356,7 +360,9 @@ class _RayGroup:
             self._get(
                 [
                     a.connect.remote(
-                        addresses[i - i % self._stages][0], addresses[i % self._stages][1]
+                        addresses[i - i % self._stages][0],
+                        addresses[i % self._stages][1],
+                        addresses[0][0],
                     )
                     for i, a in enumerate(self._actors)
                 ]
@@ -435,14 +441,16 @@ def _saw_a_peer_lost(err: Exception) -> bool:
 def _check_capacity(config: TrainConfig, count: int) -> None:
     import ray
 
-    total = ray.cluster_resources().get("CPU", 0)
-    need = count * config.cpus_per_worker
-    if need > total:
-        raise EngineError(
-            f"{count} stage workers x {config.cpus_per_worker} CPU need {need:g} CPUs but the "
-            f"Ray cluster has {total:g}; lower cpus_per_worker (fractions are fine), workers or "
-            "stages, or add Ray nodes"
-        )
+    total = ray.cluster_resources()
+    for resource, each in _worker_bundle(config).items():
+        need, have = count * each, total.get(resource, 0)
+        if need > have:
+            lower = "cpus_per_worker (fractions are fine)" if resource == "CPU" else "workers"
+            raise EngineError(
+                f"{count} stage workers x {each:g} {resource} need {need:g} {resource}s but the "
+                f"Ray cluster has {have:g}; lower {lower}, workers or stages, or add Ray nodes"
+                + (" with GPUs (gpus_per_worker=0 trains on CPU)" if resource == "GPU" else "")
+            )
 
 
 def _single_node() -> bool:

@@ -46,8 +46,10 @@ class StageLink:
         stages: stages in the pipeline.
         timeout_s: every receive's deadline.
         connect_timeout_s: how long connecting may wait for every stage.
-        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors; the default process group
-            must be initialised with one rank per stage).
+        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
+        groups: with ``nccl``, the pipeline's two NCCL groups (activations, gradients), each
+            with this stage at rank ``stage``; made with ``dist.new_group`` from the default
+            process group when not given, which must then hold exactly one rank per stage.
     """
 
     def __init__(
@@ -59,9 +61,12 @@ class StageLink:
         timeout_s: float,
         connect_timeout_s: float = 120.0,
         backend: str = "gloo",
+        groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if groups is not None and (backend != "nccl" or len(groups) != len(_DIRS)):
+            raise ValueError("groups takes the two NCCL groups of backend='nccl'")
         self.stage, self.stages, self.timeout_s = stage, stages, timeout_s
         self._sends: list[tuple[dist.Work, torch.Tensor, int]] = []
         self.prepost = 2
@@ -70,8 +75,10 @@ class StageLink:
         if stages == 1:
             return
         if backend == "nccl":
-            timeout = dt.timedelta(seconds=timeout_s)
-            self._groups = {d: dist.new_group(backend="nccl", timeout=timeout) for d in _DIRS}
+            if groups is None:
+                timeout = dt.timedelta(seconds=timeout_s)
+                groups = tuple(dist.new_group(backend="nccl", timeout=timeout) for _ in _DIRS)
+            self._groups = dict(zip(_DIRS, groups, strict=True))
             self._connect_nccl()
         else:
             timeout = dt.timedelta(seconds=max(timeout_s, connect_timeout_s))

@@ -24,7 +24,7 @@ from engine.pipeline.p2p import StageLink
 from engine.pipeline.partition import Partition
 from engine.pipeline.schedule import stage_actions
 from engine.pipeline.stage import PipelineStage
-from engine.worker import _single_optimizer, split_global_batch
+from engine.worker import _single_optimizer, split_global_batch, worker_device
 from storage.dataset import read_split
 from storage.reshard import load_pipeline_stage, load_training_state, training_state
 from storage.store import CheckpointStore, CommittedCheckpoint
@@ -90,6 +90,7 @@ class PipelineWorker:
         stage: int,
     ) -> None:
         torch.set_num_threads(max(1, int(config.cpus_per_worker)))
+        self.device = worker_device(config)
         self.config, self.pipeline, self.data = config, pipeline, data
         self.replica, self.replicas = replica, config.workers
         torch.manual_seed(config.seed)  # every stage builds the unsplit model's weights
@@ -104,12 +105,13 @@ class PipelineWorker:
             example=example,
             loss_fn=self.module.pipeline_loss if last else None,
             recompute=pipeline.recompute,
+            device=self.device,
         )
         self.optimizer = _single_optimizer(self.module.configure_optimizers())
         self.params = self.stage.parameters()
         self.link: StageLink | None = None
         self.collective: Collective | None = None
-        self._store: dist.Store | None = None
+        self._stores: list[dist.Store] = []
 
     # ------------------------------------------------------------------ connecting
 
@@ -119,19 +121,33 @@ class PipelineWorker:
         host = _node_ip()
         return _free_address(host), _free_address(host)
 
-    def connect(self, pipeline_address: str, ring_address: str) -> None:
-        """Join this replica's pipeline, then this stage's data-parallel ring."""
-        self._store = _tcp_store(
+    def connect(self, pipeline_address: str, ring_address: str, world_address: str = "") -> None:
+        """Join this replica's pipeline, then this stage's data-parallel ring.
+
+        On GPUs every worker of the run also joins one NCCL world through ``world_address``
+        (replica 0's pipeline store), in which each pipeline and each stage's ring get NCCL
+        groups of their own.
+        """
+        store = _tcp_store(
             pipeline_address, is_master=self.stage.is_first, timeout_s=self.config.timeout_s
         )
+        self._stores.append(store)
+        links, ring = self._nccl_groups(world_address or pipeline_address, store)
+        gpu = {"backend": "nccl"} if self.device.type == "cuda" else {}
         self.link = StageLink(
-            store=self._store,
+            store=store,
             stage=self.stage.stage,
             stages=self.stage.stages,
             timeout_s=self.config.collective_timeout_s,
             connect_timeout_s=self.config.timeout_s,
+            groups=links,
+            **gpu,
         )
         if self.replicas > 1:
+            if gpu:
+                gpu["group"] = ring
+                if self.config.collective == "ring":
+                    gpu["transport"] = self.config.ring_transport
             self.collective = create_collective(
                 self.config.collective,
                 rank=self.replica,
@@ -140,7 +156,49 @@ class PipelineWorker:
                 timeout_s=self.config.collective_timeout_s,
                 connect_timeout_s=self.config.timeout_s,
                 compression=self.config.compression,
+                **gpu,
             )
+
+    def _nccl_groups(
+        self, world_address: str, pipeline_store: dist.Store
+    ) -> tuple[tuple[dist.ProcessGroup, dist.ProcessGroup] | None, dist.ProcessGroup | None]:
+        """On GPUs: this pipeline's two link groups and this stage's ring group (else Nones).
+
+        Every worker of the run is one rank of a default NCCL group, replica-major; groups are
+        made by every rank in the same order, as ``dist.new_group`` requires.
+        """
+        if self.device.type != "cuda":
+            return None, None
+        from engine.collective._p2p import _survivable_nccl_errors
+
+        stages, replicas = self.stage.stages, self.replicas
+        if self.replica == 0:
+            store = pipeline_store  # replica 0's stage 0 hosts it
+        else:
+            store = _tcp_store(world_address, is_master=False, timeout_s=self.config.timeout_s)
+            self._stores.append(store)
+        # NCCL's own watchdog stays behind our deadlines (see engine.collective._p2p).
+        timeout = dt.timedelta(
+            seconds=max(self.config.timeout_s, self.config.collective_timeout_s) + 60
+        )
+        with _survivable_nccl_errors():
+            dist.init_process_group(
+                "nccl",
+                store=dist.PrefixStore("world", store),
+                rank=self.replica * stages + self.stage.stage,
+                world_size=replicas * stages,
+                timeout=timeout,
+            )
+            links: tuple = ()
+            for r in range(replicas):
+                ranks = [r * stages + s for s in range(stages)]
+                made = tuple(dist.new_group(ranks, timeout=timeout) for _ in range(2))
+                links = made if r == self.replica else links
+            ring = None
+            for s in range(stages):
+                made = dist.new_group([r * stages + s for r in range(replicas)], timeout=timeout)
+                ring = made if s == self.stage.stage else ring
+        return links, ring
 
     # ------------------------------------------------------------------ training
 
@@ -272,7 +330,9 @@ class PipelineWorker:
         if self.link is not None:
             self.link.close()
             self.link = None
-        self._store = None
+        if dist.is_initialized() and self.device.type == "cuda":
+            dist.destroy_process_group()
+        self._stores = []
 
 
 def _node_ip() -> str:
