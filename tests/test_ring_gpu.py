@@ -114,8 +114,8 @@ def _correctness_main(rank: int, port: int, transport: str, queue) -> None:
 
 
 def _reused_buffer_failures(dist, ring, rank: int, transport: str) -> list[str]:
-    """The same buffer again and again, as gradient buckets are: with RINGFLOW_SYMM_GRAPHS=1
-    the symm transport replays what it recorded the first time, and each replay must sum the
+    """The same buffer again and again, as gradient buckets are: the symm transport (unless
+    RINGFLOW_SYMM_GRAPHS=0) replays what it recorded the first time, and each replay must sum the
     buffer's new values."""
     failures = []
     bucket = torch.empty((3 << 20) + 5, device="cuda")
@@ -125,7 +125,7 @@ def _reused_buffer_failures(dist, ring, rank: int, transport: str) -> list[str]:
         dist.all_reduce(want)
         if not torch.equal(ring.allreduce_(bucket), want):
             failures.append(f"reused buffer, round {round_}")
-    graphs = os.environ.get("RINGFLOW_SYMM_GRAPHS") == "1"
+    graphs = os.environ.get("RINGFLOW_SYMM_GRAPHS", "1") == "1"
     if transport == "symm" and graphs and not ring._transport._graphs:
         failures.append("no collective was recorded as a CUDA graph")
     return failures

@@ -16,11 +16,12 @@ end of each collective lets the next one reuse them. Everything runs on the ring
 stream, as on NCCL, and the same watchdog holds it to its deadline.
 
 Host time. A collective is a dozen small launches and their Python; on a slow host that costs
-more than the GPU's work (0.2-0.4 ms a collective on 2 H100s). With ``RINGFLOW_SYMM_GRAPHS=1``
-the first collective on a tensor (same address, length, dtype, reduction) is recorded as a
-CUDA graph, and later ones replay it: one launch. Gradient buckets and benchmark buffers are
-the same tensors every step. Growing the staging buffers drops the graphs. Off by default
-until it has run on GPUs (written in a session without device time: docs/status.md).
+more than the GPU's work (0.2-0.4 ms a collective on 2 H100s). So the first collective on
+a tensor (same address, length, dtype, reduction) is recorded as a CUDA graph, and later ones
+replay it: one launch. Gradient buckets and benchmark buffers are
+the same tensors every step. Growing the staging buffers drops the graphs. On 2 H100s this
+took the ring from 0.29 to 0.81 of NCCL's all-reduce at 16 MiB (docs/benchmarks.md);
+``RINGFLOW_SYMM_GRAPHS=0`` launches every kernel each time instead.
 
 Failures. A peer that dies or stops answering leaves this rank's signal waits unanswered. At
 the deadline the watchdog agrees on the lost peer, as on NCCL, then answers the waits itself:
@@ -97,11 +98,15 @@ class SymmTransport(NcclTransport):
         super().__init__(**kwargs)
         self._buffers: dict[torch.dtype, _Staging] = {}
         self._graphs: collections.OrderedDict[tuple, torch.cuda.CUDAGraph] | None = None
-        if os.environ.get("RINGFLOW_SYMM_GRAPHS", "0") == "1":
+        if os.environ.get("RINGFLOW_SYMM_GRAPHS", "1") == "1":
             self._graphs = collections.OrderedDict()
+        self.pipeline_depth = int(os.environ.get("RINGFLOW_SYMM_DEPTH", type(self).pipeline_depth))
         # Everything the release needs, made now: with CUDA's lazy module loading, loading a
         # kernel while another spins waiting can block until that one ends, which it won't.
         device = torch.device("cuda", torch.cuda.current_device())
+        self._pusher: torch.cuda.Stream | None = None
+        if os.environ.get("RINGFLOW_SYMM_OVERLAP", "0") == "1":
+            self._pusher = torch.cuda.Stream(device=device)
         self._releaser = torch.cuda.Stream(device=device)
         with torch.cuda.stream(self._releaser):
             torch.zeros(1, dtype=torch.int32, device=device).fill_(1)
@@ -166,6 +171,9 @@ class SymmTransport(NcclTransport):
         # tags and sizes, so both compute the same offsets.
         send_at = _offsets(sends, lambda h: h.send)
         recv_at = _offsets(recvs, lambda h: h.recv)
+        if self._pusher is not None and schedule.lag > 1:
+            self._enqueue_overlapped(schedule, staging, send_at, recv_at, wire, finish)
+            return
         handle, timeout_ms = staging.handle, self._timeout_ms
         sent = received = 0
         for hop in schedule.hops:
@@ -179,6 +187,49 @@ class SymmTransport(NcclTransport):
                 start = recv_at[hop.tag]
                 land(hop, staging.mine[start : start + hop.recv.numel()], finish)
         handle.barrier(_BARRIER_CHANNEL, timeout_ms)  # every slot read: the next may reuse them
+
+    def _enqueue_overlapped(
+        self,
+        schedule: Schedule,
+        staging: _Staging,
+        send_at: dict[int, int],
+        recv_at: dict[int, int],
+        wire: torch.dtype,
+        finish: Finisher | None,
+    ) -> None:
+        """The hops on two streams: pushes (NVLink) on one, waits and folds (local memory) on
+        the side stream, so that segment ``k + 1`` travels while segment ``k`` is added.
+
+        A push waits only for the fold that produced what it sends (``schedule.lag`` hops
+        back). A rank's pushes then run at most ``2 * lag`` signals ahead of what its
+        neighbour has consumed, so ``2 * lag + 1`` channels never hold two signals at once.
+        """
+        handle, timeout_ms = staging.handle, self._timeout_ms
+        channels = 2 * schedule.lag + 1
+        side, pusher = torch.cuda.current_stream(), self._pusher
+        assert pusher is not None
+        pusher.wait_stream(side)
+        landed: list[tuple[int, torch.cuda.Event]] = []
+        sent = received = 0
+        for i, hop in enumerate(schedule.hops):
+            if hop.send is not None:
+                ready = [event for at, event in landed if at <= i - schedule.lag]
+                with torch.cuda.stream(pusher):
+                    if ready:
+                        pusher.wait_event(ready[-1])
+                    self._push(hop, staging, send_at[hop.tag], wire)
+                    handle.put_signal(self._right, sent % channels, timeout_ms)
+                sent += 1
+            if hop.recv is not None:
+                handle.wait_signal(self._left, received % channels, timeout_ms)
+                received += 1
+                start = recv_at[hop.tag]
+                land(hop, staging.mine[start : start + hop.recv.numel()], finish)
+                event = torch.cuda.Event()
+                event.record(side)
+                landed.append((i, event))
+        side.wait_stream(pusher)
+        handle.barrier(channels, timeout_ms)  # every slot read: the next may reuse them
 
     def _push(self, hop: Hop, staging: _Staging, start: int, wire: torch.dtype) -> None:
         assert hop.send is not None

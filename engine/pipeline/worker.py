@@ -288,7 +288,7 @@ class PipelineWorker:
             micro = self._micro_batches(parts, x, y, 1)
             outputs = run_forward(self.stage, link=self.link, micro=micro)
             for out, target in zip(outputs, micro.targets or [], strict=True):
-                for name, value in self._metrics(out, target).items():
+                for name, value in self._metrics(out, target.to(out.device)).items():
                     sums[f"{prefix}_{name}"] += value * len(out)
         return (dict(sums), len(mine)) if self.stage.is_last else ({}, 0)
 
