@@ -13,7 +13,10 @@ the ``shm`` transport's processes do on CPU: every rank allocates a staging buff
 
 Each hop has its own slot, so no slot is written twice within a collective; a barrier at the
 end of each collective lets the next one reuse them. Everything runs on the ring's side
-stream, as on NCCL, and the same watchdog holds it to its deadline.
+stream, as on NCCL, and the same watchdog holds it to its deadline; when a chunk is cut into
+segments, the pushes run on a second stream that joins the side stream at the end, so a
+segment crosses NVLink while the one before it is added (``RINGFLOW_SYMM_OVERLAP=0``: one
+stream; ``RINGFLOW_SYMM_DEPTH``: segments per chunk).
 
 Host time. A collective is a dozen small launches and their Python; on a slow host that costs
 more than the GPU's work (0.2-0.4 ms a collective on 2 H100s). So the first collective on
@@ -86,11 +89,13 @@ class SymmTransport(NcclTransport):
     """
 
     name = "symm"
-    # One hop per chunk: each hop costs two signals and three kernel launches, and a copy
-    # over NVLink runs at full speed from a few MiB (measured on 2 H200s: 1 segment 1.00-1.02
-    # of NCCL's all-reduce from 64 MiB, 4 segments 0.80-0.95).
-    pipeline_depth = 1
-    segment_range = (1 << 20, 1 << 62)
+    # Chunks of 32 MiB and more go as two segments, so that one travels while the other is
+    # added (pushes run on a stream of their own); smaller chunks as one, whose two signals
+    # and launches would cost more than the overlap gains. Measured on 2 H100s, CUDA graphs
+    # on: one segment 0.92-0.94 of NCCL's all-reduce from 128 MiB, two overlapped 0.98-1.00,
+    # four 0.95-0.99; at 16 MiB, one 0.81, two (4 MiB segments) 0.59 (docs/benchmarks.md).
+    pipeline_depth = 2
+    segment_range = (16 << 20, 1 << 62)
     _hang = "a hop through GPU shared memory hung"
 
     def __init__(self, **kwargs) -> None:
@@ -105,7 +110,7 @@ class SymmTransport(NcclTransport):
         # kernel while another spins waiting can block until that one ends, which it won't.
         device = torch.device("cuda", torch.cuda.current_device())
         self._pusher: torch.cuda.Stream | None = None
-        if os.environ.get("RINGFLOW_SYMM_OVERLAP", "0") == "1":
+        if os.environ.get("RINGFLOW_SYMM_OVERLAP", "1") == "1":
             self._pusher = torch.cuda.Stream(device=device)
         self._releaser = torch.cuda.Stream(device=device)
         with torch.cuda.stream(self._releaser):
