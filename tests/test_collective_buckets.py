@@ -41,13 +41,17 @@ def _backward(model: nn.Module, buckets: GradientBuckets, *, weight: float = 1.0
     buckets.finish()
 
 
-def test_buckets_take_parameters_last_first_up_to_the_size():
+def test_buckets_take_parameters_last_first_until_they_reach_the_size():
     model = _model()
     buckets = GradientBuckets(
         list(model.parameters()), _RecordingCollective(model), bucket_bytes=300 * 4
     )
-    # Last layer first: bias 4 + weight 64 + bias 16, then weight 256 + bias 16, then 128.
-    assert buckets.bucket_sizes == [84, 272, 128]
+    # Last layer first: bias 4 + weight 64 + bias 16 + weight 256 (now 340 >= 300: closed),
+    # then bias 16 + weight 128. As DDP: no bias goes out alone before its weight.
+    assert buckets.bucket_sizes == [340, 144]
+    assert GradientBuckets(
+        list(model.parameters()), _RecordingCollective(model), bucket_bytes=84 * 4
+    ).bucket_sizes == [84, 256, 144]  # exactly full: closed at once
 
 
 def test_buckets_start_during_backward_in_reverse_order():
