@@ -125,12 +125,13 @@ class GradientBuckets:
     def _fill(self, bucket: _Bucket, slot: int, grad: torch.Tensor | None) -> None:
         if grad is None:  # a parameter this batch did not reach still takes part in the sum
             bucket.view(slot).zero_()
-        else:
+        elif self._weight == 1.0:
             bucket.view(slot).copy_(grad)
+        else:  # weighted on the way in: one pass over the gradient, not two
+            torch.mul(grad, self._weight, out=bucket.view(slot))
         bucket.filled[slot] = True
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.buffer.mul_(self._weight)
         self._works.append(self._collective.allreduce_async_(bucket.buffer, op="sum"))
 
 
