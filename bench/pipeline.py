@@ -8,6 +8,13 @@ for stages of equal cost. So for the bubble the first stage's input requires its
 a first layer otherwise skips its input's gradient, and the first stage idles for the
 difference, which is imbalance between stages, not the schedule's bubble. On CPU each stage
 process is pinned to a core of its own, as a stage has a device of its own.
+
+Theory also assumes every forward and every backward takes the same time. Where they vary
+(a shared CPU), the schedule itself idles more, whatever runs it: so each step is also
+*replayed* (``replay``): the stages' actions, in their order and with the durations measured,
+run again on paper with free transfers. Its bubble is the schedule's own given the compute as
+it happened; ``excess_over_replay`` is what our implementation added on top (transfers,
+waits, bookkeeping).
 The stages run in spawned processes with the engine's own stage code (``PipelineStage``,
 ``StageLink``, ``run_schedule``): gloo on CPU, NCCL on GPU (one process per GPU), no Ray.
 
@@ -21,7 +28,8 @@ With ``--device cuda`` the same stages also run under torch.distributed.pipelini
 ``Schedule1F1B`` with the same D, P and M in the same run (the stage's gradients summed over
 its replicas with ``dist.all_reduce`` on the replicas' group), and the throughput ratio is
 reported. The last line is one JSON object with ``max_bubble_excess`` (the largest measured
-bubble over theory, minus 1, over the layouts with P > 1) and, when compared,
+bubble over theory, minus 1, over the layouts with P > 1), ``max_bubble_excess_over_replay``
+(the same against the replayed bubble) and, when compared,
 ``ours_vs_torch_pipelining`` (the smallest ours/torch throughput ratio); ``by_layout`` holds
 each layout's figures. A layout needing more GPUs than present is skipped with a note, so
 the same command runs unchanged on 4 and on 8 GPUs.
@@ -272,8 +280,9 @@ def _micro(spec: Spec, m: int, x: torch.Tensor, y: torch.Tensor):
     )
 
 
-def _timed_steps(stage, link, spec: Spec, m: int, x, y) -> list[tuple[float, float, float]]:
-    """``(start, end, compute seconds)`` of each measured step on this stage."""
+def _timed_steps(stage, link, spec: Spec, m: int, x, y) -> list[tuple]:
+    """``(start, end, compute seconds, ((action, seconds), ...))`` of each measured step on
+    this stage."""
     from engine.pipeline import StepTiming, run_schedule, stage_actions
 
     actions = stage_actions(spec.schedule, stage=stage.stage, stages=spec.stages, micro_batches=m)
@@ -286,7 +295,8 @@ def _timed_steps(stage, link, spec: Spec, m: int, x, y) -> list[tuple[float, flo
         timing = StepTiming()
         run_schedule(stage, actions, link=link, micro=micro, timing=timing, sync=True)
         if step >= spec.warmup:
-            records.append((timing.started, timing.finished, timing.busy_s))
+            actions_s = tuple((name, end - begin) for name, begin, end in timing.actions)
+            records.append((timing.started, timing.finished, timing.busy_s, actions_s))
     return records
 
 
@@ -371,7 +381,7 @@ def _report(spec: Spec, reports: dict[int, dict]) -> dict:
     print(
         f"{'M':>4} {'theory':>8} "
         + " ".join(f"{f'stage {s}':>8}" for s in range(P))
-        + f" {'excess':>8} {'step ms':>8}",
+        + f" {'excess':>8} {'replayed':>9} {'ours/replay':>11} {'step ms':>8}",
         flush=True,
     )
     rows = []
@@ -380,40 +390,48 @@ def _report(spec: Spec, reports: dict[int, dict]) -> dict:
         per_replica = [
             _bubbles([reports[r * P + s]["bubble"][m] for s in range(P)]) for r in range(D)
         ]
-        bubbles = [max(b[s] for b, _ in per_replica) for s in range(P)]
-        step_s = max(span for _, span in per_replica)
+        bubbles = [max(b[s] for b, _, _ in per_replica) for s in range(P)]
+        replayed = [max(b[s] for _, _, b in per_replica) for s in range(P)]
+        step_s = max(span for _, span, _ in per_replica)
         excess = max(bubbles) / theory - 1 if theory > 0 else None
+        over_replay = max(bubbles) / max(replayed) - 1 if max(replayed) > 0 else None
         rows.append(
             {
                 "micro_batches": m,
                 "theory": theory,
                 "bubble": bubbles,
                 "excess": excess,
+                "replayed_bubble": replayed,
+                "excess_over_replay": over_replay,
                 "step_s": step_s,
             }
         )
         shown = f"{excess:>+8.1%}" if excess is not None else f"{'-':>8}"
+        versus = f"{over_replay:>+11.1%}" if over_replay is not None else f"{'-':>11}"
         print(
             f"{m:>4} {theory:>8.3f} "
             + " ".join(f"{b:>8.3f}" for b in bubbles)
-            + f" {shown} {step_s * 1e3:>8.1f}",
+            + f" {shown} {max(replayed):>9.3f} {versus} {step_s * 1e3:>8.1f}",
             flush=True,
         )
     excesses = [r["excess"] for r in rows if r["excess"] is not None]
+    over_replay = [r["excess_over_replay"] for r in rows if r["excess_over_replay"] is not None]
     result = {
         "replicas": D,
         "stages": P,
         "ring_transport": reports[0]["ring"],
         "rows": rows,
         "max_bubble_excess": max(excesses) if excesses else None,
+        "max_bubble_excess_over_replay": max(over_replay) if over_replay else None,
     }
     if spec.compare_torch:
         result.update(_throughput(spec, reports))
     return result
 
 
-def _bubbles(per_stage: list[list[tuple[float, float, float]]]) -> tuple[list[float], float]:
-    """Each stage's idle fraction of the makespan of the fastest step, and that makespan.
+def _bubbles(per_stage: list[list[tuple]]) -> tuple[list[float], float, list[float]]:
+    """Each stage's idle fraction of the makespan of the fastest step, that makespan, and
+    each stage's idle fraction in that step's replay.
 
     The fastest step is the one other processes disturbed least (``timeit`` takes the
     minimum for the same reason): on a shared machine a descheduled stage shows up as
@@ -424,7 +442,38 @@ def _bubbles(per_stage: list[list[tuple[float, float, float]]]) -> tuple[list[fl
         max(r[k][1] for r in per_stage) - min(r[k][0] for r in per_stage) for k in range(steps)
     ]
     best = min(range(steps), key=spans.__getitem__)
-    return [1 - records[best][2] / spans[best] for records in per_stage], spans[best]
+    measured = [1 - records[best][2] / spans[best] for records in per_stage]
+    return measured, spans[best], replay([records[best][3] for records in per_stage])
+
+
+def replay(actions: list[tuple[tuple[str, float], ...]]) -> list[float]:
+    """Each stage's idle fraction if its actions, in their order and with the durations they
+    took, ran with free transfers: ``F i`` on a stage after ``F i`` on the stage before it,
+    ``B i`` after ``B i`` on the stage after it.
+
+    The schedule's own bubble given the compute as it happened; measured bubble above it is
+    what the implementation added (transfers, waits, bookkeeping). With equal, constant
+    action times it is (P-1)/(M+P-1).
+    """
+    stages = len(actions)
+    ends: dict[tuple[int, str], float] = {}
+    position, clock = [0] * stages, [0.0] * stages
+    while any(position[s] < len(actions[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            while position[s] < len(actions[s]):
+                name, seconds = actions[s][position[s]]
+                needs = (s - 1, name) if name[0] == "F" else (s + 1, name)
+                if 0 <= needs[0] < stages and needs not in ends:
+                    break  # waits for a neighbour that has not run it yet
+                start = max(clock[s], ends.get(needs, 0.0))
+                clock[s] = ends[(s, name)] = start + seconds
+                position[s] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the stages' actions wait on each other: not a valid schedule")
+    span = max(clock)
+    return [1 - sum(t for _, t in stage) / span for stage in actions]
 
 
 def _throughput(spec: Spec, reports: dict[int, dict]) -> dict:
@@ -458,15 +507,18 @@ def _summary(spec: Spec, by_layout: dict[str, dict]) -> dict:
     compared = [
         r["ours_vs_torch_pipelining"] for r in by_layout.values() if "ours_vs_torch_pipelining" in r
     ]
+    over_replay = [r["max_bubble_excess_over_replay"] for r in by_layout.values()]
+    over_replay = [e for e in over_replay if e is not None]
     summary = {
         "bench": "pipeline",
         "spec": asdict(spec),
         "max_bubble_excess": max(excesses) if excesses else None,
+        "max_bubble_excess_over_replay": max(over_replay) if over_replay else None,
         "by_layout": by_layout,
     }
     if len(by_layout) == 1:  # one layout: its figures at the top level, as before layouts
         (only,) = by_layout.values()
-        summary.update({k: v for k, v in only.items() if k != "max_bubble_excess"})
+        summary.update({k: v for k, v in only.items() if not k.startswith("max_bubble")})
     if compared:
         summary["ours_vs_torch_pipelining"] = min(compared)
     return summary

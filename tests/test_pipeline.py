@@ -462,3 +462,37 @@ def test_a_pipeline_run_resumes_after_its_last_committed_epoch_bit_for_bit(tmp_p
         assert torch.equal(again.state_dict[name], tensor), name
     with pytest.raises(ValueError, match="use a new run key"):
         run(3, str(tmp_path / "b"), "cut", seed=4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(("stages", "micro"), [(2, 4), (2, 16), (3, 5), (4, 2)])
+def test_the_bench_replay_of_constant_actions_is_the_theoretical_bubble(schedule, stages, micro):
+    """``bench.pipeline.replay`` runs the stages' actions with free transfers: with equal,
+    constant forward and backward times its bubble is (P-1)/(M+P-1) on every stage."""
+    from bench.pipeline import replay
+
+    actions = [
+        tuple(
+            (repr(a), 1.0 if a.kind == "F" else 2.0)
+            for a in stage_actions(schedule, stage=s, stages=stages, micro_batches=micro)
+        )
+        for s in range(stages)
+    ]
+    theory = (stages - 1) / (micro + stages - 1)
+    assert replay(actions) == pytest.approx([theory] * stages)
+
+
+def test_the_bench_replay_turns_one_slow_action_into_idle_time_on_the_neighbour():
+    from bench.pipeline import replay
+
+    actions = [
+        [(repr(a), 1.0) for a in stage_actions("1f1b", stage=s, stages=2, micro_batches=8)]
+        for s in range(2)
+    ]
+    actions[1][5] = (actions[1][5][0], 3.0)  # one action of stage 1 takes 3x as long
+    bubbles = replay([tuple(a) for a in actions])
+    assert bubbles[0] > 1 / 9 + 0.05  # stage 0 waited for it
+    swapped = [list(a) for a in actions]
+    swapped[0][0], swapped[0][2] = swapped[0][2], swapped[0][0]  # B0 before F0: deadlock
+    with pytest.raises(ValueError, match="not a valid schedule"):
+        replay([tuple(a) for a in swapped])
