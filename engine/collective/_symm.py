@@ -59,8 +59,8 @@ __all__ = ["SymmTransport", "symm_available", "symm_unusable"]
 _log = logging.getLogger(__name__)
 
 _CHANNELS = 4
-"""Signal channels used round-robin by consecutive hops, so several can be in flight."""
-_BARRIER_CHANNEL = _CHANNELS
+"""Signal channels used round-robin by consecutive hops, so several can be in flight (on one
+stream; overlapped pushes use more). The channel after the last is the barrier's."""
 _INITIAL_ELEMENTS = 16 << 20
 """Staging allocated when the ring connects (64 MiB of float32); larger collectives grow it."""
 _GRAPHS = 64
@@ -176,44 +176,18 @@ class SymmTransport(NcclTransport):
         # tags and sizes, so both compute the same offsets.
         send_at = _offsets(sends, lambda h: h.send)
         recv_at = _offsets(recvs, lambda h: h.recv)
-        if self._pusher is not None and schedule.lag > 1:
-            self._enqueue_overlapped(schedule, staging, send_at, recv_at, wire, finish)
-            return
+        # With segments (lag > 1) the pushes (NVLink) run on a stream of their own and the
+        # waits and folds (local memory) on the side stream, so that segment k + 1 travels
+        # while segment k is added. A push then waits only for the fold that produced what
+        # it sends (lag hops back), and a rank's pushes run at most 2 * lag signals ahead of
+        # what its neighbour has consumed: 2 * lag + 1 channels never hold two at once.
+        side = torch.cuda.current_stream()
+        overlap = self._pusher is not None and schedule.lag > 1
+        pusher = self._pusher if overlap else side
+        channels = 2 * schedule.lag + 1 if overlap else _CHANNELS
+        if overlap:
+            pusher.wait_stream(side)
         handle, timeout_ms = staging.handle, self._timeout_ms
-        sent = received = 0
-        for hop in schedule.hops:
-            if hop.send is not None:
-                self._push(hop, staging, send_at[hop.tag], wire)
-                handle.put_signal(self._right, sent % _CHANNELS, timeout_ms)
-                sent += 1
-            if hop.recv is not None:
-                handle.wait_signal(self._left, received % _CHANNELS, timeout_ms)
-                received += 1
-                start = recv_at[hop.tag]
-                land(hop, staging.mine[start : start + hop.recv.numel()], finish)
-        handle.barrier(_BARRIER_CHANNEL, timeout_ms)  # every slot read: the next may reuse them
-
-    def _enqueue_overlapped(
-        self,
-        schedule: Schedule,
-        staging: _Staging,
-        send_at: dict[int, int],
-        recv_at: dict[int, int],
-        wire: torch.dtype,
-        finish: Finisher | None,
-    ) -> None:
-        """The hops on two streams: pushes (NVLink) on one, waits and folds (local memory) on
-        the side stream, so that segment ``k + 1`` travels while segment ``k`` is added.
-
-        A push waits only for the fold that produced what it sends (``schedule.lag`` hops
-        back). A rank's pushes then run at most ``2 * lag`` signals ahead of what its
-        neighbour has consumed, so ``2 * lag + 1`` channels never hold two signals at once.
-        """
-        handle, timeout_ms = staging.handle, self._timeout_ms
-        channels = 2 * schedule.lag + 1
-        side, pusher = torch.cuda.current_stream(), self._pusher
-        assert pusher is not None
-        pusher.wait_stream(side)
         landed: list[tuple[int, torch.cuda.Event]] = []
         sent = received = 0
         for i, hop in enumerate(schedule.hops):
@@ -230,10 +204,11 @@ class SymmTransport(NcclTransport):
                 received += 1
                 start = recv_at[hop.tag]
                 land(hop, staging.mine[start : start + hop.recv.numel()], finish)
-                event = torch.cuda.Event()
-                event.record(side)
-                landed.append((i, event))
-        side.wait_stream(pusher)
+                if overlap:
+                    landed.append((i, torch.cuda.Event()))
+                    landed[-1][1].record(side)
+        if overlap:
+            side.wait_stream(pusher)
         handle.barrier(channels, timeout_ms)  # every slot read: the next may reuse them
 
     def _push(self, hop: Hop, staging: _Staging, start: int, wire: torch.dtype) -> None:
