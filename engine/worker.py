@@ -159,6 +159,7 @@ class RankWorker:
         self.optimizer = _single_optimizer(self.module.configure_optimizers())
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.train_x, self.train_y = _tensors(*read_split(data.dataset_url, "train", data.schema))
+        self._evaluated: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.steps_per_epoch = -(-len(self.train_y) // config.batch_size)
         self.collective: Collective | None = None
         self.buckets: GradientBuckets | None = None
@@ -319,7 +320,11 @@ class RankWorker:
 
     def evaluate(self, split: str) -> tuple[dict[str, float], int]:
         """Evaluate this rank's part of ``split`` with the module's validation or test step."""
-        x, y = _tensors(*read_split(self.data.dataset_url, split, self.data.schema))
+        if split not in self._evaluated:  # read once: evaluation runs every epoch
+            self._evaluated[split] = _tensors(
+                *read_split(self.data.dataset_url, split, self.data.schema)
+            )
+        x, y = self._evaluated[split]
         mine = split_global_batch(torch.arange(len(y)), rank=self.rank, world_size=self.world_size)
         return evaluate_module(
             self.module,
