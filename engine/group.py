@@ -376,11 +376,14 @@ def _describe(config: TrainConfig) -> str:
     return " and ".join(f"{amount:g} {name}" for name, amount in _worker_bundle(config).items())
 
 
-def _check_capacity(config: TrainConfig) -> None:
+def _check_capacity(
+    config: TrainConfig, *, count: int | None = None, what: str = "workers", lower: str = "workers"
+) -> None:
     """Refuse, before any worker starts, a run the whole Ray cluster could never place.
 
     Every worker's bundle is reserved up front (``min_workers`` only decides how many may be
-    lost), so the cluster must hold all ``config.workers`` of them.
+    lost), so the cluster must hold all ``count`` of them (``config.workers`` by default; a
+    pipeline passes its stage workers, and ``what``/``lower`` to name them in the message).
 
     Raises:
         EngineError: the cluster has fewer CPUs or GPUs than the workers need; the message
@@ -388,22 +391,19 @@ def _check_capacity(config: TrainConfig) -> None:
     """
     import ray
 
+    count = config.workers if count is None else count
     resources = ray.cluster_resources()
-    total = resources.get("CPU", 0)
-    need = config.workers * config.cpus_per_worker
-    if need > total:
-        raise EngineError(
-            f"{config.workers} workers x {config.cpus_per_worker} CPU need {need:g} CPUs but the "
-            f"Ray cluster has {total:g}; lower workers or cpus_per_worker, or add Ray nodes"
-        )
-    if config.gpus_per_worker:
-        gpus = resources.get("GPU", 0)
-        need = config.workers * config.gpus_per_worker
-        if need > gpus:
+    for resource, each in _worker_bundle(config).items():
+        need, have = count * each, resources.get(resource, 0)
+        if need > have:
+            field, nodes = (
+                ("cpus_per_worker (fractions are fine)", "")
+                if resource == "CPU"
+                else ("gpus_per_worker (gpus_per_worker=0 trains on CPU)", " with GPUs")
+            )
             raise EngineError(
-                f"{config.workers} workers x {config.gpus_per_worker} GPU need {need} GPUs but "
-                f"the Ray cluster has {gpus:g}; lower workers or gpus_per_worker "
-                "(gpus_per_worker=0 trains on CPU), or add Ray nodes with GPUs"
+                f"{count} {what} x {each:g} {resource} need {need:g} {resource}s but the Ray "
+                f"cluster has {have:g}; lower {lower} or {field}, or add Ray nodes{nodes}"
             )
 
 

@@ -14,7 +14,7 @@ import torch
 
 from engine.config import DataSpec, TrainConfig
 from engine.errors import EngineError, PeerLostError, WorkerFailedError
-from engine.group import _describe, _worker_bundle
+from engine.group import _check_capacity, _describe, _worker_bundle
 from engine.pipeline.config import PipelineConfig
 from engine.pipeline.partition import Partition, model_layers, partition_model
 from engine.pipeline.worker import PipelineWorker, TensorData, pipeline_batch, read_tensors
@@ -322,7 +322,7 @@ class _RayGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._stages, count = pipeline.stages, pipeline.stages * config.workers
-        _check_capacity(config, count)
+        _check_capacity(config, count=count, what="stage workers", lower="workers, stages")
         self._pg = placement_group([_worker_bundle(config)] * count, strategy="PACK")
         try:
             ray.get(self._pg.ready(), timeout=config.timeout_s)
@@ -436,21 +436,6 @@ _DEATH_GRACE_S = 5.0
 
 def _saw_a_peer_lost(err: Exception) -> bool:
     return isinstance(getattr(err, "cause", None), PeerLostError)
-
-
-def _check_capacity(config: TrainConfig, count: int) -> None:
-    import ray
-
-    total = ray.cluster_resources()
-    for resource, each in _worker_bundle(config).items():
-        need, have = count * each, total.get(resource, 0)
-        if need > have:
-            lower = "cpus_per_worker (fractions are fine)" if resource == "CPU" else "workers"
-            raise EngineError(
-                f"{count} stage workers x {each:g} {resource} need {need:g} {resource}s but the "
-                f"Ray cluster has {have:g}; lower {lower}, workers or stages, or add Ray nodes"
-                + (" with GPUs (gpus_per_worker=0 trains on CPU)" if resource == "GPU" else "")
-            )
 
 
 def _single_node() -> bool:

@@ -96,6 +96,7 @@ class PipelineWorker:
         torch.manual_seed(config.seed)  # every stage builds the unsplit model's weights
         self.module = module_cls(**hparams)
         self.train_x, self.train_y = read_tensors(data, "train")
+        self._evaluated: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         example, _ = pipeline_batch(self.module, self.train_x[:1], self.train_y[:1])
         last = stage == partition.stages - 1
         self.stage = PipelineStage(
@@ -279,7 +280,9 @@ class PipelineWorker:
         """Forward this replica's part of ``split`` through the pipeline; the last stage
         returns ``val_loss`` (``{split}_loss`` for other splits) and ``pipeline_metrics``."""
         assert self.link is not None, "connect() must run before evaluating"
-        x, y = read_tensors(self.data, split)
+        if split not in self._evaluated:  # read once: evaluation runs every epoch
+            self._evaluated[split] = read_tensors(self.data, split)
+        x, y = self._evaluated[split]
         mine = split_global_batch(torch.arange(len(y)), rank=self.replica, world_size=self.replicas)
         prefix = "val" if split == "validation" else split
         sums: dict[str, float] = defaultdict(float)
