@@ -102,7 +102,7 @@ def _run_group(n: int, options: Options) -> list[dict]:
 def _rank_main(rank: int, n: int, ports: list[int], options: Options, queue) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    from engine.collective import NativeCollective, RingCollective
+    from ringflow.engine.collective import NativeCollective, RingCollective
 
     cuda = options.backend == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

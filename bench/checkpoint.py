@@ -43,8 +43,8 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.nn import functional as F
 
-from models.digits import DigitsClassifier
-from storage import AsyncCheckpointer, CheckpointStore, RetentionPolicy, training_state
+from ringflow.models.digits import DigitsClassifier
+from ringflow.storage import AsyncCheckpointer, CheckpointStore, RetentionPolicy, training_state
 
 
 @dataclass(frozen=True, kw_only=True)

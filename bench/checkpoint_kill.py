@@ -38,7 +38,7 @@ from typing import Any
 import fsspec
 import torch
 
-from storage import AsyncCheckpointer, CheckpointStore, LoadedCheckpoint, RetentionPolicy
+from ringflow.storage import AsyncCheckpointer, CheckpointStore, LoadedCheckpoint, RetentionPolicy
 
 __all__ = ["KillReport", "expected_shards", "run_kills", "scan_committed"]
 

@@ -48,7 +48,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
-from engine.cluster import quiet_environment
+from ringflow.engine.cluster import quiet_environment
 
 quiet_environment()  # before Ray is imported: a local Ray stays on loopback
 
@@ -313,7 +313,7 @@ def _sync(device: torch.device) -> None:
 def _run_ours_engine(spec: Spec, *, data, x, y, root: str) -> Result:
     import ray
 
-    from engine import TrainConfig, fit
+    from ringflow.engine import TrainConfig, fit
 
     started = time.perf_counter()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -388,7 +388,7 @@ def _spawned_rank(rank: int, runner: str, spec: Spec, x, y, port: int, queue) ->
 
 
 def _ours_hooks(model: nn.Module, *, rank: int, backend: str, address: str, spec: Spec):
-    from engine.collective import GradientBuckets, RingCollective
+    from ringflow.engine.collective import GradientBuckets, RingCollective
 
     ring = RingCollective(
         rank=rank,
@@ -487,9 +487,9 @@ _RUNNERS = {
 
 
 def _digits(root: str):
-    from engine import DataSpec
-    from models.digits import SCHEMA, write_digits_csv
-    from storage.dataset import preprocess
+    from ringflow.engine import DataSpec
+    from ringflow.models.digits import SCHEMA, write_digits_csv
+    from ringflow.storage.dataset import preprocess
 
     write_digits_csv(f"{root}/raw/digits.csv")
     result = preprocess(f"{root}/raw/digits.csv", root, SCHEMA, seed=0)
@@ -497,7 +497,7 @@ def _digits(root: str):
 
 
 def _train_arrays(data) -> tuple[torch.Tensor, torch.Tensor]:
-    from storage.dataset import read_split
+    from ringflow.storage.dataset import read_split
 
     x, y = read_split(data.dataset_url, "train", data.schema)
     return torch.from_numpy(x), torch.from_numpy(y)

@@ -186,8 +186,8 @@ class _Groups:
 
 
 def _rank(rank: int, spec: Spec, port: int, queue) -> None:
-    from engine.collective import RingCollective
-    from engine.pipeline import PipelineConfig, PipelineStage, StageLink, partition_model
+    from ringflow.engine.collective import RingCollective
+    from ringflow.engine.pipeline import PipelineConfig, PipelineStage, StageLink, partition_model
 
     replica, stage_index = divmod(rank, spec.stages)
     world = spec.replicas * spec.stages
@@ -273,7 +273,7 @@ def _new_groups(spec: Spec, *, replica: int, stage: int) -> _Groups:
 
 
 def _micro(spec: Spec, m: int, x: torch.Tensor, y: torch.Tensor):
-    from engine.pipeline import MicroBatches
+    from ringflow.engine.pipeline import MicroBatches
 
     return MicroBatches(
         sizes=(spec.micro_size,) * m, inputs=[x] * m, targets=[y] * m, weights=(1 / m,) * m
@@ -283,7 +283,7 @@ def _micro(spec: Spec, m: int, x: torch.Tensor, y: torch.Tensor):
 def _timed_steps(stage, link, spec: Spec, m: int, x, y) -> list[tuple]:
     """``(start, end, compute seconds, ((action, seconds), ...))`` of each measured step on
     this stage."""
-    from engine.pipeline import StepTiming, run_schedule, stage_actions
+    from ringflow.engine.pipeline import StepTiming, run_schedule, stage_actions
 
     actions = stage_actions(spec.schedule, stage=stage.stage, stages=spec.stages, micro_batches=m)
     if stage.is_first:
@@ -302,7 +302,7 @@ def _timed_steps(stage, link, spec: Spec, m: int, x, y) -> list[tuple]:
 
 def _ours_seconds(stage, link, ring, spec: Spec, m: int, x, y) -> float:
     """Seconds per step of our schedule and gradient sum (no synchronisation per action)."""
-    from engine.pipeline import run_schedule, stage_actions
+    from ringflow.engine.pipeline import run_schedule, stage_actions
 
     actions = stage_actions("1f1b", stage=stage.stage, stages=spec.stages, micro_batches=m)
     micro = _micro(spec, m, x, y)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kill-after-s", type=float, default=2.0, help="into the training loop")
     parser.add_argument("--runners", default="ours,torchtrainer")
     args = parser.parse_args(argv)
-    from engine.cluster import quiet_environment
+    from ringflow.engine.cluster import quiet_environment
 
     quiet_environment(GLOO_SOCKET_IFNAME="lo")  # Ray binds to loopback only
     results = []
@@ -70,8 +70,8 @@ def _run_ours(args: argparse.Namespace, root: str) -> Recovery:
     import ray
 
     from bench.dp_throughput import _digits
-    from engine import TrainConfig, fit
-    from models.digits import DigitsClassifier
+    from ringflow.engine import TrainConfig, fit
+    from ringflow.models.digits import DigitsClassifier
 
     data = _digits(f"{root}/data")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -167,16 +167,16 @@ def load_in_subprocess(url: str, *, duration_s: float, concurrency: int) -> dict
 
 
 def _bench_main(args: argparse.Namespace) -> int:
-    from engine.cluster import quiet_environment
+    from ringflow.engine.cluster import quiet_environment
 
     quiet_environment()  # before Ray is imported: a local Ray stays on loopback
     import ray
     import torch
     from ray import serve
 
-    from engine.serving import serve_model, shutdown_serving
-    from models.digits import DigitsClassifier
-    from storage.checkpoint import save_model
+    from ringflow.engine.serving import serve_model, shutdown_serving
+    from ringflow.models.digits import DigitsClassifier
+    from ringflow.storage.checkpoint import save_model
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     apps = {"batched": True, "unbatched": False}

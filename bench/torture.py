@@ -149,15 +149,15 @@ def _compare(root: str, counts: dict[str, int], reference_s: float, tortured_s: 
 
 def _run_child(root: str, name: str, epochs: int) -> None:
     """One training process: resumes the run key's checkpoint if there is one."""
-    from engine.cluster import quiet_environment
+    from ringflow.engine.cluster import quiet_environment
 
     quiet_environment(GLOO_SOCKET_IFNAME="lo")  # before Ray is imported: it reads them then
     import ray
     from safetensors.torch import save_file
 
     from bench.dp_throughput import _digits
-    from engine import TrainConfig, fit
-    from models.digits import DigitsClassifier
+    from ringflow.engine import TrainConfig, fit
+    from ringflow.models.digits import DigitsClassifier
 
     data = _digits(f"{root}/data-{name}")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -3,15 +3,15 @@
 Never imports Prefect. ``engine.collective`` holds the gradient collectives.
 """
 
-from engine.config import DataSpec, TrainConfig
-from engine.errors import (
+from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.errors import (
     CollectiveError,
     CollectiveTimeoutError,
     EngineError,
     PeerLostError,
     WorkerFailedError,
 )
-from engine.trainer import EpochMetrics, FitResult, evaluate, fit
+from ringflow.engine.trainer import EpochMetrics, FitResult, evaluate, fit
 
 __all__ = [
     "CollectiveError",

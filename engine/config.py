@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.collective import COMPRESSIONS, TRANSPORTS, available_collectives
-from storage.dataset import TableSchema
+from ringflow.engine.collective import COMPRESSIONS, TRANSPORTS, available_collectives
+from ringflow.storage.dataset import TableSchema
 
 __all__ = ["PLACEMENTS", "DataSpec", "TrainConfig"]
 

@@ -7,16 +7,16 @@ import os
 import time
 from typing import Any
 
-from engine.config import PLACEMENTS, DataSpec, TrainConfig
-from engine.elastic.coordinator import (
+from ringflow.engine.config import PLACEMENTS, DataSpec, TrainConfig
+from ringflow.engine.elastic.coordinator import (
     Coordinator,
     ElasticEvent,
     FailurePolicy,
     GiveUp,
     WaitForWorkers,
 )
-from engine.errors import CollectiveError, EngineError, WorkerFailedError
-from engine.worker import NOSET_VISIBLE_DEVICES, RankWorker
+from ringflow.engine.errors import CollectiveError, EngineError, WorkerFailedError
+from ringflow.engine.worker import NOSET_VISIBLE_DEVICES, RankWorker
 
 __all__ = ["InProcessGroup", "MembershipLost", "RayWorkerGroup", "WorkerGroup"]
 

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException
 
-from storage.checkpoint import ModelCheckpoint, load_model
+from ringflow.storage.checkpoint import ModelCheckpoint, load_model
 
 __all__ = ["ModelServer", "ServingError", "serve_model", "serve_registry", "shutdown_serving"]
 
@@ -154,7 +154,7 @@ def serve_registry(
         ServingError: nothing is in production yet, bad arguments, or a failed deployment.
         CheckpointError: the production checkpoint is missing or corrupt.
     """
-    from storage.registry import ModelRegistry
+    from ringflow.storage.registry import ModelRegistry
 
     _check_arguments(host, port, route_prefix, max_batch_size, max_body_bytes)
     if not (isinstance(poll_s, int | float) and 0.05 <= poll_s <= 3600):
@@ -639,7 +639,7 @@ def _instances(spec: _InputSpec, value: Any) -> list[list[float]]:
 
 
 def _registry(source: _RegistryModel) -> Any:
-    from storage.registry import ModelRegistry
+    from ringflow.storage.registry import ModelRegistry
 
     return ModelRegistry(source.url, source.model)
 

@@ -12,14 +12,14 @@ from typing import Any
 
 import torch
 
-from engine.config import DataSpec, TrainConfig
-from engine.elastic.coordinator import ElasticEvent
-from engine.errors import EngineError, WorkerFailedError
-from engine.group import InProcessGroup, MembershipLost, RayWorkerGroup, WorkerGroup
-from engine.worker import evaluate_module
-from storage.checkpoint import load_model, read_checkpoint
-from storage.dataset import read_split
-from storage.store import CheckpointStore, CommittedCheckpoint
+from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.elastic.coordinator import ElasticEvent
+from ringflow.engine.errors import EngineError, WorkerFailedError
+from ringflow.engine.group import InProcessGroup, MembershipLost, RayWorkerGroup, WorkerGroup
+from ringflow.engine.worker import evaluate_module
+from ringflow.storage.checkpoint import load_model, read_checkpoint
+from ringflow.storage.dataset import read_split
+from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 __all__ = ["EpochMetrics", "FitResult", "evaluate", "fit"]
 

@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import DataSpec, TrainConfig
-from engine.trainer import EpochMetrics, fit
-from storage.fs import atomic_write, join, read_bytes, resolve
-from storage.store import CheckpointStore
+from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.trainer import EpochMetrics, fit
+from ringflow.storage.fs import atomic_write, join, read_bytes, resolve
+from ringflow.storage.store import CheckpointStore
 
 __all__ = [
     "SEARCH_ALGORITHMS",
@@ -752,7 +752,7 @@ def _check_metric(
     module_cls: type, base: dict, data: DataSpec, config: TrainConfig, metric: str
 ) -> None:
     """Evaluate an untrained module once, so a metric no trial reports fails before trials."""
-    from engine.worker import RankWorker
+    from ringflow.engine.worker import RankWorker
 
     one = dataclasses.replace(config, workers=1, epochs=1)
     worker = RankWorker(module_cls, hparams=base, data=data, config=one, rank=0)

@@ -15,14 +15,19 @@ from typing import Any
 
 import torch
 
-from engine.collective import Collective, GradientBuckets, create_collective
-from engine.config import DataSpec, TrainConfig
-from engine.errors import EngineError
-from storage.checkpoint import read_checkpoint, save_model
-from storage.checkpointer import AsyncCheckpointer
-from storage.dataset import read_split
-from storage.reshard import REPLICATED, load_data_parallel, load_training_state, training_state
-from storage.store import CheckpointStore, CommittedCheckpoint
+from ringflow.engine.collective import Collective, GradientBuckets, create_collective
+from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.errors import EngineError
+from ringflow.storage.checkpoint import read_checkpoint, save_model
+from ringflow.storage.checkpointer import AsyncCheckpointer
+from ringflow.storage.dataset import read_split
+from ringflow.storage.reshard import (
+    REPLICATED,
+    load_data_parallel,
+    load_training_state,
+    training_state,
+)
+from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 __all__ = [
     "NOSET_VISIBLE_DEVICES",

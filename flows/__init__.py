@@ -5,7 +5,7 @@ import: they are set here first, so a flow run from the command line keeps a loc
 and on loopback (``engine.cluster.QUIET_ENV``). Values already in the environment win.
 """
 
-from engine.cluster import quiet_environment
+from ringflow.engine.cluster import quiet_environment
 
 quiet_environment()
 

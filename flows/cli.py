@@ -1,4 +1,4 @@
-"""Run a flow from the command line with no server: ``python -m flows.<name> --help``.
+"""Run a flow from the command line with no server: ``python -m ringflow.flows.<name> --help``.
 
 The options are generated from the flow's own parameter schema, so the command line, the
 Prefect UI and ``prefect deployment run --param`` all accept and check the same parameters.
@@ -16,7 +16,7 @@ from prefect.exceptions import ParameterTypeError
 from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 from prefect.utilities.callables import parameter_schema
 
-from engine.cluster import quiet_environment
+from ringflow.engine.cluster import quiet_environment
 
 __all__ = ["build_parser", "main"]
 
@@ -113,7 +113,7 @@ def _wait_for_interrupt(endpoint: str | None) -> None:
 
     import ray
 
-    from engine.serving import shutdown_serving
+    from ringflow.engine.serving import shutdown_serving
 
     # Our own handlers: the libraries loaded by then have replaced Python's SIGINT handler.
     stop = threading.Event()

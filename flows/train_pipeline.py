@@ -1,6 +1,6 @@
 """``train-pipeline``: preprocess, tune, train on Ray workers, evaluate, promote and serve.
 
-Run it locally with no server: ``python -m flows.train_pipeline --help``.
+Run it locally with no server: ``python -m ringflow.flows.train_pipeline --help``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from prefect.runtime import flow_run
 from prefect.states import Failed
 from pydantic import Field
 
-from storage import CheckpointStore, join
-from storage.fs import absolute
-from tasks import (
+from ringflow.storage import CheckpointStore, join
+from ringflow.storage.fs import absolute
+from ringflow.tasks import (
     demo_data,
     evaluate,
     preprocess,
@@ -242,6 +242,6 @@ def _check(
 
 
 if __name__ == "__main__":
-    from flows.cli import main
+    from ringflow.flows.cli import main
 
     raise SystemExit(main(train_pipeline))

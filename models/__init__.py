@@ -1,5 +1,5 @@
 """Built-in example models, written as ordinary Lightning modules."""
 
-from models.digits import DigitsClassifier, write_digits_csv
+from ringflow.models.digits import DigitsClassifier, write_digits_csv
 
 __all__ = ["DigitsClassifier", "write_digits_csv"]

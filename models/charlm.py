@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from storage.dataset import Column, TableSchema
-from storage.fs import atomic_write
+from ringflow.storage.dataset import Column, TableSchema
+from ringflow.storage.fs import atomic_write
 
 __all__ = ["VOCAB", "CharLM", "charlm_schema", "stdlib_text", "write_charlm_parquet"]
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from storage.dataset import Column, TableSchema
-from storage.fs import atomic_write
+from ringflow.storage.dataset import Column, TableSchema
+from ringflow.storage.fs import atomic_write
 
 __all__ = ["SCHEMA", "DigitsClassifier", "write_digits_csv"]
 

@@ -1,6 +1,6 @@
 """Checkpoint and dataset storage on any fsspec URL. Never imports Prefect."""
 
-from storage.checkpoint import (
+from ringflow.storage.checkpoint import (
     CheckpointError,
     ModelCheckpoint,
     copy_checkpoint,
@@ -8,9 +8,9 @@ from storage.checkpoint import (
     read_checkpoint,
     save_model,
 )
-from storage.checkpointer import AsyncCheckpointer, SaveFailure
-from storage.fs import join, resolve
-from storage.reshard import (
+from ringflow.storage.checkpointer import AsyncCheckpointer, SaveFailure
+from ringflow.storage.fs import join, resolve
+from ringflow.storage.reshard import (
     REPLICATED,
     RankState,
     data_parallel_shards,
@@ -25,8 +25,8 @@ from storage.reshard import (
     stage_shard,
     training_state,
 )
-from storage.retry import CheckpointStorageError, RetryPolicy
-from storage.store import (
+from ringflow.storage.retry import CheckpointStorageError, RetryPolicy
+from ringflow.storage.store import (
     CheckpointCorruptError,
     CheckpointStore,
     CommittedCheckpoint,

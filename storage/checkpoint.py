@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from storage.fs import atomic_write, join, read_bytes, resolve, sha256
+from ringflow.storage.fs import atomic_write, join, read_bytes, resolve, sha256
 
 __all__ = [
     "CheckpointError",

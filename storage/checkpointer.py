@@ -23,8 +23,13 @@ from typing import Any
 
 import torch
 
-from storage.retry import CheckpointStorageError, RetryPolicy, call_with_retries, is_transient
-from storage.store import (
+from ringflow.storage.retry import (
+    CheckpointStorageError,
+    RetryPolicy,
+    call_with_retries,
+    is_transient,
+)
+from ringflow.storage.store import (
     CheckpointStore,
     CommittedCheckpoint,
     _check_name,

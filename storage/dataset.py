@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pv
 import pyarrow.parquet as pq
 
-from storage.fs import atomic_write, join, read_bytes, resolve, sha256
+from ringflow.storage.fs import atomic_write, join, read_bytes, resolve, sha256
 
 __all__ = [
     "Column",

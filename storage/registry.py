@@ -33,8 +33,8 @@ from typing import Any, Literal
 
 import fsspec
 
-from storage.checkpoint import read_checkpoint
-from storage.fs import join, publish, read_bytes, sha256
+from ringflow.storage.checkpoint import read_checkpoint
+from ringflow.storage.fs import join, publish, read_bytes, sha256
 
 __all__ = [
     "GateDecision",

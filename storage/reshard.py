@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from storage.checkpoint import CheckpointError
-from storage.store import CheckpointStore, CommittedCheckpoint
+from ringflow.storage.checkpoint import CheckpointError
+from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 __all__ = [
     "REPLICATED",

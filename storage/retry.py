@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from storage.checkpoint import CheckpointError
+from ringflow.storage.checkpoint import CheckpointError
 
 __all__ = ["CheckpointStorageError", "RetryPolicy", "call_with_retries", "is_transient"]
 

@@ -44,10 +44,17 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from storage.checkpoint import CheckpointError
-from storage.fs import absolute, join, publish, sha256
-from storage.retry import CheckpointStorageError, RetryPolicy, call_with_retries
-from storage.tensorfile import CHECKSUMS, TensorFileError, decode, encode, read_verified, write
+from ringflow.storage.checkpoint import CheckpointError
+from ringflow.storage.fs import absolute, join, publish, sha256
+from ringflow.storage.retry import CheckpointStorageError, RetryPolicy, call_with_retries
+from ringflow.storage.tensorfile import (
+    CHECKSUMS,
+    TensorFileError,
+    decode,
+    encode,
+    read_verified,
+    write,
+)
 
 __all__ = [
     "CheckpointCorruptError",

@@ -9,8 +9,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import INPUTS, RUN_ID, TASK_SOURCE
 from prefect.logging import get_run_logger
 
-from models.digits import SCHEMA
-from storage.dataset import preprocess as preprocess_table
+from ringflow.models.digits import SCHEMA
+from ringflow.storage.dataset import preprocess as preprocess_table
 
 
 @task(
@@ -52,8 +52,8 @@ def preprocess(data_url: str, storage_url: str, *, seed: int) -> dict:
 @task(name="demo-data", persist_result=True, result_serializer="json")
 def demo_data(storage_url: str) -> str:
     """Drop the bundled digits as a raw CSV under ``storage_url``, as a user's export would be."""
-    from models.digits import write_digits_csv
-    from storage.fs import exists, join
+    from ringflow.models.digits import write_digits_csv
+    from ringflow.storage.fs import exists, join
 
     url = join(storage_url, "raw", "digits.csv")
     if not exists(url):

@@ -3,9 +3,10 @@
 The Prefect tasks ``register`` and ``promote`` wrap :mod:`storage.registry`; the registry
 of a pipeline lives under ``{storage_url}/registry``. From a shell::
 
-    python -m tasks.registry show     --storage-url .ringflow/storage --model digits
-    python -m tasks.registry rollback --storage-url .ringflow/storage --model digits
-    python -m tasks.registry promote  --storage-url .ringflow/storage --model digits --version v0003
+    python -m ringflow.tasks.registry show     --storage-url .ringflow/storage --model digits
+    python -m ringflow.tasks.registry rollback --storage-url .ringflow/storage --model digits
+    python -m ringflow.tasks.registry promote  --storage-url .ringflow/storage --model digits \
+        --version v0003
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from prefect import task
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_logger, get_run_logger
 
-from storage.dataset import TableSchema
-from storage.fs import absolute, join
-from storage.registry import (
+from ringflow.storage.dataset import TableSchema
+from ringflow.storage.fs import absolute, join
+from ringflow.storage.registry import (
     ModelRegistry,
     RegistryError,
     dataset_fingerprint,
@@ -94,8 +95,8 @@ def promote(
 
 def _test_split_evaluator(registry: ModelRegistry, version: str):
     """``uri -> test metrics`` on the held-out test split of ``version``'s dataset."""
-    from engine import DataSpec
-    from engine import evaluate as evaluate_model
+    from ringflow.engine import DataSpec
+    from ringflow.engine import evaluate as evaluate_model
 
     dataset_url = registry.get(version).dataset_url
     if dataset_url is None:
@@ -114,7 +115,7 @@ def _logger():
 
 def _schema(model: str) -> TableSchema:
     if model == "digits":
-        from models.digits import SCHEMA
+        from ringflow.models.digits import SCHEMA
 
         return SCHEMA
     raise RegistryError(f"no dataset schema is known for model {model!r}; add it to _schema")
@@ -125,7 +126,7 @@ def _schema(model: str) -> TableSchema:
 
 def main(argv: list[str] | None = None) -> int:
     """``show``, ``rollback`` or ``promote`` a version by hand; prints the pointer as JSON."""
-    parser = argparse.ArgumentParser(prog="python -m tasks.registry", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ringflow.tasks.registry", description=__doc__)
     parser.add_argument("command", choices=("show", "rollback", "promote"))
     parser.add_argument("--storage-url", required=True, help="the pipeline's storage_url")
     parser.add_argument("--model", default="digits")

@@ -9,7 +9,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
-from storage import CommittedCheckpoint
+from ringflow.storage import CommittedCheckpoint
 
 __all__ = ["report_resume"]
 

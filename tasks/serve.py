@@ -13,11 +13,11 @@ import httpx
 from prefect import task
 from prefect.logging import get_run_logger
 
-from engine.cluster import connect
-from engine.serving import serve_model, serve_registry
-from models.digits import SCHEMA
-from storage.dataset import read_split
-from storage.fs import absolute, join
+from ringflow.engine.cluster import connect
+from ringflow.engine.serving import serve_model, serve_registry
+from ringflow.models.digits import SCHEMA
+from ringflow.storage.dataset import read_split
+from ringflow.storage.fs import absolute, join
 
 __all__ = ["serve", "serve_production"]
 

@@ -10,13 +10,13 @@ from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from engine import DataSpec, EpochMetrics, TrainConfig, fit
-from engine import evaluate as evaluate_model
-from engine.cluster import connect
-from engine.pipeline import PipelineConfig, fit_pipeline
-from models.digits import SCHEMA, DigitsClassifier
-from storage import join
-from tasks.report import epoch_table, loss_curve
+from ringflow.engine import DataSpec, EpochMetrics, TrainConfig, fit
+from ringflow.engine import evaluate as evaluate_model
+from ringflow.engine.cluster import connect
+from ringflow.engine.pipeline import PipelineConfig, fit_pipeline
+from ringflow.models.digits import SCHEMA, DigitsClassifier
+from ringflow.storage import join
+from ringflow.tasks.report import epoch_table, loss_curve
 
 
 @task(name="train")

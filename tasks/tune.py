@@ -7,11 +7,11 @@ from typing import Any
 from prefect import task
 from prefect.logging import get_run_logger
 
-from engine import DataSpec, TrainConfig
-from engine.cluster import connect
-from engine.tuning import TUNABLE_CONFIG, SearchConfig, search
-from models.digits import SCHEMA, DigitsClassifier
-from tasks.report import best_configuration, trial_curves, trial_table
+from ringflow.engine import DataSpec, TrainConfig
+from ringflow.engine.cluster import connect
+from ringflow.engine.tuning import TUNABLE_CONFIG, SearchConfig, search
+from ringflow.models.digits import SCHEMA, DigitsClassifier
+from ringflow.tasks.report import best_configuration, trial_curves, trial_table
 
 
 def default_space(base_hparams: dict[str, Any], batch_size: int) -> dict[str, Any]:

@@ -21,9 +21,9 @@ for _key, _value in {
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory):
     """The bundled digits, preprocessed once per session, as the engine takes them."""
-    from engine import DataSpec
-    from models.digits import SCHEMA, write_digits_csv
-    from storage.dataset import preprocess
+    from ringflow.engine import DataSpec
+    from ringflow.models.digits import SCHEMA, write_digits_csv
+    from ringflow.storage.dataset import preprocess
 
     root = str(tmp_path_factory.mktemp("digits"))
     write_digits_csv(f"{root}/raw/digits.csv")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.collective import Collective, CollectiveWork, GradientBuckets
-from engine.collective.base import CompletedWork
+from ringflow.engine.collective import Collective, CollectiveWork, GradientBuckets
+from ringflow.engine.collective.base import CompletedWork
 
 
 class _RecordingCollective(Collective):

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from models.digits import SCHEMA, write_digits_csv
-from storage.dataset import (
+from ringflow.models.digits import SCHEMA, write_digits_csv
+from ringflow.storage.dataset import (
     Column,
     DataError,
     SchemaError,
@@ -23,7 +23,7 @@ from storage.dataset import (
     preprocess,
     read_split,
 )
-from storage.fs import join, read_bytes
+from ringflow.storage.fs import join, read_bytes
 
 SPLITS = ("train", "validation", "test")
 DIGITS_ROWS = 1_797

@@ -19,7 +19,7 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from models.digits import write_digits_csv
+from ringflow.models.digits import write_digits_csv
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_cli_runs_the_flow_with_no_server(tmp_path):
         [
             sys.executable,
             "-m",
-            "flows.train_pipeline",
+            "ringflow.flows.train_pipeline",
             "--workers",
             "2",
             "--tune-trials",
@@ -115,15 +115,15 @@ def test_cli_runs_the_flow_with_no_server(tmp_path):
 
 def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
     """The whole process tree of a run is killed mid-training, as on a preempted machine."""
-    from engine import DataSpec, TrainConfig, fit
-    from models.digits import SCHEMA, DigitsClassifier
-    from storage import CheckpointStore, load_model
+    from ringflow.engine import DataSpec, TrainConfig, fit
+    from ringflow.models.digits import SCHEMA, DigitsClassifier
+    from ringflow.storage import CheckpointStore, load_model
 
     storage = tmp_path / "storage"
     args = [
         sys.executable,
         "-m",
-        "flows.train_pipeline",
+        "ringflow.flows.train_pipeline",
         "--workers=1",
         "--tune-trials=0",
         "--no-serve",
@@ -176,7 +176,7 @@ def test_cli_trains_in_pipeline_stages_and_resumes_under_its_run_key(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "flows.train_pipeline",
+                "ringflow.flows.train_pipeline",
                 "--workers=1",
                 "--pipeline-stages=2",
                 "--micro-batches=4",
@@ -212,7 +212,7 @@ def test_missing_data_url_fails_the_run_naming_it(tmp_path):
         [
             sys.executable,
             "-m",
-            "flows.train_pipeline",
+            "ringflow.flows.train_pipeline",
             "--data-url",
             str(missing),
             "--storage-url",

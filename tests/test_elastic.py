@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from engine import EngineError, TrainConfig, fit
-from engine.elastic.coordinator import (
+from ringflow.engine import EngineError, TrainConfig, fit
+from ringflow.engine.elastic.coordinator import (
     Continue,
     Coordinator,
     FailurePolicy,
@@ -19,7 +19,7 @@ from engine.elastic.coordinator import (
     Phase,
     WaitForWorkers,
 )
-from models.digits import DigitsClassifier
+from ringflow.models.digits import DigitsClassifier
 from tests.conftest import relative_difference
 
 # ---------------------------------------------------------------------------- coordinator

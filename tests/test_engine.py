@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineError, TrainConfig, evaluate, fit
-from engine.collective import available_collectives, create_collective
-from engine.worker import split_global_batch
-from models.digits import DigitsClassifier
+from ringflow.engine import EngineError, TrainConfig, evaluate, fit
+from ringflow.engine.collective import available_collectives, create_collective
+from ringflow.engine.worker import split_global_batch
+from ringflow.models.digits import DigitsClassifier
 from tests.conftest import relative_difference
 
 

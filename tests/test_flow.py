@@ -9,7 +9,7 @@ import pytest
 from prefect.exceptions import ParameterTypeError, SignatureMismatchError
 from prefect.utilities.callables import parameter_schema
 
-from flows.train_pipeline import train_pipeline
+from ringflow.flows.train_pipeline import train_pipeline
 
 PARAMETERS = [
     "data_url",
@@ -46,7 +46,7 @@ PARAMETERS = [
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "flows.train_pipeline", *args],
+        [sys.executable, "-m", "ringflow.flows.train_pipeline", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -13,10 +13,10 @@ import textwrap
 import pytest
 import torch
 
-from engine import EngineError, TrainConfig, fit
-from engine.group import RayWorkerGroup, _worker_bundle
-from engine.worker import worker_device
-from models.digits import DigitsClassifier
+from ringflow.engine import EngineError, TrainConfig, fit
+from ringflow.engine.group import RayWorkerGroup, _worker_bundle
+from ringflow.engine.worker import worker_device
+from ringflow.models.digits import DigitsClassifier
 from tests.conftest import relative_difference
 
 HPARAMS = {"hidden": 32, "lr": 0.01}
@@ -62,7 +62,7 @@ def test_gpus_are_reserved_only_when_asked_for():
 
 
 def test_in_process_pipeline_stages_refuse_gpus_before_any_worker_starts(digits, tmp_path):
-    from engine.pipeline import PipelineConfig, fit_pipeline
+    from ringflow.engine.pipeline import PipelineConfig, fit_pipeline
     from tests.test_pipeline_ray import DigitsPipe
 
     with pytest.raises(ValueError, match="in_process runs the stages as threads on CPU"):
@@ -110,7 +110,7 @@ def test_more_gpus_than_the_cluster_has_are_refused_before_any_worker_starts(
 def test_pipeline_stages_on_more_gpus_than_the_cluster_has_are_refused_before_placing(
     ray_session, digits, tmp_path
 ):
-    from engine.pipeline import PipelineConfig, fit_pipeline
+    from ringflow.engine.pipeline import PipelineConfig, fit_pipeline
     from tests.test_pipeline_ray import DigitsPipe
 
     gpus = int(ray_session.cluster_resources().get("GPU", 0))
@@ -152,8 +152,8 @@ _CLAIMS_GPUS = textwrap.dedent(
 
     import ray
 
-    from engine import DataSpec, EngineError, TrainConfig, fit
-    from models.digits import SCHEMA, DigitsClassifier
+    from ringflow.engine import DataSpec, EngineError, TrainConfig, fit
+    from ringflow.models.digits import SCHEMA, DigitsClassifier
 
     ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False,
              log_to_driver=False)
@@ -311,7 +311,7 @@ def test_pipeline_stages_train_on_a_gpu_each_as_on_cpu(digits, tmp_path, stages,
     """Two stages on two GPUs (activations over NCCL), or two one-stage replicas (gradients
     through the ring over an NCCL group of the run's world), end where the CPU does; a run
     resumed from its GPU checkpoint ends where the uninterrupted one does."""
-    from engine.pipeline import PipelineConfig, fit_pipeline
+    from ringflow.engine.pipeline import PipelineConfig, fit_pipeline
     from tests.test_pipeline_ray import DigitsPipe
 
     def run(name: str, *, gpus: int, epochs: int, store: str | None = None) -> dict:

@@ -19,12 +19,12 @@ import time
 import httpx
 import pytest
 
-from engine import DataSpec
-from engine import evaluate as evaluate_model
-from engine.serving import serve_registry, shutdown_serving
-from storage.fs import join
-from storage.registry import ModelRegistry
-from tasks import registry as registry_tasks
+from ringflow.engine import DataSpec
+from ringflow.engine import evaluate as evaluate_model
+from ringflow.engine.serving import serve_registry, shutdown_serving
+from ringflow.storage.fs import join
+from ringflow.storage.registry import ModelRegistry
+from ringflow.tasks import registry as registry_tasks
 from tests.conftest import free_port
 from tests.test_registry import _corrupt_training_labels, _train
 
@@ -192,7 +192,14 @@ def test_damaged_version_in_production_is_skipped_by_the_replica(http, storage, 
 
 @pytest.mark.ray
 def test_rollback_command_swaps_back(http, storage):
-    command = [sys.executable, "-m", "tasks.registry", "rollback", "--storage-url", storage]
+    command = [
+        sys.executable,
+        "-m",
+        "ringflow.tasks.registry",
+        "rollback",
+        "--storage-url",
+        storage,
+    ]
     for expected in ("v0002", "v0001"):
         done = subprocess.run(
             command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False

@@ -27,8 +27,8 @@ DRIVER = textwrap.dedent(
     import json, os, sys, time
     import ray
     from safetensors.torch import save_file
-    from engine import DataSpec, TrainConfig, fit
-    from models.digits import SCHEMA, DigitsClassifier
+    from ringflow.engine import DataSpec, TrainConfig, fit
+    from ringflow.models.digits import SCHEMA, DigitsClassifier
 
     dataset, out = sys.argv[1:3]
     ray.init(log_to_driver=False)
@@ -64,8 +64,8 @@ def _cluster(env: dict, *args: str) -> None:
 def test_a_lost_node_is_survived_and_its_worker_grows_back(digits, tmp_path):
     from safetensors.torch import load_file
 
-    from engine import TrainConfig, fit
-    from models.digits import DigitsClassifier
+    from ringflow.engine import TrainConfig, fit
+    from ringflow.models.digits import DigitsClassifier
 
     port = free_port(20)
     env = {

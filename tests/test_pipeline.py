@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from engine import CollectiveTimeoutError, TrainConfig
-from engine.pipeline import (
+from ringflow.engine import CollectiveTimeoutError, TrainConfig
+from ringflow.engine.pipeline import (
     Action,
     MicroBatches,
     PipelineConfig,
@@ -28,8 +28,8 @@ from engine.pipeline import (
     run_schedule,
     stage_actions,
 )
-from storage.reshard import load_pipeline_stage, load_training_state, pipeline_shards
-from storage.store import CheckpointStore
+from ringflow.storage.reshard import load_pipeline_stage, load_training_state, pipeline_shards
+from ringflow.storage.store import CheckpointStore
 from tests.conftest import free_port, relative_difference
 
 FEATURES, CLASSES = 8, 3
@@ -415,14 +415,14 @@ def test_stage_checkpoints_load_bitwise_into_other_stage_counts(tmp_path):
 
 
 def training_state_of(module, optimizer):
-    from storage.reshard import training_state
+    from ringflow.storage.reshard import training_state
 
     tensors, metadata = training_state(module, optimizer)
     return {k: v.clone() for k, v in tensors.items()}, metadata
 
 
 def merge(metadatas):
-    from storage.reshard import merge_optimizer_metadata
+    from ringflow.storage.reshard import merge_optimizer_metadata
 
     return merge_optimizer_metadata(metadatas)
 

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from engine import DataSpec, TrainConfig, evaluate
-from engine.pipeline import PipelineConfig, fit_pipeline, model_layers
-from models.charlm import CharLM, charlm_schema, stdlib_text, write_charlm_parquet
-from storage.dataset import preprocess, read_split
+from ringflow.engine import DataSpec, TrainConfig, evaluate
+from ringflow.engine.pipeline import PipelineConfig, fit_pipeline, model_layers
+from ringflow.models.charlm import CharLM, charlm_schema, stdlib_text, write_charlm_parquet
+from ringflow.storage.dataset import preprocess, read_split
 
 CONTEXT = 16
 

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine import TrainConfig, WorkerFailedError
-from engine.pipeline import PipelineConfig, TensorData, fit_pipeline
-from storage.checkpoint import load_model
-from storage.dataset import read_split
+from ringflow.engine import TrainConfig, WorkerFailedError
+from ringflow.engine.pipeline import PipelineConfig, TensorData, fit_pipeline
+from ringflow.storage.checkpoint import load_model
+from ringflow.storage.dataset import read_split
 from tests import test_pipeline
 from tests.conftest import relative_difference
 from tests.test_pipeline import ToyNet, toy_data

@@ -136,7 +136,7 @@ def stack(tmp_path_factory):
 
 
 def _wait_for_first_checkpoint(stack: Stack, run_id: str) -> None:
-    from storage import CheckpointStore
+    from ringflow.storage import CheckpointStore
 
     store = CheckpointStore(str(stack.storage / "checkpoints"))
     deadline = time.monotonic() + 180
@@ -217,9 +217,9 @@ def _summary(stack: Stack, run_id: str) -> dict[str, str]:
 
 
 def _assert_resumed_bit_for_bit(stack: Stack, run_id: str, tmp_path: Path) -> dict[str, str]:
-    from engine import DataSpec, TrainConfig, fit
-    from models.digits import SCHEMA, DigitsClassifier
-    from storage import load_model
+    from ringflow.engine import DataSpec, TrainConfig, fit
+    from ringflow.models.digits import SCHEMA, DigitsClassifier
+    from ringflow.storage import load_model
 
     summary = _summary(stack, run_id)
     assert summary["run_key"] == run_id
@@ -316,7 +316,7 @@ def test_the_reschedule_automation_stops_after_max_restarts():
 
 
 def test_the_flow_refuses_a_start_beyond_max_restarts(monkeypatch, tmp_path):
-    import flows.train_pipeline as pipeline
+    import ringflow.flows.train_pipeline as pipeline
 
     monkeypatch.setattr(pipeline.flow_run, "get_run_count", lambda: 4)
     refused = pipeline.train_pipeline.fn(storage_url=str(tmp_path), max_restarts=2)

@@ -17,18 +17,18 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from engine import DataSpec, TrainConfig, fit
-from models.digits import DigitsClassifier
-from storage.checkpoint import load_model, save_model
-from storage.fs import sha256
-from storage.registry import (
+from ringflow.engine import DataSpec, TrainConfig, fit
+from ringflow.models.digits import DigitsClassifier
+from ringflow.storage.checkpoint import load_model, save_model
+from ringflow.storage.fs import sha256
+from ringflow.storage.registry import (
     ModelRegistry,
     RegistryError,
     dataset_fingerprint,
     production_checkpoint,
     promote_if_better,
 )
-from tasks import registry as registry_tasks
+from ringflow.tasks import registry as registry_tasks
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +346,7 @@ def _train(data: DataSpec, uri: str, *, epochs: int = 6, hidden: int = 32) -> st
 
 
 def test_retrain_on_shuffled_labels_is_refused(digits, tmp_path):
-    from engine import evaluate
+    from ringflow.engine import evaluate
 
     storage = str(tmp_path / "storage")
     good = _train(digits, str(tmp_path / "good"))

@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from engine import TrainConfig, fit
-from models.digits import DigitsClassifier
-from storage import CheckpointStorageError, CheckpointStore
+from ringflow.engine import TrainConfig, fit
+from ringflow.models.digits import DigitsClassifier
+from ringflow.storage import CheckpointStorageError, CheckpointStore
 from tests.conftest import relative_difference
 
 HPARAMS = {"hidden": 64, "lr": 0.01}
@@ -44,8 +44,8 @@ def _assert_same_run(resumed, reference):
 _CHILD = textwrap.dedent(
     """
     import sys
-    from engine import DataSpec, TrainConfig, fit
-    from models.digits import SCHEMA, DigitsClassifier
+    from ringflow.engine import DataSpec, TrainConfig, fit
+    from ringflow.models.digits import SCHEMA, DigitsClassifier
 
     dataset, store, out = sys.argv[1:4]
     fit(

@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+from ringflow.engine.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
 from tests.conftest import free_port
 
 POOL_SIZE = 5
@@ -87,7 +87,7 @@ def pool():
 def _context():
     """Fork rank processes from a server that imported torch once: each starts in a moment."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed", "engine.collective"])
+    ctx.set_forkserver_preload(["torch.distributed", "ringflow.engine.collective"])
     return ctx
 
 
@@ -124,7 +124,7 @@ def _ping(state) -> str:
 def _make_ring(state, *, world_size: int, transport: str, compression: str, tag: str):
     import torch.distributed as dist
 
-    from engine.collective import RingCollective
+    from ringflow.engine.collective import RingCollective
 
     if state["ring"] is not None:
         state["ring"].close()
@@ -289,7 +289,7 @@ def test_ranks_without_gpu_shared_memory_all_refuse_it_and_none_waits():
 
     import torch.distributed as dist
 
-    from engine.collective._symm import symm_unusable
+    from ringflow.engine.collective._symm import symm_unusable
 
     port = free_port()
     timeout = dt.timedelta(seconds=20)

@@ -25,14 +25,14 @@ SLACK_S = 1.0  # scheduling on a loaded 2-core machine
 def _context():
     """Fork rank processes from a server that imported torch once: each starts in a moment."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed", "engine.collective"])
+    ctx.set_forkserver_preload(["torch.distributed", "ringflow.engine.collective"])
     return ctx
 
 
 def _rank_main(rank: int, port: int, transport: str, queue) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    from engine.collective import PeerLostError, RingCollective
+    from ringflow.engine.collective import PeerLostError, RingCollective
 
     ring = RingCollective(
         rank=rank,

@@ -45,7 +45,7 @@ def _spawn(target, *args, reports: int = WORLD, timeout_s: float = 240) -> list:
 def _setup(rank: int, port: int, transport: str):
     import torch.distributed as dist
 
-    from engine.collective import RingCollective
+    from ringflow.engine.collective import RingCollective
 
     torch.cuda.set_device(rank)
     store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0, timeout=dt.timedelta(seconds=60))
@@ -162,7 +162,7 @@ def test_gpu_ring_matches_nccl_all_reduce(transport: str):
 def _failure_main(rank: int, port: int, transport: str, queue) -> None:
     import faulthandler
 
-    from engine.collective import PeerLostError, RingCollective
+    from ringflow.engine.collective import PeerLostError, RingCollective
 
     folder = os.environ.get("RINGFLOW_TRACE_DIR", "/tmp")
     trace = open(os.path.join(folder, f"rank{rank}.txt"), "w")  # noqa: SIM115 - process-long
@@ -210,7 +210,7 @@ def test_gpu_survivor_raises_within_the_deadline(transport: str):
 
 
 def _stall_main(rank: int, port: int, queue) -> None:
-    from engine.collective import PeerLostError, RingCollective
+    from ringflow.engine.collective import PeerLostError, RingCollective
 
     torch.cuda.set_device(rank)
     ring = RingCollective(

@@ -14,13 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.collective._schedule import (
+from ringflow.engine.collective._schedule import (
     Schedule,
     all_gather_schedule,
     allreduce_schedule,
     broadcast_schedule,
 )
-from engine.collective._transport import land
+from ringflow.engine.collective._transport import land
 
 
 def _simulate(schedules: list[Schedule], *, capacity: int, finish=None) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import TrainConfig, fit
-from models.digits import DigitsClassifier
+from ringflow.engine import TrainConfig, fit
+from ringflow.models.digits import DigitsClassifier
 from tests.conftest import relative_difference
 
 

@@ -20,9 +20,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.serving import ServingError, serve_model, shutdown_serving
-from models.digits import DigitsClassifier
-from storage.checkpoint import CheckpointError, save_model
+from ringflow.engine.serving import ServingError, serve_model, shutdown_serving
+from ringflow.models.digits import DigitsClassifier
+from ringflow.storage.checkpoint import CheckpointError, save_model
 from tests.conftest import free_port
 
 APP = "ringflow-test"
@@ -118,7 +118,7 @@ def test_predict_single_matches_local_forward(http, model):
         assert len(body["probabilities"]) == 10
         assert math.isclose(sum(body["probabilities"]), 1.0, rel_tol=1e-5)
         assert body["model"]["uri"] == uri
-        assert body["model"]["module"] == "models.digits:DigitsClassifier"
+        assert body["model"]["module"] == "ringflow.models.digits:DigitsClassifier"
 
 
 @pytest.mark.ray
@@ -161,7 +161,7 @@ def test_model_describes_checkpoint(http, model):
     _, uri = model
     info = http.get("/model").json()
     assert info["uri"] == uri
-    assert info["module"] == "models.digits:DigitsClassifier"
+    assert info["module"] == "ringflow.models.digits:DigitsClassifier"
     assert info["hparams"] == {"hidden": 16, "lr": 0.01}
     assert info["metrics"] == {"val_accuracy": 0.125}
     assert info["meta"] == {"step": 7}

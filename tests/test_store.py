@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from storage import (
+from ringflow.storage import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointStorageError,
@@ -32,7 +32,7 @@ from storage import (
     RetentionPolicy,
     RetryPolicy,
 )
-from storage.tensorfile import TensorFileError, decode, encode
+from ringflow.storage.tensorfile import TensorFileError, decode, encode
 from tests.moto_s3 import Faults, S3Endpoint, s3_endpoint
 
 RUN = "run-1"
@@ -260,7 +260,7 @@ def test_a_damaged_checkpoint_is_skipped_with_a_warning(
     bad = manifest if damage in ("delete_manifest", "edit_manifest") else shard
     bad_name = bad.rsplit("/", 1)[-1]
 
-    with caplog.at_level(logging.WARNING, logger="storage.store"):
+    with caplog.at_level(logging.WARNING, logger="ringflow.storage.store"):
         loaded = store.load_latest(RUN)
     assert loaded is not None
     assert loaded.step == 1
@@ -347,7 +347,7 @@ def test_retention_keeps_the_last_and_the_best(backend: Backend) -> None:
 
 
 def test_retention_policy_decides_without_storage() -> None:
-    from storage import CommittedCheckpoint
+    from ringflow.storage import CommittedCheckpoint
 
     def checkpoint(step: int, accuracy: float | None) -> CommittedCheckpoint:
         metrics = {} if accuracy is None else {"acc": accuracy}

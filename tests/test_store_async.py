@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-import storage.checkpointer
-from storage import (
+import ringflow.storage.checkpointer as checkpointer_module
+from ringflow.storage import (
     AsyncCheckpointer,
     CheckpointStorageError,
     CheckpointStore,
@@ -97,9 +97,9 @@ def test_a_newer_save_replaces_the_waiting_one(
     s3: S3Endpoint, faults: Faults, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     allocated = []
-    original = storage.checkpointer._host_buffer
+    original = checkpointer_module._host_buffer
     monkeypatch.setattr(
-        storage.checkpointer, "_host_buffer", lambda t: allocated.append(t) or original(t)
+        checkpointer_module, "_host_buffer", lambda t: allocated.append(t) or original(t)
     )
     store = s3_store(s3)
     faults.methods, faults.slow_rate, faults.slow_s = frozenset({"PUT"}), 1.0, 0.3
@@ -149,7 +149,7 @@ def test_an_overlapped_save_copies_while_training_goes_on(
     store = CheckpointStore(str(tmp_path))
     model = torch.nn.Linear(8, 4)
     optimizer, train_step = _trained_once(model)
-    copy = storage.checkpointer._StagingBuffers.copy
+    copy = checkpointer_module._StagingBuffers.copy
     release, copied = threading.Event(), threading.Event()
 
     def held_copy(*args: Any, **kwargs: Any) -> Any:
@@ -158,7 +158,7 @@ def test_an_overlapped_save_copies_while_training_goes_on(
         copied.set()
         return result
 
-    monkeypatch.setattr(storage.checkpointer._StagingBuffers, "copy", held_copy)
+    monkeypatch.setattr(checkpointer_module._StagingBuffers, "copy", held_copy)
     tensors, optimizer_metadata = training_state(model, optimizer)
     expected = {name: tensor.clone() for name, tensor in tensors.items()}
     with AsyncCheckpointer(store) as saver:
@@ -245,7 +245,7 @@ def test_a_failed_save_is_reported_and_never_becomes_latest(
         saver.save(RUN, step=1, shards=shards(1))
         assert saver.wait(timeout=30)
         faults.methods, faults.error_rate = frozenset({"PUT"}), 1.0
-        with caplog.at_level(logging.ERROR, logger="storage.checkpointer"):
+        with caplog.at_level(logging.ERROR, logger="ringflow.storage.checkpointer"):
             saver.save(RUN, step=2, shards=shards(2))
             assert saver.wait(timeout=60)
         assert saver.last_error is not None

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from models.digits import DigitsClassifier
-from storage import (
+from ringflow.models.digits import DigitsClassifier
+from ringflow.storage import (
     CheckpointError,
     CheckpointStore,
     data_parallel_shards,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import TrainConfig
-from engine.tuning import SearchConfig, parse_space, search
-from models.digits import DigitsClassifier
+from ringflow.engine import TrainConfig
+from ringflow.engine.tuning import SearchConfig, parse_space, search
+from ringflow.models.digits import DigitsClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"lr": 0.01, "hidden": 16}
@@ -81,7 +81,7 @@ def test_search_config_names_the_bad_field(field, value, message):
 
 
 def test_evolution_starts_from_the_base_is_seeded_and_climbs_from_the_best():
-    from engine.tuning import _Evolution
+    from ringflow.engine.tuning import _Evolution
 
     def run(seed):
         evo = _Evolution(parse_space(SPACE), BASE, metric="acc", mode="max", seed=seed, initial=2)
@@ -104,7 +104,7 @@ def test_the_scheduler_replays_the_results_of_restored_trials():
     """Tune does not save its scheduler: a restored search hands ASHA every result again."""
     from types import SimpleNamespace
 
-    from engine.tuning import _resumable_asha
+    from ringflow.engine.tuning import _resumable_asha
 
     cfg = SearchConfig(epochs=4)
     seen = {"a": [(1, 0.9), (2, 0.95)], "b": [(1, 0.8)]}
@@ -124,7 +124,7 @@ def test_the_scheduler_replays_the_results_of_restored_trials():
 def test_the_base_trial_is_never_stopped_early():
     from types import SimpleNamespace
 
-    from engine.tuning import _resumable_asha
+    from ringflow.engine.tuning import _resumable_asha
 
     asha = _resumable_asha(SearchConfig(epochs=4), {"a": [(1, 0.9)]}, base=BASE)
     base, other = SimpleNamespace(trial_id="b", config=BASE), SimpleNamespace(trial_id="c")
@@ -142,7 +142,7 @@ def test_the_base_trial_is_never_stopped_early():
 def test_a_search_keeps_the_base_trial_and_returns_the_best_checkpoint(
     ray_session, digits, tmp_path
 ):
-    from storage import load_model
+    from ringflow.storage import load_model
 
     result = _search(digits, tmp_path, trials=3, epochs=2, algorithm="evolution")
     assert len(result.trials) == 3
@@ -162,9 +162,9 @@ def test_a_search_keeps_the_base_trial_and_returns_the_best_checkpoint(
 _SCRIPT = """
 import json, sys
 import ray
-from engine import DataSpec, TrainConfig
-from engine.tuning import SearchConfig, search
-from models.digits import SCHEMA, DigitsClassifier
+from ringflow.engine import DataSpec, TrainConfig
+from ringflow.engine.tuning import SearchConfig, search
+from ringflow.models.digits import SCHEMA, DigitsClassifier
 
 dataset_url, storage_url = sys.argv[1:3]
 ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -5,7 +5,7 @@ ranks on one host, gloo or NCCL otherwise), with deadlines on every collective.
 ``GradientBuckets`` fuses gradients into buckets reduced while backward still runs.
 """
 
-from engine.collective.base import (
+from ringflow.engine.collective.base import (
     COMPRESSIONS,
     Collective,
     CollectiveWork,
@@ -14,10 +14,10 @@ from engine.collective.base import (
     create_collective,
     register_collective,
 )
-from engine.collective.buckets import GradientBuckets
-from engine.collective.native import NativeCollective
-from engine.collective.ring import TRANSPORTS, RingCollective
-from engine.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+from ringflow.engine.collective.buckets import GradientBuckets
+from ringflow.engine.collective.native import NativeCollective
+from ringflow.engine.collective.ring import TRANSPORTS, RingCollective
+from ringflow.engine.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
 
 __all__ = [
     "COMPRESSIONS",

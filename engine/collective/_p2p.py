@@ -28,8 +28,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from engine.collective._schedule import Hop, Schedule
-from engine.collective._transport import (
+from ringflow.engine.collective._schedule import Hop, Schedule
+from ringflow.engine.collective._transport import (
     Completion,
     Deadline,
     Finisher,
@@ -38,7 +38,7 @@ from engine.collective._transport import (
     keep_wire_rounding,
     land,
 )
-from engine.errors import CollectiveTimeoutError, PeerLostError
+from ringflow.engine.errors import CollectiveTimeoutError, PeerLostError
 
 __all__ = ["GlooTransport", "NcclTransport"]
 

@@ -32,8 +32,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from engine.collective._schedule import Hop
-from engine.collective._transport import (
+from ringflow.engine.collective._schedule import Hop
+from ringflow.engine.collective._transport import (
     Deadline,
     Finisher,
     Plan,
@@ -41,7 +41,7 @@ from engine.collective._transport import (
     keep_wire_rounding,
     land,
 )
-from engine.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+from ringflow.engine.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
 
 __all__ = ["ShmTransport", "shm_available"]
 

@@ -50,9 +50,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.collective._p2p import NcclTransport
-from engine.collective._schedule import Hop, Schedule
-from engine.collective._transport import Finisher, Plan, keep_wire_rounding, land
+from ringflow.engine.collective._p2p import NcclTransport
+from ringflow.engine.collective._schedule import Hop, Schedule
+from ringflow.engine.collective._transport import Finisher, Plan, keep_wire_rounding, land
 
 __all__ = ["SymmTransport", "symm_available", "symm_unusable"]
 
@@ -274,7 +274,7 @@ def symm_unusable(store: dist.Store, *, rank: int, world_size: int) -> str | Non
     every rank on this host, each able to use symmetric memory, each on a GPU index of its own
     (processes that each see their one GPU as ``cuda:0`` cannot map each other's).
     """
-    from engine.collective._rendezvous import same_host
+    from ringflow.engine.collective._rendezvous import same_host
 
     local = same_host(store, rank=rank, world_size=world_size)
     mine = str(torch.cuda.current_device()) if symm_available() else "-"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.collective._schedule import Hop, Schedule
+from ringflow.engine.collective._schedule import Hop, Schedule
 
 __all__ = [
     "Completion",

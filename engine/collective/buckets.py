@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.collective.base import Collective, CollectiveWork
+from ringflow.engine.collective.base import Collective, CollectiveWork
 
 __all__ = ["GradientBuckets"]
 

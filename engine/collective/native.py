@@ -7,7 +7,7 @@ import datetime as dt
 import torch
 import torch.distributed as dist
 
-from engine.collective.base import (
+from ringflow.engine.collective.base import (
     Collective,
     CollectiveWork,
     CompletedWork,
@@ -16,7 +16,7 @@ from engine.collective.base import (
     register_collective,
     wire_dtype,
 )
-from engine.errors import PeerLostError
+from ringflow.engine.errors import PeerLostError
 
 __all__ = ["NativeCollective"]
 

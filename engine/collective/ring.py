@@ -21,17 +21,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.collective._p2p import GlooTransport, NcclTransport
-from engine.collective._rendezvous import open_store, same_host
-from engine.collective._schedule import (
+from ringflow.engine.collective._p2p import GlooTransport, NcclTransport
+from ringflow.engine.collective._rendezvous import open_store, same_host
+from ringflow.engine.collective._schedule import (
     all_gather_schedule,
     allreduce_schedule,
     broadcast_schedule,
 )
-from engine.collective._shm import ShmTransport, shm_available
-from engine.collective._symm import SymmTransport, symm_unusable
-from engine.collective._transport import Completion, Deadline, Finisher, Plan, Transport
-from engine.collective.base import (
+from ringflow.engine.collective._shm import ShmTransport, shm_available
+from ringflow.engine.collective._symm import SymmTransport, symm_unusable
+from ringflow.engine.collective._transport import Completion, Deadline, Finisher, Plan, Transport
+from ringflow.engine.collective.base import (
     Collective,
     CollectiveWork,
     CompletedWork,
@@ -40,7 +40,7 @@ from engine.collective.base import (
     register_collective,
     wire_dtype,
 )
-from engine.errors import CollectiveError, CollectiveTimeoutError
+from ringflow.engine.errors import CollectiveError, CollectiveTimeoutError
 
 __all__ = ["TRANSPORTS", "RingCollective"]
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from engine.errors import EngineError
+from ringflow.engine.errors import EngineError
 
 __all__ = [
     "Continue",

@@ -7,26 +7,26 @@ and backwards), ``stage`` (one stage's compute), ``p2p`` (transfers with deadlin
 ``execute`` (a stage through a schedule), ``worker`` + ``fit`` (training runs).
 """
 
-from engine.pipeline.config import BALANCES, PipelineConfig
-from engine.pipeline.execute import MicroBatches, StepTiming, run_forward, run_schedule
-from engine.pipeline.fit import check_pipeline, fit_pipeline
-from engine.pipeline.p2p import StageLink
-from engine.pipeline.partition import (
+from ringflow.engine.pipeline.config import BALANCES, PipelineConfig
+from ringflow.engine.pipeline.execute import MicroBatches, StepTiming, run_forward, run_schedule
+from ringflow.engine.pipeline.fit import check_pipeline, fit_pipeline
+from ringflow.engine.pipeline.p2p import StageLink
+from ringflow.engine.pipeline.partition import (
     Partition,
     balanced_bounds,
     model_layers,
     partition_model,
     trim_to_stage,
 )
-from engine.pipeline.schedule import (
+from ringflow.engine.pipeline.schedule import (
     Action,
     available_schedules,
     max_in_flight,
     register_schedule,
     stage_actions,
 )
-from engine.pipeline.stage import PipelineStage
-from engine.pipeline.worker import PipelineWorker, TensorData
+from ringflow.engine.pipeline.stage import PipelineStage
+from ringflow.engine.pipeline.worker import PipelineWorker, TensorData
 
 __all__ = [
     "BALANCES",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.pipeline.schedule import available_schedules
+from ringflow.engine.pipeline.schedule import available_schedules
 
 __all__ = ["BALANCES", "PipelineConfig"]
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.pipeline.p2p import BACKWARD, FORWARD, PendingReceive, StageLink
-from engine.pipeline.schedule import Action
-from engine.pipeline.stage import PipelineStage
+from ringflow.engine.pipeline.p2p import BACKWARD, FORWARD, PendingReceive, StageLink
+from ringflow.engine.pipeline.schedule import Action
+from ringflow.engine.pipeline.stage import PipelineStage
 
 __all__ = ["MicroBatches", "StepTiming", "run_forward", "run_schedule"]
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from engine.config import DataSpec, TrainConfig
-from engine.errors import EngineError, PeerLostError, WorkerFailedError
-from engine.group import _check_capacity, _describe, _worker_bundle
-from engine.pipeline.config import PipelineConfig
-from engine.pipeline.partition import Partition, model_layers, partition_model
-from engine.pipeline.worker import PipelineWorker, TensorData, pipeline_batch, read_tensors
-from engine.trainer import (
+from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.errors import EngineError, PeerLostError, WorkerFailedError
+from ringflow.engine.group import _check_capacity, _describe, _worker_bundle
+from ringflow.engine.pipeline.config import PipelineConfig
+from ringflow.engine.pipeline.partition import Partition, model_layers, partition_model
+from ringflow.engine.pipeline.worker import PipelineWorker, TensorData, pipeline_batch, read_tensors
+from ringflow.engine.trainer import (
     EpochCallback,
     EpochMetrics,
     FitResult,
@@ -28,10 +28,10 @@ from engine.trainer import (
     resumed_events,
     run_meta,
 )
-from engine.worker import NOSET_VISIBLE_DEVICES
-from storage.checkpoint import save_model
-from storage.reshard import merge_optimizer_metadata, pipeline_shards
-from storage.store import CheckpointStore, CommittedCheckpoint
+from ringflow.engine.worker import NOSET_VISIBLE_DEVICES
+from ringflow.storage.checkpoint import save_model
+from ringflow.storage.reshard import merge_optimizer_metadata, pipeline_shards
+from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 __all__ = ["check_pipeline", "fit_pipeline"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.errors import CollectiveTimeoutError, PeerLostError
+from ringflow.engine.errors import CollectiveTimeoutError, PeerLostError
 
 __all__ = ["PendingReceive", "StageLink"]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.pipeline.config import PipelineConfig
+from ringflow.engine.pipeline.config import PipelineConfig
 
 __all__ = [
     "Partition",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.pipeline.partition import Partition, model_layers, trim_to_stage
+from ringflow.engine.pipeline.partition import Partition, model_layers, trim_to_stage
 
 __all__ = ["LossFn", "PipelineStage"]
 

@@ -16,18 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.collective import Collective, create_collective
-from engine.config import DataSpec, TrainConfig
-from engine.pipeline.config import PipelineConfig
-from engine.pipeline.execute import MicroBatches, run_forward, run_schedule
-from engine.pipeline.p2p import StageLink
-from engine.pipeline.partition import Partition
-from engine.pipeline.schedule import stage_actions
-from engine.pipeline.stage import PipelineStage
-from engine.worker import _single_optimizer, split_global_batch, worker_device
-from storage.dataset import read_split
-from storage.reshard import load_pipeline_stage, load_training_state, training_state
-from storage.store import CheckpointStore, CommittedCheckpoint
+from ringflow.engine.collective import Collective, create_collective
+from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.pipeline.config import PipelineConfig
+from ringflow.engine.pipeline.execute import MicroBatches, run_forward, run_schedule
+from ringflow.engine.pipeline.p2p import StageLink
+from ringflow.engine.pipeline.partition import Partition
+from ringflow.engine.pipeline.schedule import stage_actions
+from ringflow.engine.pipeline.stage import PipelineStage
+from ringflow.engine.worker import _single_optimizer, split_global_batch, worker_device
+from ringflow.storage.dataset import read_split
+from ringflow.storage.reshard import load_pipeline_stage, load_training_state, training_state
+from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 __all__ = ["PipelineWorker", "TensorData", "pipeline_batch"]
 
@@ -170,7 +170,7 @@ class PipelineWorker:
         """
         if self.device.type != "cuda":
             return None, None
-        from engine.collective._p2p import _survivable_nccl_errors
+        from ringflow.engine.collective._p2p import _survivable_nccl_errors
 
         stages, replicas = self.stage.stages, self.replicas
         if self.replica == 0:
