@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import site
+import sys
 
 __all__ = ["QUIET_ENV", "connect", "quiet_environment"]
 
@@ -26,13 +29,19 @@ def quiet_environment(**extra: str) -> None:
         os.environ.setdefault(key, value)
 
 
-def connect(address: str | None = None, *, num_cpus: int | None = None) -> str:
+def connect(
+    address: str | None = None, *, num_cpus: int | None = None, model: str | None = None
+) -> str:
     """Make sure this process is connected to Ray and return the cluster's address.
 
     Args:
         address: a Ray address; defaults to ``RAY_ADDRESS``. When neither is set a private
             local Ray starts in this process and stops with it.
         num_cpus: CPUs of that local Ray; defaults to this machine's.
+        model: the import path of the model to train or serve (``package.module:Class``).
+            On an existing cluster, a model whose code is not installed (a user's project
+            directory) is shipped to the workers with the job (Ray's ``py_modules``); a
+            private local Ray's workers start in this process's directory and see it anyway.
     """
     import ray
 
@@ -40,7 +49,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> str:
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS")
         if address:
-            ray.init(address=address, log_to_driver=False)
+            ray.init(address=address, log_to_driver=False, runtime_env=_project_code(model))
         else:
             ray.init(
                 address="local",
@@ -51,3 +60,24 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> str:
     where = ray.get_runtime_context().gcs_address
     log.info("connected to Ray at %s", where)
     return where
+
+
+def _project_code(model: str | None) -> dict | None:
+    """A runtime environment carrying the model's top-level package when it is not installed.
+
+    Installed code (site-packages, ringflow itself) is on every node already; anything else
+    was found through this process's working directory or ``PYTHONPATH``.
+    """
+    if model is None:
+        return None
+    top = model.partition(":")[0].split(".")[0]
+    module = importlib.import_module(top)
+    origin = getattr(module, "__file__", None)
+    if top == "ringflow" or origin is None:
+        return None
+    location = os.path.dirname(origin) if origin.endswith("__init__.py") else origin
+    installed = {*site.getsitepackages(), site.getusersitepackages(), sys.prefix}
+    if any(os.path.abspath(location).startswith(os.path.abspath(p)) for p in installed):
+        return None
+    log.info("shipping %s to the Ray workers with the job", location)
+    return {"py_modules": [location]}

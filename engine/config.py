@@ -149,8 +149,14 @@ class DataSpec:
 
     dataset_url: str
     """URL of the dataset directory (holds ``_manifest.json``)."""
-    schema: TableSchema
-    """Feature and label columns."""
+    schema: TableSchema | None = None
+    """Feature and label columns; ``None`` reads the schema the dataset was written with."""
+
+    def __post_init__(self) -> None:
+        if self.schema is None:
+            from ringflow.storage.dataset import dataset_schema
+
+            object.__setattr__(self, "schema", dataset_schema(self.dataset_url))
 
 
 def _positive_int(name: str, value: int) -> None:

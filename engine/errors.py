@@ -6,6 +6,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "EngineError",
+    "ModelError",
     "PeerLostError",
     "WorkerFailedError",
 ]
@@ -13,6 +14,11 @@ __all__ = [
 
 class EngineError(RuntimeError):
     """Root of every error the engine raises on purpose."""
+
+
+class ModelError(EngineError, ValueError):
+    """The model cannot be trained as asked: its import path, its hyperparameters, or their
+    fit with the data. A retry cannot fix it; the message says what to change."""
 
 
 class WorkerFailedError(EngineError):

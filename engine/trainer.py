@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,12 +16,16 @@ from ringflow.engine.config import DataSpec, TrainConfig
 from ringflow.engine.elastic.coordinator import ElasticEvent
 from ringflow.engine.errors import EngineError, WorkerFailedError
 from ringflow.engine.group import InProcessGroup, MembershipLost, RayWorkerGroup, WorkerGroup
+from ringflow.engine.spec import build_module, model_hparams
 from ringflow.engine.worker import evaluate_module
 from ringflow.storage.checkpoint import load_model, read_checkpoint
 from ringflow.storage.dataset import read_split
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
-__all__ = ["EpochMetrics", "FitResult", "evaluate", "fit"]
+if TYPE_CHECKING:
+    from ringflow.engine.pipeline.config import PipelineConfig
+
+__all__ = ["EpochMetrics", "FitResult", "check_layout", "evaluate", "fit"]
 
 log = logging.getLogger("ringflow.engine")
 
@@ -66,8 +70,13 @@ def fit(
     store_url: str | None = None,
     run_key: str | None = None,
     init_from: str | None = None,
+    pipeline: PipelineConfig | None = None,
 ) -> FitResult:
     """Train ``module_cls(**hparams)`` on ``data`` with ``config.workers`` data-parallel workers.
+
+    With ``pipeline`` of more than one stage, each worker is a pipeline of that many stage
+    actors instead (``engine.pipeline.fit_pipeline``); options that layout does not support
+    are refused before anything starts (:func:`check_layout`).
 
     Every worker holds a full replica; each global batch of ``config.batch_size`` samples is
     split across the workers and their gradients are averaged through ``config.collective``
@@ -83,6 +92,8 @@ def fit(
     Args:
         module_cls: a ``LightningModule`` class; ``training_step`` returns the batch-mean loss.
         hparams: keyword arguments for ``module_cls``; checked here, before any worker starts.
+            ``input_dim`` and ``num_classes`` come from the data where the constructor
+            declares them (``engine.spec.model_hparams``).
         data: the preprocessed dataset.
         config: workers, epochs, global batch, seed, collective, checkpoint interval.
         checkpoint_uri: fsspec URL where the trained model is committed.
@@ -93,6 +104,7 @@ def fit(
         run_key: the run's identity in the store, stable across retries (the flow run id).
         init_from: URL of a committed model to start from (warm start: its weights, a fresh
             optimizer); ignored when the run resumes from its own checkpoint.
+        pipeline: cut the model into pipeline stages (``PipelineConfig``).
 
     Returns:
         The checkpoint URL, the per-epoch metrics and the final weights.
@@ -102,7 +114,25 @@ def fit(
             ``run_key`` written by a different configuration.
         CheckpointStorageError: ``store_url`` cannot be written (checked before training).
     """
-    _check_module(module_cls, hparams)
+    check_layout(config, pipeline, init_from=init_from)
+    hparams = model_hparams(module_cls, hparams, getattr(data, "schema", None))
+    if pipeline is not None and pipeline.stages > 1:
+        from ringflow.engine.pipeline.fit import fit_pipeline
+
+        return fit_pipeline(
+            module_cls,
+            hparams=hparams,
+            data=data,
+            config=config,
+            pipeline=pipeline,
+            checkpoint_uri=checkpoint_uri,
+            on_epoch=on_epoch,
+            meta=meta,
+            in_process=in_process,
+            store_url=store_url,
+            run_key=run_key,
+        )
+    build_module(module_cls, hparams)  # a refused hyperparameter fails before workers start
     if init_from is not None:
         _check_warm_start(module_cls, hparams, init_from)
     resume = _Resume.find(module_cls, hparams, data, config, store_url, run_key, init_from)
@@ -120,7 +150,7 @@ def fit(
             hparams=hparams,
             metrics=history[-1].metrics,
             meta={
-                **run_meta(config, data.dataset_url),
+                **run_meta(config, data),
                 **({"run_key": run_key} if run_key else {}),
                 **(meta or {}),
             },
@@ -139,15 +169,54 @@ def fit(
     )
 
 
-def run_meta(config: TrainConfig, dataset_url: str | None) -> dict[str, Any]:
-    """What a committed model records about the run that trained it."""
+_PIPELINE_UNSUPPORTED = {
+    "min_workers": "pipeline stages do not go on with fewer workers: a lost stage fails the "
+    "run, and a retried run resumes from the last epoch's checkpoint",
+    "max_failures": "a lost pipeline stage fails the run (no in-run replacement)",
+    "commit_every": "pipeline stages keep no in-memory commits",
+    "checkpoint_every": "pipeline stages checkpoint at epoch ends only",
+    "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule",
+}
+"""``TrainConfig`` fields the pipeline layout cannot honour, and why."""
+
+
+def check_layout(
+    config: TrainConfig, pipeline: PipelineConfig | None, *, init_from: str | None = None
+) -> None:
+    """Refuse, before anything starts, an option that the chosen layout would not honour.
+
+    Raises:
+        ValueError: naming every such option and why.
+    """
+    if pipeline is None or pipeline.stages == 1:
+        return
+    defaults = TrainConfig()
+    refused = [
+        f"{name}={getattr(config, name)!r} ({why})"
+        for name, why in _PIPELINE_UNSUPPORTED.items()
+        if getattr(config, name) != getattr(defaults, name)
+    ]
+    if init_from is not None:
+        refused.append("a warm start (init_from) (pipeline stages start from fresh weights)")
+    if refused:
+        raise ValueError(
+            f"with {pipeline.stages} pipeline stages these options are not supported: "
+            + "; ".join(refused)
+            + ". Leave them at their defaults or train without pipeline stages"
+        )
+
+
+def run_meta(config: TrainConfig, data: Any) -> dict[str, Any]:
+    """What a committed model records about the run that trained it (and the data's schema,
+    which serving reads its requests by)."""
     return {
         "epochs": config.epochs,
         "workers": config.workers,
         "seed": config.seed,
         "batch_size": config.batch_size,
         "collective": config.collective,
-        "dataset_url": dataset_url,
+        "dataset_url": getattr(data, "dataset_url", None),
+        **({"data_schema": data.schema.to_json()} if getattr(data, "schema", None) else {}),
     }
 
 
@@ -402,17 +471,6 @@ def evaluate(
         module, torch.from_numpy(x), torch.from_numpy(y), split=split, batch_size=batch_size
     )
     return _mean([(sums, count)])
-
-
-def _check_module(module_cls: type, hparams: dict[str, Any]) -> None:
-    """Build the module once here, so a bad hyperparameter fails before workers start."""
-    try:
-        module_cls(**hparams)
-    except TypeError as err:
-        raise ValueError(f"{module_cls.__name__} does not accept hparams {hparams}: {err}") from err
-    for hook in ("training_step", "configure_optimizers", "validation_step"):
-        if not callable(getattr(module_cls, hook, None)):
-            raise TypeError(f"{module_cls.__name__} must define {hook}()")
 
 
 def _check_warm_start(module_cls: type, hparams: dict[str, Any], init_from: str) -> None:

@@ -33,8 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.spec import model_hparams
 from ringflow.engine.trainer import EpochMetrics, fit
 from ringflow.storage.fs import atomic_write, join, read_bytes, resolve
+from ringflow.storage.layout import Workspace
 from ringflow.storage.store import CheckpointStore
 
 __all__ = [
@@ -48,9 +50,13 @@ __all__ = [
 
 log = logging.getLogger("ringflow.engine")
 
-TUNABLE_CONFIG = ("batch_size", "seed", "collective", "compression", "bucket_mb")
-"""``TrainConfig`` fields a search space may name besides the model's keywords. Workers,
-epochs and resources are the search's own settings (:class:`SearchConfig`)."""
+_SEARCH_OWNED = ("workers", "epochs", "cpus_per_worker", "checkpoint_every")
+TUNABLE_CONFIG = tuple(
+    f.name for f in dataclasses.fields(TrainConfig) if f.name not in _SEARCH_OWNED
+)
+"""``TrainConfig`` fields a search space may name besides the model's keywords (batch size,
+seed, collective, compression, bucket size...). Workers, epochs, CPUs and checkpointing are
+the search's own settings (:class:`SearchConfig`)."""
 
 _KINDS = ("choice", "uniform", "loguniform", "randint")
 _EPOCH = "epoch"
@@ -451,11 +457,11 @@ class _Layout:
 
     @property
     def tune_dir(self) -> str:
-        return join(self.storage_url, "tune", self.run_key)
+        return Workspace(self.storage_url).tune(self.run_key)
 
     @property
     def checkpoints(self) -> str:
-        return join(self.storage_url, "checkpoints")
+        return Workspace(self.storage_url).checkpoints
 
     def trial(self, trial_id: str) -> _TrialRecords:
         return _TrialRecords(join(self.tune_dir, "trials", trial_id))
@@ -464,7 +470,7 @@ class _Layout:
         return f"{self.run_key}-trial-{re.sub(r'[^A-Za-z0-9.=-]', '-', trial_id)}"
 
     def model(self, trial_id: str) -> str:
-        return join(self.storage_url, "runs", self.run_key, "trials", trial_id, "model")
+        return Workspace(self.storage_url).trial_model(self.run_key, trial_id)
 
     def trial_ids(self) -> list[str]:
         return [u.rstrip("/").rsplit("/", 1)[-1] for u in _list(join(self.tune_dir, "trials"))]
@@ -578,6 +584,7 @@ def search(
     """
     cfg = config or SearchConfig()
     dims = parse_space(space)
+    base_hparams = model_hparams(module_cls, base_hparams, data.schema)
     base = _check_names(module_cls, base_hparams, train_config, dims)
     _check_metric(module_cls, base_hparams, data, train_config, cfg.metric)
     layout = _Layout(storage_url=storage_url, run_key=run_key)

@@ -1,4 +1,5 @@
-"""Prefect flows. Each file holds one flow; deployments live in ``deployments/``.
+"""Prefect flows. Each file holds one flow (``spec`` types their parameters, ``cli`` runs
+them from a shell); deployments live in ``deployments/``.
 
 Importing a flow imports its tasks, and with them Ray, which reads some settings only once, on
 import: they are set here first, so a flow run from the command line keeps a local Ray quiet

@@ -31,7 +31,22 @@ def _json_object(text: str) -> dict:
     return value
 
 
-_TYPES = {"integer": int, "number": float, "string": str, "object": _json_object}
+def _list(text: str) -> list:
+    """A JSON array, or names separated by commas: ``x1,x2``."""
+    if text.lstrip().startswith("["):
+        value = json.loads(text)
+        if isinstance(value, list):
+            return value
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+_TYPES = {
+    "integer": int,
+    "number": float,
+    "string": str,
+    "object": _json_object,
+    "array": _list,
+}
 
 
 def build_parser(flow: Flow) -> argparse.ArgumentParser:
@@ -60,7 +75,7 @@ def build_parser(flow: Flow) -> argparse.ArgumentParser:
                 type=_TYPES[kind],
                 default=prop.get("default"),
                 choices=prop.get("enum"),
-                metavar="JSON" if kind == "object" else kind.upper(),
+                metavar={"object": "JSON", "array": "A,B"}.get(kind, kind.upper()),
                 help=help_text,
             )
     parser.add_argument(
@@ -99,7 +114,11 @@ def main(flow: Flow, argv: list[str] | None = None) -> int:
     # The temporary server runs its database migrations first: on a busy 2-core machine that
     # takes longer than Prefect's default 20 s wait.
     with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 180}):
-        result = flow(**params)
+        state = flow(**params, return_state=True)
+    if not state.is_completed():
+        print(f"error: the run ended {state.name}: {state.message}", file=sys.stderr, flush=True)
+        return 1
+    result = state.result()
     print(json.dumps(result, default=str), flush=True)
     if keep_serving and args.get("serve"):
         _wait_for_interrupt(result.get("endpoint"))

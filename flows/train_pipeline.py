@@ -1,6 +1,8 @@
 """``train-pipeline``: preprocess, tune, train on Ray workers, evaluate, promote and serve.
 
-Run it locally with no server: ``python -m ringflow.flows.train_pipeline --help``.
+The model is named by its import path (``model``) with its constructor's keywords
+(``hparams``); the data is any CSV or Parquet (``data_url``) whose schema is read from the
+file. Run it locally with no server: ``python -m ringflow.flows.train_pipeline --help``.
 """
 
 from __future__ import annotations
@@ -8,16 +10,15 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from prefect.states import Failed
 from pydantic import Field
 
-from ringflow.storage import CheckpointStore, join
-from ringflow.storage.fs import absolute
+from ringflow.flows.spec import RunSpec, fail_at_once, publish_summary
+from ringflow.storage import CheckpointStore
 from ringflow.tasks import (
-    demo_data,
     evaluate,
+    example_data,
     preprocess,
     promote,
     register,
@@ -29,6 +30,7 @@ from ringflow.tasks import (
 )
 
 Positive = Annotated[int, Field(ge=1, le=1_000_000)]
+DEMO_MODEL = "ringflow.models.digits:DigitsClassifier"
 
 
 @flow(
@@ -39,16 +41,24 @@ Positive = Annotated[int, Field(ge=1, le=1_000_000)]
     result_serializer="json",
 )
 def train_pipeline(
+    model: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")] = DEMO_MODEL,
+    hparams: dict | None = None,
+    model_name: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")] = None,
     data_url: str | None = None,
+    label: str | None = None,
+    features: list[str] | None = None,
+    task: Literal["auto", "classification", "regression"] = "auto",
+    bounds: dict | None = None,
+    classes: Annotated[int | None, Field(ge=1)] = None,
+    categorical: list[str] | None = None,
     storage_url: str = ".ringflow/storage",
     workers: Annotated[int, Field(ge=1, le=1024)] = 2,
     epochs: Annotated[int, Field(ge=1, le=100_000)] = 20,
     batch_size: Positive = 64,
-    learning_rate: Annotated[float, Field(gt=0, le=10)] = 0.01,
-    hidden: Annotated[int, Field(ge=1, le=65_536)] = 128,
     tune_trials: Annotated[int, Field(ge=0, le=1000)] = 8,
     tune_epochs: Annotated[int, Field(ge=1, le=100_000)] = 4,
     tune_space: dict | None = None,
+    tune_metric: str | None = None,
     tune_algorithm: Literal["random", "evolution"] = "random",
     tune_max_concurrent: Annotated[int | None, Field(ge=1, le=1024)] = None,
     use_best_checkpoint: bool = False,
@@ -69,22 +79,34 @@ def train_pipeline(
     warm_start: bool = False,
     promotion_tolerance: Annotated[float, Field(ge=0, le=1)] = 0.0,
 ) -> dict:
-    """Train the digits classifier end to end, promote it if it beats production, serve it.
+    """Train a model end to end, promote it if it beats production, serve it.
 
     Args:
-        data_url: CSV or Parquet file (any fsspec URL) with columns p0..p63 and label; empty
-            means the bundled digits, dropped as a raw CSV under storage_url.
+        model: the LightningModule to train, as an import path 'package.module:ClassName'
+            importable where the flow runs (and on the Ray workers).
+        hparams: keyword arguments of the model's constructor, as a JSON object; input_dim
+            and num_classes are set from the data where the constructor takes them.
+        model_name: the model's name in the registry; empty means the class's model_name, or
+            its name in snake case.
+        data_url: CSV or Parquet file (any fsspec URL); empty means the model's example data
+            (its example_data hook), dropped under storage_url.
+        label: the target column; empty means the model's data_schema, else 'label'.
+        features: the input columns; empty means every other column.
+        task: classification or regression; auto reads it from the label column.
+        bounds: accepted ranges by column, {"x1": [0, 1]}; rows outside are rejected.
+        classes: classification: the number of classes (labels 0..classes-1).
+        categorical: columns whose values are categories (strings) rather than numbers.
         storage_url: where datasets, checkpoints and the model registry go (any fsspec URL).
         workers: data-parallel Ray workers for training (pipeline replicas with stages).
         epochs: training epochs.
         batch_size: global batch size, split across the workers.
-        learning_rate: Adam learning rate (the search starts from it).
-        hidden: hidden-layer width (the search starts from it).
         tune_trials: hyperparameter-search trials; 0 skips the search.
         tune_epochs: epochs of each search trial (bad trials stop earlier).
-        tune_space: the search space as JSON, e.g. {"lr": {"loguniform": [0.001, 0.1]},
-            "hidden": [64, 128, 256]}; empty searches lr, hidden and batch_size around the
-            values above.
+        tune_space: the search space as JSON over hparams keys and TrainConfig fields, e.g.
+            {"lr": {"loguniform": [0.001, 0.1]}, "batch_size": [32, 64]}; empty means the
+            model's search_space, else lr and batch_size around their values.
+        tune_metric: what the search maximises (accuracy) or minimises (a loss); empty means
+            val_accuracy for classification, val_loss otherwise.
         tune_algorithm: how trials are chosen: random (the base configuration first) or
             evolution (mutates the best so far).
         tune_max_concurrent: trials at once; empty means as many as the Ray cluster's CPUs.
@@ -113,8 +135,8 @@ def train_pipeline(
         micro_batches: micro-batches per global batch and replica, with pipeline stages.
         pipeline_schedule: 1f1b (at most as many micro-batches in flight as stages) or gpipe.
         warm_start: start training from the production model's weights, if there is one.
-        promotion_tolerance: promote a model whose test accuracy is at most this much below
-            production's; otherwise production keeps its model.
+        promotion_tolerance: promote a model whose test metric is at most this much worse
+            than production's; otherwise production keeps its model.
     """
     attempt = flow_run.get_run_count() or 1
     if attempt > max_restarts + 1:
@@ -122,123 +144,85 @@ def train_pipeline(
             message=f"Not started again: this is start {attempt} of a run allowed "
             f"{max_restarts} restarts (raise max_restarts to allow more)"
         )
-    _check(workers, batch_size, min_workers, pipeline_stages, micro_batches)
-    storage_url = absolute(storage_url)
-    run_key = run_key or str(flow_run.get_id() or "local")
-    source = absolute(data_url) if data_url else demo_data(storage_url)
-    dataset = preprocess(source, storage_url, seed=seed)
-    hparams = {"lr": learning_rate, "hidden": hidden}
-    common = {"run_key": run_key, "batch_size": batch_size, "seed": seed}
-    best = None
-    if tune_trials:
+    parameters = {k: v for k, v in locals().items() if k != "attempt"}
+    try:
+        return _run(RunSpec.build(**parameters), attempt)
+    except (ValueError, TypeError) as err:  # bad input (ModelError, DataError...): final
+        return fail_at_once(err)
+
+
+def _run(spec: RunSpec, attempt: int) -> dict:
+    """The pipeline itself: every task in order, each given the typed parts it needs."""
+    source = spec.data_url or example_data(spec.model, spec.storage_url)
+    dataset = preprocess(source, spec.storage_url, **spec.data, seed=spec.config.seed)
+    model, config, best = spec.model, spec.config, None
+    if spec.tune:
         best = tune(
-            dataset["dataset_url"],
-            storage_url,
-            base_hparams=hparams,
-            trials=tune_trials,
-            epochs=tune_epochs,
-            space=tune_space,
-            algorithm=tune_algorithm,
-            max_concurrent=tune_max_concurrent,
-            **common,
+            model, dataset["dataset_url"], spec.storage_url, run_key=spec.run_key, **spec.tune
         )
-        hparams = best["best_hparams"]
-        common.update({k: v for k, v in best["best_train"].items() if k in ("batch_size", "seed")})
-        _check(
-            workers,
-            common["batch_size"],
-            min_workers,
-            pipeline_stages,
-            micro_batches,
-        )
-    if use_best_checkpoint and best is not None:
+        model, config = spec.tuned(best)
+    if spec.use_best_checkpoint and best is not None:
         trained = {"checkpoint": best["best_checkpoint"], "resumed_from_step": None}
     else:
         # Listed before training, which may delete some (retention): the resume report uses them.
-        checkpoints = CheckpointStore(join(storage_url, "checkpoints")).checkpoints(run_key)
-        engine = {
-            "workers": workers,
-            "epochs": epochs,
-            "batch_size": common["batch_size"],
-            "seed": common["seed"],
-            "checkpoint_every": checkpoint_every,
-            "min_workers": min_workers,
-            "commit_every": commit_every,
-            "placement": placement,
-            **({"cpus_per_worker": cpus_per_worker} if cpus_per_worker else {}),
-            **({"gpus_per_worker": gpus_per_worker} if gpus_per_worker else {}),
-        }
-        pipeline = {
-            "stages": pipeline_stages,
-            "micro_batches": micro_batches,
-            "schedule": pipeline_schedule,
-        }
+        checkpoints = CheckpointStore(spec.workspace.checkpoints).checkpoints(spec.run_key)
         trained = train(
+            model,
             dataset["dataset_url"],
-            storage_url,
-            run_key=run_key,
-            hparams=hparams,
-            engine=engine,
-            pipeline=pipeline if pipeline_stages > 1 else None,
-            init_from=warm_start_checkpoint(storage_url) if warm_start else None,
+            spec.storage_url,
+            run_key=spec.run_key,
+            config=config,
+            pipeline=spec.pipeline,
+            init_from=warm_start_checkpoint(spec.storage_url, spec.model_name)
+            if spec.warm_start
+            else None,
         )
         if trained["resumed_from_step"] is not None:
-            report_resume(checkpoints, run_key, trained["resumed_from_step"], attempt)
+            report_resume(checkpoints, spec.run_key, trained["resumed_from_step"], attempt)
     test = evaluate(trained["checkpoint"], dataset["dataset_url"])
     version = register(
         trained["checkpoint"],
-        storage_url,
+        spec.storage_url,
         metrics=test,
         dataset_url=dataset["dataset_url"],
-        run_key=run_key,
+        run_key=spec.run_key,
+        model=spec.model_name,
     )
-    gate = promote(version["version"], storage_url, tolerance=promotion_tolerance)
+    gate = promote(
+        version["version"], spec.storage_url, model=spec.model_name, tolerance=spec.tolerance
+    )
     result = {
-        "test_accuracy": test["test_accuracy"],
-        "test_loss": test["test_loss"],
+        **test,
+        "model": model.path,
+        "hparams": model.hparams,
+        "model_name": spec.model_name,
         "checkpoint": trained["checkpoint"],
         "model_uri": version["uri"],
         "model_version": version["version"],
         "promoted": gate["promoted"],
         "gate_reason": gate["reason"],
-        "hparams": hparams,
         "dataset_url": dataset["dataset_url"],
+        "task": dataset["task"],
         "rejected_rows": dataset["rejected_rows"],
-        "run_key": run_key,
+        "run_key": spec.run_key,
         "resumed_from_step": trained["resumed_from_step"],
         "run_count": attempt,
     }
     if best is not None:
         result["tune"] = {k: best[k] for k in ("best_metric", "base_metric", "best_trial")}
-    if serve:
-        served = serve_production(storage_url, dataset["dataset_url"], port=serve_port)
+        result["tune"]["best_params"] = best["best_params"]
+    if spec.serve:
+        served = serve_production(
+            spec.storage_url,
+            dataset["dataset_url"],
+            port=spec.serve_port,
+            model=spec.model_name,
+            model_path=model.path,
+        )
         served["served_version"] = served.pop("model_version")
         result.update(served)
-    create_markdown_artifact(
-        key="run-summary",
-        markdown="| | |\n|---|---|\n" + "".join(f"| {k} | `{v}` |\n" for k, v in result.items()),
-        description="What this run produced",
-    )
+    publish_summary(result)
     return result
-
-
-def _check(
-    workers: int,
-    batch_size: int,
-    min_workers: int | None,
-    stages: int,
-    micro_batches: int,
-) -> None:
-    """Combinations of parameters that no single parameter's bounds can refuse."""
-    if batch_size < workers:
-        raise ValueError(f"batch_size ({batch_size}) must be at least workers ({workers})")
-    if min_workers is not None and min_workers > workers:
-        raise ValueError(f"min_workers ({min_workers}) must not exceed workers ({workers})")
-    if stages > 1 and batch_size < micro_batches * workers:
-        raise ValueError(
-            f"batch_size ({batch_size}) must be at least micro_batches x workers "
-            f"({micro_batches} x {workers}): every micro-batch needs a sample"
-        )
 
 
 if __name__ == "__main__":

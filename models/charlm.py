@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ringflow.storage.dataset import Column, TableSchema
-from ringflow.storage.fs import atomic_write
+from ringflow.storage.fs import atomic_write, exists, join
 
 __all__ = ["VOCAB", "CharLM", "charlm_schema", "stdlib_text", "write_charlm_parquet"]
 
@@ -161,6 +161,16 @@ class CharLM(L.LightningModule):
         self.blocks = nn.ModuleList(_Block(width, heads, dropout) for _ in range(depth))
         self.head = _Head(width)
 
+    @staticmethod
+    def example_data(directory_url: str, hparams: dict) -> str:
+        """The standard library's text as windows of ``context + 1`` characters, a Parquet
+        file in ``directory_url`` (written once); its URL."""
+        context = int(hparams.get("context", 64))
+        url = join(directory_url, f"charlm-stdlib-c{context}.parquet")
+        if not exists(url):
+            write_charlm_parquet(url, context=context)
+        return url
+
     def pipeline_layers(self) -> list[nn.Module]:
         """Forward order: embedding, each block, final norm and head."""
         return [self.embed, *self.blocks, self.head]
@@ -199,6 +209,15 @@ class CharLM(L.LightningModule):
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.log("test_loss", self._loss(batch))
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int = 0) -> dict[str, torch.Tensor]:
+        """The character that follows each window (its last ``context`` codes are read)."""
+        ids = batch.long()[:, -self.hparams.context :]
+        probabilities = self(ids)[:, -1].softmax(dim=-1)
+        return {
+            "next": probabilities.argmax(dim=-1),
+            "probability": probabilities.max(dim=-1).values,
+        }
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ringflow.storage.dataset import Column, TableSchema
-from ringflow.storage.fs import atomic_write
+from ringflow.storage.fs import atomic_write, exists, join
 
 __all__ = ["SCHEMA", "DigitsClassifier", "write_digits_csv"]
 
@@ -35,12 +35,31 @@ class DigitsClassifier(L.LightningModule):
     Args:
         hidden: width of the hidden layer.
         lr: Adam learning rate.
+        input_dim: pixels per image (given by ringflow from the dataset).
+        num_classes: digits (given by ringflow from the dataset).
     """
 
+    model_name = "digits"
+    """The registry name."""
     input_schema = {"name": "pixels", "shape": [PIXELS], "min": 0.0, "max": 16.0}
+    """Served requests send ``{"pixels": [64 numbers]}``."""
     output_name = "digit"
+    data_schema = {
+        "bounds": {c.name: [c.min, c.max] for c in SCHEMA.features},
+        "classes": CLASSES,
+    }
+    """What a digits file holds: intensities 0-16 and labels 0-9; other rows are rejected."""
+    search_space = {"lr": {"loguniform": [0.001, 0.1]}, "hidden": [64, 128, 256]}
+    """What tuning explores unless told otherwise."""
 
-    def __init__(self, *, hidden: int = 128, lr: float = 0.01) -> None:
+    def __init__(
+        self,
+        *,
+        hidden: int = 128,
+        lr: float = 0.01,
+        input_dim: int = PIXELS,
+        num_classes: int = CLASSES,
+    ) -> None:
         super().__init__()
         if hidden < 1:
             raise ValueError(f"hidden must be at least 1, got {hidden}")
@@ -48,7 +67,18 @@ class DigitsClassifier(L.LightningModule):
             raise ValueError(f"lr must be positive, got {lr}")
         self.save_hyperparameters()
         self.scale = _Scale(1 / 16.0)
-        self.net = nn.Sequential(nn.Linear(PIXELS, hidden), nn.ReLU(), nn.Linear(hidden, CLASSES))
+        self.net = nn.Sequential(
+            nn.Linear(input_dim, hidden), nn.ReLU(), nn.Linear(hidden, num_classes)
+        )
+
+    @staticmethod
+    def example_data(directory_url: str, hparams: dict) -> str:
+        """The bundled digits as a CSV in ``directory_url`` (written once); its URL."""
+        del hparams  # the same data for every configuration
+        url = join(directory_url, "digits.csv")
+        if not exists(url):
+            write_digits_csv(url)
+        return url
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.net(self.scale(pixels))

@@ -2,9 +2,11 @@
 
 :func:`preprocess` reads a source file, checks every value against a :class:`TableSchema`,
 writes the rows that fail aside (never dropping them silently), splits the rest into
-train/validation/test stratified by label and writes the splits as Parquet shards under
-``{output_url}/datasets/{fingerprint}``. The fingerprint covers the source bytes, the schema,
-the split fractions and the seed, so the same inputs always land in the same directory.
+train/validation/test (stratified by class for a classification, a seeded shuffle for a
+regression) and writes the splits as Parquet shards under ``{output_url}/datasets/{fingerprint}``.
+The fingerprint covers the source bytes, the schema, the split fractions and the seed, so the
+same inputs always land in the same directory. :func:`infer_schema` proposes the schema of a
+user's own file.
 
 A dataset directory exists only once its ``_manifest.json`` is there: the manifest is written
 last and lists every shard with its size and SHA-256, so a half-written directory is never read
@@ -18,7 +20,10 @@ import gzip
 import io
 import json
 import math
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from numbers import Real
 from typing import Any, Literal
 
 import numpy as np
@@ -35,6 +40,8 @@ __all__ = [
     "PreprocessResult",
     "SchemaError",
     "TableSchema",
+    "dataset_schema",
+    "infer_schema",
     "preprocess",
     "read_split",
 ]
@@ -53,26 +60,42 @@ _NUMBER = r"^[+-]?((\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|nan|inf|infinity)$"
 # overflows to inf, and int columns pass through float64, exact only up to 2**53.
 _LIMITS = {"float": float(np.finfo(np.float32).max), "int": 2.0**53}
 
+# How :func:`infer_schema` decides: an int label with more distinct values than this (or a
+# negative one) is a number to predict, not a class id.
+_MAX_INFERRED_CLASSES = 1000
+# A pandas index written into a Parquet file as a column; not a feature by default.
+_PANDAS_INDEX = r"^__index_level_\d+__$"
+# Categories listed in full in a reason; longer lists are cut to this many.
+_SHOWN_CATEGORIES = 10
+
+
+TASKS = ("classification", "regression")
+"""What a dataset's label is: a class id to predict, or a number."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class Column:
-    """One column of a table: its name, type and the inclusive range of accepted values."""
+    """One column of a table: its name, type and the values it accepts."""
 
     name: str
     """Header name in the source file."""
-    dtype: Literal["float", "int"]
-    """``"float"`` is stored as float32, ``"int"`` as int64 and accepts integral values only."""
+    dtype: Literal["float", "int", "category"]
+    """``"float"`` is stored as float32, ``"int"`` as int64 and accepts integral values only,
+    ``"category"`` accepts one of ``categories`` and is stored as its index (int64)."""
     min: float | None = None
-    """Smallest accepted value (inclusive); ``None`` for no lower bound."""
+    """Smallest accepted value (inclusive); ``None`` for no lower bound. Numbers only."""
     max: float | None = None
-    """Largest accepted value (inclusive); ``None`` for no upper bound."""
+    """Largest accepted value (inclusive); ``None`` for no upper bound. Numbers only."""
+    categories: tuple[str, ...] | None = None
+    """The values a ``"category"`` column accepts, in the order of their codes."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("Column name must be a non-empty string")
-        if self.dtype not in ("float", "int"):
+        if self.dtype not in ("float", "int", "category"):
             raise ValueError(
-                f"column {self.name}: dtype must be 'float' or 'int', got {self.dtype!r}"
+                f"column {self.name}: dtype must be 'float', 'int' or 'category', "
+                f"got {self.dtype!r}"
             )
         # Normalised so that min=0 and min=0.0 describe (and fingerprint) the same schema.
         for bound in ("min", "max"):
@@ -81,32 +104,109 @@ class Column:
                 object.__setattr__(self, bound, float(value))
         if self.min is not None and self.max is not None and self.min > self.max:
             raise ValueError(f"column {self.name}: min {self.min} is greater than max {self.max}")
+        if self.dtype == "category":
+            if not self.categories or self.min is not None or self.max is not None:
+                raise ValueError(
+                    f"column {self.name}: a category column lists its categories and has no "
+                    "min or max"
+                )
+            object.__setattr__(self, "categories", tuple(str(c) for c in self.categories))
+            if len(set(self.categories)) != len(self.categories):
+                raise ValueError(f"column {self.name}: categories must be unique")
+        elif self.categories is not None:
+            raise ValueError(f"column {self.name}: only a 'category' column has categories")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TableSchema:
-    """The columns a source must provide: model inputs and the class label to predict."""
+    """The columns a source must provide: model inputs and the target to predict."""
 
     features: tuple[Column, ...]
     """Model inputs, in the order :func:`read_split` returns them."""
     label: Column
-    """The class label; must be an ``"int"`` column because splits are stratified by class."""
+    """The target: a class id (an ``"int"`` from 0, or a ``"category"``) for classification,
+    a number for regression."""
+    task: Literal["classification", "regression"] = "classification"
+    """Classification (splits are stratified by class) or regression."""
+    classes: int | None = None
+    """Classification: the number of classes, labels ``0 .. classes - 1``; ``None`` means
+    ``label.max + 1`` (or the number of categories)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "features", tuple(self.features))
         if not self.features:
             raise ValueError("TableSchema needs at least one feature column")
-        if self.label.dtype != "int":
-            raise ValueError(f"label column {self.label.name} must have dtype 'int' (a class id)")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         names = [c.name for c in self.columns]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"TableSchema column names must be unique; repeated: {duplicates}")
+        if self.task == "regression":
+            if self.label.dtype == "category":
+                raise ValueError(
+                    f"label column {self.label.name} is a category: use task 'classification'"
+                )
+            if self.classes is not None:
+                raise ValueError("classes is for classification; a regression has none")
+            return
+        if self.label.dtype == "float":
+            raise ValueError(
+                f"label column {self.label.name} has dtype 'float': a class label is an 'int' "
+                "or a 'category'; use task 'regression' to predict a number"
+            )
+        if self.classes is None:
+            object.__setattr__(self, "classes", self._classes_from_label())
+        if isinstance(self.classes, bool) or not isinstance(self.classes, int) or self.classes < 1:
+            raise ValueError(f"classes must be a positive integer, got {self.classes!r}")
+
+    def _classes_from_label(self) -> int | None:
+        if self.label.categories is not None:
+            return len(self.label.categories)
+        return None if self.label.max is None else int(self.label.max) + 1
 
     @property
     def columns(self) -> tuple[Column, ...]:
         """All columns, features first, then the label."""
         return (*self.features, self.label)
+
+    @property
+    def input_dim(self) -> int:
+        """The number of feature columns: the width of a model's input."""
+        return len(self.features)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON object that :meth:`from_json` turns back into this schema."""
+        return {
+            "features": [_column_json(c) for c in self.features],
+            "label": _column_json(self.label),
+            "task": self.task,
+            "classes": self.classes,
+        }
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> TableSchema:
+        """The schema recorded by :meth:`to_json` (in a manifest or a model checkpoint)."""
+        return cls(
+            features=tuple(_column_from_json(c) for c in value["features"]),
+            label=_column_from_json(value["label"]),
+            task=value.get("task", "classification"),
+            classes=value.get("classes"),
+        )
+
+
+def _column_json(column: Column) -> dict[str, Any]:
+    value = asdict(column)
+    if column.categories is None:
+        del value["categories"]
+    else:
+        value["categories"] = list(column.categories)
+    return value
+
+
+def _column_from_json(value: dict[str, Any]) -> Column:
+    categories = value.get("categories")
+    return Column(**{**value, "categories": None if categories is None else tuple(categories)})
 
 
 class DataError(ValueError):
@@ -185,7 +285,8 @@ def preprocess(
             or of a directory of ``.parquet`` files (read in sorted path order).
         output_url: fsspec URL or local path under which ``datasets/`` is created.
         schema: columns to read; other columns of the source are ignored.
-        fractions: train, validation and test shares of every class; they sum to 1.
+        fractions: train, validation and test shares (of every class, for a classification);
+            they sum to 1.
         seed: seed of the shuffle that assigns rows to splits.
         rows_per_shard: most rows in one Parquet shard.
 
@@ -227,7 +328,7 @@ def _build(
     rows_per_shard: int,
 ) -> dict[str, Any]:
     """Write the rejects and every shard; return the manifest that commits them."""
-    rows = _read_rows(source, schema)
+    rows = _read_rows(source, [c.name for c in schema.columns])
     values, problems = _validate(rows.table, schema)
     rejected = _rejects_table(rows, problems, schema)
     files = _write_rejects(dataset_url, rejected)
@@ -237,7 +338,11 @@ def _build(
             f"all {rejected.num_rows} rows of {source.url} were rejected, nothing to train on; "
             f"see the reasons in {join(dataset_url, _REJECTED)}"
         )
-    for split, order in _split(values[schema.label.name][valid], fractions, seed).items():
+    if schema.task == "classification":
+        splits = _split(values[schema.label.name][valid], fractions, seed)
+    else:
+        splits = _shuffle_split(len(valid), fractions, seed)
+    for split, order in splits.items():
         table = _typed_table(values, schema, valid[order])
         files += _write_split(dataset_url, split, table, rows_per_shard)
     _remove_leftovers(dataset_url, files)
@@ -294,7 +399,7 @@ def _fingerprint(
 
 
 def _schema_json(schema: TableSchema) -> dict[str, Any]:
-    return {"features": [asdict(c) for c in schema.features], "label": asdict(schema.label)}
+    return schema.to_json()
 
 
 def _committed_result(dataset_url: str, fingerprint: str) -> PreprocessResult | None:
@@ -349,6 +454,277 @@ def _manifest(
     }
 
 
+# --------------------------------------------------------------------------- inferring a schema
+
+
+def infer_schema(
+    source_url: str,
+    *,
+    label: str = "label",
+    features: Sequence[str] | None = None,
+    task: Literal["classification", "regression"] | None = None,
+    bounds: Mapping[str, Sequence[float | None]] | None = None,
+    classes: int | None = None,
+    categorical: Sequence[str] | None = None,
+) -> TableSchema:
+    """Propose the :class:`TableSchema` of a source file, to pass to :func:`preprocess`.
+
+    A column is a ``"category"`` if ``categorical`` lists it or if none of its non-empty
+    values is a number; its categories are its distinct non-empty values (whitespace trimmed),
+    sorted. Otherwise it is an ``"int"`` if every finite number in it is integral (and exact in
+    float64), else a ``"float"``. A few bad values among numbers (``n/a``) leave the column
+    numeric: :func:`preprocess` rejects those rows with their reason.
+
+    Without ``task``, a category label is a classification, a float label a regression, and
+    an int label a classification when no value is negative and it has at most 1000 distinct
+    values, else a regression. A classification on an int label has ``max + 1`` classes (the
+    bound's max when ``bounds`` gives one).
+
+    The same file (and arguments) always gives the same schema, hence the same dataset
+    fingerprint. Nothing is written.
+
+    Args:
+        source_url: the source, in any format :func:`preprocess` reads.
+        label: the column to predict.
+        features: the model inputs, in this order; ``None`` for every other column in file
+            order (except a pandas index stored in a Parquet file, ``__index_level_0__``).
+        task: ``"classification"`` or ``"regression"``; ``None`` to infer it from the label.
+        bounds: ``{column: [min, max]}`` for numeric columns; either may be ``None``.
+        classes: a classification's number of classes (labels ``0 .. classes - 1``; rows
+            outside are rejected), where the data alone would not tell it.
+        categorical: columns to treat as categories even when their values are numbers.
+
+    Raises:
+        ValueError: an argument is malformed, names a column outside the schema, or ``task``
+            contradicts the label's values.
+        SchemaError: the source lacks ``label`` or a listed feature, or a column is empty.
+        DataError: the source does not exist, has an unsupported format, or has no data row.
+    """
+    _check_infer_arguments(label, features, task, bounds, categorical)
+    bounds = dict(bounds or {})
+    if classes is not None:
+        if isinstance(classes, bool) or not isinstance(classes, int) or classes < 1:
+            raise ValueError(f"classes must be a positive integer, got {classes!r}")
+        if task == "regression":
+            raise ValueError("classes is for classification; leave it out for a regression")
+        bounds.setdefault(label, [0, classes - 1])
+    source = _load_source(source_url)
+    names = _schema_names(source, label, features)
+    categorical = list(dict.fromkeys(categorical or ()))
+    _check_named("bounds", bounds, names)
+    _check_named("categorical", categorical, names)
+    rows = _read_rows(source, names)
+    if rows.table.num_rows == 0:
+        raise DataError(f"{source.url} has no data rows to infer a schema from; add rows")
+    profiles = {
+        n: _profile(source.url, n, rows.table[n].combine_chunks(), n in categorical) for n in names
+    }
+    for name in bounds:
+        if profiles[name].dtype == "category":
+            raise ValueError(
+                f"bounds: column {name} holds categories, not numbers; bounds apply to numeric "
+                "columns only, remove it from bounds"
+            )
+    label_column, task, classes = _label_column(profiles[label], task, bounds.get(label))
+    return TableSchema(
+        features=tuple(_feature_column(profiles[n], bounds.get(n)) for n in names[:-1]),
+        label=label_column,
+        task=task,
+        classes=classes,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Profile:
+    """What :func:`infer_schema` learnt about one column."""
+
+    name: str
+    dtype: Literal["float", "int", "category"]
+    categories: tuple[str, ...] | None = None
+    numbers: np.ndarray | None = None
+    """The finite numbers of a numeric column."""
+
+
+def _check_infer_arguments(
+    label: Any, features: Any, task: Any, bounds: Any, categorical: Any
+) -> None:
+    if not isinstance(label, str) or not label:
+        raise ValueError(f"label must be the name of the column to predict, got {label!r}")
+    for argument, value in (("features", features), ("categorical", categorical)):
+        if isinstance(value, str) or (
+            value is not None and not all(isinstance(n, str) for n in value)
+        ):
+            raise ValueError(
+                f"{argument} must be a list of column names, e.g. {argument}=['x1'], got {value!r}"
+            )
+    if task is not None and task not in TASKS:
+        raise ValueError(
+            f"task must be 'classification', 'regression' or None (to infer it), got {task!r}"
+        )
+    if bounds is not None and not isinstance(bounds, Mapping):
+        raise ValueError(f"bounds must be a dict {{column: [min, max]}}, got {bounds!r}")
+    for name, pair in (bounds or {}).items():
+        if not _is_bound_pair(pair):
+            raise ValueError(
+                f"bounds[{name!r}] must be [min, max], each a finite number or None, got {pair!r}"
+            )
+
+
+def _is_bound_pair(pair: Any) -> bool:
+    if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+        return False
+    return all(
+        v is None or (isinstance(v, Real) and not isinstance(v, bool) and math.isfinite(v))
+        for v in pair
+    )
+
+
+def _source_columns(source: _Source) -> list[str]:
+    """The column names of ``source`` (of its first file, for a directory), in file order."""
+    name, data = source.files[0]
+    if source.kind == "csv":
+        if source.url.lower().endswith(".gz"):
+            data = _gunzip(source.url, data)
+        return _csv_header(source.url, data)
+    url = join(source.url, name) if name else source.url
+    try:
+        return list(pq.read_schema(pa.BufferReader(data)).names)
+    except pa.ArrowException as err:
+        raise DataError(f"{url} is not a readable Parquet file: {err}") from err
+
+
+def _schema_names(source: _Source, label: str, features: Sequence[str] | None) -> list[str]:
+    """The feature columns, then the label, checked against the columns of the source."""
+    found = _source_columns(source)
+    if label not in found:
+        raise SchemaError(
+            f"{source.url} has no label column {label!r}; columns found: {found}. "
+            "Set label to the column to predict."
+        )
+    if features is None:
+        chosen = [n for n in found if n != label and not re.match(_PANDAS_INDEX, n)]
+        if "" in chosen:
+            raise SchemaError(
+                f"{source.url}: column {found.index('') + 1} of the header has no name; "
+                "name it, or pass features=[...] to choose the input columns"
+            )
+    else:
+        chosen = list(features)
+        missing = [n for n in chosen if n not in found]
+        if missing:
+            raise SchemaError(
+                f"{source.url} lacks the feature columns {missing}; columns found: {found}. "
+                "Fix features."
+            )
+        if label in chosen:
+            raise ValueError(
+                f"features lists the label column {label!r}; remove it from features (the "
+                "label is what the model predicts, not an input)"
+            )
+        repeated = sorted({n for n in chosen if chosen.count(n) > 1})
+        if repeated:
+            raise ValueError(f"features lists {repeated} more than once; list each column once")
+    if not chosen:
+        raise SchemaError(
+            f"{source.url} has no feature column besides the label {label!r}; "
+            "a model needs at least one input column"
+        )
+    names = [*chosen, label]
+    _require_columns(source.url, found, names)  # the same name twice in the file
+    return names
+
+
+def _check_named(argument: str, named: Any, names: list[str]) -> None:
+    unknown = [n for n in named if n not in names]
+    if unknown:
+        raise ValueError(
+            f"{argument} names {unknown}, not among the schema's columns {names}; "
+            f"fix {argument} (or add the column to features)"
+        )
+
+
+def _profile(url: str, name: str, raw: pa.Array, categorical: bool) -> _Profile:
+    text = pc.utf8_trim_whitespace(raw)
+    present = pc.filter(text, pc.not_equal(text, ""))  # nulls are dropped too
+    if len(present) == 0:
+        raise SchemaError(
+            f"{url}: column {name} is empty in every row; fill it or leave it out of the schema"
+        )
+    numeric = pc.filter(present, pc.match_substring_regex(present, _NUMBER, ignore_case=True))
+    if categorical or len(numeric) == 0:
+        categories = tuple(sorted(pc.unique(present).to_pylist()))
+        return _Profile(name=name, dtype="category", categories=categories)
+    numbers = pc.cast(numeric, pa.float64()).to_numpy(zero_copy_only=False)
+    finite = numbers[np.isfinite(numbers)]
+    integral = finite.size > 0 and not np.any(_non_integral(finite))
+    return _Profile(name=name, dtype="int" if integral else "float", numbers=finite)
+
+
+def _non_integral(numbers: np.ndarray) -> np.ndarray:
+    """Where a number cannot be an ``"int"``: it has a fraction or is beyond float64's exact
+    integers."""
+    return (numbers != np.round(numbers)) | (np.abs(numbers) > _LIMITS["int"])
+
+
+def _feature_column(profile: _Profile, bound: Sequence[float | None] | None) -> Column:
+    if profile.dtype == "category":
+        return Column(name=profile.name, dtype="category", categories=profile.categories)
+    low, high = bound or (None, None)
+    return Column(name=profile.name, dtype=profile.dtype, min=low, max=high)
+
+
+def _label_column(
+    profile: _Profile, task: str | None, bound: Sequence[float | None] | None
+) -> tuple[Column, Literal["classification", "regression"], int | None]:
+    """The label column, the task and the number of classes."""
+    name = profile.name
+    if profile.dtype == "category":
+        assert profile.categories is not None
+        if task == "regression":
+            raise ValueError(
+                f"task='regression' needs a numeric label, but label column {name} holds text "
+                f"such as {profile.categories[0]!r}; pass task='classification' (or leave task "
+                "out), or choose a numeric label"
+            )
+        column = Column(name=name, dtype="category", categories=profile.categories)
+        return column, "classification", len(profile.categories)
+    assert profile.numbers is not None
+    low, high = bound or (None, None)
+    if task is None:
+        task = _inferred_task(profile)
+    if task == "regression":
+        return Column(name=name, dtype=profile.dtype, min=low, max=high), "regression", None
+    if profile.dtype == "float":
+        bad = profile.numbers[_non_integral(profile.numbers)]
+        example = _number(float(bad[0])) if bad.size else "nan"
+        raise ValueError(
+            f"task='classification' needs integer class ids, but label column {name} has "
+            f"values such as {example}; pass task='regression' to predict a number, or list "
+            f"{name!r} in categorical to treat its values as class names"
+        )
+    top = float(profile.numbers.max()) if high is None else high
+    if top < 0:
+        raise ValueError(
+            f"task='classification' needs class ids from 0, but label column {name} has no "
+            "value of 0 or more; pass task='regression' or renumber the classes from 0"
+        )
+    classes = int(top) + 1
+    column = Column(name=name, dtype="int", min=0 if low is None else low, max=classes - 1)
+    return column, "classification", classes
+
+
+def _inferred_task(profile: _Profile) -> Literal["classification", "regression"]:
+    numbers = profile.numbers
+    assert numbers is not None
+    if (
+        profile.dtype == "int"
+        and numbers.min() >= 0
+        and np.unique(numbers).size <= _MAX_INFERRED_CLASSES
+    ):
+        return "classification"
+    return "regression"
+
+
 # --------------------------------------------------------------------------- reading sources
 
 
@@ -380,39 +756,40 @@ def _parquet_directory(url: str, fs: Any, path: str) -> _Source:
     )
 
 
-def _read_rows(source: _Source, schema: TableSchema) -> _Rows:
+def _read_rows(source: _Source, names: list[str]) -> _Rows:
+    """The columns ``names`` of every row of ``source``, as strings."""
     if source.kind == "csv":
-        return _read_csv(source.url, source.files[0][1], schema)
+        return _read_csv(source.url, source.files[0][1], names)
     tables = [
-        _read_parquet(join(source.url, n) if n else source.url, d, schema) for n, d in source.files
+        _read_parquet(join(source.url, n) if n else source.url, d, names) for n, d in source.files
     ]
     table = pa.concat_tables(tables)
     return _Rows(table=table, source_row=np.arange(1, table.num_rows + 1), unsplit=[])
 
 
-def _read_parquet(url: str, data: bytes, schema: TableSchema) -> pa.Table:
+def _read_parquet(url: str, data: bytes, names: list[str]) -> pa.Table:
     try:
         table = pq.read_table(pa.BufferReader(data))
     except pa.ArrowException as err:
         raise DataError(f"{url} is not a readable Parquet file: {err}") from err
-    _require_columns(url, table.column_names, schema)
+    _require_columns(url, table.column_names, names)
     columns = {}
-    for column in schema.columns:
+    for name in names:
         try:
-            columns[column.name] = pc.cast(table[column.name], pa.string())
+            columns[name] = pc.cast(table[name], pa.string())
         except pa.ArrowException as err:
-            kind = table.schema.field(column.name).type
+            kind = table.schema.field(name).type
             raise SchemaError(
-                f"{url}: column {column.name} has type {kind}, expected numbers"
+                f"{url}: column {name} has type {kind}, expected numbers or text"
             ) from err
     return pa.table(columns)
 
 
-def _read_csv(url: str, data: bytes, schema: TableSchema) -> _Rows:
+def _read_csv(url: str, data: bytes, names: list[str]) -> _Rows:
     if url.lower().endswith(".gz"):
         data = _gunzip(url, data)
     header = _csv_header(url, data)
-    _require_columns(url, header, schema)
+    _require_columns(url, header, names)
     invalid: list[pv.InvalidRow] = []
 
     def keep_aside(row: pv.InvalidRow) -> str:
@@ -428,7 +805,7 @@ def _read_csv(url: str, data: bytes, schema: TableSchema) -> _Rows:
             parse_options=pv.ParseOptions(invalid_row_handler=keep_aside),
             convert_options=pv.ConvertOptions(
                 column_types={name: pa.string() for name in header},
-                include_columns=[c.name for c in schema.columns],
+                include_columns=names,
             ),
         )
     except pa.ArrowException as err:
@@ -450,14 +827,14 @@ def _csv_header(url: str, data: bytes) -> list[str]:
     return next(csv.reader([first.decode("utf-8-sig", errors="replace")]))
 
 
-def _require_columns(url: str, found: list[str], schema: TableSchema) -> None:
-    missing = [c.name for c in schema.columns if c.name not in found]
+def _require_columns(url: str, found: list[str], names: list[str]) -> None:
+    missing = [n for n in names if n not in found]
     if missing:
         raise SchemaError(
             f"{url} lacks the schema columns {missing}; columns found: {list(found)}. "
             "Rename the header or fix the schema."
         )
-    repeated = sorted({c.name for c in schema.columns if found.count(c.name) > 1})
+    repeated = sorted({n for n in names if found.count(n) > 1})
     if repeated:
         raise SchemaError(f"{url} has more than one column named {repeated}; rename them")
 
@@ -484,19 +861,33 @@ def _number_csv_rows(table: pa.Table, invalid: list[pv.InvalidRow]) -> _Rows:
 
 
 def _validate(table: pa.Table, schema: TableSchema) -> tuple[dict[str, np.ndarray], dict[int, str]]:
-    """Parse every column; return the values and a reason for each row index that failed."""
+    """Parse every column; return the values and a reason for each row index that failed.
+
+    Values are float64, with a category's code as its value and NaN where a check failed.
+    """
     values: dict[str, np.ndarray] = {}
     reasons: dict[int, list[str]] = {}
     for column in schema.columns:
-        values[column.name], problems = _check_column(column, table[column.name].combine_chunks())
-        for index, reason in problems.items():
+        text = pc.utf8_trim_whitespace(table[column.name].combine_chunks())
+        missing = _mask(pc.or_kleene(pc.is_null(text), pc.equal(text, "")))
+        if column.dtype == "category":
+            values[column.name], checks = _category_checks(column, text, missing)
+        else:
+            values[column.name], checks = _number_checks(column, text, missing)
+        if column.name == schema.label.name and schema.task == "classification":
+            checks.append(_class_check(values[column.name], schema.classes))
+        for index, reason in _first_problems(column.name, text, checks).items():
             reasons.setdefault(index, []).append(reason)
     return values, {i: "; ".join(r) for i, r in sorted(reasons.items())}
 
 
-def _check_column(column: Column, raw: pa.Array) -> tuple[np.ndarray, dict[int, str]]:
-    text = pc.utf8_trim_whitespace(raw)
-    missing = _mask(pc.or_kleene(pc.is_null(text), pc.equal(text, "")))
+_Checks = list[tuple[Any, str]]
+"""(mask of failing rows, reason template formatted with the raw value) in check order."""
+
+
+def _number_checks(
+    column: Column, text: pa.Array, missing: np.ndarray
+) -> tuple[np.ndarray, _Checks]:
     numeric = _mask(pc.match_substring_regex(text, _NUMBER, ignore_case=True)) & ~missing
     values = pc.cast(pc.if_else(numeric, text, "nan"), pa.float64()).to_numpy(zero_copy_only=False)
     low = -np.inf if column.min is None else column.min
@@ -510,10 +901,39 @@ def _check_column(column: Column, raw: pa.Array) -> tuple[np.ndarray, dict[int, 
         (values < low, f"{{}} is below the minimum {_number(column.min)}"),
         (values > high, f"{{}} is above the maximum {_number(column.max)}"),
     ]
-    return values, _first_problems(column.name, text, checks)
+    return values, checks
 
 
-def _first_problems(name: str, text: pa.Array, checks: list[tuple[Any, str]]) -> dict[int, str]:
+def _category_checks(
+    column: Column, text: pa.Array, missing: np.ndarray
+) -> tuple[np.ndarray, _Checks]:
+    assert column.categories is not None
+    codes = pc.index_in(text, value_set=pa.array(column.categories, pa.string()))
+    values = pc.cast(codes, pa.float64()).to_numpy(zero_copy_only=False)  # null -> NaN
+    listed = _categories_text(column.categories).replace("{", "{{").replace("}", "}}")
+    checks = [
+        (missing, "value is missing"),
+        (np.isnan(values), "{!r} is not one of the categories " + listed),
+    ]
+    return values, checks
+
+
+def _class_check(values: np.ndarray, classes: int | None) -> tuple[np.ndarray, str]:
+    """A class id is 0 .. classes - 1 (or any integer from 0 when the count is not known)."""
+    if classes is None:
+        return values < 0, "{} is not a class id (0 or more)"
+    return (values < 0) | (values > classes - 1), f"{{}} is outside the classes 0..{classes - 1}"
+
+
+def _categories_text(categories: tuple[str, ...]) -> str:
+    """The categories as a list, cut short when long."""
+    if len(categories) <= _SHOWN_CATEGORIES:
+        return str(list(categories))
+    shown = ", ".join(repr(c) for c in categories[: _SHOWN_CATEGORIES - 2])
+    return f"[{shown}, ... {len(categories) - _SHOWN_CATEGORIES + 2} more]"
+
+
+def _first_problems(name: str, text: pa.Array, checks: _Checks) -> dict[int, str]:
     """Report only the first failed check of a value: later ones assume the earlier passed."""
     failed = np.zeros(len(text), dtype=bool)
     problems: dict[int, str] = {}
@@ -576,9 +996,24 @@ def _split(labels: np.ndarray, fractions: tuple[float, ...], seed: int) -> dict[
     return {s: rng.permutation(np.concatenate(parts[s])) for s in SPLITS}
 
 
+def _shuffle_split(rows: int, fractions: tuple[float, ...], seed: int) -> dict[str, np.ndarray]:
+    """Positions ``0 .. rows - 1`` for each split: one seeded shuffle, cut by the fractions."""
+    shuffled = np.random.default_rng(seed).permutation(rows)
+    bounds = np.rint(rows * np.cumsum(fractions)[:2]).astype(int)
+    return dict(zip(SPLITS, np.split(shuffled, bounds), strict=True))
+
+
 def _typed_table(values: dict[str, np.ndarray], schema: TableSchema, index: np.ndarray) -> pa.Table:
-    types = {"float": np.float32, "int": np.int64}
-    return pa.table({c.name: values[c.name][index].astype(types[c.dtype]) for c in schema.columns})
+    return pa.table(
+        {c.name: values[c.name][index].astype(_storage_type(schema, c)) for c in schema.columns}
+    )
+
+
+def _storage_type(schema: TableSchema, column: Column) -> type[np.generic]:
+    """float32 for floats and a regression's label, int64 for ints and category codes."""
+    if column.name == schema.label.name and schema.task == "regression":
+        return np.float32
+    return np.float32 if column.dtype == "float" else np.int64
 
 
 def _write_split(dataset_url: str, split: str, table: pa.Table, rows_per_shard: int) -> list[dict]:
@@ -626,12 +1061,22 @@ def _remove_leftovers(dataset_url: str, files: list[dict]) -> None:
 # --------------------------------------------------------------------------- reading datasets
 
 
-def read_split(dataset_url: str, split: str, schema: TableSchema) -> tuple[np.ndarray, np.ndarray]:
+def read_split(
+    dataset_url: str, split: str, schema: TableSchema | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Read one split of a committed dataset, verifying every shard against the manifest.
 
+    Args:
+        dataset_url: a :attr:`PreprocessResult.dataset_url`.
+        split: ``"train"``, ``"validation"`` or ``"test"``.
+        schema: the columns to read; ``None`` for the dataset's own (:func:`dataset_schema`).
+            A schema that is given must agree with the stored one on the dtype and categories
+            of every column it names, and on the task.
+
     Returns:
-        ``(features, labels)``: float32 of shape ``(n, len(schema.features))`` in schema order,
-        and int64 of shape ``(n,)``.
+        ``(features, labels)``: float32 of shape ``(n, schema.input_dim)`` in schema order
+        (a category as its code), and labels of shape ``(n,)``: int64 class ids for a
+        classification, float32 for a regression.
 
     Raises:
         ValueError: ``split`` is not one of ``train``, ``validation``, ``test``.
@@ -642,14 +1087,37 @@ def read_split(dataset_url: str, split: str, schema: TableSchema) -> tuple[np.nd
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
     manifest = _load_manifest(dataset_url)
-    _check_stored_schema(dataset_url, manifest, schema)
+    stored = _stored_schema(dataset_url, manifest)
+    if schema is None:
+        schema = stored
+    else:
+        _check_stored_schema(dataset_url, stored, schema)
     names = [c.name for c in schema.columns]
     shards = [f for f in manifest["files"] if f["split"] == split]
     table = pa.concat_tables([_read_shard(dataset_url, f, names) for f in shards])
-    features = np.empty((table.num_rows, len(schema.features)), dtype=np.float32)
+    features = np.empty((table.num_rows, schema.input_dim), dtype=np.float32)
     for i, column in enumerate(schema.features):
         features[:, i] = table[column.name].to_numpy()
-    return features, table[schema.label.name].to_numpy().astype(np.int64)
+    label_type = np.int64 if schema.task == "classification" else np.float32
+    return features, table[schema.label.name].to_numpy().astype(label_type)
+
+
+def dataset_schema(dataset_url: str) -> TableSchema:
+    """The schema a committed dataset was preprocessed with, as its manifest records it.
+
+    Raises:
+        DataError: no valid manifest, or its schema cannot be read.
+    """
+    return _stored_schema(dataset_url, _load_manifest(dataset_url))
+
+
+def _stored_schema(dataset_url: str, manifest: dict[str, Any]) -> TableSchema:
+    try:
+        return TableSchema.from_json(manifest["schema"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise DataError(
+            f"{join(dataset_url, _MANIFEST)} holds no valid schema ({err}); run preprocess again"
+        ) from err
 
 
 def _load_manifest(dataset_url: str) -> dict[str, Any]:
@@ -667,14 +1135,25 @@ def _load_manifest(dataset_url: str) -> dict[str, Any]:
     return manifest
 
 
-def _check_stored_schema(dataset_url: str, manifest: dict[str, Any], schema: TableSchema) -> None:
-    stored = manifest["schema"]
-    dtypes = {c["name"]: c["dtype"] for c in [*stored["features"], stored["label"]]}
-    wrong = [c.name for c in schema.columns if dtypes.get(c.name) != c.dtype]
+def _check_stored_schema(dataset_url: str, stored: TableSchema, schema: TableSchema) -> None:
+    columns = {c.name: c for c in stored.columns}
+    wrong = [
+        c.name
+        for c in schema.columns
+        if c.name not in columns
+        or (columns[c.name].dtype, columns[c.name].categories) != (c.dtype, c.categories)
+    ]
     if wrong:
+        dtypes = {c.name: c.dtype for c in stored.columns}
         raise SchemaError(
-            f"dataset {dataset_url} has no column of the requested dtype for {wrong}; "
-            f"it stores {dtypes}"
+            f"dataset {dataset_url} has no column of the requested dtype (and categories) for "
+            f"{wrong}; "
+            f"it stores {dtypes} (read it with schema=None to use the stored schema)"
+        )
+    if schema.task != stored.task:
+        raise SchemaError(
+            f"dataset {dataset_url} was preprocessed for task {stored.task!r}, not "
+            f"{schema.task!r}; read it with schema=None or preprocess it again"
         )
 
 

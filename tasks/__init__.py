@@ -1,6 +1,10 @@
-"""Prefect tasks: thin wrappers that call into ``engine`` and ``storage``."""
+"""Prefect tasks: thin wrappers that call into ``engine`` and ``storage``.
 
-from ringflow.tasks.preprocess import demo_data, preprocess
+Each takes typed specs (``ModelRef``, ``TrainConfig``, ``PipelineConfig``) and URLs, so a
+flow of one's own can compose them in another order or add tasks between them.
+"""
+
+from ringflow.tasks.preprocess import example_data, preprocess
 from ringflow.tasks.registry import promote, register, warm_start_checkpoint
 from ringflow.tasks.resume import report_resume
 from ringflow.tasks.serve import serve, serve_production
@@ -8,8 +12,8 @@ from ringflow.tasks.train import evaluate, train
 from ringflow.tasks.tune import tune
 
 __all__ = [
-    "demo_data",
     "evaluate",
+    "example_data",
     "preprocess",
     "promote",
     "register",

@@ -9,24 +9,62 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import INPUTS, RUN_ID, TASK_SOURCE
 from prefect.logging import get_run_logger
 
-from ringflow.models.digits import SCHEMA
+from ringflow.engine.errors import ModelError
+from ringflow.engine.spec import ModelRef
+from ringflow.storage.dataset import infer_schema
 from ringflow.storage.dataset import preprocess as preprocess_table
+from ringflow.storage.layout import Workspace
+
+__all__ = ["example_data", "preprocess"]
 
 
 @task(
     name="preprocess",
     persist_result=True,
     result_serializer="json",
-    # Keyed by the flow run too: a retried run reuses the result, a new run re-checks the data.
+    # Keyed by the flow run too: a retried run reuses the result, a new run re-checks the data
+    # (and finds the committed dataset by its content hash, without writing it again).
     cache_policy=INPUTS + TASK_SOURCE + RUN_ID,
 )
-def preprocess(data_url: str, storage_url: str, *, seed: int) -> dict:
-    """Validate the raw rows at ``data_url`` and write the dataset under ``storage_url``."""
+def preprocess(
+    data_url: str,
+    storage_url: str,
+    *,
+    label: str = "label",
+    features: list[str] | None = None,
+    task: str | None = None,
+    bounds: dict[str, list[float | None]] | None = None,
+    classes: int | None = None,
+    categorical: list[str] | None = None,
+    seed: int = 0,
+) -> dict:
+    """Validate the rows at ``data_url`` and write the dataset under ``storage_url``.
+
+    The schema is read from the file: ``label`` names the target column, ``features`` the
+    inputs (default: every other column); ``task`` (classification or regression), ``bounds``
+    ({column: [min, max]}), ``classes`` and ``categorical`` columns are inferred unless given.
+    Rows that fail it are kept aside with their reasons.
+
+    Returns:
+        ``dataset_url``, ``rows`` per split, ``rejected_rows``, ``rejected_url``, ``task``.
+    """
     logger = get_run_logger()
-    result = preprocess_table(data_url, storage_url, SCHEMA, seed=seed)
+    schema = infer_schema(
+        data_url,
+        label=label,
+        features=features,
+        task=task,
+        bounds=bounds,
+        classes=classes,
+        categorical=categorical,
+    )
+    result = preprocess_table(data_url, Workspace(storage_url).datasets, schema, seed=seed)
     logger.info(
-        "dataset %s: %s rows kept, %d rejected",
+        "dataset %s (%s of %s on %d features): %s rows kept, %d rejected",
         result.dataset_url,
+        schema.task,
+        label,
+        schema.input_dim,
         result.rows,
         result.rejected_rows,
     )
@@ -40,23 +78,26 @@ def preprocess(data_url: str, storage_url: str, *, seed: int) -> dict:
     create_markdown_artifact(
         key="dataset",
         markdown=(
-            f"**Dataset** `{result.dataset_url}`\n\n| split | rows |\n|---|---|\n"
+            f"**Dataset** `{result.dataset_url}`: {schema.task} of `{label}` on "
+            f"{schema.input_dim} features\n\n| split | rows |\n|---|---|\n"
             + "".join(f"| {k} | {v} |\n" for k, v in result.rows.items())
             + f"| rejected | {result.rejected_rows} |\n"
         ),
         description="Rows kept per split and rows rejected by validation",
     )
-    return asdict(result)
+    return {**asdict(result), "task": schema.task}
 
 
-@task(name="demo-data", persist_result=True, result_serializer="json")
-def demo_data(storage_url: str) -> str:
-    """Drop the bundled digits as a raw CSV under ``storage_url``, as a user's export would be."""
-    from ringflow.models.digits import write_digits_csv
-    from ringflow.storage.fs import exists, join
-
-    url = join(storage_url, "raw", "digits.csv")
-    if not exists(url):
-        rows = write_digits_csv(url)
-        get_run_logger().info("wrote the digits demo data (%d rows) to %s", rows, url)
+@task(name="example-data", persist_result=True, result_serializer="json")
+def example_data(model: ModelRef, storage_url: str) -> str:
+    """The example data a model ships (its ``example_data`` hook), dropped under
+    ``{storage_url}/raw`` as a user's export would be; for runs given no ``data_url``."""
+    hook = getattr(model.resolve(), "example_data", None)
+    if not callable(hook):
+        raise ModelError(
+            f"data_url is required: model {model.path} ships no example data "
+            "(an example_data(directory_url, hparams) hook)"
+        )
+    url = hook(Workspace(storage_url).raw, dict(model.hparams))
+    get_run_logger().info("example data of %s: %s", model.path, url)
     return url

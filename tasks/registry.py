@@ -20,8 +20,8 @@ from prefect import task
 from prefect.exceptions import MissingContextError
 from prefect.logging import get_logger, get_run_logger
 
-from ringflow.storage.dataset import TableSchema
-from ringflow.storage.fs import absolute, join
+from ringflow.storage.fs import resolve
+from ringflow.storage.layout import Workspace
 from ringflow.storage.registry import (
     ModelRegistry,
     RegistryError,
@@ -33,14 +33,14 @@ from ringflow.storage.registry import (
 __all__ = ["main", "model_registry", "promote", "register", "warm_start_checkpoint"]
 
 
-def model_registry(storage_url: str, model: str = "digits") -> ModelRegistry:
-    """The registry of ``model`` in a pipeline's storage, ``{storage_url}/registry``."""
-    return ModelRegistry(join(absolute(storage_url), "registry"), model)
+def model_registry(storage_url: str, model: str) -> ModelRegistry:
+    """The registry of the model named ``model`` in a pipeline's storage."""
+    return ModelRegistry(Workspace(storage_url).registry, model)
 
 
-def warm_start_checkpoint(storage_url: str, model: str = "digits") -> str | None:
+def warm_start_checkpoint(storage_url: str, model: str) -> str | None:
     """The production checkpoint to warm-start a retrain from, or ``None`` if none yet."""
-    return production_checkpoint(join(absolute(storage_url), "registry"), model)
+    return production_checkpoint(Workspace(storage_url).registry, model)
 
 
 @task(name="register")
@@ -51,7 +51,7 @@ def register(
     metrics: Mapping[str, float],
     dataset_url: str,
     run_key: str,
-    model: str = "digits",
+    model: str,
 ) -> dict:
     """Register a trained checkpoint as the model's next version; return its record."""
     record = model_registry(storage_url, model).register(
@@ -70,17 +70,24 @@ def promote(
     version: str,
     storage_url: str,
     *,
-    model: str = "digits",
-    metric: str = "test_accuracy",
-    mode: str = "max",
+    model: str,
+    metric: str | None = None,
+    mode: str | None = None,
     tolerance: float = 0.0,
 ) -> dict:
     """Promote ``version`` to production if it is at least as good as the current one.
+
+    The metric defaults to ``test_accuracy`` (higher is better) where the version has one,
+    else ``test_loss`` (lower is better).
 
     When the two were trained on different data, both are re-evaluated on the candidate's
     held-out test split. Returns the gate's decision (``promoted``, ``reason``, the values).
     """
     registry = model_registry(storage_url, model)
+    if metric is None:
+        stored = registry.get(version).metrics
+        metric = "test_accuracy" if "test_accuracy" in stored else "test_loss"
+    mode = mode or ("min" if metric.endswith("loss") else "max")
     decision = promote_if_better(
         registry,
         version,
@@ -101,7 +108,7 @@ def _test_split_evaluator(registry: ModelRegistry, version: str):
     dataset_url = registry.get(version).dataset_url
     if dataset_url is None:
         return None
-    data = DataSpec(dataset_url=dataset_url, schema=_schema(registry.model))
+    data = DataSpec(dataset_url=dataset_url)
     return lambda uri: evaluate_model(uri, data, split="test")
 
 
@@ -113,14 +120,6 @@ def _logger():
         return get_logger(__name__)
 
 
-def _schema(model: str) -> TableSchema:
-    if model == "digits":
-        from ringflow.models.digits import SCHEMA
-
-        return SCHEMA
-    raise RegistryError(f"no dataset schema is known for model {model!r}; add it to _schema")
-
-
 # ---------------------------------------------------------------------------- command line
 
 
@@ -129,12 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringflow.tasks.registry", description=__doc__)
     parser.add_argument("command", choices=("show", "rollback", "promote"))
     parser.add_argument("--storage-url", required=True, help="the pipeline's storage_url")
-    parser.add_argument("--model", default="digits")
+    parser.add_argument(
+        "--model", help="the model's registry name; may be left out when the registry has one"
+    )
     parser.add_argument("--version", help="promote: the version to put in production")
     parser.add_argument("--reason", default=None, help="recorded in the pointer's history")
     args = parser.parse_args(argv)
-    registry = model_registry(args.storage_url, args.model)
     try:
+        args.model = args.model or _only_model(args.storage_url)
+        registry = model_registry(args.storage_url, args.model)
         if args.command == "rollback":
             registry.rollback(reason=args.reason or "manual rollback")
         elif args.command == "promote":
@@ -153,6 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     shown["versions"] = [v.version for v in registry.versions()]
     print(json.dumps(shown))
     return 0
+
+
+def _only_model(storage_url: str) -> str:
+    """The name of the one model in the registry, for commands given no ``--model``."""
+    fs, path = resolve(Workspace(storage_url).registry)
+    names = (
+        sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+        if fs.exists(path)
+        else []
+    )
+    if len(names) != 1:
+        raise RegistryError(f"name the model with --model; the registry holds {names or 'none'}")
+    return names[0]
 
 
 if __name__ == "__main__":

@@ -15,17 +15,19 @@ from prefect.logging import get_run_logger
 
 from ringflow.engine.cluster import connect
 from ringflow.engine.serving import serve_model, serve_registry
-from ringflow.models.digits import SCHEMA
-from ringflow.storage.dataset import read_split
-from ringflow.storage.fs import absolute, join
+from ringflow.storage.dataset import dataset_schema, read_split
+from ringflow.storage.layout import Workspace
 
 __all__ = ["serve", "serve_production"]
 
 
 @task(name="serve")
-def serve(model_uri: str, dataset_url: str, *, port: int) -> dict:
-    """Deploy ``model_uri`` on the Ray cluster; return the endpoint and one real answer."""
-    connect()
+def serve(model_uri: str, dataset_url: str, *, port: int, model: str | None = None) -> dict:
+    """Deploy ``model_uri`` on the Ray cluster; return the endpoint and one real answer.
+
+    ``model`` is the model's import path, so that code not installed on the cluster travels
+    with the job (``engine.cluster.connect``)."""
+    connect(model=model)
     endpoint = serve_model(model_uri, port=port)
     return _sample_answer(endpoint, dataset_url, served=model_uri)
 
@@ -36,45 +38,57 @@ def serve_production(
     dataset_url: str,
     *,
     port: int,
-    model: str = "digits",
+    model: str,
+    model_path: str | None = None,
     poll_s: float = 1.0,
 ) -> dict:
-    """Serve ``model``'s production version from ``{storage_url}/registry``, following the
-    pointer every ``poll_s`` seconds; return the endpoint, the version and one real answer.
+    """Serve the production version of the model named ``model`` from
+    ``{storage_url}/registry``, following the pointer every ``poll_s`` seconds; return the
+    endpoint, the version and one real answer (to a row of the dataset's test split).
 
     Deploying again (the next flow run) is not needed for a new model: a promotion moves the
     pointer and the running replicas swap to it within ``poll_s``.
     """
-    connect()
-    registry_url = join(absolute(storage_url), "registry")
+    connect(model=model_path)
+    registry_url = Workspace(storage_url).registry
     endpoint = serve_registry(registry_url, model, port=port, poll_s=poll_s)
     return _sample_answer(endpoint, dataset_url, served=f"{registry_url}/{model} (production)")
 
 
 def _sample_answer(endpoint: str, dataset_url: str, *, served: str) -> dict:
-    pixels, labels = read_split(dataset_url, "test", SCHEMA)
+    """Ask the served model about the first test row, sent as a plain array in schema order
+    (category values by name), which every served model accepts."""
+    schema = dataset_schema(dataset_url)
+    features, labels = read_split(dataset_url, "test", schema)
+    instance = [
+        column.categories[int(value)] if column.categories else value
+        for column, value in zip(schema.features, features[0].tolist(), strict=True)
+    ]
     token = os.environ.get("RINGFLOW_SERVE_TOKEN", "").strip()
     reply = httpx.post(
         f"{endpoint}/predict",
-        json={"pixels": pixels[0].tolist()},
+        json={"instances": [instance]},
         headers={"Authorization": f"Bearer {token}"} if token else {},
         timeout=30,
         trust_env=False,
     )
     reply.raise_for_status()
     answer = reply.json()
+    prediction = answer["predictions"][0]
     version = answer.get("model", {}).get("version")
+    label = labels[0].item()
     get_run_logger().info(
-        "serving %s at %s/predict (version %s); a test digit labelled %d was read as %s",
+        "serving %s at %s/predict (version %s); a test row with %s %s was answered %s",
         served,
         endpoint,
         version,
-        int(labels[0]),
-        answer.get("digit"),
+        schema.label.name,
+        label,
+        prediction,
     )
     return {
         "endpoint": f"{endpoint}/predict",
         "model_version": version,
-        "sample_label": int(labels[0]),
-        "sample_prediction": answer.get("digit"),
+        "sample_label": label,
+        "sample_prediction": prediction,
     }

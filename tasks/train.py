@@ -1,7 +1,8 @@
-"""Distributed training and evaluation of the demo model."""
+"""Distributed training and evaluation of the model a flow names."""
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
@@ -13,65 +14,53 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from ringflow.engine import DataSpec, EpochMetrics, TrainConfig, fit
 from ringflow.engine import evaluate as evaluate_model
 from ringflow.engine.cluster import connect
-from ringflow.engine.pipeline import PipelineConfig, fit_pipeline
-from ringflow.models.digits import SCHEMA, DigitsClassifier
-from ringflow.storage import join
+from ringflow.engine.pipeline import PipelineConfig
+from ringflow.engine.spec import ModelRef
+from ringflow.storage.layout import Workspace
 from ringflow.tasks.report import epoch_table, loss_curve
 
 
 @task(name="train")
 def train(
+    model: ModelRef,
     dataset_url: str,
     storage_url: str,
     *,
     run_key: str,
-    hparams: dict,
-    engine: dict,
-    pipeline: dict | None = None,
+    config: TrainConfig,
+    pipeline: PipelineConfig | None = None,
     init_from: str | None = None,
 ) -> dict:
-    """Train on Ray actors; return the checkpoint URL and the final metrics.
+    """Train ``model`` on Ray actors; return the checkpoint URL and the final metrics.
 
     Args:
-        engine: ``TrainConfig`` fields (workers, epochs, batch size, seed, elasticity, CPUs and
-            GPUs per worker...).
-        pipeline: ``PipelineConfig`` fields; with more than one stage the model is split into
-            pipeline stages, ``engine["workers"]`` replicas of them.
+        model: the model class by import path, and its hyperparameters.
+        config: workers, epochs, batch size, seed, elasticity, CPUs and GPUs per worker...
+        pipeline: with more than one stage the model is split into pipeline stages,
+            ``config.workers`` replicas of them.
         init_from: a committed model to warm-start from.
 
-    Training is checkpointed under ``storage_url/checkpoints/{run_key}`` (data parallel: every
-    ``checkpoint_every`` steps and at epoch ends; pipeline stages: at epoch ends), so a
-    retried flow run (same run key) resumes where the failed attempt stopped.
+    Training is checkpointed under ``{storage_url}/checkpoints/{run_key}``, so a retried
+    flow run (same run key) resumes where the failed attempt stopped.
     """
-    connect()
-    if pipeline and pipeline.get("stages", 1) > 1 and "cpus_per_worker" not in engine:
-        engine = {**engine, "cpus_per_worker": _stage_cpus(engine["workers"] * pipeline["stages"])}
-    config = TrainConfig(**engine)
-    common = {
-        "hparams": hparams,
-        "data": DataSpec(dataset_url=dataset_url, schema=SCHEMA),
-        "config": config,
-        "checkpoint_uri": join(storage_url, "runs", run_key, "model"),
-    }
+    connect(model=model.path)
+    workspace = Workspace(storage_url)
+    if pipeline is not None and pipeline.stages > 1 and config.cpus_per_worker == 1.0:
+        cpus = _stage_cpus(config.workers * pipeline.stages)
+        config = dataclasses.replace(config, cpus_per_worker=cpus)
     with _epoch_progress(config.epochs) as on_epoch:
-        if pipeline and pipeline.get("stages", 1) > 1:
-            result = fit_pipeline(
-                DigitsClassifier,
-                **common,
-                pipeline=PipelineConfig(**pipeline),
-                on_epoch=on_epoch,
-                store_url=join(storage_url, "checkpoints"),
-                run_key=run_key,
-            )
-        else:
-            result = fit(
-                DigitsClassifier,
-                **common,
-                on_epoch=on_epoch,
-                store_url=join(storage_url, "checkpoints"),
-                run_key=run_key,
-                init_from=init_from,
-            )
+        result = fit(
+            model.resolve(),
+            hparams=model.hparams,
+            data=DataSpec(dataset_url=dataset_url),
+            config=config,
+            checkpoint_uri=workspace.run_model(run_key),
+            on_epoch=on_epoch,
+            store_url=workspace.checkpoints,
+            run_key=run_key,
+            init_from=init_from,
+            pipeline=pipeline,
+        )
     if result.resumed_from is not None:
         get_run_logger().warning(
             "resumed run %s from its checkpoint at step %d", run_key, result.resumed_from
@@ -150,6 +139,6 @@ def _epoch_progress(epochs: int):
 @task(name="evaluate")
 def evaluate(checkpoint: str, dataset_url: str) -> dict:
     """Held-out test metrics of the committed checkpoint."""
-    metrics = evaluate_model(checkpoint, DataSpec(dataset_url=dataset_url, schema=SCHEMA))
+    metrics = evaluate_model(checkpoint, DataSpec(dataset_url=dataset_url))
     get_run_logger().info("test metrics %s", metrics)
     return metrics

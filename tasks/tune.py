@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any
 
 from prefect import task
@@ -9,52 +11,59 @@ from prefect.logging import get_run_logger
 
 from ringflow.engine import DataSpec, TrainConfig
 from ringflow.engine.cluster import connect
+from ringflow.engine.spec import ModelRef
 from ringflow.engine.tuning import TUNABLE_CONFIG, SearchConfig, search
-from ringflow.models.digits import SCHEMA, DigitsClassifier
 from ringflow.tasks.report import best_configuration, trial_curves, trial_table
 
 
-def default_space(base_hparams: dict[str, Any], batch_size: int) -> dict[str, Any]:
-    """What a user of the digits demo tunes: learning rate, width and batch around the base."""
-    lr, hidden = base_hparams["lr"], base_hparams["hidden"]
-    return {
-        "lr": {"loguniform": [lr / 10, lr * 10]},
-        "hidden": sorted({max(1, hidden // 2), hidden, hidden * 2}),
-        "batch_size": sorted({max(1, batch_size // 2), batch_size, batch_size * 2}),
-    }
+def default_space(model: ModelRef, batch_size: int) -> dict[str, Any]:
+    """The model's own ``search_space`` if it declares one, else its learning rate (a
+    constructor keyword ``lr``) around its value; always the batch size around the base."""
+    cls = model.resolve()
+    declared = getattr(cls, "search_space", None)
+    space: dict[str, Any] = dict(declared) if isinstance(declared, dict) else {}
+    lr = inspect.signature(cls).parameters.get("lr")
+    if not space and lr is not None:
+        base = model.hparams.get("lr", lr.default)
+        if isinstance(base, int | float) and base > 0:
+            space["lr"] = {"loguniform": [base / 10, base * 10]}
+    space.setdefault("batch_size", sorted({max(1, batch_size // 2), batch_size, batch_size * 2}))
+    return space
 
 
 @task(name="tune")
 def tune(
+    model: ModelRef,
     dataset_url: str,
     storage_url: str,
     *,
     run_key: str,
-    base_hparams: dict,
+    config: TrainConfig,
     trials: int,
     epochs: int,
-    batch_size: int,
-    seed: int,
     space: dict | None = None,
     algorithm: str = "random",
-    metric: str = "val_accuracy",
-    mode: str = "max",
+    metric: str | None = None,
+    mode: str | None = None,
     max_concurrent: int | None = None,
     workers_per_trial: int = 1,
 ) -> dict:
-    """Search ``space`` (default: :func:`default_space`) around ``base_hparams``.
+    """Search ``space`` (default: :func:`default_space`) around ``model`` and ``config``.
 
-    A retried flow run (same run key) continues the search it started: finished trials are
-    kept and unfinished ones resume from their checkpoints.
+    ``space`` names constructor keywords of the model and ``TrainConfig`` fields alike. The
+    metric defaults to ``val_accuracy`` (max) for classification and ``val_loss`` (min)
+    otherwise. A retried flow run (same run key) continues the search it started.
 
     Returns:
         ``best_params`` (every searched name), split into ``best_hparams`` (model keywords,
-        merged over ``base_hparams``) and ``best_train`` (``TrainConfig`` fields such as
-        ``batch_size``); ``best_metric``, ``base_metric``, ``best_checkpoint`` (the best
-        trial's trained model) and ``trials`` (one row per trial).
+        merged over ``model.hparams``) and ``best_train`` (``TrainConfig`` fields, to apply
+        with ``dataclasses.replace``); ``best_metric``, ``base_metric``, ``best_checkpoint``
+        (the best trial's trained model) and ``trials`` (one row per trial).
     """
-    space = space or default_space(base_hparams, batch_size)
-    config = SearchConfig(
+    data = DataSpec(dataset_url=dataset_url)
+    metric, mode = _metric(data, metric, mode)
+    space = space or default_space(model, config.batch_size)
+    search_config = SearchConfig(
         trials=trials,
         epochs=epochs,
         metric=metric,
@@ -63,16 +72,16 @@ def tune(
         max_concurrent=max_concurrent,
         workers_per_trial=workers_per_trial,
     )
-    connect()
+    connect(model=model.path)
     result = search(
-        DigitsClassifier,
-        base_hparams=base_hparams,
+        model.resolve(),
+        base_hparams=model.hparams,
         space=space,
-        data=DataSpec(dataset_url=dataset_url, schema=SCHEMA),
-        train_config=TrainConfig(workers=1, batch_size=batch_size, seed=seed),
+        data=data,
+        train_config=dataclasses.replace(config, workers=1),
         storage_url=storage_url,
         run_key=run_key,
-        config=config,
+        config=search_config,
     )
     logger = get_run_logger()
     if result.resumed:
@@ -84,7 +93,7 @@ def tune(
     return {
         "best_params": result.best_params,
         "best_hparams": {
-            **base_hparams,
+            **model.hparams,
             **{k: v for k, v in result.best_params.items() if k not in TUNABLE_CONFIG},
         },
         "best_train": {k: v for k, v in result.best_params.items() if k in TUNABLE_CONFIG},
@@ -98,3 +107,12 @@ def tune(
             for t in result.trials
         ],
     }
+
+
+def _metric(data: DataSpec, metric: str | None, mode: str | None) -> tuple[str, str]:
+    """The search's metric: given, else accuracy for classification and loss otherwise."""
+    if metric is None:
+        metric = "val_accuracy" if data.schema.task == "classification" else "val_loss"
+    if mode is None:
+        mode = "min" if metric.endswith("loss") else "max"
+    return metric, mode

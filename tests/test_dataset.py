@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
 import uuid
 
@@ -20,6 +21,7 @@ from ringflow.storage.dataset import (
     DataError,
     SchemaError,
     TableSchema,
+    dataset_schema,
     preprocess,
     read_split,
 )
@@ -395,3 +397,87 @@ def test_read_split_rejects_unknown_split_and_bad_shards(digits_csv, tmp_path):
         f.write(b"\0")
     with pytest.raises(DataError, match="does not match"):
         read_split(result.dataset_url, "test", SCHEMA)
+
+
+# --------------------------------------------------------------------------- categories, tasks
+
+COLORS = TableSchema(
+    features=(
+        Column(name="size", dtype="float"),
+        Column(name="color", dtype="category", categories=("red", "green", "blue")),
+    ),
+    label=Column(name="label", dtype="int"),
+    classes=3,
+)
+
+
+def test_a_value_outside_the_categories_is_rejected_with_its_reason(tmp_path):
+    source = _write_csv(
+        tmp_path / "s.csv",
+        "size,color,label\n1,red,0\n2, blue ,1\n3,mauve,2\n4,Red,0\n5,green,3\n6,green,-1\n",
+    )
+    result = preprocess(source, str(tmp_path / "out"), COLORS, fractions=(1, 0, 0))
+
+    rejected = pq.read_table(result.rejected_url).to_pylist()
+    assert [(r["source_row"], r["reason"]) for r in rejected] == [
+        (3, "column color: 'mauve' is not one of the categories ['red', 'green', 'blue']"),
+        (4, "column color: 'Red' is not one of the categories ['red', 'green', 'blue']"),
+        (5, "column label: 3 is outside the classes 0..2"),
+        (6, "column label: -1 is outside the classes 0..2"),
+    ]
+    features, labels = read_split(result.dataset_url, "train")
+    # Category codes are the index in ``categories``, read back as floats.
+    expected = _rows(np.array([[1, 0], [2, 2]]), np.array([0, 1]))
+    np.testing.assert_array_equal(_rows(features, labels), expected)
+    shard = pq.read_table(os.path.join(result.dataset_url, "train", "part-00000.parquet"))
+    assert str(shard.schema.field("color").type) == "int64"
+
+
+def test_a_long_category_list_is_cut_short_in_the_reason(tmp_path):
+    schema = TableSchema(
+        features=(Column(name="c", dtype="category", categories=[f"v{i}" for i in range(30)]),),
+        label=Column(name="label", dtype="int", min=0, max=1),
+    )
+    source = _write_csv(tmp_path / "s.csv", "c,label\nv3,0\nzz,1\n")
+    result = preprocess(source, str(tmp_path / "out"), schema, fractions=(1, 0, 0))
+    [rejected] = pq.read_table(result.rejected_url).to_pylist()
+    assert rejected["reason"] == (
+        "column c: 'zz' is not one of the categories "
+        "['v0', 'v1', 'v2', 'v3', 'v4', 'v5', 'v6', 'v7', ... 22 more]"
+    )
+
+
+def test_a_regression_label_is_stored_and_read_as_float32(tmp_path):
+    schema = TableSchema(
+        features=(Column(name="a", dtype="float"),),
+        label=Column(name="y", dtype="int"),
+        task="regression",
+    )
+    source = _write_csv(tmp_path / "s.csv", "a,y\n1,-5\n2,7\n3,1.5\n")
+    result = preprocess(source, str(tmp_path / "out"), schema, fractions=(1, 0, 0))
+    assert result.rejected_rows == 1  # an "int" label accepts integral values only
+    shard = pq.read_table(os.path.join(result.dataset_url, "train", "part-00000.parquet"))
+    assert str(shard.schema.field("y").type) == "float"
+    features, labels = read_split(result.dataset_url, "train", schema)
+    assert labels.dtype == np.float32
+    assert sorted(labels.tolist()) == [-5.0, 7.0]
+
+
+def test_read_split_defaults_to_the_stored_schema_and_checks_a_given_one(digits_csv, tmp_path):
+    result = preprocess(digits_csv, str(tmp_path), SCHEMA)
+    assert dataset_schema(result.dataset_url) == SCHEMA
+    x1, y1 = read_split(result.dataset_url, "test")
+    x2, y2 = read_split(result.dataset_url, "test", SCHEMA)
+    np.testing.assert_array_equal(x1, x2)
+    np.testing.assert_array_equal(y1, y2)
+    manifest = json.loads(read_bytes(join(result.dataset_url, "_manifest.json")))
+    assert manifest["schema"] == SCHEMA.to_json()
+
+    as_regression = TableSchema(features=SCHEMA.features, label=SCHEMA.label, task="regression")
+    with pytest.raises(SchemaError, match="task 'classification'"):
+        read_split(result.dataset_url, "test", as_regression)
+    as_category = TableSchema(
+        features=(Column(name="p0", dtype="category", categories=("0",)),), label=SCHEMA.label
+    )
+    with pytest.raises(SchemaError, match=r"\['p0'\]"):
+        read_split(result.dataset_url, "test", as_category)

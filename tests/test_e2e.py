@@ -116,7 +116,7 @@ def test_cli_runs_the_flow_with_no_server(tmp_path):
 def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
     """The whole process tree of a run is killed mid-training, as on a preempted machine."""
     from ringflow.engine import DataSpec, TrainConfig, fit
-    from ringflow.models.digits import SCHEMA, DigitsClassifier
+    from ringflow.models.digits import DigitsClassifier
     from ringflow.storage import CheckpointStore, load_model
 
     storage = tmp_path / "storage"
@@ -129,7 +129,7 @@ def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
         "--no-serve",
         "--epochs=60",
         "--checkpoint-every=5",
-        "--hidden=32",
+        '--hparams={"hidden": 32}',
         "--run-key=nightly-7",
         f"--storage-url={storage}",
     ]
@@ -157,7 +157,7 @@ def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
     reference = fit(
         DigitsClassifier,
         hparams=result["hparams"],
-        data=DataSpec(dataset_url=result["dataset_url"], schema=SCHEMA),
+        data=DataSpec(dataset_url=result["dataset_url"]),
         config=TrainConfig(workers=1, epochs=60, batch_size=64, seed=0, checkpoint_every=5),
         checkpoint_uri=str(tmp_path / "reference"),
         in_process=True,

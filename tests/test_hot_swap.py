@@ -46,7 +46,7 @@ def storage(tmp_path_factory, digits) -> str:
 
 @pytest.fixture(scope="module")
 def registry(storage) -> ModelRegistry:
-    return registry_tasks.model_registry(storage)
+    return registry_tasks.model_registry(storage, "digits")
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +84,9 @@ def _register_and_gate(storage: str, checkpoint: str, data: DataSpec, *, run_key
         metrics=evaluate_model(checkpoint, data),
         dataset_url=data.dataset_url,
         run_key=run_key,
+        model="digits",
     )
-    return registry_tasks.promote.fn(record["version"], storage)
+    return registry_tasks.promote.fn(record["version"], storage, model="digits")
 
 
 def _wait_for_version(http: httpx.Client, version: str, timeout_s: float = 20.0) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib.util
+import json
 import os
 import random
 import re
@@ -35,7 +36,7 @@ PARAMS = {
     "serve": "false",
     "epochs": EPOCHS,
     "checkpoint_every": CHECKPOINT_EVERY,
-    "hidden": HIDDEN,
+    "hparams": json.dumps({"hidden": HIDDEN}),
     "workers": 1,
 }
 
@@ -218,7 +219,7 @@ def _summary(stack: Stack, run_id: str) -> dict[str, str]:
 
 def _assert_resumed_bit_for_bit(stack: Stack, run_id: str, tmp_path: Path) -> dict[str, str]:
     from ringflow.engine import DataSpec, TrainConfig, fit
-    from ringflow.models.digits import SCHEMA, DigitsClassifier
+    from ringflow.models.digits import DigitsClassifier
     from ringflow.storage import load_model
 
     summary = _summary(stack, run_id)
@@ -232,7 +233,7 @@ def _assert_resumed_bit_for_bit(stack: Stack, run_id: str, tmp_path: Path) -> di
     reference = fit(
         DigitsClassifier,
         hparams=ast.literal_eval(summary["hparams"]),
-        data=DataSpec(dataset_url=summary["dataset_url"], schema=SCHEMA),
+        data=DataSpec(dataset_url=summary["dataset_url"]),
         config=TrainConfig(
             workers=1, epochs=EPOCHS, batch_size=64, seed=0, checkpoint_every=CHECKPOINT_EVERY
         ),

@@ -294,7 +294,7 @@ def test_gate_arguments_are_checked(tmp_path, checkpoints, kwargs, match):
 
 
 def test_rollback_command(tmp_path, checkpoints, capsys):
-    registry = registry_tasks.model_registry(str(tmp_path))
+    registry = registry_tasks.model_registry(str(tmp_path), "digits")
     for uri in checkpoints[:2]:
         registry.promote(_register(registry, uri, 0.9))
     assert registry_tasks.main(["rollback", "--storage-url", str(tmp_path)]) == 0
@@ -352,18 +352,28 @@ def test_retrain_on_shuffled_labels_is_refused(digits, tmp_path):
     good = _train(digits, str(tmp_path / "good"))
     good_metrics = evaluate(good, digits)
     v1 = registry_tasks.register.fn(
-        good, storage, metrics=good_metrics, dataset_url=digits.dataset_url, run_key="good"
+        good,
+        storage,
+        metrics=good_metrics,
+        dataset_url=digits.dataset_url,
+        run_key="good",
+        model="digits",
     )
-    assert registry_tasks.promote.fn(v1["version"], storage)["promoted"]
+    assert registry_tasks.promote.fn(v1["version"], storage, model="digits")["promoted"]
 
     bad_data = _corrupt_training_labels(digits.dataset_url, str(tmp_path / "shuffled"))
     assert dataset_fingerprint(bad_data) != dataset_fingerprint(digits.dataset_url)
     bad_spec = DataSpec(dataset_url=bad_data, schema=digits.schema)
     bad = _train(bad_spec, str(tmp_path / "bad"))
     v2 = registry_tasks.register.fn(
-        bad, storage, metrics=evaluate(bad, bad_spec), dataset_url=bad_data, run_key="bad"
+        bad,
+        storage,
+        metrics=evaluate(bad, bad_spec),
+        dataset_url=bad_data,
+        run_key="bad",
+        model="digits",
     )
-    decision = registry_tasks.promote.fn(v2["version"], storage)
+    decision = registry_tasks.promote.fn(v2["version"], storage, model="digits")
 
     assert good_metrics["test_accuracy"] > 0.85
     assert not decision["promoted"], decision
@@ -371,5 +381,5 @@ def test_retrain_on_shuffled_labels_is_refused(digits, tmp_path):
     assert decision["candidate_value"] < 0.5 < decision["production_value"]
     assert decision["production_value"] == pytest.approx(good_metrics["test_accuracy"])
     assert "kept v0001" in decision["reason"]
-    assert registry_tasks.model_registry(storage).production().version == "v0001"
-    assert registry_tasks.warm_start_checkpoint(storage) == v1["uri"]
+    assert registry_tasks.model_registry(storage, "digits").production().version == "v0001"
+    assert registry_tasks.warm_start_checkpoint(storage, "digits") == v1["uri"]

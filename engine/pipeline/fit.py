@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
-from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.config import PLACEMENTS, DataSpec, TrainConfig
 from ringflow.engine.errors import EngineError, PeerLostError, WorkerFailedError
 from ringflow.engine.group import _check_capacity, _describe, _worker_bundle
 from ringflow.engine.pipeline.config import PipelineConfig
 from ringflow.engine.pipeline.partition import Partition, model_layers, partition_model
 from ringflow.engine.pipeline.worker import PipelineWorker, TensorData, pipeline_batch, read_tensors
+from ringflow.engine.spec import build_module
 from ringflow.engine.trainer import (
     EpochCallback,
     EpochMetrics,
@@ -130,7 +131,7 @@ def fit_pipeline(
         hparams=hparams,
         metrics=history[-1].metrics,
         meta={
-            **run_meta(config, getattr(data, "dataset_url", None)),
+            **run_meta(config, data),
             "pipeline_stages": pipeline.stages,
             "micro_batches": pipeline.micro_batches,
             "schedule": pipeline.schedule,
@@ -237,10 +238,7 @@ def check_pipeline(
             f"({pipeline.micro_batches}) x replicas (workers={config.workers}): a micro-batch "
             "would be empty; raise batch_size or lower micro_batches"
         )
-    try:
-        module = module_cls(**hparams)
-    except TypeError as err:
-        raise ValueError(f"{module_cls.__name__} does not accept hparams {hparams}: {err}") from err
+    module = build_module(module_cls, hparams)
     for hook in ("pipeline_loss", "configure_optimizers"):
         if not callable(getattr(module, hook, None)):
             raise ValueError(f"{module_cls.__name__} must define {hook}() to train as a pipeline")
@@ -323,7 +321,9 @@ class _RayGroup:
 
         self._stages, count = pipeline.stages, pipeline.stages * config.workers
         _check_capacity(config, count=count, what="stage workers", lower="workers, stages")
-        self._pg = placement_group([_worker_bundle(config)] * count, strategy="PACK")
+        self._pg = placement_group(
+            [_worker_bundle(config)] * count, strategy=PLACEMENTS[config.placement]
+        )
         try:
             ray.get(self._pg.ready(), timeout=config.timeout_s)
         except ray.exceptions.GetTimeoutError:

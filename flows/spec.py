@@ -1,0 +1,188 @@
+"""A flow's parameters, typed and checked once at the edge, then handed to the tasks as such.
+
+:class:`RunSpec` turns ``train-pipeline``'s flat parameters into the engine's own objects
+(``ModelRef``, ``TrainConfig``, ``PipelineConfig``) before anything runs, so a bad
+combination fails the run at once; :func:`fail_at_once` makes such a failure final (a
+retry cannot fix it) and says why in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import get_client
+from prefect.artifacts import create_markdown_artifact
+from prefect.client.schemas.objects import FlowRunPolicy
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
+from prefect.states import Failed, State
+
+from ringflow.engine import TrainConfig
+from ringflow.engine.errors import ModelError
+from ringflow.engine.pipeline import PipelineConfig
+from ringflow.engine.spec import ModelRef
+from ringflow.engine.trainer import check_layout
+from ringflow.storage.fs import absolute
+from ringflow.storage.layout import Workspace
+
+__all__ = ["RunSpec", "fail_at_once", "publish_summary"]
+
+_DATA = ("label", "features", "task", "bounds", "classes", "categorical")
+"""Parameters describing the data; a model's ``data_schema`` gives defaults for them."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """Everything one run of ``train-pipeline`` does, decided before it starts."""
+
+    model: ModelRef
+    model_name: str
+    data_url: str | None
+    data: dict[str, Any]
+    """Keywords of the ``preprocess`` task: label, features, task, bounds, classes..."""
+    workspace: Workspace
+    run_key: str
+    config: TrainConfig
+    pipeline: PipelineConfig | None
+    tune: dict[str, Any] | None
+    """Keywords of the ``tune`` task, or ``None`` without a search."""
+    use_best_checkpoint: bool
+    warm_start: bool
+    tolerance: float
+    serve: bool
+    serve_port: int
+
+    @property
+    def storage_url(self) -> str:
+        return self.workspace.url
+
+    @classmethod
+    def build(cls, **p: Any) -> RunSpec:
+        """Check the parameters together and build the run's typed parts.
+
+        Raises:
+            ModelError: the model does not import or does not take an ``hparams`` key.
+            ValueError: a combination no single parameter's bounds can refuse.
+        """
+        model = ModelRef(path=p["model"], hparams=dict(p["hparams"] or {}))
+        _check_keywords(model)
+        config = TrainConfig(
+            workers=p["workers"],
+            epochs=p["epochs"],
+            batch_size=p["batch_size"],
+            seed=p["seed"],
+            checkpoint_every=p["checkpoint_every"],
+            min_workers=p["min_workers"],
+            commit_every=p["commit_every"],
+            placement=p["placement"],
+            gpus_per_worker=p["gpus_per_worker"],
+            **({"cpus_per_worker": p["cpus_per_worker"]} if p["cpus_per_worker"] else {}),
+        )
+        pipeline = None
+        if p["pipeline_stages"] > 1:
+            pipeline = PipelineConfig(
+                stages=p["pipeline_stages"],
+                micro_batches=p["micro_batches"],
+                schedule=p["pipeline_schedule"],
+            )
+            _check_micro_batches(config, pipeline)
+        check_layout(
+            config, pipeline, init_from="the production model" if p["warm_start"] else None
+        )
+        return cls(
+            model=model,
+            model_name=p["model_name"] or model.name,
+            data_url=absolute(p["data_url"]) if p["data_url"] else None,
+            data=_data_parameters(model, p),
+            workspace=Workspace(p["storage_url"]),
+            run_key=p["run_key"] or str(flow_run.get_id() or "local"),
+            config=config,
+            pipeline=pipeline,
+            tune=_tune_parameters(config, p),
+            use_best_checkpoint=p["use_best_checkpoint"],
+            warm_start=p["warm_start"],
+            tolerance=p["promotion_tolerance"],
+            serve=p["serve"],
+            serve_port=p["serve_port"],
+        )
+
+    def tuned(self, best: dict[str, Any]) -> tuple[ModelRef, TrainConfig]:
+        """The model and configuration the search chose: exactly what training then uses."""
+        model = ModelRef(path=self.model.path, hparams=best["best_hparams"])
+        config = dataclasses.replace(self.config, **best["best_train"])
+        if self.pipeline is not None:
+            _check_micro_batches(config, self.pipeline)
+        check_layout(config, self.pipeline)
+        return model, config
+
+
+def _check_keywords(model: ModelRef) -> None:
+    """Every ``hparams`` key is a keyword of the model's constructor."""
+    params = inspect.signature(model.resolve()).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(model.hparams) - set(params))
+    if unknown:
+        raise ModelError(
+            f"hparams {unknown} are not keywords of {model.path}; it takes {sorted(params)}"
+        )
+
+
+def _check_micro_batches(config: TrainConfig, pipeline: PipelineConfig) -> None:
+    if config.batch_size < pipeline.micro_batches * config.workers:
+        raise ValueError(
+            f"batch_size ({config.batch_size}) must be at least micro_batches x workers "
+            f"({pipeline.micro_batches} x {config.workers}): every micro-batch needs a sample"
+        )
+
+
+def _data_parameters(model: ModelRef, p: dict[str, Any]) -> dict[str, Any]:
+    """The data parameters given, else the model's ``data_schema`` defaults, else none."""
+    declared = getattr(model.resolve(), "data_schema", None) or {}
+    unknown = sorted(set(declared) - set(_DATA))
+    if unknown:
+        raise ModelError(f"{model.path}.data_schema has unknown keys {unknown}; it takes {_DATA}")
+    data = {name: p[name] if p[name] is not None else declared.get(name) for name in _DATA}
+    data["label"] = data["label"] or "label"
+    data["task"] = None if data["task"] in (None, "auto") else data["task"]
+    return data
+
+
+def _tune_parameters(config: TrainConfig, p: dict[str, Any]) -> dict[str, Any] | None:
+    if not p["tune_trials"]:
+        return None
+    return {
+        "config": config,
+        "trials": p["tune_trials"],
+        "epochs": p["tune_epochs"],
+        "space": p["tune_space"],
+        "metric": p["tune_metric"],
+        "algorithm": p["tune_algorithm"],
+        "max_concurrent": p["tune_max_concurrent"],
+    }
+
+
+def fail_at_once(err: Exception) -> State:
+    """A final Failed state saying why in one line: bad input, which no retry can fix.
+
+    The flow run's retries are set to 0 first, so the server does not retry it.
+    """
+    message = " ".join(f"{type(err).__name__}: {err}".split())
+    run_id = flow_run.get_id()
+    if run_id is not None:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(run_id, empirical_policy=FlowRunPolicy(retries=0))
+    get_run_logger().error("%s", message)
+    return Failed(message=message)
+
+
+def publish_summary(result: dict[str, Any]) -> None:
+    """The run's result as a ``run-summary`` artifact."""
+    create_markdown_artifact(
+        key="run-summary",
+        markdown="| | |\n|---|---|\n" + "".join(f"| {k} | `{v}` |\n" for k, v in result.items()),
+        description="What this run produced",
+    )

@@ -1,0 +1,55 @@
+"""Where everything a pipeline keeps lives under its ``storage_url``, decided in this one place.
+
+::
+
+    {storage_url}/raw/                      example data dropped for a model without data_url
+    {storage_url}/datasets/{fingerprint}/   validated, split Parquet shards (storage.dataset)
+    {storage_url}/checkpoints/{run key}/    training state, resumable (storage.store)
+    {storage_url}/runs/{run key}/model      the model a run trained
+    {storage_url}/tune/{run key}/           a search's records (engine.tuning)
+    {storage_url}/registry/{model name}/    versions and the production pointer (storage.registry)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ringflow.storage.fs import absolute, join
+
+__all__ = ["Workspace"]
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """The folders of one ``storage_url`` (any fsspec URL; a local path is made absolute)."""
+
+    url: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", absolute(self.url))
+
+    @property
+    def raw(self) -> str:
+        return join(self.url, "raw")
+
+    @property
+    def datasets(self) -> str:
+        """What ``storage.dataset.preprocess`` takes as its ``output_url``."""
+        return self.url
+
+    @property
+    def checkpoints(self) -> str:
+        return join(self.url, "checkpoints")
+
+    def run_model(self, run_key: str) -> str:
+        return join(self.url, "runs", run_key, "model")
+
+    def trial_model(self, run_key: str, trial_id: str) -> str:
+        return join(self.url, "runs", run_key, "trials", trial_id, "model")
+
+    def tune(self, run_key: str) -> str:
+        return join(self.url, "tune", run_key)
+
+    @property
+    def registry(self) -> str:
+        return join(self.url, "registry")
