@@ -9,10 +9,18 @@ no request fails or mixes models during the switch. A :class:`ModelServer` repli
 controller is detached, so an application deployed on a long-running Ray head keeps
 serving after the caller's process exits; :func:`shutdown_serving` deletes it.
 
-The module is generic over the served model: it reads the input's name, shape and range
-from the module's ``input_schema`` class attribute and the answer's name from
-``output_name``. Every bad request gets a 4xx with a JSON ``{"error": "..."}`` naming what
-is wrong; the replica never dies of one.
+The module is generic over the served model. The request follows the data the model was
+trained on: the engine records the dataset's schema in every checkpoint
+(``meta["data_schema"]``), and the server takes one input as an object of the named features,
+``{"x1": 0.3, "color": "red"}`` (a category as its string), or several as
+``{"instances": [...]}``, each an object of features or an array in schema order. A module
+that declares an ``input_schema`` class attribute (the digits demo: ``{"name": "pixels",
+"shape": [64], ...}``) is sent that named array instead. The answer follows the module:
+its own ``predict_step``'s output under ``prediction``; else, for classification, the class
+(its category string for a category label) under ``label`` (or the module's
+``output_name``) and the softmax ``probabilities``; for regression, ``value``. Every bad
+request gets a 4xx with a JSON ``{"error": "..."}`` naming what is wrong; the replica never
+dies of one.
 """
 
 # No ``from __future__ import annotations`` here: Serve pickles ModelServer by value, and
@@ -22,6 +30,7 @@ is wrong; the replica never dies of one.
 import asyncio
 import hashlib
 import hmac
+import inspect
 import json
 import logging
 import math
@@ -41,6 +50,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from ringflow.storage.checkpoint import ModelCheckpoint, load_model
+from ringflow.storage.dataset import TableSchema
 
 __all__ = ["ModelServer", "ServingError", "serve_model", "serve_registry", "shutdown_serving"]
 
@@ -96,13 +106,14 @@ def serve_model(
 
     Raises:
         CheckpointError: the checkpoint is missing, incomplete or corrupt.
-        ServingError: bad arguments, a model without ``input_schema``/``output_name``, Serve
-            already running with other HTTP options, or a deployment that fails or never
-            answers ``GET /healthz``.
+        ServingError: bad arguments, a checkpoint with neither a recorded data schema nor a
+            module ``input_schema``, a model that fails its self-check (a forward pass on a
+            valid input), Serve already running with other HTTP options, or a deployment that
+            fails or never answers ``GET /healthz``.
     """
     _check_arguments(host, port, route_prefix, max_batch_size, max_body_bytes)
-    module, _ = load_model(model_uri)  # CheckpointError propagates before anything deploys
-    _check_servable(module, model_uri)
+    module, ckpt = load_model(model_uri)  # CheckpointError propagates before anything deploys
+    _check_servable(module, ckpt)
     options = _ServerOptions(
         max_batch_size=max_batch_size, batching=batching, max_body_bytes=max_body_bytes
     )
@@ -134,9 +145,11 @@ def serve_registry(
 
     Every replica reads the production pointer every ``poll_s`` seconds. When it names
     another version (a promotion or a rollback), the replica loads it in the background,
-    checks that it answers a probe input and takes the same input as the served one, and
-    only then swaps it in; requests in flight finish on the model they started with. A
-    version that fails to load or check is logged and skipped; the old one keeps serving.
+    checks that it answers a probe input, takes the same input (the same named array,
+    or the same features with the same types and categories) and answers under the same
+    keys as the served one, and only then swaps it in; requests in flight finish on the
+    model they started with. A version that fails to load or check is logged and skipped;
+    the old one keeps serving.
     ``GET /model`` reports the served version, its training time and its metrics.
 
     Args:
@@ -166,8 +179,8 @@ def serve_registry(
             f"{registry_url}/{model} has no production version yet: register one and promote "
             "it (storage.registry.promote_if_better) before serving"
         )
-    module, _ = load_model(record.uri)
-    _check_servable(module, record.uri)
+    module, ckpt = load_model(record.uri)
+    _check_servable(module, ckpt)
     options = _ServerOptions(
         max_batch_size=max_batch_size, batching=batching, max_body_bytes=max_body_bytes
     )
@@ -228,20 +241,11 @@ def _check_arguments(
         raise ServingError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
 
 
-def _check_servable(module: torch.nn.Module, model_uri: str) -> None:
-    """Check the module declares what the server needs, so the replica cannot fail on it."""
-    schema = getattr(module, "input_schema", None)
-    output = getattr(module, "output_name", None)
-    if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
-        raise ServingError(
-            f"{model_uri}: {type(module).__qualname__}.input_schema must be a dict with a "
-            f"'name' and a 'shape', got {schema!r}"
-        )
-    shape = schema.get("shape")
-    if not isinstance(shape, list | tuple) or not all(isinstance(n, int) and n >= 1 for n in shape):
-        raise ServingError(f"{model_uri}: input_schema shape must be positive ints: {shape!r}")
-    if not isinstance(output, str) or not output or output in ("probabilities", _INSTANCES):
-        raise ServingError(f"{model_uri}: output_name must be a plain name, got {output!r}")
+def _check_servable(module: torch.nn.Module, ckpt: ModelCheckpoint) -> None:
+    """Derive the request and answer and run the self-check here, before anything deploys,
+    so that a model the replica would refuse fails with the replica's message."""
+    spec, output = _specs(module, ckpt)
+    _probe(module, spec, output, ckpt.uri)
 
 
 def _read_token(token_env: str, token_file: str | None) -> str | None:
@@ -384,34 +388,107 @@ class _BadRequest(Exception):
         self.status = status
 
 
+def _finite(value: Any, where: str) -> float:
+    """``value`` as a finite float, or a 400 naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _BadRequest(f"{where} must be a number, found {_json_type(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf if value > 0 else -math.inf
+    if not math.isfinite(number):
+        raise _BadRequest(f"{where} must be a finite number, found {value!r}")
+    return number
+
+
+def _check_range(number: float, value: Any, low: float | None, high: float | None, where: str):
+    if (low is not None and number < low) or (high is not None and number > high):
+        raise _BadRequest(f"{where} = {value!r} is outside [{low}, {high}]")
+
+
+def _listing(names: Any, most: int = 20) -> str:
+    """``names`` as a list for a message, cut after ``most``."""
+    names = list(names)
+    if len(names) <= most:
+        return repr(names)
+    return repr(names[:most])[:-1] + f", ...] ({len(names)} in all)"
+
+
 @dataclass(frozen=True, kw_only=True)
 class _InputSpec:
-    """The model's input as declared by its ``input_schema``."""
+    """A tensor input declared by the module's ``input_schema``: one named array of numbers.
+
+    One input is ``{name: [...]}``, several are ``{"instances": [[...], ...]}``.
+    """
 
     name: str
     shape: tuple[int, ...]
     low: float | None
     high: float | None
+    declared: dict[str, Any]
+    """The ``input_schema`` as the module declares it, for ``GET /model``."""
 
     @classmethod
-    def of(cls, schema: dict[str, Any]) -> "_InputSpec":
+    def of(cls, schema: Any, where: str) -> "_InputSpec":
+        if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
+            raise ServingError(
+                f"{where}.input_schema must be a dict with a 'name' and a 'shape', got {schema!r}"
+            )
+        shape = schema.get("shape")
+        if not isinstance(shape, list | tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape
+        ):
+            raise ServingError(f"{where}.input_schema shape must be positive ints: {shape!r}")
         low, high = schema.get("min"), schema.get("max")
         return cls(
             name=schema["name"],
-            shape=tuple(schema["shape"]),
+            shape=tuple(shape),
             low=None if low is None else float(low),
             high=None if high is None else float(high),
+            declared=dict(schema),
         )
 
-    def values(self, value: Any, where: str) -> list[float]:
+    @property
+    def signature(self) -> tuple:
+        """What clients send; a swap must keep it."""
+        return ("tensor", self.name, self.shape)
+
+    def summary(self) -> str:
+        return f"{self.name!r} of shape {list(self.shape)}"
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.declared, "kind": "tensor"}
+
+    def parse(self, payload: dict[str, Any]) -> tuple[list[list[float]], bool]:
+        """The rows of a request body, and whether it was one input (not ``instances``)."""
+        has_single, has_batch = self.name in payload, _INSTANCES in payload
+        if has_single == has_batch:
+            raise _BadRequest(
+                f"request body must have exactly one of the keys {self.name!r} (one "
+                f"input) or {_INSTANCES!r} (a list of inputs); found keys {sorted(payload)}"
+            )
+        if has_single:
+            return [self.row(payload[self.name], self.name)], True
+        return _instances(self, payload[_INSTANCES]), False
+
+    def row(self, value: Any, where: str) -> list[float]:
         """Check one input against the shape and range; return its numbers flattened."""
         out: list[float] = []
         self._collect(value, self.shape, where, out)
         return out
 
+    def probe_row(self) -> list[float]:
+        value = self.low if self.low is not None else min(0.0, self.high or 0.0)
+        return [value] * math.prod(self.shape)
+
+    def tensor(self, rows: list[list[float]]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), *self.shape)
+
     def _collect(self, value: Any, shape: tuple[int, ...], where: str, out: list[float]) -> None:
         if not shape:
-            out.append(self._number(value, where))
+            number = _finite(value, where)
+            _check_range(number, value, self.low, self.high, where)
+            out.append(number)
             return
         if not isinstance(value, list):
             raise _BadRequest(
@@ -426,24 +503,174 @@ class _InputSpec:
         for i, item in enumerate(value):
             self._collect(item, shape[1:], f"{where}[{i}]", out)
 
-    def _number(self, value: Any, where: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _BadRequest(f"{where} must be a number, found {_json_type(value)}")
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf if value > 0 else -math.inf
-        if not math.isfinite(number):
-            raise _BadRequest(f"{where} must be a finite number, found {value!r}")
-        if (self.low is not None and number < self.low) or (
-            self.high is not None and number > self.high
-        ):
-            raise _BadRequest(f"{where} = {value!r} is outside [{self.low}, {self.high}]")
-        return number
-
 
 def _element(shape: tuple[int, ...]) -> str:
     return "numbers" if not shape else f"arrays of shape {list(shape)}"
+
+
+# Beyond these magnitudes the float32 model input would change the value: float32
+# overflows to inf; integers are exact in the dataset only up to 2**53.
+_FEATURE_LIMITS = {"float": float(torch.finfo(torch.float32).max), "int": 2.0**53}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Feature:
+    """One feature column of the recorded data schema, as a request must give it."""
+
+    name: str
+    dtype: str
+    low: float | None
+    high: float | None
+    categories: tuple[str, ...] | None
+
+    def value(self, value: Any, where: str) -> float:
+        """The model's number for one request value: the number itself or the category code."""
+        if self.categories is not None:
+            return self._code(value, where)
+        number = _finite(value, where)
+        if self.dtype == "int" and not number.is_integer():
+            raise _BadRequest(
+                f"{where} must be an integer (column {self.name} is 'int'), found {value!r}"
+            )
+        if abs(number) > _FEATURE_LIMITS[self.dtype]:
+            raise _BadRequest(f"{where} = {value!r} is too large for an {self.dtype!r} column")
+        _check_range(number, value, self.low, self.high, where)
+        return number
+
+    def _code(self, value: Any, where: str) -> float:
+        assert self.categories is not None
+        allowed = _listing(self.categories)
+        if not isinstance(value, str):
+            raise _BadRequest(
+                f"{where} must be one of the categories of column {self.name} (a string), "
+                f"found {_json_type(value)}; allowed: {allowed}"
+            )
+        try:
+            return float(self.categories.index(value))
+        except ValueError:
+            raise _BadRequest(
+                f"{where}: unknown category {value!r} for column {self.name}; allowed: {allowed}"
+            ) from None
+
+    def example(self) -> Any:
+        """A valid value, for the self-check and ``GET /model``."""
+        if self.categories is not None:
+            return self.categories[0]
+        if self.dtype == "int":
+            if self.low is not None:
+                return math.ceil(self.low)
+            return 0 if self.high is None else math.floor(min(0.0, self.high))
+        return self.low if self.low is not None else min(0.0, self.high or 0.0)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "type": self.dtype}
+        if self.categories is not None:
+            out["categories"] = list(self.categories)
+        else:
+            out |= {"min": self.low, "max": self.high}
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TableInput:
+    """Named features from the data schema recorded at training (``meta["data_schema"]``).
+
+    One input is an object of features (``{"x1": 0.3, "color": "red"}``); several are
+    ``{"instances": [...]}``, each an object of features or an array in schema order. A
+    category feature is sent as its category string and fed to the model as its code.
+    """
+
+    features: tuple[_Feature, ...]
+
+    @classmethod
+    def of(cls, schema: TableSchema) -> "_TableInput":
+        return cls(
+            features=tuple(
+                _Feature(name=c.name, dtype=c.dtype, low=c.min, high=c.max, categories=c.categories)
+                for c in schema.features
+            )
+        )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.features)
+
+    @property
+    def signature(self) -> tuple:
+        """What clients send, and what the model makes of a category: a swap must keep it."""
+        return ("table", tuple((f.name, f.dtype, f.categories) for f in self.features))
+
+    def summary(self) -> str:
+        return "features " + _listing(
+            f"{f.name} ({f.dtype}{'' if f.categories is None else ': ' + '|'.join(f.categories)})"
+            for f in self.features
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "table",
+            "features": [f.describe() for f in self.features],
+            "example": {f.name: f.example() for f in self.features},
+        }
+
+    def parse(self, payload: dict[str, Any]) -> tuple[list[list[float]], bool]:
+        """The rows of a request body, and whether it was one input (not ``instances``)."""
+        # A feature may itself be named "instances": its value is never an array.
+        batch = _INSTANCES in payload and (
+            _INSTANCES not in self.names or isinstance(payload[_INSTANCES], list)
+        )
+        if not batch:
+            return [self._named(payload, "request body", "")], True
+        extra = sorted(set(payload) - {_INSTANCES})
+        if extra:
+            raise _BadRequest(
+                f"request body must have either the key {_INSTANCES!r} (a list of inputs) or "
+                f"the features of one input, not both; found also {_listing(extra)}"
+            )
+        return _instances(self, payload[_INSTANCES]), False
+
+    def row(self, value: Any, where: str) -> list[float]:
+        """One input of ``instances``: an object of features or an array in schema order."""
+        if isinstance(value, dict):
+            return self._named(value, where, f"{where}.")
+        if not isinstance(value, list):
+            raise _BadRequest(
+                f"{where} must be an object of features or an array of {len(self.features)} "
+                f"values in the order {_listing(self.names)}, found {_json_type(value)}"
+            )
+        if len(value) != len(self.features):
+            raise _BadRequest(
+                f"{where} has the wrong length: expected {len(self.features)} values in the "
+                f"order {_listing(self.names)}, found {len(value)}"
+            )
+        return [
+            f.value(v, f"{where}[{i}] ({f.name})")
+            for i, (f, v) in enumerate(zip(self.features, value, strict=True))
+        ]
+
+    def probe_row(self) -> list[float]:
+        return self._named({f.name: f.example() for f in self.features}, "probe", "")
+
+    def tensor(self, rows: list[list[float]]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), len(self.features))
+
+    def _named(self, value: dict[str, Any], where: str, prefix: str) -> list[float]:
+        missing = [n for n in self.names if n not in value]
+        unknown = sorted(set(value) - set(self.names))
+        problems = []
+        if missing:
+            problems.append(
+                f"{where} is missing the feature(s) {_listing(missing)}; every feature is "
+                f"required: {_listing(self.names)}"
+            )
+        if unknown:
+            problems.append(
+                f"{where} has unknown feature(s) {_listing(unknown)}; the features are "
+                f"{_listing(self.names)}"
+            )
+        if problems:
+            raise _BadRequest("; ".join(problems))
+        return [f.value(value[f.name], f"{prefix}{f.name}") for f in self.features]
 
 
 def _json_type(value: Any) -> str:
@@ -499,6 +726,186 @@ def _finite_json(value: Any) -> Any:
     return value
 
 
+# Keys of an answer besides the label: ``output_name`` may not take one of them.
+_RESERVED_OUTPUT_NAMES = ("probabilities", "model", _INSTANCES, "predictions")
+
+
+def _custom_predict_step(module: torch.nn.Module) -> bool:
+    """Whether the module defines its own ``predict_step`` (not Lightning's default one)."""
+    for cls in type(module).__mro__:
+        if "predict_step" in vars(cls):
+            return not cls.__module__.startswith(("lightning.", "pytorch_lightning."))
+    return False
+
+
+def _call_predict_step(module: torch.nn.Module, x: torch.Tensor) -> Any:
+    """``module.predict_step(x, 0)``, or ``(x)`` for a step that takes no batch index."""
+    step = module.predict_step
+    try:
+        inspect.signature(step).bind(x, 0)
+    except (TypeError, ValueError):
+        return step(x)
+    return step(x, 0)
+
+
+def _per_row(out: Any, n: int) -> list[Any]:
+    """A tensor, or a dict of them, with a first dimension of ``n`` as ``n`` JSON values."""
+    if isinstance(out, torch.Tensor):
+        if out.ndim == 0 or out.shape[0] != n:
+            raise ValueError(
+                f"predict_step gave a tensor of shape {list(out.shape)} for {n} input(s); "
+                f"it must have one row per input, a first dimension of {n}"
+            )
+        return out.detach().cpu().tolist()
+    if isinstance(out, dict) and out and all(isinstance(k, str) for k in out):
+        columns = {k: _per_row(v, n) for k, v in out.items()}
+        return [{k: column[i] for k, column in columns.items()} for i in range(n)]
+    raise ValueError(
+        "predict_step must return a tensor or a dict of tensors (string keys), one row per "
+        f"input; it returned {type(out).__name__}"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _OutputSpec:
+    """What an answer holds, from the module and the recorded data schema.
+
+    ``prediction``: the module's own ``predict_step`` output for the row. ``classification``:
+    ``{key: class id or category string, "probabilities": softmax}``, where ``key`` is the
+    module's ``output_name`` or ``"label"``. ``regression``: ``{"value": float}``.
+    """
+
+    kind: str
+    key: str
+    """The answer's main key: the label's name, ``"value"`` or ``"prediction"``."""
+    classes: int | None = None
+    categories: tuple[str, ...] | None = None
+    """The label's categories, answered instead of their codes."""
+    label_column: str | None = None
+
+    @property
+    def signature(self) -> tuple:
+        """What clients read; a swap must keep it."""
+        return (self.kind, self.key)
+
+    def summary(self) -> str:
+        return f"with {self.key!r} ({self.kind})"
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"task": self.kind, "keys": [self.key]}
+        if self.kind == "classification":
+            out["keys"].append("probabilities")
+            out |= {"classes": self.classes, "label_column": self.label_column}
+            if self.categories is not None:
+                out["categories"] = list(self.categories)
+        elif self.kind == "regression":
+            out["label_column"] = self.label_column
+        return out
+
+    def raw(self, module: torch.nn.Module, x: torch.Tensor) -> Any:
+        with torch.inference_mode():
+            if self.kind == "prediction":
+                return _call_predict_step(module, x)
+            return module(x)
+
+    def check(self, out: Any, n: int) -> None:
+        """Raise ValueError unless ``out`` is what this answer needs for ``n`` inputs."""
+        if self.kind == "prediction":
+            _per_row(out, n)
+            return
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"forward returned {type(out).__name__}, not a tensor")
+        if self.kind == "regression":
+            fits, expected = tuple(out.shape) in ((n,), (n, 1)), f"[{n}] or [{n}, 1]"
+        else:
+            fits = out.ndim == 2 and out.shape[0] == n
+            fits = fits and self.classes in (None, out.shape[1])
+            expected = f"[{n}, {self.classes or 'classes'}]"
+        if not fits:
+            raise ValueError(
+                f"a valid input gave scores of shape {list(out.shape)}, expected {expected}"
+                + ("" if self.classes is None else f" ({self.classes} classes in the data)")
+            )
+        if not bool(torch.isfinite(out).all()):
+            raise ValueError(f"a valid input gave non-finite scores of shape {list(out.shape)}")
+
+    def answers(self, module: torch.nn.Module, x: torch.Tensor) -> list[dict[str, Any]]:
+        out, n = self.raw(module, x), x.shape[0]
+        if self.kind == "prediction":
+            return [{self.key: row} for row in _per_row(out, n)]
+        if self.kind == "regression":
+            return [{self.key: v} for v in out.float().reshape(n).tolist()]
+        probabilities = torch.softmax(out.float(), dim=-1)
+        labels = probabilities.argmax(dim=-1).tolist()
+        if self.categories is not None:
+            labels = [self.categories[i] for i in labels]
+        return [
+            {self.key: label, "probabilities": p}
+            for label, p in zip(labels, probabilities.tolist(), strict=True)
+        ]
+
+
+def _data_schema(ckpt: ModelCheckpoint) -> TableSchema | None:
+    """The data schema recorded at training, ``None`` for a checkpoint without one."""
+    raw = ckpt.meta.get("data_schema") if isinstance(ckpt.meta, dict) else None
+    if raw is None:
+        return None
+    try:
+        return TableSchema.from_json(raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ServingError(
+            f"{ckpt.uri}: meta['data_schema'] is not a data schema "
+            f"(TableSchema.to_json()): {type(err).__name__}: {err}"
+        ) from err
+
+
+def _output_spec(module: torch.nn.Module, schema: TableSchema | None, where: str) -> _OutputSpec:
+    name = getattr(module, "output_name", None)
+    if name is not None and (
+        not isinstance(name, str) or not name or name in _RESERVED_OUTPUT_NAMES
+    ):
+        raise ServingError(
+            f"{where}.output_name must be a plain name, not one of "
+            f"{list(_RESERVED_OUTPUT_NAMES)}, got {name!r}"
+        )
+    if _custom_predict_step(module):
+        return _OutputSpec(kind="prediction", key="prediction")
+    if schema is not None and schema.task == "regression":
+        return _OutputSpec(kind="regression", key="value", label_column=schema.label.name)
+    if schema is None:
+        return _OutputSpec(kind="classification", key=name or "label")
+    categories = schema.label.categories
+    return _OutputSpec(
+        kind="classification",
+        key=name or "label",
+        classes=schema.classes if categories is None else len(categories),
+        categories=categories,
+        label_column=schema.label.name,
+    )
+
+
+def _specs(
+    module: torch.nn.Module, ckpt: ModelCheckpoint
+) -> tuple[_InputSpec | _TableInput, _OutputSpec]:
+    """The request and the answer: the module's ``input_schema`` when it declares one (the
+    digits demo), else the data schema recorded at training (``meta["data_schema"]``)."""
+    where = f"{ckpt.uri}: {type(module).__qualname__}"
+    schema = _data_schema(ckpt)
+    declared = getattr(module, "input_schema", None)
+    if declared is not None:
+        spec: _InputSpec | _TableInput = _InputSpec.of(declared, where)
+    elif schema is not None:
+        spec = _TableInput.of(schema)
+    else:
+        raise ServingError(
+            f"{ckpt.uri}: cannot tell what {ckpt.module} takes as input: the checkpoint "
+            "records no data schema (meta['data_schema']) and the module declares no "
+            "input_schema; train it through ringflow, which records the data schema, or "
+            "declare input_schema on the module class"
+        )
+    return spec, _output_spec(module, schema, where)
+
+
 def _fingerprint(state_dict: dict[str, torch.Tensor]) -> str:
     """A short digest of the weights: names, dtypes, shapes and bytes."""
     digest = hashlib.sha256()
@@ -510,9 +917,17 @@ def _fingerprint(state_dict: dict[str, torch.Tensor]) -> str:
 
 
 def _model_info(
-    ckpt: ModelCheckpoint, module: torch.nn.Module, fingerprint: str, record: Any
+    ckpt: ModelCheckpoint,
+    spec: _InputSpec | _TableInput,
+    output: _OutputSpec,
+    fingerprint: str,
+    record: Any,
 ) -> dict:
-    """What ``GET /model`` answers; ``record`` is the registry's ModelVersion, if any."""
+    """What ``GET /model`` answers; ``record`` is the registry's ModelVersion, if any.
+
+    ``input`` describes the request (the module's ``input_schema``, or the features with
+    their types, bounds and categories, and an example), ``output`` names the answer's
+    main key and ``answer`` describes the answer."""
     info = {
         "uri": ckpt.uri,
         "module": ckpt.module,
@@ -522,8 +937,9 @@ def _model_info(
         "hparams": ckpt.hparams,
         "metrics": ckpt.metrics,
         "meta": ckpt.meta,
-        "input": module.input_schema,
-        "output": module.output_name,
+        "input": spec.describe(),
+        "output": output.key,
+        "answer": output.describe(),
     }
     if record is not None:
         info |= {
@@ -574,8 +990,8 @@ class _Served:
     on a swap, so a request that took one reference uses one model throughout."""
 
     module: torch.nn.Module
-    spec: _InputSpec
-    output: str
+    spec: _InputSpec | _TableInput
+    output: _OutputSpec
     version: str | None
     """The registry version, ``None`` when serving a bare checkpoint."""
     tag: dict[str, Any]
@@ -587,15 +1003,14 @@ class _Served:
 def _load_served(uri: str, record: Any = None) -> _Served:
     """Load the checkpoint at ``uri`` and check it answers a probe before it serves."""
     module, ckpt = load_model(uri)
-    _check_servable(module, uri)
-    spec = _InputSpec.of(module.input_schema)
-    _probe(module, spec, uri)
+    spec, output = _specs(module, ckpt)
+    _probe(module, spec, output, uri)
     fingerprint = _fingerprint(ckpt.state_dict)
     version = None if record is None else record.version
     return _Served(
         module=module,
         spec=spec,
-        output=module.output_name,
+        output=output,
         version=version,
         tag={
             "uri": ckpt.uri,
@@ -603,30 +1018,32 @@ def _load_served(uri: str, record: Any = None) -> _Served:
             "fingerprint": fingerprint,
             "version": version,
         },
-        info=_model_info(ckpt, module, fingerprint, record),
+        info=_model_info(ckpt, spec, output, fingerprint, record),
     )
 
 
-def _probe(module: torch.nn.Module, spec: _InputSpec, uri: str) -> None:
-    """One forward pass on a valid input: one row of finite scores, or the model is refused."""
-    value = spec.low if spec.low is not None else min(0.0, spec.high or 0.0)
-    with torch.inference_mode():
-        scores = module(torch.full((1, *spec.shape), value, dtype=torch.float32))
-    if scores.ndim != 2 or scores.shape[0] != 1 or not bool(torch.isfinite(scores).all()):
-        raise ServingError(
-            f"{uri} failed its self-check: a valid input gave scores of shape "
-            f"{list(scores.shape)} (finite: {bool(torch.isfinite(scores).all())})"
-        )
+def _probe(
+    module: torch.nn.Module, spec: _InputSpec | _TableInput, output: _OutputSpec, uri: str
+) -> None:
+    """Forward passes on valid inputs (one row, then two): the answer must come out of
+    them, with finite scores, or the model is refused."""
+    for n in (1, 2):
+        try:
+            rows = [spec.probe_row()] * n
+            output.check(output.raw(module, spec.tensor(rows)), n)
+        except Exception as err:  # the model's own code: any failure refuses it
+            message = str(err).splitlines()[0] if str(err) else ""
+            raise ServingError(
+                f"{uri} failed its self-check: {type(err).__name__}: {message}"
+            ) from err
 
 
 def _forward(served: _Served, rows: list[list[float]]) -> list[dict[str, Any]]:
-    x = torch.tensor(rows, dtype=torch.float32).reshape(len(rows), *served.spec.shape)
-    with torch.inference_mode():
-        probabilities = torch.softmax(served.module(x).float(), dim=-1)
-    return [{served.output: int(p.argmax()), "probabilities": p.tolist()} for p in probabilities]
+    answers = served.output.answers(served.module, served.spec.tensor(rows))
+    return [_finite_json(a) for a in answers]
 
 
-def _instances(spec: _InputSpec, value: Any) -> list[list[float]]:
+def _instances(spec: _InputSpec | _TableInput, value: Any) -> list[list[float]]:
     if not isinstance(value, list):
         raise _BadRequest(f"{_INSTANCES} must be an array of inputs, found {_json_type(value)}")
     if not value:
@@ -635,7 +1052,20 @@ def _instances(spec: _InputSpec, value: Any) -> list[list[float]]:
         raise _BadRequest(
             f"{_INSTANCES} has {len(value)} inputs, over the limit of {_MAX_INSTANCES} per request"
         )
-    return [spec.values(row, f"{_INSTANCES}[{i}]") for i, row in enumerate(value)]
+    return [spec.row(row, f"{_INSTANCES}[{i}]") for i, row in enumerate(value)]
+
+
+def _check_compatible(current: _Served, new: _Served, version: str) -> None:
+    """Refuse a swap that would change what clients send or read."""
+    for part, old, fresh in (
+        ("takes", current.spec, new.spec),
+        ("answers", current.output, new.output),
+    ):
+        if fresh.signature != old.signature:
+            raise ServingError(
+                f"{version} {part} {fresh.summary()}, the served model {old.summary()}; "
+                "clients would break, so redeploy with serve_registry instead"
+            )
 
 
 def _registry(source: _RegistryModel) -> Any:
@@ -750,24 +1180,16 @@ class ModelServer:
     async def predict(self, request: Request, response: Response) -> dict[str, Any]:
         self._authorize(request)
         payload = _parse_json(await _read_body(request, self._max_body_bytes))
-        spec = self._served.spec  # a swap keeps the input: only compatible models swap in
         if not isinstance(payload, dict):
             raise _BadRequest(f"request body must be a JSON object, found {_json_type(payload)}")
-        has_single, has_batch = spec.name in payload, _INSTANCES in payload
-        if has_single == has_batch:
-            raise _BadRequest(
-                f"request body must have exactly one of the keys {spec.name!r} (one "
-                f"input) or {_INSTANCES!r} (a list of inputs); found keys {sorted(payload)}"
-            )
-        if has_single:
-            values = spec.values(payload[spec.name], spec.name)
+        served = self._served  # a swap keeps the input: only compatible models swap in
+        rows, single = served.spec.parse(payload)
+        if single:
             if self._batching:
-                answer = await self._predict_one(values)
+                answer = await self._predict_one(rows[0])
             else:
-                answer = (await asyncio.to_thread(self._predict_rows, [values]))[0]
+                answer = (await asyncio.to_thread(self._predict_rows, rows))[0]
         else:
-            rows = _instances(spec, payload[_INSTANCES])
-            served = self._served
             predictions = await asyncio.to_thread(_forward, served, rows)
             answer = {"predictions": predictions, "model": served.tag}
         response.headers[_VERSION_HEADER] = str(
@@ -828,11 +1250,5 @@ class ModelServer:
     def _load_compatible(self, registry: Any, version: str) -> _Served:
         record = registry.get(version)
         served = _load_served(record.uri, record)
-        current = self._served.spec
-        if (served.spec.name, served.spec.shape) != (current.name, current.shape):
-            raise ServingError(
-                f"{version} takes {served.spec.name!r} of shape {list(served.spec.shape)}, the "
-                f"served model {current.name!r} of shape {list(current.shape)}; clients "
-                "would break, so redeploy with serve_registry instead"
-            )
+        _check_compatible(self._served, served, version)
         return served

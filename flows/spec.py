@@ -31,7 +31,7 @@ from ringflow.storage.layout import Workspace
 __all__ = ["RunSpec", "fail_at_once", "publish_summary"]
 
 _DATA = ("label", "features", "task", "bounds", "classes", "categorical")
-"""Parameters describing the data; a model's ``data_schema`` gives defaults for them."""
+"""Parameters describing the data; a model's ``data_defaults`` gives defaults for them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,11 +140,11 @@ def _check_micro_batches(config: TrainConfig, pipeline: PipelineConfig) -> None:
 
 
 def _data_parameters(model: ModelRef, p: dict[str, Any]) -> dict[str, Any]:
-    """The data parameters given, else the model's ``data_schema`` defaults, else none."""
-    declared = getattr(model.resolve(), "data_schema", None) or {}
+    """The data parameters given, else the model's ``data_defaults``, else none."""
+    declared = getattr(model.resolve(), "data_defaults", None) or {}
     unknown = sorted(set(declared) - set(_DATA))
     if unknown:
-        raise ModelError(f"{model.path}.data_schema has unknown keys {unknown}; it takes {_DATA}")
+        raise ModelError(f"{model.path}.data_defaults has unknown keys {unknown}; it takes {_DATA}")
     data = {name: p[name] if p[name] is not None else declared.get(name) for name in _DATA}
     data["label"] = data["label"] or "label"
     data["task"] = None if data["task"] in (None, "auto") else data["task"]

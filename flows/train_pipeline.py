@@ -90,7 +90,7 @@ def train_pipeline(
             its name in snake case.
         data_url: CSV or Parquet file (any fsspec URL); empty means the model's example data
             (its example_data hook), dropped under storage_url.
-        label: the target column; empty means the model's data_schema, else 'label'.
+        label: the target column; empty means the model's data_defaults, else 'label'.
         features: the input columns; empty means every other column.
         task: classification or regression; auto reads it from the label column.
         bounds: accepted ranges by column, {"x1": [0, 1]}; rows outside are rejected.

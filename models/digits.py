@@ -44,7 +44,7 @@ class DigitsClassifier(L.LightningModule):
     input_schema = {"name": "pixels", "shape": [PIXELS], "min": 0.0, "max": 16.0}
     """Served requests send ``{"pixels": [64 numbers]}``."""
     output_name = "digit"
-    data_schema = {
+    data_defaults = {
         "bounds": {c.name: [c.min, c.max] for c in SCHEMA.features},
         "classes": CLASSES,
     }

@@ -1,7 +1,9 @@
 """Serving a checkpoint with Ray Serve: real HTTP against a replica on loopback.
 
-One Serve instance and one application per module (Serve takes seconds to start); the token
-test adds a second application under its own route prefix on the same instance.
+One Serve instance per module (Serve takes seconds to start) and one application for the
+digits demo; the token tests and the tabular models (a request and an answer derived from
+the data schema recorded in the checkpoint) add applications under their own route
+prefixes on the same instance.
 """
 
 from __future__ import annotations
@@ -20,14 +22,26 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringflow.engine.serving import ServingError, serve_model, shutdown_serving
+from ringflow.engine.serving import (
+    ServingError,
+    _check_compatible,
+    _forward,
+    _load_served,
+    serve_model,
+    shutdown_serving,
+)
+from ringflow.models.digits import SCHEMA as DIGITS_SCHEMA
 from ringflow.models.digits import DigitsClassifier
+from ringflow.models.tabular import TabularMLP
 from ringflow.storage.checkpoint import CheckpointError, save_model
+from ringflow.storage.dataset import Column, TableSchema
 from tests.conftest import free_port
 
 APP = "ringflow-test"
 SECURE_APP = "ringflow-test-secure"
 FILE_TOKEN_APP = "ringflow-test-file-token"
+REGRESSION_APP = "ringflow-test-regression"
+CLASSIFICATION_APP = "ringflow-test-classification"
 FILE_TOKEN = "file-token-3a7c9e1f5b2d4068"
 UNSET_TOKEN_ENV = "RINGFLOW_TEST_SERVING_TOKEN_NEVER_SET"
 TOKEN_ENV = "RINGFLOW_TEST_SERVING_TOKEN"
@@ -75,6 +89,8 @@ def endpoint(ray_session, model, port):
     shutdown_serving(APP)
     shutdown_serving(SECURE_APP)
     shutdown_serving(FILE_TOKEN_APP)
+    shutdown_serving(REGRESSION_APP)
+    shutdown_serving(CLASSIFICATION_APP)
     serve.shutdown()
 
 
@@ -158,11 +174,12 @@ def test_healthz(http):
 
 @pytest.mark.ray
 def test_model_describes_checkpoint(http, model):
-    _, uri = model
+    module, uri = model
     info = http.get("/model").json()
     assert info["uri"] == uri
     assert info["module"] == "ringflow.models.digits:DigitsClassifier"
-    assert info["hparams"] == {"hidden": 16, "lr": 0.01}
+    assert info["hparams"] == dict(module.hparams)
+    assert info["hparams"]["hidden"] == 16
     assert info["metrics"] == {"val_accuracy": 0.125}
     assert info["meta"] == {"step": 7}
     assert info["input"]["name"] == "pixels"
@@ -487,3 +504,378 @@ def test_still_serving_after_fuzzing_and_token_never_logged(http, file_token_htt
         for name in files:
             with open(os.path.join(directory, name), "rb") as f:
                 assert FILE_TOKEN.encode() not in f.read(), name
+
+
+# --------------------------------------------------------------------------- tabular models
+# No input_schema on the module: the request and the answer come from the data schema the
+# checkpoint records (meta["data_schema"]), as every checkpoint trained by ringflow does.
+
+HOUSES = TableSchema(
+    features=(
+        Column(name="rooms", dtype="int", min=1, max=12),
+        Column(name="area", dtype="float", min=10.0, max=500.0),
+        Column(name="age", dtype="float", min=0.0),
+    ),
+    label=Column(name="price", dtype="float"),
+    task="regression",
+)
+IRISES = TableSchema(
+    features=(
+        Column(name="petal", dtype="float", min=0.0, max=10.0),
+        Column(name="color", dtype="category", categories=("red", "green", "blue")),
+        Column(name="width", dtype="float"),
+    ),
+    label=Column(
+        name="species", dtype="category", categories=("setosa", "versicolor", "virginica")
+    ),
+)
+SPECIES = IRISES.label.categories
+COLORS = IRISES.features[1].categories
+
+
+def _save_tabular(root, name: str, module: torch.nn.Module, schema: TableSchema | None) -> str:
+    meta = {} if schema is None else {"data_schema": schema.to_json()}
+    return save_model(str(root / name), module, hparams=dict(module.hparams), meta=meta)
+
+
+def _iris_row(petal: float, color: str, width: float) -> list[float]:
+    return [petal, float(COLORS.index(color)), width]
+
+
+@pytest.fixture(scope="module")
+def regressor(tmp_path_factory) -> tuple[torch.nn.Module, str]:
+    torch.manual_seed(1)
+    module = TabularMLP(input_dim=3, hidden=8, depth=1).eval()
+    return module, _save_tabular(tmp_path_factory.mktemp("houses"), "model", module, HOUSES)
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory) -> tuple[torch.nn.Module, str]:
+    torch.manual_seed(2)
+    module = TabularMLP(input_dim=3, num_classes=3, hidden=8, depth=1).eval()
+    return module, _save_tabular(tmp_path_factory.mktemp("irises"), "model", module, IRISES)
+
+
+def _app(uri: str, port: int, app_name: str, prefix: str):
+    url = serve_model(
+        uri, port=port, app_name=app_name, route_prefix=prefix, token_env=UNSET_TOKEN_ENV
+    )
+    with httpx.Client(base_url=url, timeout=30.0, trust_env=False) as client:
+        yield client
+    shutdown_serving(app_name)
+
+
+@pytest.fixture(scope="module")
+def houses_http(endpoint, regressor, port):
+    yield from _app(regressor[1], port, REGRESSION_APP, "/houses")
+
+
+@pytest.fixture(scope="module")
+def irises_http(endpoint, classifier, port):
+    yield from _app(classifier[1], port, CLASSIFICATION_APP, "/irises")
+
+
+@pytest.mark.ray
+def test_regression_answers_value_for_named_and_array_instances(houses_http, regressor):
+    module, uri = regressor
+    rows = [[3.0, 120.5, 12.0], [1.0, 10.0, 0.0], [12.0, 500.0, 80.5]]
+    with torch.inference_mode():
+        expected = module(torch.tensor(rows)).tolist()
+
+    single = houses_http.post("/predict", json={"rooms": 3, "area": 120.5, "age": 12})
+    assert single.status_code == 200, single.text
+    assert set(single.json()) == {"value", "model"}
+    assert math.isclose(single.json()["value"], expected[0], rel_tol=1e-5, abs_tol=1e-6)
+    assert single.json()["model"]["uri"] == uri
+
+    instances = [
+        {"age": 12.0, "rooms": 3, "area": 120.5},  # any key order
+        [1, 10, 0],  # schema order
+        {"rooms": 12, "area": 500, "age": 80.5},
+    ]
+    batch = houses_http.post("/predict", json={"instances": instances})
+    assert batch.status_code == 200, batch.text
+    predictions = batch.json()["predictions"]
+    assert all(set(p) == {"value"} for p in predictions)
+    for got, want in zip([p["value"] for p in predictions], expected, strict=True):
+        assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-6)
+
+
+@pytest.mark.ray
+def test_classification_answers_category_label_with_probabilities(irises_http, classifier):
+    module, _ = classifier
+    inputs = [(1.5, "green", 0.3), (9.0, "red", -2.0), (0.0, "blue", 7.5)]
+    with torch.inference_mode():
+        scores = module(torch.tensor([_iris_row(*i) for i in inputs]))
+    expected = [SPECIES[i] for i in scores.argmax(dim=1).tolist()]
+
+    answers = []
+    for petal, color, width in inputs:
+        response = irises_http.post(
+            "/predict", json={"petal": petal, "color": color, "width": width}
+        )
+        assert response.status_code == 200, response.text
+        answers.append(response.json())
+    batch = irises_http.post("/predict", json={"instances": [list(i) for i in inputs]})
+    assert batch.status_code == 200, batch.text
+    for answer in [*answers, *batch.json()["predictions"]]:
+        assert answer["label"] in SPECIES
+        assert len(answer["probabilities"]) == 3
+        assert math.isclose(sum(answer["probabilities"]), 1.0, rel_tol=1e-5)
+    assert [a["label"] for a in answers] == expected
+    assert [p["label"] for p in batch.json()["predictions"]] == expected
+    assert answers[0]["probabilities"] == pytest.approx(
+        torch.softmax(scores[0], dim=0).tolist(), rel=1e-5
+    )
+
+
+@pytest.mark.ray
+def test_tabular_model_describes_input_and_output(houses_http, irises_http):
+    houses = houses_http.get("/model").json()
+    assert houses["input"]["kind"] == "table"
+    assert houses["input"]["features"] == [
+        {"name": "rooms", "type": "int", "min": 1.0, "max": 12.0},
+        {"name": "area", "type": "float", "min": 10.0, "max": 500.0},
+        {"name": "age", "type": "float", "min": 0.0, "max": None},
+    ]
+    assert houses["input"]["example"] == {"rooms": 1, "area": 10.0, "age": 0.0}
+    assert houses["output"] == "value"
+    assert houses["answer"] == {"task": "regression", "keys": ["value"], "label_column": "price"}
+    assert houses["meta"]["data_schema"] == HOUSES.to_json()
+
+    irises = irises_http.get("/model").json()
+    assert irises["input"]["features"][1] == {
+        "name": "color",
+        "type": "category",
+        "categories": ["red", "green", "blue"],
+    }
+    assert irises["output"] == "label"
+    assert irises["answer"] == {
+        "task": "classification",
+        "keys": ["label", "probabilities"],
+        "classes": 3,
+        "label_column": "species",
+        "categories": list(SPECIES),
+    }
+    # The advertised example is a valid request.
+    example = irises_http.post("/predict", json=irises["input"]["example"])
+    assert example.status_code == 200, example.text
+
+
+_IRIS = {"petal": 1.0, "color": "red", "width": 0.5}
+
+TABULAR_BAD = {
+    "missing feature": ({"petal": 1.0, "color": "red"}, "missing the feature(s) ['width']"),
+    "unknown feature": ({**_IRIS, "colour": "red"}, "unknown feature(s) ['colour']"),
+    "missing and unknown": (
+        {"petal": 1.0, "colour": "red", "width": 0.5},
+        "missing the feature(s) ['color']",
+    ),
+    "unknown category": (
+        {**_IRIS, "color": "purple"},
+        "color: unknown category 'purple' for column color; allowed: ['red', 'green', 'blue']",
+    ),
+    "category as a number": ({**_IRIS, "color": 1}, "color must be one of the categories"),
+    "above max": ({**_IRIS, "petal": 10.5}, "petal = 10.5 is outside [0.0, 10.0]"),
+    "feature not a number": ({**_IRIS, "width": "wide"}, "width must be a number, found a string"),
+    "non-finite feature": (
+        '{"petal": 1, "color": "red", "width": 1e999}',
+        "width must be a finite number",
+    ),
+    "empty object": ({}, "missing the feature(s) ['petal', 'color', 'width']"),
+    "instances and features": ({"instances": [_IRIS], **_IRIS}, "not both"),
+    "instance missing feature": (
+        {"instances": [_IRIS, {"petal": 1.0, "width": 0.5}]},
+        "instances[1] is missing the feature(s) ['color']",
+    ),
+    "instance unknown category": (
+        {"instances": [[1.0, "red", 0.5], [1.0, "teal", 0.5]]},
+        "instances[1][1] (color): unknown category 'teal' for column color; allowed:",
+    ),
+    "instance wrong length": (
+        {"instances": [[1.0, "red"]]},
+        "instances[0] has the wrong length: expected 3 values in the order "
+        "['petal', 'color', 'width'], found 2",
+    ),
+    "instance not a row": ({"instances": [3]}, "instances[0] must be an object of features"),
+    "pixels to a table model": ({"pixels": [0.0] * 3}, "unknown feature(s) ['pixels']"),
+}
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("name", list(TABULAR_BAD))
+def test_tabular_bad_request_is_400_naming_the_problem(irises_http, name):
+    body, message = TABULAR_BAD[name]
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = irises_http.post("/predict", content=content.encode())
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"rooms": 2.5, "area": 50, "age": 1}, "rooms must be an integer"),
+        ({"rooms": 0, "area": 50, "age": 1}, "rooms = 0 is outside [1.0, 12.0]"),
+        ({"rooms": 2, "area": 50, "age": -1}, "age = -1 is outside [0.0, None]"),
+        ({"rooms": 2, "area": 50, "age": 1e39}, "too large for an 'float' column"),
+    ],
+)
+def test_tabular_numeric_bounds_are_checked(houses_http, body, message):
+    response = houses_http.post("/predict", json=body)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]
+
+
+_near_iris = st.fixed_dictionaries(
+    {},
+    optional={
+        "petal": st.floats() | st.integers(-3, 12) | st.text(max_size=3),
+        "color": st.sampled_from([*COLORS, "RED", ""]) | st.integers(0, 3),
+        "width": st.floats() | st.none(),
+        "instances": st.lists(
+            st.lists(st.sampled_from([0.5, "red", "x", None]), max_size=4), max_size=3
+        ),
+        "colour": st.just("red"),
+    },
+)
+
+
+@pytest.mark.ray
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=(_json_values | _near_iris).map(lambda v: json.dumps(v)))
+def test_fuzzed_tabular_bodies_never_5xx(irises_http, body):
+    response = irises_http.post("/predict", content=body.encode())
+    assert response.status_code < 500, response.text
+    assert response.status_code == 200 or response.json()["error"]
+
+
+@pytest.mark.ray
+def test_digits_still_served_beside_tabular_apps(http, model, irises_http):
+    module, _ = model
+    row = _pixels(seed=7, n=1)[0]
+    response = http.post("/predict", json={"pixels": row})
+    assert response.status_code == 200, response.text
+    assert set(response.json()) == {"digit", "probabilities", "model"}
+    assert response.json()["digit"] == _local_digits(module, [row])[0]
+
+
+# Deploy-time refusals and the swap rule: checked before Serve is touched, so no Ray.
+
+
+def test_checkpoint_without_any_schema_is_refused_at_deploy(tmp_path):
+    module = TabularMLP(input_dim=3, hidden=4, depth=1)
+    uri = _save_tabular(tmp_path, "bare", module, None)
+    with pytest.raises(ServingError) as err:
+        serve_model(uri, port=free_port(), app_name="never", token_env=UNSET_TOKEN_ENV)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "no data schema" in message
+    assert "train it through ringflow" in message
+    assert "input_schema" in message
+
+
+@pytest.mark.parametrize(
+    ("module", "schema", "match"),
+    [
+        (TabularMLP(input_dim=3, num_classes=2, hidden=4), IRISES, "expected \\[1, 3\\]"),
+        (TabularMLP(input_dim=4, num_classes=3, hidden=4), IRISES, "self-check"),
+        (TabularMLP(input_dim=3, num_classes=3, hidden=4), HOUSES, "expected \\[1\\] or"),
+    ],
+    ids=["too few classes", "wrong input width", "classifier on a regression"],
+)
+def test_model_that_does_not_fit_its_data_schema_is_refused(tmp_path, module, schema, match):
+    uri = _save_tabular(tmp_path, "misfit", module, schema)
+    with pytest.raises(ServingError, match=match):
+        serve_model(uri, port=free_port(), app_name="never", token_env=UNSET_TOKEN_ENV)
+
+
+def test_malformed_data_schema_is_refused(tmp_path):
+    module = TabularMLP(input_dim=3, hidden=4, depth=1)
+    uri = save_model(
+        str(tmp_path / "m"), module, hparams=dict(module.hparams), meta={"data_schema": {}}
+    )
+    with pytest.raises(ServingError, match="meta\\['data_schema'\\] is not a data schema"):
+        serve_model(uri, port=free_port(), app_name="never", token_env=UNSET_TOKEN_ENV)
+
+
+def test_digits_with_recorded_schema_keeps_pixels_and_digit(tmp_path):
+    torch.manual_seed(3)
+    module = DigitsClassifier(hidden=8).eval()
+    uri = save_model(
+        str(tmp_path / "digits"),
+        module,
+        hparams=dict(module.hparams),
+        meta={"data_schema": DIGITS_SCHEMA.to_json()},
+    )
+    served = _load_served(uri)
+    assert served.info["input"]["name"] == "pixels"
+    assert served.info["output"] == "digit"
+    rows = _pixels(seed=8, n=3)
+    answers = _forward(served, served.spec.parse({"instances": rows})[0])
+    assert [a["digit"] for a in answers] == _local_digits(module, rows)
+    assert all(set(a) == {"digit", "probabilities"} for a in answers)
+
+
+def test_swap_compares_the_derived_input_and_answer(tmp_path):
+    def load(name, module, schema):
+        return _load_served(_save_tabular(tmp_path, name, module, schema))
+
+    serving = load("v1", TabularMLP(input_dim=3, num_classes=3, hidden=4), IRISES)
+    retrained = load("v2", TabularMLP(input_dim=3, num_classes=3, hidden=16, depth=3), IRISES)
+    _check_compatible(serving, retrained, "v2")  # same data, other weights and width: fine
+
+    recolored = TableSchema(
+        features=(
+            IRISES.features[0],
+            Column(name="color", dtype="category", categories=("blue", "green", "red")),
+            IRISES.features[2],
+        ),
+        label=IRISES.label,
+    )
+    renamed = TableSchema(
+        features=(*IRISES.features[:2], Column(name="height", dtype="float")), label=IRISES.label
+    )
+    regression = TableSchema(features=IRISES.features, label=HOUSES.label, task="regression")
+    for version, schema, num_classes, match in (
+        ("v3", recolored, 3, "v3 takes features .*color \\(category: blue\\|green\\|red\\)"),
+        ("v4", renamed, 3, "v4 takes features .*height"),
+        (
+            "v5",
+            regression,
+            None,
+            "v5 answers with 'value' \\(regression\\), the served model with 'label'",
+        ),
+    ):
+        candidate = load(version, TabularMLP(input_dim=3, num_classes=num_classes), schema)
+        with pytest.raises(ServingError, match=match):
+            _check_compatible(serving, candidate, version)
+
+    digits = _load_served(save_model(str(tmp_path / "d"), DigitsClassifier(), hparams={}))
+    with pytest.raises(ServingError, match="takes 'pixels' of shape \\[64\\]"):
+        _check_compatible(serving, digits, "v6")
+
+
+class _Doubler(TabularMLP):
+    """A module with its own predict_step: the answer is its output, under ``prediction``."""
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int = 0) -> dict[str, torch.Tensor]:
+        out = self(batch)
+        return {"raw": out, "twice": 2 * out, "rank": out.argsort(dim=-1)}
+
+
+def test_predict_step_output_is_the_prediction(tmp_path):
+    torch.manual_seed(4)
+    module = _Doubler(input_dim=3, num_classes=3, hidden=4).eval()
+    served = _load_served(_save_tabular(tmp_path, "step", module, IRISES))
+    assert served.info["output"] == "prediction"
+    rows, single = served.spec.parse({"petal": 1.0, "color": "blue", "width": 2.0})
+    assert single
+    (answer,) = _forward(served, rows)
+    with torch.inference_mode():
+        raw = module(torch.tensor([_iris_row(1.0, "blue", 2.0)]))[0]
+    assert set(answer) == {"prediction"}
+    assert answer["prediction"]["raw"] == pytest.approx(raw.tolist())
+    assert answer["prediction"]["twice"] == pytest.approx((2 * raw).tolist())
+    assert answer["prediction"]["rank"] == raw.argsort().tolist()
