@@ -215,6 +215,7 @@ def run_meta(config: TrainConfig, data: Any) -> dict[str, Any]:
         "seed": config.seed,
         "batch_size": config.batch_size,
         "collective": config.collective,
+        "train_config": dataclasses.asdict(config),
         "dataset_url": getattr(data, "dataset_url", None),
         **({"data_schema": data.schema.to_json()} if getattr(data, "schema", None) else {}),
     }

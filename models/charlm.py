@@ -100,7 +100,10 @@ class _Block(nn.Module):
         super().__init__()
         self.heads, self.dropout = heads, dropout
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        # No bias: a key bias has no gradient (softmax ignores it), and Adam would turn its
+        # rounding noise into steps of full size.
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.proj = nn.Linear(width, width)
         self.mlp = nn.Sequential(
             nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
         )

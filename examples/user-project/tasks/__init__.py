@@ -1,0 +1,1 @@
+"""This project's Prefect tasks (``tasks``, beside ringflow's ``ringflow.tasks``)."""
