@@ -1,0 +1,91 @@
+"""``train-pipeline`` run in-process against a Prefect server: what a search picks is what
+training uses, and bad input ends a run on its first attempt, in one line."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from prefect import get_client
+from prefect.testing.utilities import prefect_test_harness
+
+from ringflow.flows.train_pipeline import train_pipeline
+from ringflow.storage import read_checkpoint
+from tests.test_own_model import write_table
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(scope="module")
+def houses(tmp_path_factory):
+    return str(write_table(tmp_path_factory.mktemp("data") / "houses.csv", regression=True))
+
+
+def _run_count(state) -> int:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(state.state_details.flow_run_id).run_count
+
+
+@pytest.mark.parametrize(
+    ("params", "why"),
+    [
+        (
+            {"model": "nosuch.module:Model"},
+            "ModelError: model 'nosuch.module:Model': cannot import",
+        ),
+        ({"label": "price"}, "SchemaError: .* has no label column 'price'; columns found"),
+        ({"hparams": {"depth": 0}}, r"ModelError: TabularMLP\(depth=0, input_dim=4\) refused"),
+    ],
+)
+def test_bad_input_ends_the_run_on_its_first_attempt_saying_why(
+    params, why, prefect_server, ray_session, houses, tmp_path
+):
+    state = train_pipeline(
+        **{
+            "model": "ringflow.models.tabular:TabularMLP",
+            "data_url": houses,
+            "label": "target",
+            "storage_url": str(tmp_path),
+            "tune_trials": 0,
+            "serve": False,
+            **params,
+        },
+        return_state=True,
+    )
+    assert state.is_failed()
+    assert "\n" not in state.message
+    assert re.search(why, state.message), state.message
+    assert _run_count(state) == 1  # failed once: the flow's retry was not used
+
+
+def test_the_configuration_a_search_picks_is_the_one_training_uses(
+    prefect_server, ray_session, houses, tmp_path
+):
+    # The base configuration (batch 256, no compression) is the first trial; the second takes
+    # the only values the space offers, and with 16 times the steps per epoch it wins.
+    result = train_pipeline(
+        model="ringflow.models.tabular:TabularMLP",
+        hparams={"hidden": 16},
+        data_url=houses,
+        label="target",
+        storage_url=str(tmp_path),
+        workers=1,
+        epochs=1,
+        batch_size=256,
+        tune_trials=2,
+        tune_epochs=2,
+        tune_space={"batch_size": [16], "compression": ["bf16"], "lr": [0.02]},
+        serve=False,
+    )
+    assert result["tune"]["best_params"] == {"batch_size": 16, "compression": "bf16", "lr": 0.02}
+    trained = read_checkpoint(result["checkpoint"])
+    assert trained.meta["train_config"]["batch_size"] == 16
+    assert trained.meta["train_config"]["compression"] == "bf16"
+    assert trained.hparams["lr"] == 0.02
+    assert result["hparams"] == {"hidden": 16, "lr": 0.02}
