@@ -1,16 +1,20 @@
-"""The distributed engine: data-parallel training of LightningModules on Ray actors.
+"""The distributed engine: training LightningModules on Ray actors.
 
-Never imports Prefect. ``engine.collective`` holds the gradient collectives.
+``fit`` is the one driver: data parallel by default, pipeline stages with a
+``PipelineConfig`` (``engine.layout``). ``engine.spec`` names models by import path,
+``engine.collective`` holds the gradient collectives. Never imports Prefect.
 """
 
-from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.errors import (
     CollectiveError,
     CollectiveTimeoutError,
     EngineError,
+    ModelError,
     PeerLostError,
     WorkerFailedError,
 )
+from ringflow.engine.spec import ModelRef
 from ringflow.engine.trainer import EpochMetrics, FitResult, evaluate, fit
 
 __all__ = [
@@ -20,7 +24,10 @@ __all__ = [
     "EngineError",
     "EpochMetrics",
     "FitResult",
+    "ModelError",
+    "ModelRef",
     "PeerLostError",
+    "TensorData",
     "TrainConfig",
     "WorkerFailedError",
     "evaluate",

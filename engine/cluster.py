@@ -77,7 +77,12 @@ def _project_code(model: str | None) -> dict | None:
         return None
     location = os.path.dirname(origin) if origin.endswith("__init__.py") else origin
     installed = {*site.getsitepackages(), site.getusersitepackages(), sys.prefix}
-    if any(os.path.abspath(location).startswith(os.path.abspath(p)) for p in installed):
+    if any(_inside(location, folder) for folder in installed):
         return None
     log.info("shipping %s to the Ray workers with the job", location)
     return {"py_modules": [location]}
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.abspath(path), os.path.abspath(folder)
+    return os.path.commonpath([path, folder]) == folder

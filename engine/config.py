@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from ringflow.engine.collective import COMPRESSIONS, TRANSPORTS, available_collectives
 from ringflow.storage.dataset import TableSchema
 
-__all__ = ["PLACEMENTS", "DataSpec", "TrainConfig"]
+__all__ = ["PLACEMENTS", "DataSpec", "TensorData", "TrainConfig"]
 
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
 """``TrainConfig.placement`` to the Ray placement-group strategy."""
@@ -157,6 +159,28 @@ class DataSpec:
             from ringflow.storage.dataset import dataset_schema
 
             object.__setattr__(self, "schema", dataset_schema(self.dataset_url))
+
+    def read(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(features, labels)`` of ``split``, verified against the dataset's manifest."""
+        from ringflow.storage.dataset import read_split
+
+        x, y = read_split(self.dataset_url, split, self.schema)
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorData:
+    """A dataset given as tensors instead of a preprocessed ``DataSpec`` (tests, notebooks).
+
+    Each split is ``(features, labels)`` with the samples along the first dimension.
+    """
+
+    splits: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def read(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if split not in self.splits:
+            raise ValueError(f"TensorData has no split {split!r}; it has {sorted(self.splits)}")
+        return self.splits[split]
 
 
 def _positive_int(name: str, value: int) -> None:

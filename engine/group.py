@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 import os
 import time
 from typing import Any
 
-from ringflow.engine.config import PLACEMENTS, DataSpec, TrainConfig
+from ringflow.engine.config import PLACEMENTS, TrainConfig
 from ringflow.engine.elastic.coordinator import (
     Coordinator,
     ElasticEvent,
@@ -15,25 +17,34 @@ from ringflow.engine.elastic.coordinator import (
     GiveUp,
     WaitForWorkers,
 )
-from ringflow.engine.errors import CollectiveError, EngineError, WorkerFailedError
-from ringflow.engine.worker import NOSET_VISIBLE_DEVICES, RankWorker
+from ringflow.engine.errors import CollectiveError, EngineError, PeerLostError, WorkerFailedError
+from ringflow.engine.layout import DataParallel, Layout
+from ringflow.engine.worker import NOSET_VISIBLE_DEVICES
 
-__all__ = ["InProcessGroup", "MembershipLost", "RayWorkerGroup", "WorkerGroup"]
+__all__ = ["LocalGroup", "MembershipLost", "RayWorkerGroup", "WorkerGroup"]
 
 log = logging.getLogger("ringflow.engine")
 
 
 class WorkerGroup:
-    """Calls one method on every rank and returns their results in rank order."""
+    """Calls one method on every worker and returns their results in worker order."""
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         raise NotImplementedError
 
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call_each(self, method: str, arguments: list[tuple]) -> list[Any]:
+        """Call ``method`` on every worker, each with its own positional ``arguments``."""
         raise NotImplementedError
 
+    def call_first(self, count: int, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on the first ``count`` workers (a pipeline's replica 0)."""
+        raise NotImplementedError
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.call_first(1, method, *args, **kwargs)[0]
+
     def commit(self, step: int) -> None:
-        """Every rank keeps its state at ``step`` in memory, to roll back to."""
+        """Every worker keeps its state at ``step`` in memory, to roll back to."""
 
     def recover(self, lost: MembershipLost, *, at_step: int) -> int:
         raise lost
@@ -46,23 +57,75 @@ class WorkerGroup:
         raise NotImplementedError
 
 
-class InProcessGroup(WorkerGroup):
-    """A single rank in the caller's process: no actor, no process group."""
+class LocalGroup(WorkerGroup):
+    """Every worker of one replica in the caller's process: one directly, pipeline stages as
+    threads (real gloo links on loopback). For tests, notebooks and tuning trials.
 
-    def __init__(self, module_cls: type, *, hparams: dict, data: DataSpec, config: TrainConfig):
+    Threads share torch's random generator, so a pipelined model with dropout draws other
+    masks than it would in separate processes.
+    """
+
+    def __init__(
+        self, module_cls: type, *, hparams: dict, data: Any, config: TrainConfig, layout: Layout
+    ) -> None:
         if config.workers != 1:
-            raise ValueError(f"an in-process group has exactly 1 worker, got {config.workers}")
-        self._worker = RankWorker(module_cls, hparams=hparams, data=data, config=config, rank=0)
-        self._worker.connect()
+            raise ValueError(f"in_process runs exactly 1 worker (workers=1), got {config.workers}")
+        if layout.size > 1 and config.gpus_per_worker:
+            raise ValueError(
+                "in_process runs the stages as threads on CPU: set gpus_per_worker=0, or run GPU "
+                "stages as Ray actors (in_process=False)"
+            )
+        self._layout = layout
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(layout.size, "ringflow-stage")
+            if layout.size > 1
+            else None
+        )
+        # One at a time: each worker seeds torch's generator, which threads share.
+        cls = layout.worker_cls()
+        self._workers = [
+            cls(module_cls, hparams=hparams, data=data, config=config, **layout.worker_kwargs(i))
+            for i in range(layout.size)
+        ]
+        try:
+            layout.connect(self)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [getattr(self._worker, method)(*args, **kwargs)]
+        return self.call_each(method, [args] * len(self._workers), **kwargs)
 
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._worker, method)(*args, **kwargs)
+    def call_each(self, method: str, arguments: list[tuple], **kwargs: Any) -> list[Any]:
+        calls = [
+            functools.partial(getattr(w, method), *a, **kwargs)
+            for w, a in zip(self._workers, arguments, strict=True)
+        ]
+        if self._pool is None:
+            return [call() for call in calls]
+        return self._gather([self._pool.submit(call) for call in calls])
+
+    def call_first(self, count: int, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self.call(method, *args, **kwargs)[:count]
+
+    def _gather(self, futures: list[concurrent.futures.Future]) -> list[Any]:
+        errors = [f.exception() for f in futures]
+        failed = [(i, e) for i, e in enumerate(errors) if e is not None]
+        if failed:
+            # Prefer the worker that failed by itself over its neighbours that then lost it.
+            index, err = next(
+                ((i, e) for i, e in failed if not isinstance(e, PeerLostError)), failed[0]
+            )
+            raise WorkerFailedError(
+                f"{self._layout.describe(index)} raised {type(err).__name__}: {err}", rank=index
+            ) from err
+        return [f.result() for f in futures]
 
     def shutdown(self) -> None:
-        self._worker.close()
+        for worker in getattr(self, "_workers", []):
+            worker.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -79,40 +142,50 @@ class RayWorkerGroup(WorkerGroup):
         EngineError: the cluster cannot place the workers within ``config.timeout_s``.
     """
 
-    def __init__(self, module_cls: type, *, hparams: dict, data: DataSpec, config: TrainConfig):
+    def __init__(
+        self,
+        module_cls: type,
+        *,
+        hparams: dict,
+        data: Any,
+        config: TrainConfig,
+        layout: Layout | None = None,
+    ) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
         self._config = config
+        self._layout = layout = layout or DataParallel(config)
         self._spec = {"hparams": hparams, "data": data, "config": config}
-        self._actor_cls = ray.remote(RankWorker)
+        self._actor_cls = ray.remote(layout.worker_cls())
         self._module_cls = module_cls
-        _check_capacity(config)
-        bundles = [_worker_bundle(config) for _ in range(config.workers)]
+        lower = "workers" if layout.size == config.workers else f"workers, {layout.what}"
+        _check_capacity(config, count=layout.size, what=layout.what, lower=lower)
+        bundles = [_worker_bundle(config) for _ in range(layout.size)]
         self._pg = placement_group(bundles, strategy=PLACEMENTS[config.placement])
         try:
             ray.get(self._pg.ready(), timeout=config.timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self._pg)
             raise EngineError(
-                f"Ray could not place {config.workers} workers of {_describe(config)} "
-                f"within {config.timeout_s:.0f} s; free resources, lower workers or raise timeout_s"
+                f"Ray could not place {layout.size} {layout.what} of {_describe(config)} "
+                f"within {config.timeout_s:.0f} s; free resources, lower {lower} or raise "
+                "timeout_s"
             ) from None
         self._next_id = 0
         self._actors: dict[str, Any] = {}
         self._bundles: dict[str, int] = {}
         self._starting: dict[str, tuple[Any, Any]] = {}
         """Replacements being started: worker id -> (actor, ref of a call that ends when up)."""
-        ids = [self._spawn(bundle, rank=bundle) for bundle in range(config.workers)]
+        ids = [self._spawn(bundle, index=bundle) for bundle in range(layout.size)]
         self.coordinator = Coordinator(
             ids,
-            min_workers=config.min_workers or config.workers,
-            max_workers=config.workers,
-            policy=FailurePolicy(max_failures=config.max_failures),
+            min_workers=(config.min_workers or layout.size) if layout.elastic else layout.size,
+            max_workers=layout.size,
+            policy=FailurePolicy(max_failures=config.max_failures if layout.elastic else 0),
         )
         try:
-            init_method = self.call_rank0("rendezvous_address")
-            self.call("connect", init_method)
+            layout.connect(self)
         except BaseException:
             self.shutdown()
             raise
@@ -129,8 +202,17 @@ class RayWorkerGroup(WorkerGroup):
         refs = {w: getattr(self._actors[w], method).remote(*args, **kwargs) for w in self.members}
         return self._gather(method, refs)
 
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self._call_one(self.members[0], method, *args, **kwargs)
+    def call_each(self, method: str, arguments: list[tuple]) -> list[Any]:
+        refs = {
+            w: getattr(self._actors[w], method).remote(*a)
+            for w, a in zip(self.members, arguments, strict=True)
+        }
+        return self._gather(method, refs)
+
+    def call_first(self, count: int, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        members = self.members[:count]
+        refs = {w: getattr(self._actors[w], method).remote(*args, **kwargs) for w in members}
+        return self._gather(method, refs)
 
     def _call_one(self, worker: str, method: str, *args: Any, **kwargs: Any) -> Any:
         ref = getattr(self._actors[worker], method).remote(*args, **kwargs)
@@ -138,6 +220,8 @@ class RayWorkerGroup(WorkerGroup):
 
     def commit(self, step: int) -> None:
         """Every member commits ``step``; then ready replacements join the group."""
+        if not self._layout.elastic:
+            return
         self.call("commit", step)
         self.coordinator.committed(step)
         self._admit_ready(step)
@@ -151,6 +235,8 @@ class RayWorkerGroup(WorkerGroup):
         """
         import ray
 
+        if not self._layout.elastic:
+            raise self._failed(lost) from lost
         decision = self.coordinator.lost(lost.workers, at_step=at_step, cause=lost.cause)
         log.warning("%s", lost.cause)
         for worker in lost.workers:
@@ -173,6 +259,12 @@ class RayWorkerGroup(WorkerGroup):
         )
         return step
 
+    def _failed(self, lost: MembershipLost) -> WorkerFailedError:
+        """A layout that cannot go on without a worker fails naming it."""
+        worker, why = next(iter(lost.workers.items()))
+        index = self.members.index(worker)
+        return WorkerFailedError(f"{self._layout.describe(index)} is lost: {why}", rank=index)
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
@@ -184,7 +276,7 @@ class RayWorkerGroup(WorkerGroup):
 
     # ------------------------------------------------------------------------ membership
 
-    def _spawn(self, bundle: int, *, rank: int) -> str:
+    def _spawn(self, bundle: int, *, index: int) -> str:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         worker = f"worker-{self._next_id}"
@@ -200,7 +292,7 @@ class RayWorkerGroup(WorkerGroup):
             ),
             runtime_env={"env_vars": env} if _single_node() else None,
             name=None,
-        ).remote(self._module_cls, rank=rank, **self._spec)
+        ).remote(self._module_cls, **self._layout.worker_kwargs(index), **self._spec)
         self._actors[worker] = actor
         self._bundles[worker] = bundle
         return worker
@@ -212,7 +304,7 @@ class RayWorkerGroup(WorkerGroup):
         used = {self._bundles[w] for w in (*self.members, *self._starting)}
         free = [b for b in range(self._config.workers) if b not in used]
         for bundle in free[: max(0, self.coordinator.vacancies() - len(self._starting))]:
-            worker = self._spawn(bundle, rank=0)
+            worker = self._spawn(bundle, index=0)
             actor = self._actors.pop(worker)
             self._starting[worker] = (actor, actor.epoch_steps.remote())
         if not wait:
@@ -303,8 +395,8 @@ class RayWorkerGroup(WorkerGroup):
                 if not isinstance(err.cause, CollectiveError):
                     rank = list(refs).index(worker)
                     raise WorkerFailedError(
-                        f"worker rank {rank} raised {type(err.cause).__name__} in {method}: "
-                        f"{err.cause}",
+                        f"{self._layout.describe(rank)} raised {type(err.cause).__name__} in "
+                        f"{method}: {err.cause}",
                         rank=rank,
                     ) from err.cause
                 blamed.append((worker, err.cause))

@@ -15,11 +15,11 @@ import torch
 from ringflow.engine.config import DataSpec, TrainConfig
 from ringflow.engine.elastic.coordinator import ElasticEvent
 from ringflow.engine.errors import EngineError, WorkerFailedError
-from ringflow.engine.group import InProcessGroup, MembershipLost, RayWorkerGroup, WorkerGroup
+from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, WorkerGroup
+from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.spec import build_module, model_hparams
 from ringflow.engine.worker import evaluate_module
-from ringflow.storage.checkpoint import load_model, read_checkpoint
-from ringflow.storage.dataset import read_split
+from ringflow.storage.checkpoint import load_model, read_checkpoint, save_model
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 if TYPE_CHECKING:
@@ -114,51 +114,39 @@ def fit(
             ``run_key`` written by a different configuration.
         CheckpointStorageError: ``store_url`` cannot be written (checked before training).
     """
-    check_layout(config, pipeline, init_from=init_from)
+    layout = check_layout(config, pipeline, init_from=init_from)
     hparams = model_hparams(module_cls, hparams, getattr(data, "schema", None))
-    if pipeline is not None and pipeline.stages > 1:
-        from ringflow.engine.pipeline.fit import fit_pipeline
-
-        return fit_pipeline(
-            module_cls,
-            hparams=hparams,
-            data=data,
-            config=config,
-            pipeline=pipeline,
-            checkpoint_uri=checkpoint_uri,
-            on_epoch=on_epoch,
-            meta=meta,
-            in_process=in_process,
-            store_url=store_url,
-            run_key=run_key,
-        )
-    build_module(module_cls, hparams)  # a refused hyperparameter fails before workers start
+    layout.prepare(module_cls, hparams, data)  # a refused hyperparameter fails here
     if init_from is not None:
         _check_warm_start(module_cls, hparams, init_from)
-    resume = _Resume.find(module_cls, hparams, data, config, store_url, run_key, init_from)
-    group = _start_group(
-        InProcessGroup if in_process else RayWorkerGroup, module_cls, hparams, data, config
+    resume = _Resume.find(
+        module_cls, hparams, data, config, store_url, run_key, init_from, layout=layout
     )
+    group_cls = LocalGroup if in_process else RayWorkerGroup
+    group = _start_group(group_cls, layout, module_cls, hparams, data, config)
     try:
         if init_from is not None and resume.checkpoint is None:
             group.call("warm_start", init_from)
             log.info("warm start from %s", init_from)
-        history = _train(group, config, resume, on_epoch)
-        uri = group.call_rank0(
-            "save",
-            checkpoint_uri,
-            hparams=hparams,
-            metrics=history[-1].metrics,
-            meta={
-                **run_meta(config, data),
-                **({"run_key": run_key} if run_key else {}),
-                **(meta or {}),
-            },
-        )
-        state = group.call_rank0("state_dict")
+        history = _train(group, layout, config, resume, on_epoch)
+        state = layout.model_state(group)
         events = resume.events() + group.events
     finally:
         group.shutdown()
+    module = build_module(module_cls, hparams)
+    module.load_state_dict(state, strict=True)
+    uri = save_model(
+        checkpoint_uri,
+        module,
+        hparams=hparams,
+        metrics=history[-1].metrics,
+        meta={
+            **run_meta(config, data),
+            **layout.meta(),
+            **({"run_key": run_key} if run_key else {}),
+            **(meta or {}),
+        },
+    )
     return FitResult(
         checkpoint=uri,
         history=history,
@@ -169,41 +157,23 @@ def fit(
     )
 
 
-_PIPELINE_UNSUPPORTED = {
-    "min_workers": "pipeline stages do not go on with fewer workers: a lost stage fails the "
-    "run, and a retried run resumes from the last epoch's checkpoint",
-    "max_failures": "a lost pipeline stage fails the run (no in-run replacement)",
-    "commit_every": "pipeline stages keep no in-memory commits",
-    "checkpoint_every": "pipeline stages checkpoint at epoch ends only",
-    "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule",
-}
-"""``TrainConfig`` fields the pipeline layout cannot honour, and why."""
-
-
 def check_layout(
     config: TrainConfig, pipeline: PipelineConfig | None, *, init_from: str | None = None
-) -> None:
-    """Refuse, before anything starts, an option that the chosen layout would not honour.
+) -> Layout:
+    """The run's layout, refusing, before anything starts, an option it would not honour.
 
     Raises:
         ValueError: naming every such option and why.
     """
-    if pipeline is None or pipeline.stages == 1:
-        return
-    defaults = TrainConfig()
-    refused = [
-        f"{name}={getattr(config, name)!r} ({why})"
-        for name, why in _PIPELINE_UNSUPPORTED.items()
-        if getattr(config, name) != getattr(defaults, name)
-    ]
-    if init_from is not None:
-        refused.append("a warm start (init_from) (pipeline stages start from fresh weights)")
+    layout = layout_of(config, pipeline)
+    refused = layout.refused(init_from=init_from)
     if refused:
         raise ValueError(
             f"with {pipeline.stages} pipeline stages these options are not supported: "
             + "; ".join(refused)
             + ". Leave them at their defaults or train without pipeline stages"
         )
+    return layout
 
 
 def run_meta(config: TrainConfig, data: Any) -> dict[str, Any]:
@@ -223,9 +193,10 @@ def run_meta(config: TrainConfig, data: Any) -> dict[str, Any]:
 
 def _start_group(
     group_cls: type[WorkerGroup],
+    layout: Layout,
     module_cls: type,
     hparams: dict[str, Any],
-    data: DataSpec,
+    data: Any,
     config: TrainConfig,
 ) -> WorkerGroup:
     """Start the workers; a worker lost while they connect starts the group again.
@@ -235,7 +206,7 @@ def _start_group(
     """
     for attempt in range(config.max_failures + 1):
         try:
-            return group_cls(module_cls, hparams=hparams, data=data, config=config)
+            return group_cls(module_cls, hparams=hparams, data=data, config=config, layout=layout)
         except (MembershipLost, WorkerFailedError) as err:
             if attempt == config.max_failures:
                 raise EngineError(
@@ -247,7 +218,11 @@ def _start_group(
 
 
 def _train(
-    group: WorkerGroup, config: TrainConfig, resume: _Resume, on_epoch: EpochCallback | None
+    group: WorkerGroup,
+    layout: Layout,
+    config: TrainConfig,
+    resume: _Resume,
+    on_epoch: EpochCallback | None,
 ) -> list[EpochMetrics]:
     """The driver loop: steps in chunks that end where a checkpoint or an epoch ends."""
     steps_per_epoch = group.call_rank0("epoch_steps")
@@ -301,25 +276,25 @@ def _train(
                 on_epoch(history[-1])
         if resume.store_url and (step % bounds[1] == 0 or step % steps_per_epoch == 0):
             meta = resume.metadata(step, steps_per_epoch, history, sums, samples, seconds)
-            step = _checkpoint(group, resume, step, meta, history)
+            step = _checkpoint(group, layout, resume, step, meta, history)
     if resume.store_url is not None:
-        flushed = group.call_rank0("flush_checkpoints")
-        for error in flushed["errors"]:
+        for error in layout.flush(group):
             log.warning("a checkpoint of run %s was not saved: %s", resume.run_key, error)
     return history
 
 
 def _checkpoint(
     group: WorkerGroup,
+    layout: Layout,
     resume: _Resume,
     step: int,
     metadata: dict[str, Any],
     history: list[EpochMetrics],
 ) -> int:
-    """Queue an asynchronous checkpoint of ``step`` on rank 0."""
+    """Checkpoint ``step`` as the layout does (data parallel: queued on rank 0)."""
     try:
-        group.call_rank0(
-            "checkpoint",
+        layout.checkpoint(
+            group,
             resume.store_url,
             resume.run_key,
             step=step,
@@ -404,6 +379,8 @@ class _Resume:
         store_url: str | None,
         run_key: str | None,
         init_from: str | None = None,
+        *,
+        layout: Layout,
     ) -> _Resume:
         """Check the store is writable and read its newest checkpoint of ``run_key``."""
         if store_url is None:
@@ -414,8 +391,9 @@ class _Resume:
             config,
             store_url,
             run_key,
-            dataset_url=data.dataset_url,
+            dataset_url=getattr(data, "dataset_url", "tensors"),
             **({"init_from": init_from} if init_from else {}),
+            **layout.identity(),
         )
         resume = cls(store_url=store.url, run_key=run_key, fingerprint=fingerprint)
         if latest is None:
@@ -467,10 +445,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Load the committed model at ``model_uri`` and evaluate it on ``split`` in this process."""
     module, _ = load_model(model_uri)
-    x, y = read_split(data.dataset_url, split, data.schema)
-    sums, count = evaluate_module(
-        module, torch.from_numpy(x), torch.from_numpy(y), split=split, batch_size=batch_size
-    )
+    x, y = data.read(split)
+    sums, count = evaluate_module(module, x, y, split=split, batch_size=batch_size)
     return _mean([(sums, count)])
 
 

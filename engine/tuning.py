@@ -755,16 +755,25 @@ def _try(dim: _Dimension, value: Any, build: Callable[[Any], Any]) -> None:
         ) from err
 
 
+def reported_metrics(
+    module_cls: type, hparams: dict[str, Any], data: DataSpec, config: TrainConfig
+) -> list[str]:
+    """The metrics a trial of ``module_cls`` reports: what its ``validation_step`` logs
+    (found by evaluating an untrained module once, in this process) and ``train_loss``."""
+    from ringflow.engine.worker import RankWorker
+
+    hparams = model_hparams(module_cls, hparams, data.schema)
+    one = dataclasses.replace(config, workers=1, epochs=1)
+    worker = RankWorker(module_cls, hparams=hparams, data=data, config=one, rank=0)
+    reported, _ = worker.evaluate("validation")
+    return sorted({*reported, "train_loss"})
+
+
 def _check_metric(
     module_cls: type, base: dict, data: DataSpec, config: TrainConfig, metric: str
 ) -> None:
     """Evaluate an untrained module once, so a metric no trial reports fails before trials."""
-    from ringflow.engine.worker import RankWorker
-
-    one = dataclasses.replace(config, workers=1, epochs=1)
-    worker = RankWorker(module_cls, hparams=base, data=data, config=one, rank=0)
-    reported, _ = worker.evaluate("validation")
-    known = sorted({*reported, "train_loss"})
+    known = reported_metrics(module_cls, base, data, config)
     if metric not in known:
         raise ValueError(
             f"metric {metric!r} is not reported by {module_cls.__name__}; it reports {known}"

@@ -10,17 +10,16 @@ import copy
 import os
 import socket
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from ringflow.engine.collective import Collective, GradientBuckets, create_collective
-from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.errors import EngineError
-from ringflow.storage.checkpoint import read_checkpoint, save_model
+from ringflow.storage.checkpoint import read_checkpoint
 from ringflow.storage.checkpointer import AsyncCheckpointer
-from ringflow.storage.dataset import read_split
 from ringflow.storage.reshard import (
     REPLICATED,
     load_data_parallel,
@@ -33,6 +32,8 @@ __all__ = [
     "NOSET_VISIBLE_DEVICES",
     "RankWorker",
     "evaluate_module",
+    "epoch_batches",
+    "free_address",
     "split_global_batch",
     "step_seed",
     "worker_device",
@@ -54,6 +55,57 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     the uninterrupted one without any RNG state in the checkpoint.
     """
     return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+def epoch_batches(
+    samples: int,
+    config: TrainConfig,
+    *,
+    epoch: int,
+    first: int,
+    count: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> Iterator[tuple[int, torch.Tensor, int]]:
+    """Steps ``first .. first + count - 1`` of ``epoch``: each step's index, this rank's part
+    of its global batch (sample indices) and the global batch's size.
+
+    The order is a seeded function of the epoch, and the generators are reseeded at every
+    step (:func:`step_seed`), so any worker count, layout or resume point sees the same global
+    batches and the same random numbers.
+
+    Raises:
+        ValueError: the steps are outside the epoch.
+    """
+    steps_per_epoch = -(-samples // config.batch_size)
+    if not 0 <= first < first + count <= steps_per_epoch:
+        raise ValueError(
+            f"steps {first}..{first + count - 1} are outside epoch {epoch}, "
+            f"which has {steps_per_epoch} steps"
+        )
+    order = torch.randperm(samples, generator=torch.Generator().manual_seed(config.seed + epoch))
+    size = config.batch_size
+    for step in range(first, first + count):
+        _seed(step_seed(config.seed, epoch * steps_per_epoch + step, rank), device)
+        batch = order[step * size : (step + 1) * size]
+        yield step, split_global_batch(batch, rank=rank, world_size=world_size), len(batch)
+
+
+def free_address() -> str:
+    """A free ``tcp://host:port`` on this process's node (its Ray node address, or loopback
+    where no Ray runs), for a rendezvous store."""
+    host = "127.0.0.1"
+    try:
+        import ray
+
+        if ray.is_initialized():
+            host = ray.util.get_node_ip_address()
+    except ImportError:  # the GPU benchmark machine has no Ray
+        pass
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
 
 
 NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -150,7 +202,7 @@ class RankWorker:
         module_cls: type[torch.nn.Module],
         *,
         hparams: dict[str, Any],
-        data: DataSpec,
+        data: DataSpec | TensorData,
         config: TrainConfig,
         rank: int,
     ) -> None:
@@ -164,7 +216,7 @@ class RankWorker:
         self.module = module_cls(**hparams).to(self.device)
         self.optimizer = _single_optimizer(self.module.configure_optimizers())
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.train_x, self.train_y = _tensors(*read_split(data.dataset_url, "train", data.schema))
+        self.train_x, self.train_y = data.read("train")
         self._evaluated: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.steps_per_epoch = -(-len(self.train_y) // config.batch_size)
         self.collective: Collective | None = None
@@ -192,13 +244,7 @@ class RankWorker:
 
     def rendezvous_address(self) -> str:
         """A ``tcp://host:port`` on this worker's node where rank 0 can host the rendezvous."""
-        import ray
-
-        host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        return f"tcp://{host}:{port}"
+        return free_address()
 
     def connect(self, init_method: str = "") -> None:
         """Join the collective and start from rank 0's weights, as DDP does."""
@@ -283,25 +329,19 @@ class RankWorker:
             This rank's metric sums (weighted by samples) and its sample count.
         """
         assert self.buckets is not None, "connect() must run before training"
-        if not 0 <= first < first + count <= self.steps_per_epoch:
-            raise ValueError(
-                f"steps {first}..{first + count - 1} are outside epoch {epoch}, "
-                f"which has {self.steps_per_epoch} steps"
-            )
-        order = torch.randperm(
-            len(self.train_y), generator=torch.Generator().manual_seed(self.config.seed + epoch)
-        )
-        size = self.config.batch_size
         sums: dict[str, float] = defaultdict(float)
         samples = 0
-        for step in range(first, first + count):
-            _seed(
-                step_seed(self.config.seed, epoch * self.steps_per_epoch + step, self.rank),
-                self.device,
-            )
-            batch = order[step * size : (step + 1) * size]
-            mine = split_global_batch(batch, rank=self.rank, world_size=self.world_size)
-            for name, value in self._train_step(mine, len(batch), step).items():
+        for step, mine, global_size in epoch_batches(
+            len(self.train_y),
+            self.config,
+            epoch=epoch,
+            first=first,
+            count=count,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+        ):
+            for name, value in self._train_step(mine, global_size, step).items():
                 sums[name] += value * len(mine)
             samples += len(mine)
         return dict(sums), samples
@@ -327,9 +367,7 @@ class RankWorker:
     def evaluate(self, split: str) -> tuple[dict[str, float], int]:
         """Evaluate this rank's part of ``split`` with the module's validation or test step."""
         if split not in self._evaluated:  # read once: evaluation runs every epoch
-            self._evaluated[split] = _tensors(
-                *read_split(self.data.dataset_url, split, self.data.schema)
-            )
+            self._evaluated[split] = self.data.read(split)
         x, y = self._evaluated[split]
         mine = split_global_batch(torch.arange(len(y)), rank=self.rank, world_size=self.world_size)
         return evaluate_module(
@@ -400,11 +438,6 @@ class RankWorker:
         """The model's weights as CPU tensors: the driver may have no GPU."""
         return _host_copy(self.module.state_dict())
 
-    def save(
-        self, uri: str, *, hparams: dict[str, Any], metrics: dict[str, float], meta: dict[str, Any]
-    ) -> str:
-        return save_model(uri, self.module, hparams=hparams, metrics=metrics, meta=meta)
-
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
@@ -461,10 +494,6 @@ def _host_copy(value: Any) -> Any:
     if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
         return type(value)(_host_copy(v) for v in value)
     return copy.deepcopy(value)
-
-
-def _tensors(features: Any, labels: Any) -> Batch:
-    return torch.from_numpy(features), torch.from_numpy(labels)
 
 
 def _single_optimizer(configured: Any) -> torch.optim.Optimizer:

@@ -106,7 +106,7 @@ def train_pipeline(
             {"lr": {"loguniform": [0.001, 0.1]}, "batch_size": [32, 64]}; empty means the
             model's search_space, else lr and batch_size around their values.
         tune_metric: what the search maximises (accuracy) or minimises (a loss); empty means
-            val_accuracy for classification, val_loss otherwise.
+            val_accuracy for a classification whose model logs it, else val_loss.
         tune_algorithm: how trials are chosen: random (the base configuration first) or
             evolution (mutates the best so far).
         tune_max_concurrent: trials at once; empty means as many as the Ray cluster's CPUs.

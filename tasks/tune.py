@@ -12,7 +12,7 @@ from prefect.logging import get_run_logger
 from ringflow.engine import DataSpec, TrainConfig
 from ringflow.engine.cluster import connect
 from ringflow.engine.spec import ModelRef
-from ringflow.engine.tuning import TUNABLE_CONFIG, SearchConfig, search
+from ringflow.engine.tuning import TUNABLE_CONFIG, SearchConfig, reported_metrics, search
 from ringflow.tasks.report import best_configuration, trial_curves, trial_table
 
 
@@ -51,8 +51,8 @@ def tune(
     """Search ``space`` (default: :func:`default_space`) around ``model`` and ``config``.
 
     ``space`` names constructor keywords of the model and ``TrainConfig`` fields alike. The
-    metric defaults to ``val_accuracy`` (max) for classification and ``val_loss`` (min)
-    otherwise. A retried flow run (same run key) continues the search it started.
+    metric defaults to ``val_accuracy`` (max) for a classification whose model logs it, else
+    ``val_loss`` (min). A retried flow run (same run key) continues the search it started.
 
     Returns:
         ``best_params`` (every searched name), split into ``best_hparams`` (model keywords,
@@ -61,7 +61,7 @@ def tune(
         (the best trial's trained model) and ``trials`` (one row per trial).
     """
     data = DataSpec(dataset_url=dataset_url)
-    metric, mode = _metric(data, metric, mode)
+    metric, mode = _metric(model, data, config, metric, mode)
     space = space or default_space(model, config.batch_size)
     search_config = SearchConfig(
         trials=trials,
@@ -109,10 +109,16 @@ def tune(
     }
 
 
-def _metric(data: DataSpec, metric: str | None, mode: str | None) -> tuple[str, str]:
-    """The search's metric: given, else accuracy for classification and loss otherwise."""
+def _metric(
+    model: ModelRef, data: DataSpec, config: TrainConfig, metric: str | None, mode: str | None
+) -> tuple[str, str]:
+    """The search's metric: given, else ``val_accuracy`` for a classification whose model
+    logs it, else ``val_loss``; maximised for accuracy, minimised for a loss."""
     if metric is None:
-        metric = "val_accuracy" if data.schema.task == "classification" else "val_loss"
+        metric = "val_loss"
+        if data.schema.task == "classification":
+            known = reported_metrics(model.resolve(), model.hparams, data, config)
+            metric = "val_accuracy" if "val_accuracy" in known else "val_loss"
     if mode is None:
         mode = "min" if metric.endswith("loss") else "max"
     return metric, mode

@@ -62,6 +62,19 @@ def _digits_with_bad_rows(path: Path) -> int:
     return 3
 
 
+def _result_line(proc: subprocess.Popen, timeout_s: float = 600) -> dict:
+    """The JSON result a ``--keep-serving`` run prints before it waits for Ctrl-C."""
+    output: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, "the run ended without a JSON result:\n" + "".join(output[-40:])
+        output.append(line)
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no result within {timeout_s:.0f} s")
+
+
 def test_cli_runs_the_flow_with_no_server(tmp_path):
     port = free_port()
     bad_rows = _digits_with_bad_rows(tmp_path / "drop.csv")
@@ -91,15 +104,7 @@ def test_cli_runs_the_flow_with_no_server(tmp_path):
         env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
     )
     try:
-        result, output = None, []
-        deadline = time.monotonic() + 600
-        while result is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, "the run ended without a JSON result:\n" + "".join(output[-40:])
-            output.append(line)
-            if line.startswith("{"):
-                result = json.loads(line)
-        assert result is not None, "no result within 10 minutes"
+        result = _result_line(proc)
         assert result["test_accuracy"] >= 0.95
         assert result["rejected_rows"] == bad_rows
         assert Path(result["dataset_url"], "rejected.parquet").exists()
@@ -204,6 +209,55 @@ def test_cli_trains_in_pipeline_stages_and_resumes_under_its_run_key(tmp_path):
     # 6 epochs its checkpoint holds, instead of training from scratch.
     longer = run(7)
     assert longer["resumed_from_step"] == 6 * 23  # 6 epochs of 23 steps (1,437 rows, 64 a batch)
+
+
+def test_the_sequence_model_trains_in_stages_of_two_replicas_and_serves_its_predict_step(
+    tmp_path,
+):
+    """The character LM, named like any model of one's own: its example data, tuning, two
+    replicas of two pipeline stages, and serving its ``predict_step`` by feature name."""
+    port = free_port()
+    hparams = {"context": 16, "width": 32, "depth": 2, "heads": 2}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ringflow.flows.train_pipeline",
+            "--model=ringflow.models.charlm:CharLM",
+            f"--hparams={json.dumps(hparams)}",
+            "--workers=2",
+            "--pipeline-stages=2",
+            "--epochs=1",
+            "--tune-trials=2",
+            "--tune-epochs=1",
+            f"--storage-url={tmp_path / 'storage'}",
+            f"--serve-port={port}",
+            "--keep-serving",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+    )
+    try:
+        result = _result_line(proc)
+        assert result["model_name"] == "char_lm"
+        assert result["test_loss"] < 3.0  # ln(128) = 4.85 is a uniform guess
+        assert set(result["tune"]["best_params"]) == {"lr", "batch_size"}
+        text = "def main(args):\n "  # a window of context + 1 = 17 characters
+        window = {f"c{i}": ord(ch) for i, ch in enumerate(text)}
+        reply = httpx.post(result["endpoint"], json=window, timeout=30)
+        assert reply.status_code == 200, reply.text
+        prediction = reply.json()["prediction"]
+        assert 0 <= prediction["next"] < 128
+        assert 0 < prediction["probability"] <= 1
+        short = {k: v for k, v in window.items() if k != "c3"}
+        assert httpx.post(result["endpoint"], json=short, timeout=30).status_code == 400
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    assert proc.returncode == 0
 
 
 def test_missing_data_url_fails_the_run_naming_it(tmp_path):

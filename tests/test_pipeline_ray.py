@@ -122,7 +122,7 @@ def test_a_stage_that_dies_fails_the_run_naming_it(tmp_path):
     config = TrainConfig(
         workers=1, epochs=1, batch_size=8, cpus_per_worker=0.5, collective_timeout_s=5
     )
-    with pytest.raises(WorkerFailedError, match="replica 0 stage 1 died"):
+    with pytest.raises(WorkerFailedError, match="replica 0 stage 1 is lost: its process died"):
         fit_pipeline(
             DiesInStageOne,
             hparams={},

@@ -7,6 +7,7 @@ and backwards), ``stage`` (one stage's compute), ``p2p`` (transfers with deadlin
 ``execute`` (a stage through a schedule), ``worker`` + ``fit`` (training runs).
 """
 
+from ringflow.engine.config import TensorData
 from ringflow.engine.pipeline.config import BALANCES, PipelineConfig
 from ringflow.engine.pipeline.execute import MicroBatches, StepTiming, run_forward, run_schedule
 from ringflow.engine.pipeline.fit import check_pipeline, fit_pipeline
@@ -26,7 +27,7 @@ from ringflow.engine.pipeline.schedule import (
     stage_actions,
 )
 from ringflow.engine.pipeline.stage import PipelineStage
-from ringflow.engine.pipeline.worker import PipelineWorker, TensorData
+from ringflow.engine.pipeline.worker import PipelineWorker
 
 __all__ = [
     "BALANCES",

@@ -7,52 +7,32 @@ The same class runs in a Ray actor (``fit_pipeline``) or in a thread of the call
 from __future__ import annotations
 
 import datetime as dt
-import socket
 import urllib.parse
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ringflow.engine.collective import Collective, create_collective
-from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.pipeline.config import PipelineConfig
 from ringflow.engine.pipeline.execute import MicroBatches, run_forward, run_schedule
 from ringflow.engine.pipeline.p2p import StageLink
 from ringflow.engine.pipeline.partition import Partition
 from ringflow.engine.pipeline.schedule import stage_actions
 from ringflow.engine.pipeline.stage import PipelineStage
-from ringflow.engine.worker import _single_optimizer, split_global_batch, worker_device
-from ringflow.storage.dataset import read_split
+from ringflow.engine.worker import (
+    _single_optimizer,
+    epoch_batches,
+    free_address,
+    split_global_batch,
+    worker_device,
+)
 from ringflow.storage.reshard import load_pipeline_stage, load_training_state, training_state
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
-__all__ = ["PipelineWorker", "TensorData", "pipeline_batch"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class TensorData:
-    """A dataset given as tensors instead of a preprocessed ``DataSpec`` (tests, notebooks).
-
-    Each split is ``(features, labels)`` with the samples along the first dimension.
-    """
-
-    splits: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    def read(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        if split not in self.splits:
-            raise ValueError(f"TensorData has no split {split!r}; it has {sorted(self.splits)}")
-        return self.splits[split]
-
-
-def read_tensors(data: DataSpec | TensorData, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(features, labels)`` of ``split``, from either kind of dataset."""
-    if isinstance(data, TensorData):
-        return data.read(split)
-    x, y = read_split(data.dataset_url, split, data.schema)
-    return torch.from_numpy(x), torch.from_numpy(y)
+__all__ = ["PipelineWorker", "pipeline_batch"]
 
 
 def pipeline_batch(
@@ -95,7 +75,7 @@ class PipelineWorker:
         self.replica, self.replicas = replica, config.workers
         torch.manual_seed(config.seed)  # every stage builds the unsplit model's weights
         self.module = module_cls(**hparams)
-        self.train_x, self.train_y = read_tensors(data, "train")
+        self.train_x, self.train_y = data.read("train")
         self._evaluated: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         example, _ = pipeline_batch(self.module, self.train_x[:1], self.train_y[:1])
         last = stage == partition.stages - 1
@@ -119,8 +99,7 @@ class PipelineWorker:
     def rendezvous_addresses(self) -> tuple[str, str]:
         """Two ``tcp://host:port`` on this worker's node: one for its pipeline's store (used
         when this is stage 0), one for its stage's data-parallel ring (when replica 0)."""
-        host = _node_ip()
-        return _free_address(host), _free_address(host)
+        return free_address(), free_address()
 
     def connect(self, pipeline_address: str, ring_address: str, world_address: str = "") -> None:
         """Join this replica's pipeline, then this stage's data-parallel ring.
@@ -203,20 +182,30 @@ class PipelineWorker:
 
     # ------------------------------------------------------------------ training
 
-    def train_epoch(self, epoch: int) -> tuple[dict[str, float], int]:
-        """One epoch; the last stage returns its loss sum (weighted by samples) and count."""
-        order = torch.randperm(
-            len(self.train_y), generator=torch.Generator().manual_seed(self.config.seed + epoch)
-        )
-        total, count = 0.0, 0
-        for start in range(0, len(order), self.config.batch_size):
-            batch = order[start : start + self.config.batch_size]
-            mine = split_global_batch(batch, rank=self.replica, world_size=self.replicas)
-            total += self.train_step(mine, global_size=len(batch))
-            count += len(mine)
+    def train_steps(self, epoch: int, first: int, count: int) -> tuple[dict[str, float], int]:
+        """Run steps ``first .. first + count - 1`` of ``epoch`` (``engine.worker.epoch_batches``:
+        the global batches a data-parallel worker sees).
+
+        Returns:
+            On the last stage, the loss summed over its samples and their count; elsewhere
+            nothing (the driver averages over the last stages).
+        """
+        total, samples = 0.0, 0
+        for _, mine, global_size in epoch_batches(
+            len(self.train_y),
+            self.config,
+            epoch=epoch,
+            first=first,
+            count=count,
+            rank=self.replica,
+            world_size=self.replicas,
+            device=self.device,
+        ):
+            total += self.train_step(mine, global_size=global_size)
+            samples += len(mine)
         if not self.stage.is_last:
             return {}, 0
-        return {"train_loss": total}, count
+        return {"train_loss": total}, samples
 
     def train_step(self, mine: torch.Tensor, *, global_size: int) -> float:
         """One optimizer step on this replica's samples ``mine`` of a global batch.
@@ -281,7 +270,7 @@ class PipelineWorker:
         returns ``val_loss`` (``{split}_loss`` for other splits) and ``pipeline_metrics``."""
         assert self.link is not None, "connect() must run before evaluating"
         if split not in self._evaluated:  # read once: evaluation runs every epoch
-            self._evaluated[split] = read_tensors(self.data, split)
+            self._evaluated[split] = self.data.read(split)
         x, y = self._evaluated[split]
         mine = split_global_batch(torch.arange(len(y)), rank=self.replica, world_size=self.replicas)
         prefix = "val" if split == "validation" else split
@@ -336,23 +325,6 @@ class PipelineWorker:
         if dist.is_initialized() and self.device.type == "cuda":
             dist.destroy_process_group()
         self._stores = []
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:  # the GPU benchmark machine has no Ray
-        pass
-    return "127.0.0.1"
-
-
-def _free_address(host: str) -> str:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
 
 
 def _tcp_store(address: str, *, is_master: bool, timeout_s: float) -> dist.Store:

@@ -1,17 +1,17 @@
 """This project's own flow: its tasks first, then ringflow's, in the order it chooses.
 
-    python pipeline.py                     # one local run, no server needed
-    prefect deploy --all                   # or deploy it (prefect.yaml) and run it on a worker
+python pipeline.py                     # one local run, no server needed
+prefect deploy --all                   # or deploy it (prefect.yaml) and run it on a worker
 """
 
 from __future__ import annotations
 
 from prefect import flow
 from prefect.runtime import flow_run
-
 from ringflow.engine import TrainConfig
 from ringflow.engine.spec import ModelRef
 from ringflow.tasks import evaluate, preprocess, promote, register, serve_production, train
+
 from tasks.features import add_ratios, prepare_wine
 
 MODEL = "models.wine:WineClassifier"
