@@ -248,7 +248,8 @@ class Pipeline(Layout):
 
 
 def layout_of(config: TrainConfig, pipeline: PipelineConfig | None) -> Layout:
-    """The layout a run asks for: ``Pipeline`` with more than one stage, else ``DataParallel``."""
-    if pipeline is None or pipeline.stages == 1:
+    """The layout a run asks for: ``Pipeline`` with a ``PipelineConfig`` (one stage is a
+    replica of a layer sequence trained by the pipeline's schedule), else ``DataParallel``."""
+    if pipeline is None:
         return DataParallel(config)
     return Pipeline(config, pipeline)

@@ -74,9 +74,9 @@ def fit(
 ) -> FitResult:
     """Train ``module_cls(**hparams)`` on ``data`` with ``config.workers`` data-parallel workers.
 
-    With ``pipeline`` of more than one stage, each worker is a pipeline of that many stage
-    actors instead (``engine.pipeline.fit_pipeline``); options that layout does not support
-    are refused before anything starts (:func:`check_layout`).
+    With ``pipeline``, each worker is a pipeline of ``pipeline.stages`` stage actors instead
+    (``engine.layout.Pipeline``); options that layout does not support are refused before
+    anything starts (:func:`check_layout`).
 
     Every worker holds a full replica; each global batch of ``config.batch_size`` samples is
     split across the workers and their gradients are averaged through ``config.collective``
