@@ -62,6 +62,11 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Checkpoint the training state every this many steps (and at every epoch end) when
     ``fit`` is given a store; 0 checkpoints at epoch ends only."""
+    gradient_clip_val: float | None = None
+    """Clip the averaged gradient (Lightning's ``gradient_clip_val``); ``None`` does not clip."""
+    gradient_clip_algorithm: str = "norm"
+    """``norm`` (the gradients' global 2-norm to at most ``gradient_clip_val``) or ``value``
+    (each element into ``[-gradient_clip_val, gradient_clip_val]``), as Lightning's."""
     collective_timeout_s: float = 10.0
     """Every collective's deadline: a worker that died or stopped answering makes the others
     fail with ``PeerLostError`` within this time."""
@@ -108,6 +113,7 @@ class TrainConfig:
                 "gpus_per_worker must be 0 (train on CPU) or a positive whole number of GPUs, "
                 f"got {self.gpus_per_worker!r}"
             )
+        self._check_clipping()
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.collective_timeout_s <= 0:
@@ -129,6 +135,18 @@ class TrainConfig:
                     if gpu
                     else "CPU workers (gpus_per_worker=0): GPU workers use 'auto', 'nccl' or 'symm'"
                 )
+            )
+
+    def _check_clipping(self) -> None:
+        if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:
+            raise ValueError(
+                f"gradient_clip_val must be positive (or None: no clipping), got "
+                f"{self.gradient_clip_val!r}"
+            )
+        if self.gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(
+                "gradient_clip_algorithm must be 'norm' or 'value', got "
+                f"{self.gradient_clip_algorithm!r}"
             )
 
     def _check_elastic(self) -> None:

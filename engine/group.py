@@ -129,14 +129,15 @@ class LocalGroup(WorkerGroup):
 
 
 class RayWorkerGroup(WorkerGroup):
-    """``config.workers`` Ray actors, gang-scheduled, that survive losing some of them.
+    """The layout's workers as Ray actors, gang-scheduled in one placement group.
 
     Every call goes to the current members in rank order. When a member dies (its actor is
     gone) or stops answering (the others' collectives pass their deadline), the call raises
-    :class:`MembershipLost`; :meth:`recover` then has the coordinator decide the new
-    membership, rebuilds the ring among the survivors without restarting them, and rolls
-    them back to the last commit. Replacements start in the background in the lost workers'
-    placement-group bundles and join at a later commit, once they are up.
+    :class:`MembershipLost`. In an elastic layout (data parallel) :meth:`recover` then has
+    the coordinator decide the new membership, rebuilds the ring among the survivors without
+    restarting them, and rolls them back to the last commit; replacements start in the
+    background in the lost workers' placement-group bundles and join at a later commit, once
+    they are up. Any other layout fails naming the lost worker.
 
     Raises:
         EngineError: the cluster cannot place the workers within ``config.timeout_s``.

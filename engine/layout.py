@@ -214,6 +214,13 @@ class Pipeline(Layout):
         "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule",
     }
 
+    def _clips_by_norm(self) -> bool:
+        return (
+            self.pipeline.stages > 1
+            and self.config.gradient_clip_val is not None
+            and self.config.gradient_clip_algorithm == "norm"
+        )
+
     def refused(self, *, init_from: str | None) -> list[str]:
         defaults = TrainConfig()
         refused = [
@@ -223,6 +230,11 @@ class Pipeline(Layout):
         ]
         if init_from is not None:
             refused.append("a warm start (init_from) (pipeline stages start from fresh weights)")
+        if self._clips_by_norm():
+            refused.append(
+                "gradient_clip_algorithm='norm' (each stage holds a part of the gradient; "
+                "clip by 'value' instead)"
+            )
         return refused
 
     def checkpoint(self, group, store_url, run_key, *, step, metadata, metrics) -> None:
@@ -231,10 +243,11 @@ class Pipeline(Layout):
         CheckpointStore(store_url).save(
             run_key,
             step=step,
-            shards=pipeline_shards([tensors for tensors, _ in stages]),
+            shards=pipeline_shards([tensors for tensors, _, _ in stages]),
             metadata={
                 **metadata,
-                "optimizer": merge_optimizer_metadata([meta for _, meta in stages]),
+                "optimizer": merge_optimizer_metadata([meta for _, meta, _ in stages]),
+                "schedulers": stages[0][2],  # every stage steps its schedulers alike
                 "stages": len(stages),
             },
             metrics=metrics,

@@ -1,4 +1,5 @@
-"""``fit``: data-parallel training of a LightningModule on Ray workers."""
+"""``fit``: the one driver that trains a LightningModule on Ray workers, whatever the layout
+(data parallel, or pipeline stages: ``engine.layout``)."""
 
 from __future__ import annotations
 
@@ -258,6 +259,7 @@ def _train(
             if (step + count) % steps_per_epoch == 0:
                 metrics = {k: v / max(chunk_samples, 1) for k, v in sorted(chunk_sums.items())}
                 metrics.update(_mean(group.call("evaluate", "validation")))
+                group.call("end_epoch", epoch, metrics)  # schedulers waiting for the metrics
             group.commit(step + count)
         except MembershipLost as lost:
             # Nothing of this chunk was kept: the members are back at the commit of ``step``.

@@ -18,6 +18,7 @@ import torch
 from ringflow.engine.collective import Collective, GradientBuckets, create_collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.errors import EngineError
+from ringflow.engine.module import Optimization, clip_gradients
 from ringflow.storage.checkpoint import read_checkpoint
 from ringflow.storage.checkpointer import AsyncCheckpointer
 from ringflow.storage.reshard import (
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+Commit = tuple[dict[str, torch.Tensor], dict[str, Any], list[dict[str, Any]]]
+"""A worker's state at a step, in host memory: model, optimizer, schedulers."""
 
 
 def split_global_batch(indices: torch.Tensor, *, rank: int, world_size: int) -> torch.Tensor:
@@ -214,7 +217,8 @@ class RankWorker:
         # Built on the CPU, so the initial weights are the same wherever the worker trains;
         # then moved, before the optimizer exists, so its state is created on the device.
         self.module = module_cls(**hparams).to(self.device)
-        self.optimizer = _single_optimizer(self.module.configure_optimizers())
+        self.optimization = Optimization(self.module)
+        self.optimizer = self.optimization.optimizer
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.train_x, self.train_y = data.read("train")
         self._evaluated: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -293,33 +297,36 @@ class RankWorker:
         commit takes no GPU memory and can be sent to a joining worker through Ray.
         """
         model = _host_copy(self.module.state_dict())
-        self._commits[step] = (model, _host_copy(self.optimizer.state_dict()))
+        optimizer = _host_copy(self.optimizer.state_dict())
+        self._commits[step] = (model, optimizer, self.optimization.state_dict())
         for old in sorted(self._commits)[:-2]:
             del self._commits[old]
 
     def rollback(self, step: int) -> None:
-        """Return to the commit of ``step`` (model and optimizer, bit for bit).
+        """Return to the commit of ``step`` (model, optimizer and schedulers, bit for bit).
 
         The host copies are copied onto the worker's device (``load_state_dict`` moves the
         optimizer state next to its parameters).
         """
-        model, optimizer = self.committed_state(step)
+        model, optimizer, schedulers = self.committed_state(step)
         if self.checkpointer is not None:
             self.checkpointer.fence()  # a background copy may still read the weights
         with torch.no_grad():
             for name, tensor in self.module.state_dict().items():
                 tensor.copy_(model[name])
         self.optimizer.load_state_dict(copy.deepcopy(optimizer))
+        self.optimization.load_state_dict(copy.deepcopy(schedulers))
 
-    def committed_state(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The commit of ``step`` (CPU tensors), for rolling back or for a worker joining."""
+    def committed_state(self, step: int) -> Commit:
+        """The commit of ``step`` (CPU tensors, and the schedulers' states), for rolling back or
+        for a worker joining."""
         if step not in self._commits:
             raise RuntimeError(f"no commit of step {step}; this worker has {sorted(self._commits)}")
         return self._commits[step]
 
-    def adopt(self, step: int, state: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> None:
+    def adopt(self, step: int, state: Commit) -> None:
         """Take the survivors' commit of ``step`` as this worker's state."""
-        self._commits = {step: ({k: v.clone() for k, v in state[0].items()}, state[1])}
+        self._commits = {step: ({k: v.clone() for k, v in state[0].items()}, *state[1:])}
         self.rollback(step)
 
     def train_steps(self, epoch: int, first: int, count: int) -> tuple[dict[str, float], int]:
@@ -361,8 +368,16 @@ class RankWorker:
             loss.backward()  # buckets start their all-reduces from inside backward
             capture.values.setdefault("train_loss", float(loss.detach()))
         self.buckets.finish()
+        clip_gradients(
+            self.optimizer, self.config.gradient_clip_val, self.config.gradient_clip_algorithm
+        )
         self.optimizer.step()
+        self.optimization.after_batch(step, last=step == self.steps_per_epoch - 1)
         return capture.take()
+
+    def end_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
+        """After epoch ``epoch``'s validation: step the schedulers that wait for its metrics."""
+        self.optimization.after_validation(epoch, metrics)
 
     def evaluate(self, split: str) -> tuple[dict[str, float], int]:
         """Evaluate this rank's part of ``split`` with the module's validation or test step."""
@@ -390,6 +405,7 @@ class RankWorker:
         load_training_state(
             self.module, self.optimizer, state.replicated, checkpoint.metadata["optimizer"]
         )
+        self.optimization.load_state_dict(checkpoint.metadata.get("schedulers", []))
         return checkpoint.step
 
     def checkpoint(
@@ -409,6 +425,8 @@ class RankWorker:
         if self.checkpointer is None:
             self.checkpointer = AsyncCheckpointer(CheckpointStore(store_url), check_writable=False)
             self._guard = self.checkpointer.guard(self.optimizer, self.module)
+
+        metadata = {**metadata, "schedulers": self.optimization.state_dict()}
 
         def collect() -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
             tensors, optimizer_meta = training_state(self.module, self.optimizer)
@@ -494,17 +512,3 @@ def _host_copy(value: Any) -> Any:
     if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
         return type(value)(_host_copy(v) for v in value)
     return copy.deepcopy(value)
-
-
-def _single_optimizer(configured: Any) -> torch.optim.Optimizer:
-    """Accept what ``configure_optimizers`` commonly returns and keep the one optimizer."""
-    if isinstance(configured, torch.optim.Optimizer):
-        return configured
-    if isinstance(configured, Mapping) and "optimizer" in configured:
-        return configured["optimizer"]
-    if isinstance(configured, list | tuple) and len(configured) == 1:
-        return _single_optimizer(configured[0])
-    raise TypeError(
-        "configure_optimizers() must return one optimizer (or a dict with an 'optimizer' key); "
-        f"got {type(configured).__name__}. Several optimizers are not supported yet."
-    )

@@ -77,6 +77,8 @@ class RunSpec:
             checkpoint_every=p["checkpoint_every"],
             min_workers=p["min_workers"],
             commit_every=p["commit_every"],
+            gradient_clip_val=p["gradient_clip_val"],
+            gradient_clip_algorithm=p["gradient_clip_algorithm"],
             placement=p["placement"],
             gpus_per_worker=p["gpus_per_worker"],
             **({"cpus_per_worker": p["cpus_per_worker"]} if p["cpus_per_worker"] else {}),

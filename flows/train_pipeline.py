@@ -70,6 +70,8 @@ def train_pipeline(
     max_restarts: Annotated[int, Field(ge=0, le=100)] = 3,
     min_workers: Annotated[int | None, Field(ge=1, le=1024)] = None,
     commit_every: Positive = 10,
+    gradient_clip_val: Annotated[float | None, Field(gt=0)] = None,
+    gradient_clip_algorithm: Literal["norm", "value"] = "norm",
     placement: Literal["pack", "spread", "strict_spread"] = "pack",
     cpus_per_worker: Annotated[float | None, Field(gt=0, le=1024)] = None,
     gpus_per_worker: Annotated[int, Field(ge=0, le=64)] = 0,
@@ -124,6 +126,9 @@ def train_pipeline(
         min_workers: training goes on after losing workers while this many remain; empty
             means all of them (a lost worker is replaced first).
         commit_every: steps between in-memory commits; a lost worker costs at most these.
+        gradient_clip_val: clip the averaged gradient to this (Lightning's
+            gradient_clip_val); empty does not clip.
+        gradient_clip_algorithm: norm (the gradient's 2-norm) or value (each element).
         placement: workers on as few Ray nodes as possible (pack), on as many as possible
             (spread), or one per node (strict_spread).
         cpus_per_worker: CPUs each worker reserves; empty means 1 (a fair share of the

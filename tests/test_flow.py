@@ -41,6 +41,8 @@ PARAMETERS = [
     "max_restarts",
     "min_workers",
     "commit_every",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
     "placement",
     "cpus_per_worker",
     "gpus_per_worker",

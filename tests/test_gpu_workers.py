@@ -254,7 +254,7 @@ def test_gpu_workers_get_a_gpu_each_and_commit_to_host_memory(gpu_ray, digits):
         assert [w["transport"] for w in where] == ["symm", "symm"]  # GPU shared memory
         group.call("train_steps", 0, 0, 3)
         group.commit(3)
-        model, optimizer = group.call_rank0("committed_state", 3)
+        model, optimizer, _ = group.call_rank0("committed_state", 3)
         tensors = [*model.values()]
         tensors += [v for s in optimizer["state"].values() for v in s.values()]
         assert len(tensors) > len(model)  # the optimizer has state by now

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ringflow.engine.collective import Collective, create_collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
+from ringflow.engine.module import Optimization, clip_gradients
 from ringflow.engine.pipeline.config import PipelineConfig
 from ringflow.engine.pipeline.execute import MicroBatches, run_forward, run_schedule
 from ringflow.engine.pipeline.p2p import StageLink
@@ -23,7 +24,6 @@ from ringflow.engine.pipeline.partition import Partition
 from ringflow.engine.pipeline.schedule import stage_actions
 from ringflow.engine.pipeline.stage import PipelineStage
 from ringflow.engine.worker import (
-    _single_optimizer,
     epoch_batches,
     free_address,
     split_global_batch,
@@ -88,7 +88,8 @@ class PipelineWorker:
             recompute=pipeline.recompute,
             device=self.device,
         )
-        self.optimizer = _single_optimizer(self.module.configure_optimizers())
+        self.optimization = Optimization(self.module)
+        self.optimizer = self.optimization.optimizer
         self.params = self.stage.parameters()
         self.link: StageLink | None = None
         self.collective: Collective | None = None
@@ -191,7 +192,7 @@ class PipelineWorker:
             nothing (the driver averages over the last stages).
         """
         total, samples = 0.0, 0
-        for _, mine, global_size in epoch_batches(
+        for step, mine, global_size in epoch_batches(
             len(self.train_y),
             self.config,
             epoch=epoch,
@@ -202,6 +203,7 @@ class PipelineWorker:
             device=self.device,
         ):
             total += self.train_step(mine, global_size=global_size)
+            self.optimization.after_batch(step, last=step == self.epoch_steps() - 1)
             samples += len(mine)
         if not self.stage.is_last:
             return {}, 0
@@ -225,6 +227,9 @@ class PipelineWorker:
         )
         losses = run_schedule(self.stage, actions, link=self.link, micro=micro)
         self._reduce_gradients()
+        clip_gradients(
+            self.optimizer, self.config.gradient_clip_val, self.config.gradient_clip_algorithm
+        )
         self.optimizer.step()
         if not self.stage.is_last:
             return 0.0
@@ -296,10 +301,18 @@ class PipelineWorker:
         """This stage's module tensors under their full names."""
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
 
-    def training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """This stage's model and optimizer state by full name, for ``pipeline_shards``."""
+    def training_state(
+        self,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[dict[str, Any]]]:
+        """This stage's model and optimizer state by full name, for ``pipeline_shards``, and
+        its schedulers' states."""
         tensors, metadata = training_state(self.module, self.optimizer)
-        return {k: v.detach().cpu().clone() for k, v in tensors.items()}, metadata
+        tensors = {k: v.detach().cpu().clone() for k, v in tensors.items()}
+        return tensors, metadata, self.optimization.state_dict()
+
+    def end_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
+        """After epoch ``epoch``'s validation: step the schedulers that wait for its metrics."""
+        self.optimization.after_validation(epoch, metrics)
 
     def epoch_steps(self) -> int:
         """Steps (global batches) in one epoch of the training split."""
@@ -311,6 +324,7 @@ class PipelineWorker:
         store = CheckpointStore(store_url)
         tensors = load_pipeline_stage(store, checkpoint, names=self.module.state_dict().keys())
         load_training_state(self.module, self.optimizer, tensors, checkpoint.metadata["optimizer"])
+        self.optimization.load_state_dict(checkpoint.metadata.get("schedulers", []))
 
     def peak_in_flight(self) -> int:
         return self.stage.peak_in_flight

@@ -1,0 +1,179 @@
+"""The LightningModule contract as ``lightning.Trainer`` runs it: optimizers and schedulers,
+gradient clipping.
+
+``configure_optimizers`` is read by Lightning's own parser, so everything it may return means
+what it means under Trainer: an optimizer, lists, ``([optimizers], [schedulers])``, a dict
+with ``lr_scheduler`` (a scheduler or a dict with ``interval``, ``frequency``, ``monitor``,
+``strict``) and ``ReduceLROnPlateau``. Schedulers step when Trainer steps them:
+
+- ``interval="step"``: after the optimizer step of every ``frequency``-th batch of an epoch;
+- ``interval="epoch"``: at the last batch of every ``frequency``-th epoch, before validation;
+- ``ReduceLROnPlateau`` (``interval="epoch"``): after validation, with the monitored metric
+  averaged over every worker's samples.
+
+What ringflow does not honour is refused by name when the module is built: several
+optimizers, manual optimisation, and a ``ReduceLROnPlateau`` stepped every batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ringflow.engine.errors import ModelError
+
+__all__ = ["CLIP_ALGORITHMS", "Optimization", "clip_gradients"]
+
+CLIP_ALGORITHMS = ("norm", "value")
+"""``TrainConfig.gradient_clip_algorithm``, as Lightning names them."""
+
+
+@dataclass(kw_only=True)
+class _Schedule:
+    scheduler: Any
+    interval: str
+    frequency: int
+    monitor: str | None
+    strict: bool
+    plateau: bool
+
+
+class Optimization:
+    """The one optimizer of a module and its learning-rate schedulers.
+
+    Raises:
+        ModelError: ``configure_optimizers`` returns something ringflow does not honour.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        from lightning.pytorch.core.optimizer import (
+            _configure_optimizers,
+            _configure_schedulers_automatic_opt,
+        )
+        from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+        name = type(module).__name__
+        if getattr(module, "automatic_optimization", True) is False:
+            raise ModelError(
+                f"{name} sets automatic_optimization = False: manual optimisation is not "
+                "supported by ringflow yet; let Lightning's automatic optimisation step"
+            )
+        try:
+            optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
+            configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+        except MisconfigurationException as err:
+            raise ModelError(f"{name}.configure_optimizers(): {err}") from None
+        if len(optimizers) != 1:
+            kinds = ", ".join(type(o).__name__ for o in optimizers) or "none"
+            raise ModelError(
+                f"{name}.configure_optimizers() returned {len(optimizers)} optimizers ({kinds}): "
+                "ringflow trains with one optimizer (several param groups are fine); several "
+                "optimizers need manual optimisation, which it does not support yet"
+            )
+        self.module, self.optimizer = module, optimizers[0]
+        self.schedules = [
+            _Schedule(
+                scheduler=c.scheduler,
+                interval=c.interval,
+                frequency=c.frequency,
+                monitor=c.monitor,
+                strict=c.strict,
+                plateau=c.reduce_on_plateau,
+            )
+            for c in configs
+        ]
+        for schedule in self.schedules:
+            if schedule.plateau and schedule.interval == "step":
+                raise ModelError(
+                    f"{name}: a ReduceLROnPlateau stepped every batch (interval 'step') is not "
+                    "supported; step it every epoch on a validation metric"
+                )
+
+    def after_batch(self, batch_idx: int, *, last: bool) -> None:
+        """Step the schedulers due after the optimizer step of batch ``batch_idx`` of an epoch
+        (``last``: the epoch's last batch, where epoch-interval schedulers step)."""
+        for schedule in self.schedules:
+            if schedule.plateau:
+                continue
+            if schedule.interval == "step" and (batch_idx + 1) % schedule.frequency == 0:
+                self._step(schedule, None)
+        if last:
+            self._epoch_schedules(plateau=False, epoch=None, metrics={})
+
+    def after_validation(self, epoch: int, metrics: dict[str, float]) -> None:
+        """Step the ``ReduceLROnPlateau`` schedulers due after epoch ``epoch``'s validation."""
+        self._epoch_schedules(plateau=True, epoch=epoch, metrics=metrics)
+
+    def _epoch_schedules(self, *, plateau: bool, epoch: int | None, metrics: dict) -> None:
+        for schedule in self.schedules:
+            if schedule.plateau != plateau or schedule.interval != "epoch":
+                continue
+            if epoch is not None and (epoch + 1) % schedule.frequency:
+                continue
+            value = None
+            if plateau:
+                if schedule.monitor not in metrics:
+                    if schedule.strict:
+                        raise ModelError(
+                            f"ReduceLROnPlateau monitors {schedule.monitor!r}, which is not "
+                            f"reported; the metrics are {sorted(metrics)}"
+                        )
+                    continue
+                value = torch.tensor(metrics[schedule.monitor])
+            self._step(schedule, value)
+
+    def _step(self, schedule: _Schedule, value: Any) -> None:
+        hook = getattr(self.module, "lr_scheduler_step", None)
+        if callable(hook):  # a LightningModule's, which a module may override
+            hook(schedule.scheduler, value)
+        elif value is None:
+            schedule.scheduler.step()
+        else:
+            schedule.scheduler.step(value)
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """Every scheduler's state as JSON (what checkpoints keep)."""
+        return [_jsonable(s.scheduler.state_dict()) for s in self.schedules]
+
+    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+        if len(states) != len(self.schedules):
+            raise ValueError(
+                f"the checkpoint holds {len(states)} scheduler states, the module configures "
+                f"{len(self.schedules)}"
+            )
+        for schedule, state in zip(self.schedules, states, strict=True):
+            schedule.scheduler.load_state_dict(state)
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, value: float | None, algorithm: str) -> None:
+    """Clip the (already averaged) gradients of ``optimizer``'s parameters as Lightning does."""
+    if value is None:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if algorithm == "norm":
+        torch.nn.utils.clip_grad_norm_(params, value)
+    else:
+        torch.nn.utils.clip_grad_value_(params, value)
+
+
+def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
+    """A scheduler's state with tensors as numbers, checked to survive JSON."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.item() if value.numel() == 1 else value.tolist()
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        return value
+
+    state = plain(state)
+    try:
+        json.dumps(state, allow_nan=True)
+    except TypeError as err:
+        raise ModelError(f"a learning-rate scheduler's state is not JSON: {err}") from None
+    return state

@@ -1,0 +1,233 @@
+"""A module behaves under ringflow as under ``lightning.Trainer``: its optimizer and schedulers
+(step- and epoch-interval, ``ReduceLROnPlateau`` on a validation metric) and gradient
+clipping. The oracle is Trainer itself, on the same module, seed and batch order."""
+
+from __future__ import annotations
+
+import shutil
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+from ringflow.engine import ModelError, TensorData, TrainConfig, fit
+from ringflow.engine.module import Optimization
+from ringflow.storage import CheckpointStore
+from tests.conftest import relative_difference
+
+FEATURES, CLASSES, BATCH, EPOCHS, SEED = 8, 3, 16, 3, 7
+
+
+class OneCycle(L.LightningModule):
+    """AdamW with a OneCycleLR stepped every batch (Lightning's ``interval="step"``)."""
+
+    def __init__(self, *, total_steps: int, max_lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.max_lr)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=self.hparams.max_lr, total_steps=self.hparams.total_steps
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class Plateau(OneCycle):
+    """SGD halved by ReduceLROnPlateau whenever the validation loss does not improve enough."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, factor=0.5, patience=0, threshold=0.05
+        )
+        return {"optimizer": optimizer, "lr_scheduler": plateau, "monitor": "val_loss"}
+
+
+class EpochOrder(Sampler):
+    """ringflow's order: a permutation seeded by the run's seed plus the epoch."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:  # Trainer calls it at every epoch start
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.size, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+@pytest.fixture(scope="module")
+def data() -> TensorData:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(150, FEATURES, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long() + (x[:, 2] > 1).long()
+    return TensorData(splits={"train": (x[:120], y[:120]), "validation": (x[120:], y[120:])})
+
+
+@pytest.fixture
+def deterministic_off():
+    """Trainer(deterministic=True) switches torch's deterministic mode on for the process."""
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def under_trainer(cls, hparams: dict, data: TensorData, **trainer) -> dict[str, torch.Tensor]:
+    x, y = data.splits["train"]
+    train = DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=EpochOrder(len(y), SEED))
+    val = DataLoader(TensorDataset(*data.splits["validation"]), batch_size=BATCH)
+    torch.manual_seed(SEED)
+    module = cls(**hparams)
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        deterministic=True,
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **trainer,
+    ).fit(module, train, val)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def under_ringflow(cls, hparams: dict, data, tmp_path, *, workers=1, **config) -> dict:
+    result = fit(
+        cls,
+        hparams=hparams,
+        data=data,
+        config=TrainConfig(workers=workers, epochs=EPOCHS, batch_size=BATCH, seed=SEED, **config),
+        checkpoint_uri=str(tmp_path / f"model-{workers}"),
+        in_process=workers == 1,
+    )
+    return result.state_dict
+
+
+STEPS = EPOCHS * 120 // BATCH + EPOCHS  # 8 batches an epoch (the last one short)
+CASES = {
+    "one-cycle, clipped by norm": (OneCycle, {"gradient_clip_val": 0.5}),
+    "plateau on val_loss, clipped by value": (
+        Plateau,
+        {"gradient_clip_val": 0.2, "gradient_clip_algorithm": "value"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_worker_ends_with_the_weights_trainer_ends_with(
+    case, data, tmp_path, deterministic_off
+):
+    cls, clipping = CASES[case]
+    hparams = {"total_steps": STEPS}
+    expected = under_trainer(cls, hparams, data, **clipping)
+    got = under_ringflow(cls, hparams, data, tmp_path, **clipping)
+    assert relative_difference(got, expected) < 1e-5
+    torch.manual_seed(SEED)
+    assert relative_difference(got, cls(**hparams).state_dict()) > 1e-2  # it trained
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_and_three_workers_end_with_one_workers_weights(case, data, tmp_path, ray_session):
+    cls, clipping = CASES[case]
+    hparams = {"total_steps": STEPS}
+    one = under_ringflow(cls, hparams, data, tmp_path, **clipping)
+    for workers in (2, 3):
+        many = under_ringflow(
+            cls, hparams, data, tmp_path, workers=workers, cpus_per_worker=0.5, **clipping
+        )
+        assert relative_difference(many, one) < 1e-5, workers
+
+
+def test_a_run_resumed_mid_epoch_ends_bit_for_bit_scheduler_included(data, tmp_path):
+    def run():
+        return fit(
+            OneCycle,
+            hparams={"total_steps": STEPS},
+            data=data,
+            config=TrainConfig(
+                workers=1, epochs=EPOCHS, batch_size=BATCH, seed=SEED, checkpoint_every=3
+            ),
+            checkpoint_uri=str(tmp_path / "model"),
+            in_process=True,
+            store_url=str(tmp_path / "store"),
+            run_key="cut",
+        )
+
+    whole = run()
+    kept = [c.step for c in CheckpointStore(str(tmp_path / "store")).checkpoints("cut")]
+    assert kept[0] % 8, kept  # mid-epoch: 8 steps an epoch
+    for newer in kept[1:]:  # a preemption lost every checkpoint after the first kept
+        shutil.rmtree(tmp_path / "store" / "cut" / f"step-{newer:012d}")
+    again = run()
+    assert again.resumed_from == kept[0]
+    for name, tensor in whole.state_dict.items():
+        assert torch.equal(again.state_dict[name], tensor), name
+
+
+class TwoOptimizers(OneCycle):
+    def configure_optimizers(self):
+        return [
+            torch.optim.SGD(self.net[0].parameters()),
+            torch.optim.Adam(self.net[2].parameters()),
+        ]
+
+
+class Manual(OneCycle):
+    automatic_optimization = False
+
+
+class PlateauEveryStep(OneCycle):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": plateau, "interval": "step", "monitor": "train_loss"},
+        }
+
+
+class PlateauWithoutMonitor(OneCycle):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer),
+        }
+
+
+@pytest.mark.parametrize(
+    ("cls", "message"),
+    [
+        (TwoOptimizers, r"returned 2 optimizers \(SGD, Adam\)"),
+        (Manual, "automatic_optimization = False"),
+        (PlateauEveryStep, "ReduceLROnPlateau stepped every batch"),
+        (PlateauWithoutMonitor, "must include a monitor"),
+    ],
+)
+def test_what_ringflow_does_not_honour_is_refused_by_name(cls, message):
+    with pytest.raises(ModelError, match=message):
+        Optimization(cls(total_steps=10))
