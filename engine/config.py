@@ -62,6 +62,10 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Checkpoint the training state every this many steps (and at every epoch end) when
     ``fit`` is given a store; 0 checkpoints at epoch ends only."""
+    accumulate_grad_batches: int = 1
+    """Step the optimizer every this many batches, on their summed gradients (Lightning's
+    ``accumulate_grad_batches``); windows start at every epoch's start, and the last window of
+    an epoch may be shorter. ``commit_every`` and ``checkpoint_every`` must be multiples."""
     gradient_clip_val: float | None = None
     """Clip the averaged gradient (Lightning's ``gradient_clip_val``); ``None`` does not clip."""
     gradient_clip_algorithm: str = "norm"
@@ -114,6 +118,7 @@ class TrainConfig:
                 f"got {self.gpus_per_worker!r}"
             )
         self._check_clipping()
+        self._check_accumulation()
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.collective_timeout_s <= 0:
@@ -136,6 +141,17 @@ class TrainConfig:
                     else "CPU workers (gpus_per_worker=0): GPU workers use 'auto', 'nccl' or 'symm'"
                 )
             )
+
+    def _check_accumulation(self) -> None:
+        _positive_int("accumulate_grad_batches", self.accumulate_grad_batches)
+        window = self.accumulate_grad_batches
+        for name in ("commit_every", "checkpoint_every"):
+            if getattr(self, name) % window:
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) must be a multiple of "
+                    f"accumulate_grad_batches ({window}): a commit or checkpoint cannot fall "
+                    "inside an accumulation window"
+                )
 
     def _check_clipping(self) -> None:
         if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:

@@ -212,6 +212,8 @@ class Pipeline(Layout):
         "max_failures": "a lost pipeline stage fails the run (no in-run replacement)",
         "commit_every": "pipeline stages keep no in-memory commits",
         "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule",
+        "accumulate_grad_batches": "pipeline stages step every batch; raise micro_batches "
+        "and batch_size instead",
     }
 
     def _clips_by_norm(self) -> bool:

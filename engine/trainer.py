@@ -242,12 +242,12 @@ def _train(
     history = list(resume.history)
     sums, samples, seconds = dict(resume.sums), resume.samples, resume.seconds
     step, total = resume.step, config.epochs * steps_per_epoch
-    bounds = [config.commit_every, config.checkpoint_every or steps_per_epoch]
+    chunks = _Chunks(config, steps_per_epoch)
     group.commit(step)
     probe = False  # after a loss, commit after one step: the new ring is proven at once
     while step < total:
         epoch, first = divmod(step, steps_per_epoch)
-        count = 1 if probe else min([b - step % b for b in bounds] + [steps_per_epoch - first])
+        count = chunks.size(step, probe=probe)
         started = time.perf_counter()
         try:
             chunk_sums, chunk_samples = dict(sums), samples
@@ -276,13 +276,42 @@ def _train(
             sums, samples, seconds = {}, 0, 0.0
             if on_epoch is not None:
                 on_epoch(history[-1])
-        if resume.store_url and (step % bounds[1] == 0 or step % steps_per_epoch == 0):
+        if resume.store_url and chunks.checkpoint_due(step):
             meta = resume.metadata(step, steps_per_epoch, history, sums, samples, seconds)
             step = _checkpoint(group, layout, resume, step, meta, history)
     if resume.store_url is not None:
         for error in layout.flush(group):
             log.warning("a checkpoint of run %s was not saved: %s", resume.run_key, error)
     return history
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """Where the driver's chunks of steps end: at commits, checkpoints and epoch ends. With
+    gradient accumulation, windows of ``accumulate_grad_batches`` batches start at every
+    epoch's start (as under Lightning), and commits and checkpoints count from there, so a
+    chunk never ends inside a window."""
+
+    config: TrainConfig
+    per_epoch: int
+
+    def _since(self, step: int) -> int:
+        """Steps since the origin commits count from: the run's start, or the epoch's."""
+        return step % self.per_epoch if self.config.accumulate_grad_batches > 1 else step
+
+    def size(self, step: int, *, probe: bool) -> int:
+        """Steps in the chunk starting at ``step`` (``probe``: the shortest one possible)."""
+        first, window = step % self.per_epoch, self.config.accumulate_grad_batches
+        rest = self.per_epoch - first
+        if probe:
+            return min(rest, window - first % window)
+        since = self._since(step)
+        bounds = [self.config.commit_every, self.config.checkpoint_every or self.per_epoch]
+        return min([b - since % b for b in bounds] + [rest])
+
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.config.checkpoint_every or self.per_epoch
+        return step % self.per_epoch == 0 or self._since(step) % every == 0
 
 
 def _checkpoint(

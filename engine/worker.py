@@ -354,25 +354,37 @@ class RankWorker:
         return dict(sums), samples
 
     def _train_step(self, mine: torch.Tensor, global_size: int, step: int) -> dict[str, float]:
+        """One batch; the optimizer steps at the last batch of an accumulation window.
+
+        Each rank's loss is a mean over its part; weighting it by the part's share of the
+        global batch (and by 1/``accumulate_grad_batches``, as Lightning scales the loss)
+        makes the sum over ranks and batches the gradient Trainer computes on one process.
+        Without accumulation the weight is applied to each gradient on its way into a bucket;
+        with it, to the loss, and the buckets reduce the window's summed gradients once.
+        """
         capture = _MetricCapture()
         self.module.log, self.module.log_dict = capture.log, capture.log_dict
         self.module.train()
-        self.optimizer.zero_grad(set_to_none=False)
-        # Each rank's loss is a mean over its part; weighting by the part's share of the
-        # global batch makes the sum over ranks the gradient of the global-batch mean.
-        self.buckets.start(weight=len(mine) / global_size)
+        window = self.config.accumulate_grad_batches
+        weight = len(mine) / global_size
+        steps = step % window == window - 1 or step == self.steps_per_epoch - 1
+        if step % window == 0:
+            self.optimizer.zero_grad(set_to_none=False)
+        if steps:  # buckets start their all-reduces from inside backward
+            self.buckets.start(weight=weight if window == 1 else 1.0)
         if len(mine):
             batch = (self.train_x[mine].to(self.device), self.train_y[mine].to(self.device))
             out = self.module.training_step(batch, step)
             loss = out["loss"] if isinstance(out, Mapping) else out
-            loss.backward()  # buckets start their all-reduces from inside backward
+            (loss if window == 1 else loss * (weight / window)).backward()
             capture.values.setdefault("train_loss", float(loss.detach()))
-        self.buckets.finish()
-        clip_gradients(
-            self.optimizer, self.config.gradient_clip_val, self.config.gradient_clip_algorithm
-        )
-        self.optimizer.step()
-        self.optimization.after_batch(step, last=step == self.steps_per_epoch - 1)
+        if steps:
+            self.buckets.finish()
+            clip_gradients(
+                self.optimizer, self.config.gradient_clip_val, self.config.gradient_clip_algorithm
+            )
+            self.optimizer.step()
+            self.optimization.after_batch(step, last=step == self.steps_per_epoch - 1)
         return capture.take()
 
     def end_epoch(self, epoch: int, metrics: dict[str, float]) -> None:

@@ -70,6 +70,7 @@ def train_pipeline(
     max_restarts: Annotated[int, Field(ge=0, le=100)] = 3,
     min_workers: Annotated[int | None, Field(ge=1, le=1024)] = None,
     commit_every: Positive = 10,
+    accumulate_grad_batches: Positive = 1,
     gradient_clip_val: Annotated[float | None, Field(gt=0)] = None,
     gradient_clip_algorithm: Literal["norm", "value"] = "norm",
     placement: Literal["pack", "spread", "strict_spread"] = "pack",
@@ -126,6 +127,8 @@ def train_pipeline(
         min_workers: training goes on after losing workers while this many remain; empty
             means all of them (a lost worker is replaced first).
         commit_every: steps between in-memory commits; a lost worker costs at most these.
+        accumulate_grad_batches: step the optimizer every this many batches, on their summed
+            gradients (Lightning's accumulate_grad_batches).
         gradient_clip_val: clip the averaged gradient to this (Lightning's
             gradient_clip_val); empty does not clip.
         gradient_clip_algorithm: norm (the gradient's 2-norm) or value (each element).

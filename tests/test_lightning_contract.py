@@ -129,6 +129,14 @@ def under_ringflow(cls, hparams: dict, data, tmp_path, *, workers=1, **config) -
 STEPS = EPOCHS * 120 // BATCH + EPOCHS  # 8 batches an epoch (the last one short)
 CASES = {
     "one-cycle, clipped by norm": (OneCycle, {"gradient_clip_val": 0.5}),
+    "one-cycle, clipped by norm, accumulating 2 batches": (
+        OneCycle,
+        {"gradient_clip_val": 0.5, "accumulate_grad_batches": 2},
+    ),
+    "one-cycle, accumulating 3 batches (a short window ends each epoch)": (
+        OneCycle,
+        {"accumulate_grad_batches": 3, "commit_every": 9},
+    ),
     "plateau on val_loss, clipped by value": (
         Plateau,
         {"gradient_clip_val": 0.2, "gradient_clip_algorithm": "value"},
@@ -142,7 +150,8 @@ def test_one_worker_ends_with_the_weights_trainer_ends_with(
 ):
     cls, clipping = CASES[case]
     hparams = {"total_steps": STEPS}
-    expected = under_trainer(cls, hparams, data, **clipping)
+    trainer = {k: v for k, v in clipping.items() if k != "commit_every"}  # Trainer's names
+    expected = under_trainer(cls, hparams, data, **trainer)
     got = under_ringflow(cls, hparams, data, tmp_path, **clipping)
     assert relative_difference(got, expected) < 1e-5
     torch.manual_seed(SEED)
@@ -169,7 +178,13 @@ def test_a_run_resumed_mid_epoch_ends_bit_for_bit_scheduler_included(data, tmp_p
             hparams={"total_steps": STEPS},
             data=data,
             config=TrainConfig(
-                workers=1, epochs=EPOCHS, batch_size=BATCH, seed=SEED, checkpoint_every=3
+                workers=1,
+                epochs=EPOCHS,
+                batch_size=BATCH,
+                seed=SEED,
+                checkpoint_every=2,
+                accumulate_grad_batches=2,
+                gradient_clip_val=0.5,
             ),
             checkpoint_uri=str(tmp_path / "model"),
             in_process=True,
