@@ -62,6 +62,10 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Checkpoint the training state every this many steps (and at every epoch end) when
     ``fit`` is given a store; 0 checkpoints at epoch ends only."""
+    precision: str = "32-true"
+    """As Lightning spells it: ``32-true``, ``bf16-mixed`` (autocast to bfloat16),
+    ``16-mixed`` (autocast to float16 with a gradient scaler; GPU only) or ``bf16-true``
+    (the module in bfloat16); see ``engine.module``."""
     accumulate_grad_batches: int = 1
     """Step the optimizer every this many batches, on their summed gradients (Lightning's
     ``accumulate_grad_batches``); windows start at every epoch's start, and the last window of
@@ -119,6 +123,7 @@ class TrainConfig:
             )
         self._check_clipping()
         self._check_accumulation()
+        self._check_precision()
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.collective_timeout_s <= 0:
@@ -152,6 +157,17 @@ class TrainConfig:
                     f"accumulate_grad_batches ({window}): a commit or checkpoint cannot fall "
                     "inside an accumulation window"
                 )
+
+    def _check_precision(self) -> None:
+        from ringflow.engine.module import PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision == "16-mixed" and not self.gpus_per_worker:
+            raise ValueError(
+                "precision '16-mixed' needs GPU workers (gpus_per_worker); on CPU use "
+                "'bf16-mixed', as Lightning does"
+            )
 
     def _check_clipping(self) -> None:
         if self.gradient_clip_val is not None and not self.gradient_clip_val > 0:

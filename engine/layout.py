@@ -214,6 +214,7 @@ class Pipeline(Layout):
         "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule",
         "accumulate_grad_batches": "pipeline stages step every batch; raise micro_batches "
         "and batch_size instead",
+        "precision": "activations travel between stages in float32",
     }
 
     def _clips_by_norm(self) -> bool:
@@ -249,7 +250,7 @@ class Pipeline(Layout):
             metadata={
                 **metadata,
                 "optimizer": merge_optimizer_metadata([meta for _, meta, _ in stages]),
-                "schedulers": stages[0][2],  # every stage steps its schedulers alike
+                "optimization": stages[0][2],  # every stage steps its schedulers alike
                 "stages": len(stages),
             },
             metrics=metrics,

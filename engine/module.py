@@ -1,5 +1,10 @@
-"""The LightningModule contract as ``lightning.Trainer`` runs it: optimizers and schedulers,
-gradient clipping.
+"""The LightningModule contract as ``lightning.Trainer`` runs it: precision, optimizers and
+schedulers, gradient clipping.
+
+Precision is spelled as Lightning spells it (:data:`PRECISIONS`): ``bf16-mixed`` and
+``16-mixed`` run every step under ``torch.autocast`` (``16-mixed`` with a gradient scaler,
+GPU only), ``bf16-true`` converts the module and its floating inputs to bfloat16. Gradients
+travel through the ring in the dtype they have.
 
 ``configure_optimizers`` is read by Lightning's own parser, so everything it may return means
 what it means under Trainer: an optimizer, lists, ``([optimizers], [schedulers])``, a dict
@@ -17,7 +22,9 @@ optimizers, manual optimisation, and a ``ReduceLROnPlateau`` stepped every batch
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +32,54 @@ import torch
 
 from ringflow.engine.errors import ModelError
 
-__all__ = ["CLIP_ALGORITHMS", "Optimization", "clip_gradients"]
+__all__ = ["CLIP_ALGORITHMS", "PRECISIONS", "Optimization", "Precision", "clip_gradients"]
 
 CLIP_ALGORITHMS = ("norm", "value")
 """``TrainConfig.gradient_clip_algorithm``, as Lightning names them."""
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+"""``TrainConfig.precision``, as Lightning names them."""
+
+
+class Precision:
+    """How a step's forward runs and its loss goes backward, for one ``precision``."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name, self.device = name, device
+        self.scaler = torch.amp.GradScaler(device.type) if name == "16-mixed" else None
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(torch.bfloat16) if self.name == "bf16-true" else module
+
+    def convert_input(self, batch: Any) -> Any:
+        """``bf16-true``: the batch's floating tensors to bfloat16."""
+        if self.name != "bf16-true":
+            return batch
+        if isinstance(batch, torch.Tensor):
+            return batch.to(torch.bfloat16) if batch.is_floating_point() else batch
+        if isinstance(batch, list | tuple):
+            return type(batch)(self.convert_input(b) for b in batch)
+        if isinstance(batch, dict):
+            return {k: self.convert_input(v) for k, v in batch.items()}
+        return batch
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        if self.name in ("bf16-mixed", "16-mixed"):
+            dtype = torch.bfloat16 if self.name == "bf16-mixed" else torch.float16
+            with torch.autocast(self.device.type, dtype=dtype, cache_enabled=False):
+                yield
+        elif self.name == "bf16-true":
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(default)
+        else:
+            yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
 
 @dataclass(kw_only=True)
@@ -48,7 +99,7 @@ class Optimization:
         ModelError: ``configure_optimizers`` returns something ringflow does not honour.
     """
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, precision: Precision | None = None) -> None:
         from lightning.pytorch.core.optimizer import (
             _configure_optimizers,
             _configure_schedulers_automatic_opt,
@@ -74,6 +125,7 @@ class Optimization:
                 "optimizers need manual optimisation, which it does not support yet"
             )
         self.module, self.optimizer = module, optimizers[0]
+        self.precision = precision or Precision("32-true", torch.device("cpu"))
         self.schedules = [
             _Schedule(
                 scheduler=c.scheduler,
@@ -91,6 +143,23 @@ class Optimization:
                     f"{name}: a ReduceLROnPlateau stepped every batch (interval 'step') is not "
                     "supported; step it every epoch on a validation metric"
                 )
+
+    def step(
+        self, batch_idx: int, *, last: bool, clip_val: float | None, clip_algorithm: str
+    ) -> None:
+        """The optimizer step of batch ``batch_idx`` on the averaged gradients, as Trainer
+        takes it: unscale (``16-mixed``), clip, step (skipped by the scaler on non-finite
+        gradients), then the schedulers due."""
+        scaler = self.precision.scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        clip_gradients(self.optimizer, clip_val, clip_algorithm)
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.after_batch(batch_idx, last=last)
 
     def after_batch(self, batch_idx: int, *, last: bool) -> None:
         """Step the schedulers due after the optimizer step of batch ``batch_idx`` of an epoch
@@ -134,11 +203,18 @@ class Optimization:
         else:
             schedule.scheduler.step(value)
 
-    def state_dict(self) -> list[dict[str, Any]]:
-        """Every scheduler's state as JSON (what checkpoints keep)."""
-        return [_jsonable(s.scheduler.state_dict()) for s in self.schedules]
+    def state_dict(self) -> dict[str, Any]:
+        """Every scheduler's state, and the gradient scaler's, as JSON (checkpoints keep it)."""
+        scaler = self.precision.scaler
+        return {
+            "schedulers": [_jsonable(s.scheduler.state_dict()) for s in self.schedules],
+            "scaler": None if scaler is None else _jsonable(scaler.state_dict()),
+        }
 
-    def load_state_dict(self, states: list[dict[str, Any]]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        states = state.get("schedulers", [])
+        if state.get("scaler") is not None and self.precision.scaler is not None:
+            self.precision.scaler.load_state_dict(state["scaler"])
         if len(states) != len(self.schedules):
             raise ValueError(
                 f"the checkpoint holds {len(states)} scheduler states, the module configures "

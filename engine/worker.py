@@ -18,7 +18,7 @@ import torch
 from ringflow.engine.collective import Collective, GradientBuckets, create_collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.errors import EngineError
-from ringflow.engine.module import Optimization, clip_gradients
+from ringflow.engine.module import Optimization, Precision
 from ringflow.storage.checkpoint import read_checkpoint
 from ringflow.storage.checkpointer import AsyncCheckpointer
 from ringflow.storage.reshard import (
@@ -41,8 +41,8 @@ __all__ = [
 ]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-Commit = tuple[dict[str, torch.Tensor], dict[str, Any], list[dict[str, Any]]]
-"""A worker's state at a step, in host memory: model, optimizer, schedulers."""
+Commit = tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]
+"""A worker's state at a step, in host memory: model, optimizer, schedulers and scaler."""
 
 
 def split_global_batch(indices: torch.Tensor, *, rank: int, world_size: int) -> torch.Tensor:
@@ -216,8 +216,9 @@ class RankWorker:
         torch.manual_seed(config.seed)
         # Built on the CPU, so the initial weights are the same wherever the worker trains;
         # then moved, before the optimizer exists, so its state is created on the device.
-        self.module = module_cls(**hparams).to(self.device)
-        self.optimization = Optimization(self.module)
+        self.precision = Precision(config.precision, self.device)
+        self.module = self.precision.convert_module(module_cls(**hparams).to(self.device))
+        self.optimization = Optimization(self.module, self.precision)
         self.optimizer = self.optimization.optimizer
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.train_x, self.train_y = data.read("train")
@@ -374,17 +375,19 @@ class RankWorker:
             self.buckets.start(weight=weight if window == 1 else 1.0)
         if len(mine):
             batch = (self.train_x[mine].to(self.device), self.train_y[mine].to(self.device))
-            out = self.module.training_step(batch, step)
+            with self.precision.forward_context():
+                out = self.module.training_step(self.precision.convert_input(batch), step)
             loss = out["loss"] if isinstance(out, Mapping) else out
-            (loss if window == 1 else loss * (weight / window)).backward()
+            self.precision.backward(loss if window == 1 else loss * (weight / window))
             capture.values.setdefault("train_loss", float(loss.detach()))
         if steps:
             self.buckets.finish()
-            clip_gradients(
-                self.optimizer, self.config.gradient_clip_val, self.config.gradient_clip_algorithm
+            self.optimization.step(
+                step,
+                last=step == self.steps_per_epoch - 1,
+                clip_val=self.config.gradient_clip_val,
+                clip_algorithm=self.config.gradient_clip_algorithm,
             )
-            self.optimizer.step()
-            self.optimization.after_batch(step, last=step == self.steps_per_epoch - 1)
         return capture.take()
 
     def end_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
@@ -404,6 +407,7 @@ class RankWorker:
             split=split,
             batch_size=self.config.batch_size,
             device=self.device,
+            precision=self.precision,
         )
 
     def warm_start(self, model_uri: str) -> None:
@@ -417,7 +421,7 @@ class RankWorker:
         load_training_state(
             self.module, self.optimizer, state.replicated, checkpoint.metadata["optimizer"]
         )
-        self.optimization.load_state_dict(checkpoint.metadata.get("schedulers", []))
+        self.optimization.load_state_dict(checkpoint.metadata.get("optimization", {}))
         return checkpoint.step
 
     def checkpoint(
@@ -438,7 +442,7 @@ class RankWorker:
             self.checkpointer = AsyncCheckpointer(CheckpointStore(store_url), check_writable=False)
             self._guard = self.checkpointer.guard(self.optimizer, self.module)
 
-        metadata = {**metadata, "schedulers": self.optimization.state_dict()}
+        metadata = {**metadata, "optimization": self.optimization.state_dict()}
 
         def collect() -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
             tensors, optimizer_meta = training_state(self.module, self.optimizer)
@@ -492,10 +496,12 @@ def evaluate_module(
     split: str,
     batch_size: int,
     device: torch.device | str | None = None,
+    precision: Precision | None = None,
 ) -> tuple[dict[str, float], int]:
     """Run ``test_step`` (for ``split == "test"``) or ``validation_step`` over ``x, y``.
 
-    Each batch is moved to ``device``; ``None`` means where the module's parameters are.
+    Each batch is moved to ``device``; ``None`` means where the module's parameters are. The
+    steps run in the training's ``precision`` (autocast, or bfloat16 inputs), as Trainer's do.
 
     Returns:
         The sums of every logged metric weighted by batch size, and the number of samples.
@@ -508,8 +514,12 @@ def evaluate_module(
     module.eval()
     sums: dict[str, float] = defaultdict(float)
     for i, start in enumerate(range(0, len(y), batch_size)):
-        batch = (x[start : start + batch_size], y[start : start + batch_size])
-        step((batch[0].to(device), batch[1].to(device)), i)
+        batch = (x[start : start + batch_size].to(device), y[start : start + batch_size].to(device))
+        if precision is None:
+            step(batch, i)
+        else:
+            with precision.forward_context():
+                step(precision.convert_input(batch), i)
         for name, value in capture.take().items():
             sums[name] += value * len(y[start : start + batch_size])
     return dict(sums), len(y)

@@ -77,6 +77,7 @@ class RunSpec:
             checkpoint_every=p["checkpoint_every"],
             min_workers=p["min_workers"],
             commit_every=p["commit_every"],
+            precision=p["precision"],
             accumulate_grad_batches=p["accumulate_grad_batches"],
             gradient_clip_val=p["gradient_clip_val"],
             gradient_clip_algorithm=p["gradient_clip_algorithm"],

@@ -70,6 +70,7 @@ def train_pipeline(
     max_restarts: Annotated[int, Field(ge=0, le=100)] = 3,
     min_workers: Annotated[int | None, Field(ge=1, le=1024)] = None,
     commit_every: Positive = 10,
+    precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "32-true",
     accumulate_grad_batches: Positive = 1,
     gradient_clip_val: Annotated[float | None, Field(gt=0)] = None,
     gradient_clip_algorithm: Literal["norm", "value"] = "norm",
@@ -127,6 +128,8 @@ def train_pipeline(
         min_workers: training goes on after losing workers while this many remain; empty
             means all of them (a lost worker is replaced first).
         commit_every: steps between in-memory commits; a lost worker costs at most these.
+        precision: as Lightning spells it: 32-true, bf16-mixed (autocast to bfloat16), 16-mixed
+            (float16 with a gradient scaler, GPU only) or bf16-true (the model in bfloat16).
         accumulate_grad_batches: step the optimizer every this many batches, on their summed
             gradients (Lightning's accumulate_grad_batches).
         gradient_clip_val: clip the averaged gradient to this (Lightning's

@@ -41,6 +41,7 @@ PARAMETERS = [
     "max_restarts",
     "min_workers",
     "commit_every",
+    "precision",
     "accumulate_grad_batches",
     "gradient_clip_val",
     "gradient_clip_algorithm",

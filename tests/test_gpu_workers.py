@@ -242,6 +242,71 @@ def test_two_gpu_workers_train_as_native_and_as_on_cpu(gpu_ray, digits, tmp_path
 
 
 @needs_2_gpus
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_on_two_gpus_matches_one_gpu(precision, gpu_ray, digits, tmp_path):
+    states = {}
+    for workers in (1, 2):
+        result = fit(
+            DigitsClassifier,
+            hparams=HPARAMS,
+            data=digits,
+            config=TrainConfig(
+                workers=workers,
+                epochs=2,
+                batch_size=64,
+                seed=3,
+                gpus_per_worker=1,
+                precision=precision,
+            ),
+            checkpoint_uri=str(tmp_path / f"{precision}-{workers}"),
+        )
+        states[workers] = _cpu(result.state_dict)
+    assert relative_difference(states[2], states[1]) < 1e-2  # mixed-precision tolerance
+    full = _fit(digits, tmp_path, gpus_per_worker=1)
+    assert relative_difference(states[1], full) > 1e-5  # it did run in reduced precision
+
+
+@needs_2_gpus
+def test_a_16_mixed_run_resumed_mid_epoch_ends_bit_for_bit_scaler_included(
+    gpu_ray, digits, tmp_path
+):
+    import shutil
+
+    from ringflow.storage import CheckpointStore
+
+    def run():
+        return fit(
+            DigitsClassifier,
+            hparams=HPARAMS,
+            data=digits,
+            config=TrainConfig(
+                workers=1,
+                epochs=2,
+                batch_size=64,
+                seed=3,
+                gpus_per_worker=1,
+                precision="16-mixed",
+                checkpoint_every=5,
+            ),
+            checkpoint_uri=str(tmp_path / "model"),
+            store_url=str(tmp_path / "store"),
+            run_key="cut",
+        )
+
+    whole = run()
+    store = CheckpointStore(str(tmp_path / "store"))
+    kept = store.checkpoints("cut")
+    assert kept[0].step % 23, [c.step for c in kept]  # mid-epoch (23 steps an epoch)
+    assert kept[0].metadata["optimization"]["scaler"]["scale"] > 0
+    for newer in kept[1:]:
+        shutil.rmtree(tmp_path / "store" / "cut" / f"step-{newer.step:012d}")
+    again = run()
+    assert again.resumed_from == kept[0].step
+    for name, tensor in _cpu(whole.state_dict).items():
+        assert torch.equal(_cpu(again.state_dict)[name], tensor), name
+
+
+@needs_2_gpus
 def test_gpu_workers_get_a_gpu_each_and_commit_to_host_memory(gpu_ray, digits):
     config = TrainConfig(
         workers=2, epochs=1, batch_size=64, seed=3, gpus_per_worker=1, ring_transport="symm"

@@ -158,6 +158,19 @@ def test_one_worker_ends_with_the_weights_trainer_ends_with(
     assert relative_difference(got, cls(**hparams).state_dict()) > 1e-2  # it trained
 
 
+@pytest.mark.parametrize(("precision", "tolerance"), [("bf16-mixed", 1e-5), ("bf16-true", 1e-5)])
+def test_in_bfloat16_one_worker_ends_near_trainers_weights(
+    precision, tolerance, data, tmp_path, deterministic_off
+):
+    hparams = {"total_steps": STEPS}
+    expected = under_trainer(OneCycle, hparams, data, precision=precision)
+    got = under_ringflow(OneCycle, hparams, data, tmp_path, precision=precision)
+    assert {v.dtype for v in got.values()} == {v.dtype for v in expected.values()}
+    assert relative_difference(got, expected) < tolerance
+    full = under_ringflow(OneCycle, hparams, data, tmp_path / "f32")
+    assert relative_difference(got, full) > relative_difference(got, expected)  # it was bf16
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_and_three_workers_end_with_one_workers_weights(case, data, tmp_path, ray_session):

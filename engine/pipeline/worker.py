@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ringflow.engine.collective import Collective, create_collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
-from ringflow.engine.module import Optimization, clip_gradients
+from ringflow.engine.module import Optimization
 from ringflow.engine.pipeline.config import PipelineConfig
 from ringflow.engine.pipeline.execute import MicroBatches, run_forward, run_schedule
 from ringflow.engine.pipeline.p2p import StageLink
@@ -203,14 +203,20 @@ class PipelineWorker:
             device=self.device,
         ):
             total += self.train_step(mine, global_size=global_size)
-            self.optimization.after_batch(step, last=step == self.epoch_steps() - 1)
+            self.optimization.step(
+                step,
+                last=step == self.epoch_steps() - 1,
+                clip_val=self.config.gradient_clip_val,
+                clip_algorithm=self.config.gradient_clip_algorithm,
+            )
             samples += len(mine)
         if not self.stage.is_last:
             return {}, 0
         return {"train_loss": total}, samples
 
     def train_step(self, mine: torch.Tensor, *, global_size: int) -> float:
-        """One optimizer step on this replica's samples ``mine`` of a global batch.
+        """The gradients of this replica's samples ``mine`` of a global batch, summed over the
+        replicas (the optimizer steps after it: ``train_steps``).
 
         Returns:
             On the last stage, the loss summed over ``mine`` (0.0 elsewhere).
@@ -227,10 +233,6 @@ class PipelineWorker:
         )
         losses = run_schedule(self.stage, actions, link=self.link, micro=micro)
         self._reduce_gradients()
-        clip_gradients(
-            self.optimizer, self.config.gradient_clip_val, self.config.gradient_clip_algorithm
-        )
-        self.optimizer.step()
         if not self.stage.is_last:
             return 0.0
         return sum(loss * len(part) for loss, part in zip(losses, parts, strict=True))
@@ -303,7 +305,7 @@ class PipelineWorker:
 
     def training_state(
         self,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[dict[str, Any]]]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """This stage's model and optimizer state by full name, for ``pipeline_shards``, and
         its schedulers' states."""
         tensors, metadata = training_state(self.module, self.optimizer)
@@ -324,7 +326,7 @@ class PipelineWorker:
         store = CheckpointStore(store_url)
         tensors = load_pipeline_stage(store, checkpoint, names=self.module.state_dict().keys())
         load_training_state(self.module, self.optimizer, tensors, checkpoint.metadata["optimizer"])
-        self.optimization.load_state_dict(checkpoint.metadata.get("schedulers", []))
+        self.optimization.load_state_dict(checkpoint.metadata.get("optimization", {}))
 
     def peak_in_flight(self) -> int:
         return self.stage.peak_in_flight
