@@ -319,7 +319,8 @@ def test_gpu_workers_get_a_gpu_each_and_commit_to_host_memory(gpu_ray, digits):
         assert [w["transport"] for w in where] == ["symm", "symm"]  # GPU shared memory
         group.call("train_steps", 0, 0, 3)
         group.commit(3)
-        model, optimizer, _ = group.call_rank0("committed_state", 3)
+        commit = group.call_rank0("committed_state", 3)
+        model, optimizer, _ = commit
         tensors = [*model.values()]
         tensors += [v for s in optimizer["state"].values() for v in s.values()]
         assert len(tensors) > len(model)  # the optimizer has state by now
@@ -331,7 +332,7 @@ def test_gpu_workers_get_a_gpu_each_and_commit_to_host_memory(gpu_ray, digits):
         rolled_back = [_cpu(s) for s in group.call("state_dict")]
         assert all(torch.equal(s[k], at_commit[0][k]) for s in rolled_back for k in s)
         group.call("train_steps", 0, 3, 2)
-        group.call("adopt", 3, (model, optimizer))  # as a joining worker takes rank 0's commit
+        group.call("adopt", 3, commit)  # as a joining worker takes rank 0's commit
         adopted = [_cpu(s) for s in group.call("state_dict")]
         assert all(torch.equal(s[k], at_commit[0][k]) for s in adopted for k in s)
         group.call("train_steps", 0, 3, 2)  # and training goes on from there, on the GPUs
