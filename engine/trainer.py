@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ringflow.engine.callbacks import Callbacks
 from ringflow.engine.config import DataSpec, TrainConfig
 from ringflow.engine.elastic.coordinator import ElasticEvent
 from ringflow.engine.errors import EngineError, WorkerFailedError
@@ -129,7 +130,12 @@ def fit(
         if init_from is not None and resume.checkpoint is None:
             group.call("warm_start", init_from)
             log.info("warm start from %s", init_from)
-        history = _train(group, layout, config, resume, on_epoch)
+        callbacks = Callbacks(
+            build_module(module_cls, hparams) if _has_callbacks(module_cls) else torch.nn.Module(),
+            max_epochs=config.epochs,
+            world_size=config.workers,
+        )
+        history = _train(group, layout, config, resume, on_epoch, callbacks)
         state = layout.model_state(group)
         events = resume.events() + group.events
     finally:
@@ -156,6 +162,14 @@ def fit(
         resumed_from=resume.step if resume.checkpoint is not None else None,
         events=events,
     )
+
+
+def _has_callbacks(module_cls: type) -> bool:
+    """Whether the module configures callbacks (the driver then builds one to run them)."""
+    import lightning as L
+
+    own = getattr(module_cls, "configure_callbacks", None)
+    return own is not None and own is not L.LightningModule.configure_callbacks
 
 
 def check_layout(
@@ -224,30 +238,24 @@ def _train(
     config: TrainConfig,
     resume: _Resume,
     on_epoch: EpochCallback | None,
+    callbacks: Callbacks,
 ) -> list[EpochMetrics]:
     """The driver loop: steps in chunks that end where a checkpoint or an epoch ends."""
     steps_per_epoch = group.call_rank0("epoch_steps")
-    resume.check_layout(steps_per_epoch)
-    if resume.checkpoint is not None:
-        group.call("restore", resume.store_url, resume.checkpoint)
-        log.info(
-            "run %s resumes from step %d (epoch %d, step %d of %d) at %s",
-            resume.run_key,
-            resume.step,
-            resume.step // steps_per_epoch + 1,
-            resume.step % steps_per_epoch,
-            steps_per_epoch,
-            resume.checkpoint.url,
-        )
+    resume.restore(group, steps_per_epoch)
     history = list(resume.history)
     sums, samples, seconds = dict(resume.sums), resume.samples, resume.seconds
     step, total = resume.step, config.epochs * steps_per_epoch
     chunks = _Chunks(config, steps_per_epoch)
     group.commit(step)
+    callbacks.load_state_dict(resume.callbacks)
+    callbacks.fit_start()
     probe = False  # after a loss, commit after one step: the new ring is proven at once
-    while step < total:
+    while step < total and not callbacks.should_stop:
         epoch, first = divmod(step, steps_per_epoch)
         count = chunks.size(step, probe=probe)
+        if first == 0:
+            callbacks.epoch_start(epoch)
         started = time.perf_counter()
         try:
             chunk_sums, chunk_samples = dict(sums), samples
@@ -276,12 +284,15 @@ def _train(
             sums, samples, seconds = {}, 0, 0.0
             if on_epoch is not None:
                 on_epoch(history[-1])
+            callbacks.epoch_end(epoch, step, metrics)  # EarlyStopping may stop the run here
         if resume.store_url and chunks.checkpoint_due(step):
             meta = resume.metadata(step, steps_per_epoch, history, sums, samples, seconds)
+            meta["callbacks"] = callbacks.state_dict()
             step = _checkpoint(group, layout, resume, step, meta, history)
     if resume.store_url is not None:
         for error in layout.flush(group):
             log.warning("a checkpoint of run %s was not saved: %s", resume.run_key, error)
+    callbacks.fit_end()
     return history
 
 
@@ -396,6 +407,8 @@ class _Resume:
     checkpoint: CommittedCheckpoint | None = None
     step: int = 0
     history: list[EpochMetrics] = field(default_factory=list)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """The callbacks' states at the checkpoint (``engine.callbacks``)."""
     sums: dict[str, float] = field(default_factory=dict)
     samples: int = 0
     seconds: float = 0.0
@@ -431,6 +444,7 @@ class _Resume:
             return resume
         resume.checkpoint, resume.step = latest, latest.step
         resume.history = [EpochMetrics(**entry) for entry in latest.metadata["history"]]
+        resume.callbacks = latest.metadata.get("callbacks", {})
         resume.sums = dict(latest.metadata["epoch_sums"])
         resume.samples = int(latest.metadata["epoch_samples"])
         resume.seconds = float(latest.metadata["epoch_seconds"])
@@ -438,6 +452,22 @@ class _Resume:
 
     def events(self) -> list[ElasticEvent]:
         return resumed_events(self.run_key, self.checkpoint)
+
+    def restore(self, group: WorkerGroup, steps_per_epoch: int) -> None:
+        """Load the checkpoint (if any) into every worker."""
+        self.check_layout(steps_per_epoch)
+        if self.checkpoint is None:
+            return
+        group.call("restore", self.store_url, self.checkpoint)
+        log.info(
+            "run %s resumes from step %d (epoch %d, step %d of %d) at %s",
+            self.run_key,
+            self.step,
+            self.step // steps_per_epoch + 1,
+            self.step % steps_per_epoch,
+            steps_per_epoch,
+            self.checkpoint.url,
+        )
 
     def check_layout(self, steps_per_epoch: int) -> None:
         if self.checkpoint is not None and (

@@ -259,3 +259,58 @@ class PlateauWithoutMonitor(OneCycle):
 def test_what_ringflow_does_not_honour_is_refused_by_name(cls, message):
     with pytest.raises(ModelError, match=message):
         Optimization(cls(total_steps=10))
+
+
+class Stopping(OneCycle):
+    """Plain SGD that soon stops improving its validation loss, watched by EarlyStopping."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.3)
+
+    def configure_callbacks(self):
+        from lightning.pytorch.callbacks import EarlyStopping
+
+        return [EarlyStopping(monitor="val_loss", patience=1, min_delta=0.02)]
+
+
+def test_early_stopping_stops_at_the_epoch_trainer_stops_at(data, tmp_path, deterministic_off):
+    hparams = {"total_steps": STEPS}
+    epochs = 12
+    x, y = data.splits["train"]
+    train = DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=EpochOrder(len(y), SEED))
+    val = DataLoader(TensorDataset(*data.splits["validation"]), batch_size=BATCH)
+    torch.manual_seed(SEED)
+    module = Stopping(**hparams)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        deterministic=True,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train, val)
+    assert trainer.current_epoch < epochs, "the oracle never stopped: the test proves nothing"
+
+    def run(run_key: str):
+        return fit(
+            Stopping,
+            hparams=hparams,
+            data=data,
+            config=TrainConfig(workers=1, epochs=epochs, batch_size=BATCH, seed=SEED),
+            checkpoint_uri=str(tmp_path / run_key),
+            in_process=True,
+            store_url=str(tmp_path / "store"),
+            run_key=run_key,
+        )
+
+    result = run("stops")
+    assert len(result.history) == trainer.current_epoch  # the epochs Trainer ran
+    assert relative_difference(result.state_dict, module.state_dict()) < 1e-5
+    again = run("stops")  # a stopped run started again stays stopped
+    assert len(again.history) == len(result.history)
+    for name, tensor in result.state_dict.items():
+        assert torch.equal(again.state_dict[name], tensor), name

@@ -1,0 +1,128 @@
+"""Lightning ``Callback``s a module configures (``configure_callbacks``), run by the driver.
+
+The driver holds every epoch's metrics averaged over all workers, so callbacks run there,
+once, on the metrics Trainer would give them (``callback_metrics``), through a view of the
+Trainer attributes callbacks read. ``EarlyStopping`` stops the run after the epoch it decides
+on, as under Trainer; a callback's ``state_dict`` is kept in every checkpoint and restored
+when the run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from ringflow.engine.errors import ModelError
+
+__all__ = ["Callbacks"]
+
+
+class _Strategy:
+    """One decision for the whole run: the metrics are already global."""
+
+    @staticmethod
+    def reduce_boolean_decision(decision: bool, all: bool = True) -> bool:  # noqa: A002
+        return decision
+
+
+class _TrainerView:
+    """The Trainer attributes Lightning's callbacks read, kept by the driver."""
+
+    def __init__(self, module: torch.nn.Module, *, max_epochs: int, world_size: int) -> None:
+        from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerStatus
+
+        self.lightning_module, self.max_epochs, self.world_size = module, max_epochs, world_size
+        self.state = TrainerState(fn=TrainerFn.FITTING, status=TrainerStatus.RUNNING)
+        self.strategy = _Strategy()
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.current_epoch, self.global_step = 0, 0
+        self.should_stop = False
+        self.sanity_checking = self.fast_dev_run = False
+        self.is_global_zero, self.global_rank = True, 0
+        self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
+        self.loggers: list = []
+        self.logger = None
+
+
+class Callbacks:
+    """The module's callbacks, called at the points of an epoch where Trainer calls them."""
+
+    def __init__(self, module: torch.nn.Module, *, max_epochs: int, world_size: int) -> None:
+        configured = getattr(module, "configure_callbacks", None)
+        found = configured() if callable(configured) else []
+        self.callbacks = list(found) if isinstance(found, list | tuple) else [found]
+        self.trainer = _TrainerView(module, max_epochs=max_epochs, world_size=world_size)
+        self.module = module
+        if self.callbacks:
+            self._call("setup", stage="fit")
+
+    @property
+    def should_stop(self) -> bool:
+        return self.trainer.should_stop
+
+    def _call(self, hook: str, **kwargs: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self.trainer, self.module, **kwargs)
+
+    def fit_start(self) -> None:
+        self._call("on_fit_start")
+
+    def epoch_start(self, epoch: int) -> None:
+        self.trainer.current_epoch = epoch
+        self._call("on_train_epoch_start")
+
+    def epoch_end(self, epoch: int, step: int, metrics: dict[str, float]) -> None:
+        """After epoch ``epoch``'s validation, with its metrics (``step`` steps done)."""
+        self.trainer.current_epoch, self.trainer.global_step = epoch, step
+        self.trainer.callback_metrics = {k: torch.tensor(v) for k, v in metrics.items()}
+        self._call("on_validation_epoch_end")
+        self._call("on_validation_end")
+        self._call("on_train_epoch_end")
+
+    def fit_end(self) -> None:
+        self._call("on_fit_end")
+        self._call("teardown", stage="fit")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every callback's state by its ``state_key``, and whether one stopped the run."""
+        states = {}
+        for callback in self.callbacks:
+            state = _plain(callback.state_dict())
+            try:
+                json.dumps(state)
+            except TypeError as err:
+                raise ModelError(
+                    f"callback {callback.state_key}'s state is not JSON, so ringflow cannot "
+                    f"checkpoint it: {err}"
+                ) from None
+            states[callback.state_key] = state
+        return {"states": states, "stopped": self.trainer.should_stop}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        states = state.get("states", {})
+        for callback in self.callbacks:
+            if callback.state_key in states:
+                callback.load_state_dict(_tensors(states[callback.state_key]))
+        self.trainer.should_stop = bool(state.get("stopped", False))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.tolist()}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _tensors(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {"__tensor__"}:
+            return torch.tensor(value["__tensor__"])
+        return {k: _tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_tensors(v) for v in value]
+    return value
