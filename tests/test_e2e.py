@@ -6,6 +6,7 @@ of its own, so they run beside a developer's demo without touching it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -75,26 +76,19 @@ def _result_line(proc: subprocess.Popen, timeout_s: float = 600) -> dict:
     raise AssertionError(f"no result within {timeout_s:.0f} s")
 
 
-def test_cli_runs_the_flow_with_no_server(tmp_path):
+@contextlib.contextmanager
+def _serving_run(tmp_path: Path, *args: str):
+    """A ``--keep-serving`` CLI run of the flow with ``args``; yields its JSON result while the
+    model serves, then stops it with Ctrl-C, as a user would, and checks it exited cleanly."""
     port = free_port()
-    bad_rows = _digits_with_bad_rows(tmp_path / "drop.csv")
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "ringflow.flows.train_pipeline",
-            "--workers",
-            "2",
-            "--tune-trials",
-            "2",
-            "--tune-epochs",
-            "2",
-            "--storage-url",
-            str(tmp_path / "storage"),
-            "--data-url",
-            str(tmp_path / "drop.csv"),
-            "--serve-port",
-            str(port),
+            *args,
+            f"--storage-url={tmp_path / 'storage'}",
+            f"--serve-port={port}",
             "--keep-serving",
         ],
         cwd=ROOT,
@@ -105,17 +99,29 @@ def test_cli_runs_the_flow_with_no_server(tmp_path):
     )
     try:
         result = _result_line(proc)
+        assert result["endpoint"] == f"http://127.0.0.1:{port}/predict"
+        yield result
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    assert proc.returncode == 0
+
+
+def test_cli_runs_the_flow_with_no_server(tmp_path):
+    bad_rows = _digits_with_bad_rows(tmp_path / "drop.csv")
+    args = [
+        "--workers=2",
+        "--tune-trials=2",
+        "--tune-epochs=2",
+        f"--data-url={tmp_path / 'drop.csv'}",
+    ]
+    with _serving_run(tmp_path, *args) as result:
         assert result["test_accuracy"] >= 0.95
         assert result["rejected_rows"] == bad_rows
         assert Path(result["dataset_url"], "rejected.parquet").exists()
         assert result["checkpoint"].startswith(str(tmp_path / "storage"))
         assert Path(result["model_uri"], "manifest.json").exists()
-        assert result["endpoint"] == f"http://127.0.0.1:{port}/predict"
         _assert_serves_digits(result["endpoint"])
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-    assert proc.returncode == 0
 
 
 def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
@@ -216,32 +222,17 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_and_serves_its_pred
 ):
     """The character LM, named like any model of one's own: its example data, tuning, two
     replicas of two pipeline stages, and serving its ``predict_step`` by feature name."""
-    port = free_port()
     hparams = {"context": 16, "width": 32, "depth": 2, "heads": 2}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ringflow.flows.train_pipeline",
-            "--model=ringflow.models.charlm:CharLM",
-            f"--hparams={json.dumps(hparams)}",
-            "--workers=2",
-            "--pipeline-stages=2",
-            "--epochs=1",
-            "--tune-trials=2",
-            "--tune-epochs=1",
-            f"--storage-url={tmp_path / 'storage'}",
-            f"--serve-port={port}",
-            "--keep-serving",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
-    )
-    try:
-        result = _result_line(proc)
+    args = [
+        "--model=ringflow.models.charlm:CharLM",
+        f"--hparams={json.dumps(hparams)}",
+        "--workers=2",
+        "--pipeline-stages=2",
+        "--epochs=1",
+        "--tune-trials=2",
+        "--tune-epochs=1",
+    ]
+    with _serving_run(tmp_path, *args) as result:
         assert result["model_name"] == "char_lm"
         assert result["test_loss"] < 3.0  # ln(128) = 4.85 is a uniform guess
         assert set(result["tune"]["best_params"]) == {"lr", "batch_size"}
@@ -254,10 +245,6 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_and_serves_its_pred
         assert 0 < prediction["probability"] <= 1
         short = {k: v for k, v in window.items() if k != "c3"}
         assert httpx.post(result["endpoint"], json=short, timeout=30).status_code == 400
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-    assert proc.returncode == 0
 
 
 def test_missing_data_url_fails_the_run_naming_it(tmp_path):

@@ -93,24 +93,33 @@ def deterministic_off():
     torch.use_deterministic_algorithms(False)
 
 
-def under_trainer(cls, hparams: dict, data: TensorData, **trainer) -> dict[str, torch.Tensor]:
+def trained_by_trainer(
+    cls, hparams: dict, data: TensorData, *, epochs: int = EPOCHS, **options
+) -> tuple[L.LightningModule, L.Trainer]:
+    """``cls`` trained by ``lightning.Trainer`` on ringflow's batch order; module and trainer."""
     x, y = data.splits["train"]
     train = DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=EpochOrder(len(y), SEED))
     val = DataLoader(TensorDataset(*data.splits["validation"]), batch_size=BATCH)
     torch.manual_seed(SEED)
     module = cls(**hparams)
-    L.Trainer(
+    trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
         deterministic=True,
-        max_epochs=EPOCHS,
+        max_epochs=epochs,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        **trainer,
-    ).fit(module, train, val)
+        **options,
+    )
+    trainer.fit(module, train, val)
+    return module, trainer
+
+
+def under_trainer(cls, hparams: dict, data: TensorData, **options) -> dict[str, torch.Tensor]:
+    module, _ = trained_by_trainer(cls, hparams, data, **options)
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
@@ -276,23 +285,7 @@ class Stopping(OneCycle):
 def test_early_stopping_stops_at_the_epoch_trainer_stops_at(data, tmp_path, deterministic_off):
     hparams = {"total_steps": STEPS}
     epochs = 12
-    x, y = data.splits["train"]
-    train = DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=EpochOrder(len(y), SEED))
-    val = DataLoader(TensorDataset(*data.splits["validation"]), batch_size=BATCH)
-    torch.manual_seed(SEED)
-    module = Stopping(**hparams)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        deterministic=True,
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(module, train, val)
+    module, trainer = trained_by_trainer(Stopping, hparams, data, epochs=epochs)
     assert trainer.current_epoch < epochs, "the oracle never stopped: the test proves nothing"
 
     def run(run_key: str):
