@@ -293,6 +293,7 @@ def test_demo_command_from_the_readme(tmp_path):
         # The endpoint outlives the flow run: it is hosted by the Ray head.
         _assert_serves_digits(f"http://127.0.0.1:{ports['RINGFLOW_SERVE_PORT']}/predict")
         _check_deployments(env)
+        _deploys_the_sequence_model_in_stages(env, ports["RINGFLOW_SERVE_PORT"])
     finally:
         subprocess.run(["./deployments/stop.sh"], cwd=ROOT, env=env, timeout=180)
     for port in ports.values():
@@ -309,6 +310,37 @@ def _prefect(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         timeout=120,
     )
+
+
+def _deploys_the_sequence_model_in_stages(env: dict[str, str], port: str) -> None:
+    """The same deployment trains another model, named by parameter: the character LM in two
+    replicas of two pipeline stages, which then answers on the served endpoint."""
+    hparams = json.dumps({"context": 16, "width": 32, "depth": 2, "heads": 2})
+    params = {
+        "model": "ringflow.models.charlm:CharLM",
+        "hparams": hparams,
+        "pipeline_stages": 2,
+        "workers": 2,
+        "epochs": 1,
+        "tune_trials": 0,
+        "serve_port": port,
+    }
+    run = subprocess.run(
+        ["bash", "-c", '. deployments/env.sh && exec prefect "$@"', "prefect"]
+        + ["deployment", "run", "train-pipeline/local", "--watch"]
+        + [a for k, v in params.items() for a in ("--param", f"{k}={v}")],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
+    assert "Flow run finished successfully in 'Completed'" in run.stdout, run.stdout[-3000:]
+    window = [ord(ch) for ch in "def main(args):\n "]  # context + 1 characters
+    reply = httpx.post(f"http://127.0.0.1:{port}/predict", json={"instances": [window]}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"]["module"] == "ringflow.models.charlm:CharLM"
+    assert 0 <= reply.json()["predictions"][0]["prediction"]["next"] < 128
 
 
 def _check_deployments(env: dict[str, str]) -> None:
