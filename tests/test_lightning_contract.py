@@ -4,8 +4,6 @@ clipping. The oracle is Trainer itself, on the same module, seed and batch order
 
 from __future__ import annotations
 
-import shutil
-
 import lightning as L
 import pytest
 import torch
@@ -193,10 +191,22 @@ def test_two_and_three_workers_end_with_one_workers_weights(case, data, tmp_path
         assert relative_difference(many, one) < 1e-5, workers
 
 
+class Preempted(OneCycle):
+    """OneCycle whose process dies (an exception, here) at its ``dies_at``-th batch."""
+
+    dies_at: int | None = None
+
+    def training_step(self, batch, batch_idx):
+        self.batches = getattr(self, "batches", 0) + 1
+        if self.batches == type(self).dies_at:
+            raise RuntimeError("preempted")
+        return super().training_step(batch, batch_idx)
+
+
 def test_a_run_resumed_mid_epoch_ends_bit_for_bit_scheduler_included(data, tmp_path):
-    def run():
+    def run(run_key: str):
         return fit(
-            OneCycle,
+            Preempted,
             hparams={"total_steps": STEPS},
             data=data,
             config=TrainConfig(
@@ -208,19 +218,22 @@ def test_a_run_resumed_mid_epoch_ends_bit_for_bit_scheduler_included(data, tmp_p
                 accumulate_grad_batches=2,
                 gradient_clip_val=0.5,
             ),
-            checkpoint_uri=str(tmp_path / "model"),
+            checkpoint_uri=str(tmp_path / run_key),
             in_process=True,
             store_url=str(tmp_path / "store"),
-            run_key="cut",
+            run_key=run_key,
         )
 
-    whole = run()
-    kept = [c.step for c in CheckpointStore(str(tmp_path / "store")).checkpoints("cut")]
-    assert kept[0] % 8, kept  # mid-epoch: 8 steps an epoch
-    for newer in kept[1:]:  # a preemption lost every checkpoint after the first kept
-        shutil.rmtree(tmp_path / "store" / "cut" / f"step-{newer:012d}")
-    again = run()
-    assert again.resumed_from == kept[0]
+    whole = run("whole")
+    Preempted.dies_at = 21  # after 20 steps, checkpointed: half-way through epoch 3 (of 8 steps)
+    try:
+        with pytest.raises(RuntimeError, match="preempted"):
+            run("cut")
+    finally:
+        Preempted.dies_at = None
+    assert CheckpointStore(str(tmp_path / "store")).latest("cut").step == 20
+    again = run("cut")
+    assert again.resumed_from == 20
     for name, tensor in whole.state_dict.items():
         assert torch.equal(again.state_dict[name], tensor), name
 
