@@ -442,20 +442,6 @@ class MembershipLost(EngineError):
         super().__init__(self.cause)
 
 
-def _failed_rank(refs: list) -> int | None:
-    """The first rank whose call failed, for the error message."""
-    import ray
-
-    for rank, ref in enumerate(refs):
-        try:
-            ray.get(ref, timeout=0)
-        except ray.exceptions.GetTimeoutError:
-            continue
-        except Exception:
-            return rank
-    return None
-
-
 def _worker_bundle(config: TrainConfig) -> dict[str, float]:
     """The Ray resources one worker reserves: its placement-group bundle."""
     bundle: dict[str, float] = {"CPU": config.cpus_per_worker}

@@ -23,6 +23,7 @@ from prefect.states import Failed, State
 from ringflow.engine import TrainConfig
 from ringflow.engine.errors import ModelError
 from ringflow.engine.pipeline import PipelineConfig
+from ringflow.engine.pipeline.fit import check_micro_batches
 from ringflow.engine.spec import ModelRef
 from ringflow.engine.trainer import check_layout
 from ringflow.storage.fs import absolute
@@ -92,7 +93,7 @@ class RunSpec:
                 micro_batches=p["micro_batches"],
                 schedule=p["pipeline_schedule"],
             )
-            _check_micro_batches(config, pipeline)
+            check_micro_batches(config, pipeline)
         check_layout(
             config, pipeline, init_from="the production model" if p["warm_start"] else None
         )
@@ -118,7 +119,7 @@ class RunSpec:
         model = ModelRef(path=self.model.path, hparams=best["best_hparams"])
         config = dataclasses.replace(self.config, **best["best_train"])
         if self.pipeline is not None:
-            _check_micro_batches(config, self.pipeline)
+            check_micro_batches(config, self.pipeline)
         check_layout(config, self.pipeline)
         return model, config
 
@@ -132,14 +133,6 @@ def _check_keywords(model: ModelRef) -> None:
     if unknown:
         raise ModelError(
             f"hparams {unknown} are not keywords of {model.path}; it takes {sorted(params)}"
-        )
-
-
-def _check_micro_batches(config: TrainConfig, pipeline: PipelineConfig) -> None:
-    if config.batch_size < pipeline.micro_batches * config.workers:
-        raise ValueError(
-            f"batch_size ({config.batch_size}) must be at least micro_batches x workers "
-            f"({pipeline.micro_batches} x {config.workers}): every micro-batch needs a sample"
         )
 
 

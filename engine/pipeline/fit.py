@@ -16,7 +16,7 @@ from ringflow.engine.pipeline.partition import Partition, model_layers, partitio
 from ringflow.engine.pipeline.worker import pipeline_batch
 from ringflow.engine.spec import build_module
 
-__all__ = ["check_pipeline", "fit_pipeline"]
+__all__ = ["check_micro_batches", "check_pipeline", "fit_pipeline"]
 
 
 def fit_pipeline(module_cls: type[torch.nn.Module], *, pipeline: PipelineConfig, **kwargs: Any):
@@ -27,6 +27,20 @@ def fit_pipeline(module_cls: type[torch.nn.Module], *, pipeline: PipelineConfig,
     from ringflow.engine.trainer import fit
 
     return fit(module_cls, pipeline=pipeline, **kwargs)
+
+
+def check_micro_batches(config: TrainConfig, pipeline: PipelineConfig) -> None:
+    """Every micro-batch of every replica needs a sample.
+
+    Raises:
+        ValueError: ``batch_size`` is below ``micro_batches`` x ``workers``.
+    """
+    if config.batch_size < pipeline.micro_batches * config.workers:
+        raise ValueError(
+            f"batch_size ({config.batch_size}) is smaller than micro_batches "
+            f"({pipeline.micro_batches}) x replicas (workers={config.workers}): a micro-batch "
+            "would be empty; raise batch_size or lower micro_batches"
+        )
 
 
 def check_pipeline(
@@ -44,12 +58,7 @@ def check_pipeline(
             no ``pipeline_loss``, more stages than layers, bad split points, or a global batch
             too small for ``micro_batches`` micro-batches on each of ``workers`` replicas.
     """
-    if config.batch_size < pipeline.micro_batches * config.workers:
-        raise ValueError(
-            f"batch_size ({config.batch_size}) is smaller than micro_batches "
-            f"({pipeline.micro_batches}) x replicas (workers={config.workers}): a micro-batch "
-            "would be empty; raise batch_size or lower micro_batches"
-        )
+    check_micro_batches(config, pipeline)
     module = build_module(module_cls, hparams)
     for hook in ("pipeline_loss", "configure_optimizers"):
         if not callable(getattr(module, hook, None)):
