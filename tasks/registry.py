@@ -7,6 +7,11 @@ of a pipeline lives under ``{storage_url}/registry``. From a shell::
     python -m ringflow.tasks.registry rollback --storage-url .ringflow/storage --model digits
     python -m ringflow.tasks.registry promote  --storage-url .ringflow/storage --model digits \
         --version v0003
+    python -m ringflow.tasks.registry history  --storage-url .ringflow/storage --model digits
+
+Every move of the production pointer is a compare-and-swap (storage.registry): a rollback
+that another writer beat is refused and moves nothing; a promotion by hand is applied to
+wherever production stands.
 """
 
 from __future__ import annotations
@@ -96,6 +101,12 @@ def promote(
         mode=mode,
         tolerance=tolerance,
     )
+    if decision.lost_to:
+        _logger().warning(
+            "production moved while %s was judged (lost to %s); it was judged again",
+            version,
+            ", ".join(decision.lost_to),
+        )
     _logger().info("promotion gate: %s", decision.reason)
     return decision.as_dict()
 
@@ -124,9 +135,10 @@ def _logger():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``show``, ``rollback`` or ``promote`` a version by hand; prints the pointer as JSON."""
+    """``show``, ``rollback`` or ``promote`` a version by hand, printing the pointer as JSON;
+    ``history`` prints every move of the pointer, one JSON object a line."""
     parser = argparse.ArgumentParser(prog="python -m ringflow.tasks.registry", description=__doc__)
-    parser.add_argument("command", choices=("show", "rollback", "promote"))
+    parser.add_argument("command", choices=("show", "rollback", "promote", "history"))
     parser.add_argument("--storage-url", required=True, help="the pipeline's storage_url")
     parser.add_argument(
         "--model", help="the model's registry name; may be left out when the registry has one"
@@ -143,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             if not args.version:
                 parser.error("promote needs --version")
             registry.promote(args.version, reason=args.reason or "manual promotion")
+        elif args.command == "history":
+            for move in registry.history():
+                print(json.dumps(move))
+            return 0
         pointer = registry.production()
     except RegistryError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -23,6 +23,7 @@ from ringflow.storage.checkpoint import load_model, save_model
 from ringflow.storage.fs import sha256
 from ringflow.storage.registry import (
     ModelRegistry,
+    PointerMovedError,
     RegistryError,
     dataset_fingerprint,
     production_checkpoint,
@@ -207,6 +208,137 @@ def test_production_checkpoint_for_warm_start(tmp_path, checkpoints):
     assert production_checkpoint(str(tmp_path), "digits") == registry.get("v0001").uri
 
 
+# --------------------------------------------------------------------------- contention
+
+
+def _racing_registry(store: str, tmp_path, request, name: str) -> ModelRegistry:
+    if store == "file":
+        return ModelRegistry(f"file://{tmp_path}/{name}", "digits")
+    endpoint = request.getfixturevalue("s3")
+    return ModelRegistry(
+        endpoint.url(f"{name}-{uuid.uuid4().hex}"),
+        "digits",
+        storage_options=endpoint.storage_options(direct=True),
+    )
+
+
+def _race(registry: ModelRegistry, candidates: list[str], scores: dict[str, float]) -> list:
+    """Run the gate on every candidate at once, each in its own thread, every one deciding
+    on the same production version: they all read the pointer before any of them moves it."""
+    barrier = threading.Barrier(len(candidates), timeout=120)
+    waited = set()
+    decisions, errors = {}, []
+
+    def evaluate_fn(uri: str) -> dict[str, float]:
+        if threading.get_ident() not in waited:  # first judgement only: all have read it
+            waited.add(threading.get_ident())
+            barrier.wait()
+        return {"test_accuracy": scores[uri]}
+
+    def gate(version: str) -> None:
+        try:
+            decisions[version] = promote_if_better(registry, version, evaluate_fn=evaluate_fn)
+        except Exception as err:
+            errors.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=gate, args=(v,)) for v in candidates]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return [decisions[v] for v in candidates]
+
+
+@pytest.mark.parametrize("store", ["file", "s3"])
+def test_eight_promotions_at_once_one_wins_and_history_keeps_every_winner(
+    store, tmp_path, request, checkpoints
+):
+    registry = _racing_registry(store, tmp_path, request, "race")
+    base = _register(registry, checkpoints[0], 0.5, data="base")
+    candidates = [_register(registry, checkpoints[i % 3], 0.9, data=f"d{i}") for i in range(8)]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        registry.promote(base, reason="reset by the test")
+        start = registry.production().sequence
+        ranks = rng.permutation(8)
+        scores = {registry.get(base).uri: 0.5}
+        scores |= {
+            registry.get(v).uri: 0.6 + 0.01 * r for v, r in zip(candidates, ranks, strict=True)
+        }
+        decisions = _race(registry, candidates, scores)
+
+        first = [d for d in decisions if not d.lost_to]
+        assert len(first) == 1
+        assert first[0].promoted
+        assert (first[0].production, first[0].sequence) == (base, start + 1)
+        winners = sorted((d for d in decisions if d.promoted), key=lambda d: d.sequence)
+        for lost in (d for d in decisions if d.lost_to):  # the 7 others, told why
+            assert lost.lost_to[0] == first[0].candidate
+            assert set(lost.lost_to) <= {w.candidate for w in winners}
+            assert lost.reason.startswith(f"lost to {', then '.join(lost.lost_to)}, promoted")
+            if not lost.promoted:  # kept the newer version: it scored higher
+                assert lost.production_value > lost.candidate_value
+        moves = [e for e in registry.history() if e["sequence"] > start]
+        assert [(e["sequence"], e["version"]) for e in moves] == [
+            (d.sequence, d.candidate) for d in winners
+        ]
+        assert [e["sequence"] for e in moves] == list(range(start + 1, start + 1 + len(moves)))
+        best = candidates[int(np.argmax(ranks))]
+        assert registry.production().version == best == winners[-1].candidate
+        assert registry.decision(best)["sequence"] == winners[-1].sequence
+    history = registry.history()
+    assert [e["sequence"] for e in history] == list(range(1, len(history) + 1))
+    assert len(history) > 20 * 2
+
+
+def test_concurrent_registrations_get_their_own_numbers(tmp_path, checkpoints):
+    registry = ModelRegistry(str(tmp_path), "digits")
+    versions, barrier = [], threading.Barrier(6)
+
+    def register(i: int) -> None:
+        barrier.wait()
+        versions.append(_register(registry, checkpoints[i % 3], 0.9, run_key=f"run-{i}"))
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(versions) == [f"v{i:04d}" for i in range(1, 7)]
+    for version in versions:
+        record = registry.get(version)
+        module, _ = load_model(record.uri)  # the weights verify against their own manifest
+        assert record.source == checkpoints[int(record.run_key.split("-")[1]) % 3]
+
+
+def test_a_stale_rollback_is_refused_and_moves_nothing(tmp_path, checkpoints):
+    registry = ModelRegistry(str(tmp_path), "digits")
+    versions = [_register(registry, uri, 0.9) for uri in checkpoints]
+    for version in versions[:2]:
+        registry.promote(version)
+    seen = registry.production().sequence
+    registry.promote(versions[2], reason="someone else")
+    with pytest.raises(PointerMovedError, match="moved to v0003 \\(move 3\\)") as err:
+        registry.rollback(expected=seen)
+    assert err.value.winner.version == "v0003"
+    assert registry.production().version == "v0003"
+
+
+def test_a_lagging_production_file_is_read_through_the_moves(tmp_path, checkpoints):
+    registry = ModelRegistry(str(tmp_path), "digits")
+    v1, v2 = (_register(registry, uri, 0.9) for uri in checkpoints[:2])
+    registry.promote(v1)
+    stale = (tmp_path / "digits" / "production.json").read_bytes()
+    registry.promote(v2)
+    (tmp_path / "digits" / "production.json").write_bytes(stale)  # a writer died in between
+    assert (registry.production().version, registry.production().sequence) == (v2, 2)
+    with pytest.raises(PointerMovedError):
+        registry.promote(v1, expected=1)
+    assert registry.promote(v1).sequence == 3
+
+
 # --------------------------------------------------------------------------- gate
 
 
@@ -303,6 +435,13 @@ def test_rollback_command(tmp_path, checkpoints, capsys):
     assert registry.production().reason == "manual rollback"
     assert registry_tasks.main(["rollback", "--storage-url", str(tmp_path)]) == 1
     assert "no earlier one" in capsys.readouterr().err
+    assert registry_tasks.main(["history", "--storage-url", str(tmp_path)]) == 0
+    moves = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(m["sequence"], m["action"], m["version"]) for m in moves] == [
+        (1, "promote", "v0001"),
+        (2, "promote", "v0002"),
+        (3, "rollback", "v0001"),
+    ]
 
 
 # --------------------------------------------------------------------------- real training
