@@ -1,22 +1,37 @@
 """Run a flow from the command line with no server: ``python -m ringflow.flows.<name> --help``.
 
-The options are generated from the flow's own parameter schema, so the command line, the
-Prefect UI and ``prefect deployment run --param`` all accept and check the same parameters.
+The options are generated from the flow function's own signature and docstring, so the
+command line, the Prefect UI and ``prefect deployment run --param`` accept and check the same
+parameters. The command line checks them before anything starts, in two steps:
+
+1. each value against its type and bounds, options that contradict each other, and the data
+   file's presence, format and header (:mod:`ringflow.flows.preflight`): before Prefect, Ray
+   or torch is imported, so the answer comes in well under a second;
+2. the flow module's ``preflight(parameters)``, if it defines one: what needs the engine
+   (training options together, the model's import path and keywords), still before Prefect's
+   server or Ray starts.
+
+A refusal is one line on stderr and exit status 2; ``--debug`` (or ``RINGFLOW_DEBUG=1``)
+adds its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
-from prefect import Flow
-from prefect.exceptions import ParameterTypeError
-from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
-from prefect.utilities.callables import parameter_schema
-
-from ringflow.engine.cluster import quiet_environment
+from ringflow.flows.preflight import (
+    PreflightError,
+    check_data_file,
+    check_parameters,
+    parameter_docs,
+    parameter_model,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -49,17 +64,27 @@ _TYPES = {
 }
 
 
-def build_parser(flow: Flow) -> argparse.ArgumentParser:
-    """An ``argparse`` parser with one ``--option`` per flow parameter."""
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {_module_name(flow)}",
-        description=(flow.description or "").split("\n\n")[0],
-        epilog="The flow's result is printed as one JSON object on the last line.",
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line instead of argparse's usage block: :func:`main` prints it."""
+        raise PreflightError(f"{message}; see {self.prog} --help")
+
+
+def build_parser(fn: Callable[..., Any]) -> argparse.ArgumentParser:
+    """An ``argparse`` parser with one ``--option`` per parameter of the flow function."""
+    fn = getattr(fn, "fn", fn)  # a Prefect Flow, or the function it wraps
+    docs = parameter_docs(fn)
+    parser = _Parser(
+        prog=f"python -m {_module_name(fn)}",
+        description=(fn.__doc__ or "").split("\n\n")[0],
+        epilog="The flow's result is printed as one JSON object on the last line. A refused "
+        "option is one line on stderr; --debug or RINGFLOW_DEBUG=1 adds the traceback.",
     )
-    for name, prop in parameter_schema(flow).properties.items():
+    properties = parameter_model(fn).model_json_schema()["properties"]
+    for name, prop in properties.items():
         option = "--" + name.replace("_", "-")
         kind = _json_type(prop)
-        help_text = f"{prop.get('description', '')} (default: {prop.get('default')})"
+        help_text = f"{docs.get(name, '')} (default: {prop.get('default')})"
         if kind == "boolean":
             parser.add_argument(
                 option,
@@ -68,30 +93,37 @@ def build_parser(flow: Flow) -> argparse.ArgumentParser:
                 default=prop.get("default"),
                 help=help_text,
             )
-        else:
-            parser.add_argument(
-                option,
-                dest=name,
-                type=_TYPES[kind],
-                default=prop.get("default"),
-                choices=prop.get("enum"),
-                metavar={"object": "JSON", "array": "A,B"}.get(kind, kind.upper()),
-                help=help_text,
-            )
+            continue
+        choices = prop.get("enum")
+        parser.add_argument(
+            option,
+            dest=name,
+            type=_TYPES[kind],
+            default=prop.get("default"),
+            choices=choices,
+            # argparse shows the choices themselves where no metavar hides them.
+            metavar=None if choices else {"object": "JSON", "array": "A,B"}.get(kind, kind.upper()),
+            help=help_text,
+        )
     parser.add_argument(
         "--keep-serving",
         action="store_true",
         help="after the run, keep the served model up until Ctrl-C "
-        "(needed when no RAY_ADDRESS points at a Ray head that outlives this "
-        "process)",
+        "(needed when no RAY_ADDRESS points at a Ray head that outlives this process)",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an error (also RINGFLOW_DEBUG=1)",
     )
     return parser
 
 
-def _module_name(flow: Flow) -> str:
-    module = sys.modules.get(flow.fn.__module__)
+def _module_name(fn: Callable[..., Any]) -> str:
+    """The importable name of ``fn``'s module, also when it runs as ``__main__``."""
+    module = sys.modules.get(fn.__module__)
     spec = getattr(module, "__spec__", None)
-    return spec.name if spec else flow.fn.__module__
+    return spec.name if spec else fn.__module__
 
 
 def _json_type(prop: dict[str, Any]) -> str:
@@ -101,16 +133,70 @@ def _json_type(prop: dict[str, Any]) -> str:
     return types[0] if types else "string"
 
 
-def main(flow: Flow, argv: list[str] | None = None) -> int:
-    """Check the arguments, run the flow, print its result as JSON on the last line."""
-    args = vars(build_parser(flow).parse_args(argv))
-    keep_serving = args.pop("keep_serving")
+def main(flow: Callable[..., Any], argv: list[str] | None = None) -> int:
+    """Check the arguments, run the flow, print its result as JSON on the last line.
+
+    Args:
+        flow: the flow, or its undecorated function: then the command line is checked
+            before Prefect is imported, and the flow is imported from the function's module.
+        argv: the arguments; ``sys.argv[1:]`` by default.
+
+    Returns:
+        The exit status: 0 for a completed run, 1 for a failed one, 2 for refused arguments.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv or os.environ.get("RINGFLOW_DEBUG", "0") not in ("", "0")
     try:
-        params = flow.validate_parameters(args)
-    except ParameterTypeError as err:
-        print(f"error: {err}", file=sys.stderr)
+        params, keep_serving = _check_command_line(flow, argv)
+        flow, preflight = _load(flow)
+        if preflight is not None:
+            preflight(params)
+    except (ValueError, TypeError) as err:  # PreflightError, ModelError, bad combinations
+        if debug:
+            raise
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2
+    return _run(flow, params, keep_serving=keep_serving)
+
+
+def _check_command_line(flow: Callable[..., Any], argv: list[str]) -> tuple[dict, bool]:
+    """The parameters, checked without importing anything heavy; and ``--keep-serving``."""
+    fn = getattr(flow, "fn", flow)
+    args = vars(build_parser(fn).parse_args(argv))
+    keep_serving = args.pop("keep_serving")
+    args.pop("debug")
+    params = check_parameters(fn, args)
+    if keep_serving and not params.get("serve", True):
+        raise PreflightError(
+            "--keep-serving keeps the served model up after the run, but --no-serve serves "
+            "none; drop one of the two"
+        )
+    if params.get("data_url"):
+        check_data_file(
+            params["data_url"], label=params.get("label"), features=params.get("features")
+        )
+    return params, keep_serving
+
+
+def _load(flow: Callable[..., Any]) -> tuple[Any, Callable[[dict], None] | None]:
+    """The Prefect flow and its module's ``preflight``; Ray and Prefect are imported here."""
+    # Ray reads some settings once, on import: keep a local Ray quiet and on loopback.
+    from ringflow.engine.cluster import quiet_environment
+
     quiet_environment(PREFECT_SERVER_ANALYTICS_ENABLED="false", GLOO_SOCKET_IFNAME="lo")
+    fn = getattr(flow, "fn", flow)
+    module = importlib.import_module(_module_name(fn))
+    if flow is fn:
+        flow = getattr(module, fn.__name__)
+    return flow, getattr(module, "preflight", None)
+
+
+def _run(flow: Any, params: dict[str, Any], *, keep_serving: bool) -> int:
+    from prefect.settings import (
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+        temporary_settings,
+    )
+
     # The temporary server runs its database migrations first: on a busy 2-core machine that
     # takes longer than Prefect's default 20 s wait.
     with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 180}):
@@ -120,7 +206,7 @@ def main(flow: Flow, argv: list[str] | None = None) -> int:
         return 1
     result = state.result()
     print(json.dumps(result, default=str), flush=True)
-    if keep_serving and args.get("serve"):
+    if keep_serving and params.get("serve"):
         _wait_for_interrupt(result.get("endpoint"))
     return 0
 

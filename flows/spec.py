@@ -26,6 +26,7 @@ from ringflow.engine.pipeline import PipelineConfig
 from ringflow.engine.pipeline.fit import check_micro_batches
 from ringflow.engine.spec import ModelRef
 from ringflow.engine.trainer import check_layout
+from ringflow.flows.preflight import check_data_file
 from ringflow.storage.fs import absolute
 from ringflow.storage.layout import Workspace
 
@@ -68,6 +69,11 @@ class RunSpec:
             ModelError: the model does not import or does not take an ``hparams`` key.
             ValueError: a combination no single parameter's bounds can refuse.
         """
+        if p["use_best_checkpoint"] and not p["tune_trials"]:
+            raise ValueError(
+                "use_best_checkpoint takes the best tuning trial's model, but tune_trials is 0: "
+                "set tune_trials to 1 or more, or leave use_best_checkpoint off"
+            )
         model = ModelRef(path=p["model"], hparams=dict(p["hparams"] or {}))
         _check_keywords(model)
         config = TrainConfig(
@@ -113,6 +119,15 @@ class RunSpec:
             serve=p["serve"],
             serve_port=p["serve_port"],
         )
+
+    def check_data(self) -> None:
+        """Check, before any work, that the data file is there and names the columns used.
+
+        Raises:
+            PreflightError: the file is missing, unreadable, or lacks the label or a feature.
+        """
+        if self.data_url:
+            check_data_file(self.data_url, label=self.data["label"], features=self.data["features"])
 
     def tuned(self, best: dict[str, Any]) -> tuple[ModelRef, TrainConfig]:
         """The model and configuration the search chose: exactly what training then uses."""

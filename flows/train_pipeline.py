@@ -3,43 +3,23 @@
 The model is named by its import path (``model``) with its constructor's keywords
 (``hparams``); the data is any CSV or Parquet (``data_url``) whose schema is read from the
 file. Run it locally with no server: ``python -m ringflow.flows.train_pipeline --help``.
+
+The flow's function comes first, undecorated, with only pydantic imported: run as a script,
+the command line is checked against its signature before Prefect, Ray and torch are imported
+(``flows/cli.py``). Imported as a module, it becomes the Prefect flow below.
 """
 
+# ruff: noqa: E402 (Prefect and the tasks are imported after the command line's checks)
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from prefect import flow
-from prefect.runtime import flow_run
-from prefect.states import Failed
 from pydantic import Field
-
-from ringflow.flows.spec import RunSpec, fail_at_once, publish_summary
-from ringflow.storage import CheckpointStore
-from ringflow.tasks import (
-    evaluate,
-    example_data,
-    preprocess,
-    promote,
-    register,
-    report_resume,
-    serve_production,
-    train,
-    tune,
-    warm_start_checkpoint,
-)
 
 Positive = Annotated[int, Field(ge=1, le=1_000_000)]
 DEMO_MODEL = "ringflow.models.digits:DigitsClassifier"
 
 
-@flow(
-    name="train-pipeline",
-    retries=1,
-    retry_delay_seconds=10,
-    persist_result=True,
-    result_serializer="json",
-)
 def train_pipeline(
     model: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")] = DEMO_MODEL,
     hparams: dict | None = None,
@@ -157,9 +137,59 @@ def train_pipeline(
         )
     parameters = {k: v for k, v in locals().items() if k != "attempt"}
     try:
-        return _run(RunSpec.build(**parameters), attempt)
+        spec = RunSpec.build(**parameters)
+        spec.check_data()
+        return _run(spec, attempt)
     except (ValueError, TypeError) as err:  # bad input (ModelError, DataError...): final
         return fail_at_once(err)
+
+
+if __name__ == "__main__":
+    from ringflow.flows.cli import main
+
+    raise SystemExit(main(train_pipeline))
+
+from prefect import flow
+from prefect.runtime import flow_run
+from prefect.states import Failed
+
+from ringflow.engine.cluster import quiet_environment
+
+quiet_environment()  # before the tasks import Ray, which reads some settings only then
+
+from ringflow.flows.spec import RunSpec, fail_at_once, publish_summary
+from ringflow.storage import CheckpointStore
+from ringflow.tasks import (
+    evaluate,
+    example_data,
+    preprocess,
+    promote,
+    register,
+    report_resume,
+    serve_production,
+    train,
+    tune,
+    warm_start_checkpoint,
+)
+
+train_pipeline = flow(
+    name="train-pipeline",
+    retries=1,
+    retry_delay_seconds=10,
+    persist_result=True,
+    result_serializer="json",
+)(train_pipeline)
+
+
+def preflight(parameters: dict) -> None:
+    """The command line's second check, before anything starts: the run's parts built
+    together (training options, the model and its keywords) and the data file's header
+    against the label and features the run will use.
+
+    Raises:
+        ValueError: naming the parameter, the model or the file, and what to change.
+    """
+    RunSpec.build(**parameters).check_data()
 
 
 def _run(spec: RunSpec, attempt: int) -> dict:
@@ -234,9 +264,3 @@ def _run(spec: RunSpec, attempt: int) -> dict:
         result.update(served)
     publish_summary(result)
     return result
-
-
-if __name__ == "__main__":
-    from ringflow.flows.cli import main
-
-    raise SystemExit(main(train_pipeline))

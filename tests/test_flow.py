@@ -1,4 +1,5 @@
-"""The flow's parameters: documented, checked before any work, on every way in."""
+"""The flow's parameters: documented, checked before any work, on every way in (the command
+line's refusals are in test_cli_errors.py)."""
 
 from __future__ import annotations
 
@@ -99,32 +100,3 @@ def test_bad_values_are_rejected_naming_the_parameter(params, named):
 def test_unknown_parameter_is_rejected():
     with pytest.raises(SignatureMismatchError, match="bogus"):
         train_pipeline.validate_parameters({"bogus": 1})
-
-
-def test_cli_rejects_negative_workers_before_running():
-    result = _cli("--workers", "-1")
-    assert result.returncode == 2
-    assert "workers: Input should be greater than or equal to 1" in result.stderr
-    assert "Starting temporary server" not in result.stdout + result.stderr
-
-
-def test_cli_rejects_unknown_option():
-    result = _cli("--bogus", "1")
-    assert result.returncode == 2
-    assert "unrecognized arguments: --bogus" in result.stderr
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--tune-space", "[1, 2]"], "must be a JSON object"),
-        (["--tune-algorithm", "grid"], "invalid choice"),
-        (["--pipeline-stages", "0"], "pipeline_stages"),
-        (["--commit-every", "0"], "commit_every"),
-    ],
-)
-def test_cli_rejects_bad_new_options_before_running(args, message):
-    result = _cli(*args)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "Starting temporary server" not in result.stdout + result.stderr

@@ -39,7 +39,8 @@ def _run_count(state) -> int:
             {"model": "nosuch.module:Model"},
             "ModelError: model 'nosuch.module:Model': cannot import",
         ),
-        ({"label": "price"}, "SchemaError: .* has no label column 'price'; columns found"),
+        ({"label": "price"}, r"PreflightError: data_url .* has no column 'price' \(named by label"),
+        ({"data_url": "/nonexistent/houses.csv"}, "PreflightError: data_url .* does not exist"),
         ({"hparams": {"depth": 0}}, r"ModelError: TabularMLP\(depth=0, input_dim=4\) refused"),
     ],
 )

@@ -1,0 +1,157 @@
+"""The command line refuses bad input in one line on stderr, naming the parameter or the file,
+with no traceback; what it can check before Prefect, Ray and torch are imported it answers
+within 2 s."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ringflow.flows.preflight import parameter_model
+from ringflow.flows.train_pipeline import train_pipeline
+
+PREFLIGHT_SECONDS = 2.0
+
+
+def _cli(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "ringflow.flows.train_pipeline", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RINGFLOW_DEBUG": "0", **(env or {})},
+    )
+    return result, time.monotonic() - start
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, *named: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines[0]
+    assert "Traceback" not in result.stderr
+    assert "Starting temporary server" not in result.stdout + result.stderr
+    for text in named:
+        assert text in lines[0], lines[0]
+
+
+def _out_of_bounds() -> list[tuple[str, str]]:
+    """For every parameter with a bound, a value just past it: read from the flow's
+    signature, so a parameter added later is covered too."""
+    cases = []
+    for name, prop in parameter_model(train_pipeline.fn).model_json_schema()["properties"].items():
+        for option in [prop, *prop.get("anyOf", [])]:
+            if "minimum" in option:
+                cases.append((name, str(option["minimum"] - 1)))
+            if "exclusiveMinimum" in option:
+                cases.append((name, str(option["exclusiveMinimum"])))
+            if "maximum" in option:
+                cases.append((name, str(option["maximum"] + 1)))
+            if "pattern" in option:
+                cases.append((name, "not a valid value!"))
+    return cases
+
+
+BOUNDS = _out_of_bounds()
+
+
+def test_every_bounded_parameter_is_covered():
+    names = {name for name, _ in BOUNDS}
+    assert {"workers", "epochs", "serve_port", "model", "run_key", "promotion_tolerance"} <= names
+
+
+@pytest.mark.parametrize(("name", "value"), BOUNDS, ids=[f"{n}={v}" for n, v in BOUNDS])
+def test_a_value_past_its_bound_is_refused_in_one_line_at_once(name, value):
+    result, seconds = _cli("--" + name.replace("_", "-"), value)
+    _assert_one_line_error(result, f"{name} = ")
+    assert seconds < PREFLIGHT_SECONDS
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--placement", "everywhere"], "--placement: invalid choice: 'everywhere'"),
+        (["--workers", "two"], "--workers: invalid int value: 'two'"),
+        (["--tune-space", "[1, 2]"], "must be a JSON object"),
+        (["--hparams", "{not json"], "--hparams: not valid JSON"),
+        (["--bogus", "1"], "unrecognized arguments: --bogus"),
+        (["--keep-serving", "--no-serve"], "--keep-serving"),
+    ],
+)
+def test_a_bad_option_or_combination_is_refused_in_one_line_at_once(args, named):
+    result, seconds = _cli(*args)
+    _assert_one_line_error(result, named)
+    assert seconds < PREFLIGHT_SECONDS
+
+
+def _write(path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("make", "args", "named"),
+    [
+        (lambda d: str(d / "missing.csv"), [], "does not exist"),
+        (lambda d: _write(d / "empty.csv", b""), [], "is empty; it needs a header row"),
+        (lambda d: _write(d / "x.csv", b"a,b\n1,2\n"), ["--label", "y"], "no column 'y'"),
+        (
+            lambda d: _write(d / "x.csv", b"a,y\n1,2\n"),
+            ["--label", "y", "--features", "a,c"],
+            "no column 'c' (named by features)",
+        ),
+        (lambda d: _write(d / "x.parquet", b"not parquet at all"), [], "not a readable Parquet"),
+        (lambda d: _write(d / "x.csv.gz", b"not gzip"), [], "not a readable CSV file"),
+        (lambda d: _write(d / "x.csv.gz", gzip.compress(b"\xff\xfe\x00\n")), [], "not a UTF-8"),
+        (lambda d: _write(d / "x.json", b"{}"), [], "unsupported format"),
+        (lambda d: str(d), [], "no .parquet files"),
+    ],
+    ids=[
+        "missing",
+        "empty",
+        "no-label",
+        "no-feature",
+        "bad-parquet",
+        "bad-gzip",
+        "not-utf8",
+        "format",
+        "empty-dir",
+    ],
+)
+def test_a_missing_or_malformed_data_file_is_refused_in_one_line_at_once(
+    make, args, named, tmp_path
+):
+    url = make(tmp_path)
+    result, seconds = _cli("--data-url", url, *args)
+    _assert_one_line_error(result, f"data_url {url}", named)
+    assert seconds < PREFLIGHT_SECONDS
+
+
+def test_a_combination_the_engine_refuses_is_one_line_before_prefect_or_ray_start():
+    result, _ = _cli("--workers", "2", "--min-workers", "3", "--tune-trials", "0")
+    _assert_one_line_error(result, "min_workers (3) must not exceed workers (2)")
+    assert "Ray" not in result.stdout
+
+
+def test_debug_shows_the_traceback():
+    result, _ = _cli("--workers", "0", "--debug")
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr
+    assert "PreflightError: workers = 0" in result.stderr
+    result, _ = _cli("--workers", "0", env={"RINGFLOW_DEBUG": "1"})
+    assert "Traceback" in result.stderr
+
+
+def test_help_lists_the_choices_of_every_option_that_has_them():
+    result, seconds = _cli("--help")
+    assert result.returncode == 0
+    assert "--placement {pack,spread,strict_spread}" in result.stdout
+    assert "--precision {32-true,bf16-mixed,16-mixed,bf16-true}" in result.stdout
+    assert "--tune-algorithm {random,evolution}" in result.stdout
+    assert seconds < PREFLIGHT_SECONDS
