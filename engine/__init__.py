@@ -6,6 +6,7 @@
 """
 
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
+from ringflow.engine.data import DatasetData
 from ringflow.engine.errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -21,6 +22,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "DataSpec",
+    "DatasetData",
     "EngineError",
     "EpochMetrics",
     "FitResult",

@@ -75,6 +75,9 @@ class TrainConfig:
     gradient_clip_algorithm: str = "norm"
     """``norm`` (the gradients' global 2-norm to at most ``gradient_clip_val``) or ``value``
     (each element into ``[-gradient_clip_val, gradient_clip_val]``), as Lightning's."""
+    log_every_n_steps: int = 50
+    """Values a module logs every step reach the loggers every this many optimizer steps, as
+    Lightning's ``log_every_n_steps``; 0 sends only epoch values."""
     collective_timeout_s: float = 10.0
     """Every collective's deadline: a worker that died or stopped answering makes the others
     fail with ``PeerLostError`` within this time."""
@@ -149,6 +152,8 @@ class TrainConfig:
 
     def _check_accumulation(self) -> None:
         _positive_int("accumulate_grad_batches", self.accumulate_grad_batches)
+        if self.log_every_n_steps != 0:  # counts optimizer steps, as accumulation sets them
+            _positive_int("log_every_n_steps", self.log_every_n_steps)
         window = self.accumulate_grad_batches
         for name in ("commit_every", "checkpoint_every"):
             if getattr(self, name) % window:

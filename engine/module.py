@@ -153,6 +153,7 @@ class Optimization:
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
+        call_hook(self.module, "on_before_optimizer_step", self.optimizer)
         clip_gradients(self.optimizer, clip_val, clip_algorithm)
         if scaler is not None:
             scaler.step(self.optimizer)
@@ -224,6 +225,80 @@ class Optimization:
             schedule.scheduler.load_state_dict(state)
 
 
+def call_hook(module: torch.nn.Module, name: str, *args: Any) -> Any:
+    """Call the module's hook ``name`` if it has one (a LightningModule has them all)."""
+    hook = getattr(module, name, None)
+    return hook(*args) if callable(hook) else None
+
+
+class TrainerView:
+    """The ``Trainer`` a module's own code reads in a worker (``self.trainer``,
+    ``self.current_epoch``, ``self.global_step``, ``estimated_stepping_batches``...).
+
+    ``global_step`` counts optimizer steps, as Trainer's does; the driver's step counts
+    batches.
+    """
+
+    def __init__(
+        self, *, max_epochs: int, steps_per_epoch: int, accumulate: int, rank: int, world_size: int
+    ) -> None:
+        self.max_epochs, self.num_training_batches = max_epochs, steps_per_epoch
+        self.accumulate_grad_batches = accumulate
+        self.optimizer_steps_per_epoch = -(-steps_per_epoch // accumulate)
+        self.estimated_stepping_batches = max_epochs * self.optimizer_steps_per_epoch
+        self.global_rank, self.world_size, self.local_rank, self.node_rank = rank, world_size, 0, 0
+        self.is_global_zero = rank == 0
+        self.current_epoch, self.global_step = 0, 0
+        self.training, self.sanity_checking, self.fast_dev_run = True, False, False
+        self.should_stop = False
+        self.loggers: list = []
+        self.logger = None
+        self.callback_metrics: dict[str, torch.Tensor] = {}
+
+    def adopt(self, optimization: Optimization) -> None:
+        """The optimizer and schedulers ``self.optimizers()`` and ``self.lr_schedulers()``
+        return (and ``LearningRateMonitor`` reads)."""
+        self.optimizers = [optimization.optimizer]
+        self.lr_scheduler_configs = optimization.schedules
+        self.strategy = _Strategy(self.optimizers)
+
+    def at(self, epoch: int, batch_idx: int) -> None:
+        """Where training is: before batch ``batch_idx`` of ``epoch``."""
+        self.current_epoch = epoch
+        window = self.accumulate_grad_batches
+        done = (
+            -(-batch_idx // window)
+            if batch_idx >= self.num_training_batches
+            else batch_idx // window
+        )
+        self.global_step = epoch * self.optimizer_steps_per_epoch + done
+
+
+class _Strategy:
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self._lightning_optimizers = optimizers
+
+    @staticmethod
+    def reduce_boolean_decision(decision: bool, all: bool = True) -> bool:  # noqa: A002
+        return decision
+
+
+def module_checkpoint(module: torch.nn.Module) -> dict[str, Any]:
+    """What the module's ``on_save_checkpoint`` adds to a checkpoint, checked to be JSON
+    (ringflow never pickles); ``on_load_checkpoint`` gets it back on resume."""
+    extra: dict[str, Any] = {}
+    call_hook(module, "on_save_checkpoint", extra)
+    extra = _jsonable(extra, what=f"what {type(module).__name__}.on_save_checkpoint adds")
+    return extra
+
+
+def attach(module: torch.nn.Module, trainer: TrainerView, log: Any) -> None:
+    """Give ``module`` the Trainer view its code reads and the ``self.log`` that records."""
+    if "_trainer" in vars(module):  # a LightningModule: ``self.trainer`` and friends
+        module._trainer = trainer
+    module.log, module.log_dict = log.log, log.log_dict
+
+
 def clip_gradients(optimizer: torch.optim.Optimizer, value: float | None, algorithm: str) -> None:
     """Clip the (already averaged) gradients of ``optimizer``'s parameters as Lightning does."""
     if value is None:
@@ -235,8 +310,8 @@ def clip_gradients(optimizer: torch.optim.Optimizer, value: float | None, algori
         torch.nn.utils.clip_grad_value_(params, value)
 
 
-def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
-    """A scheduler's state with tensors as numbers, checked to survive JSON."""
+def _jsonable(state: dict[str, Any], *, what: str = "a learning-rate scheduler's state") -> dict:
+    """A state with tensors as numbers, checked to survive JSON."""
 
     def plain(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -251,5 +326,8 @@ def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
     try:
         json.dumps(state, allow_nan=True)
     except TypeError as err:
-        raise ModelError(f"a learning-rate scheduler's state is not JSON: {err}") from None
+        raise ModelError(
+            f"{what} is not JSON, so ringflow cannot checkpoint it: {err}; keep numbers, "
+            "strings, lists and dicts there (tensors are turned into lists)"
+        ) from None
     return state

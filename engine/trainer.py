@@ -15,10 +15,12 @@ import torch
 
 from ringflow.engine.callbacks import Callbacks
 from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.data import as_data, samples_of
 from ringflow.engine.elastic.coordinator import ElasticEvent
 from ringflow.engine.errors import EngineError, WorkerFailedError
 from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, WorkerGroup
 from ringflow.engine.layout import Layout, layout_of
+from ringflow.engine.metrics import Logged, logger_rows
 from ringflow.engine.spec import build_module, model_hparams
 from ringflow.engine.worker import evaluate_module
 from ringflow.storage.checkpoint import load_model, read_checkpoint, save_model
@@ -63,7 +65,7 @@ def fit(
     module_cls: type[torch.nn.Module],
     *,
     hparams: dict[str, Any],
-    data: DataSpec,
+    data: Any,
     config: TrainConfig,
     checkpoint_uri: str,
     in_process: bool = False,
@@ -73,6 +75,7 @@ def fit(
     run_key: str | None = None,
     init_from: str | None = None,
     pipeline: PipelineConfig | None = None,
+    loggers: Any = None,
 ) -> FitResult:
     """Train ``module_cls(**hparams)`` on ``data`` with ``config.workers`` data-parallel workers.
 
@@ -96,7 +99,8 @@ def fit(
         hparams: keyword arguments for ``module_cls``; checked here, before any worker starts.
             ``input_dim`` and ``num_classes`` come from the data where the constructor
             declares them (``engine.spec.model_hparams``).
-        data: the preprocessed dataset.
+        data: the preprocessed dataset (``DataSpec``), ``TensorData``, a
+            ``LightningDataModule`` or ``DatasetData`` of map-style datasets (``engine.data``).
         config: workers, epochs, global batch, seed, collective, checkpoint interval.
         checkpoint_uri: fsspec URL where the trained model is committed.
         in_process: run the single worker in this process instead of a Ray actor.
@@ -107,6 +111,8 @@ def fit(
         init_from: URL of a committed model to start from (warm start: its weights, a fresh
             optimizer); ignored when the run resumes from its own checkpoint.
         pipeline: cut the model into pipeline stages (``PipelineConfig``).
+        loggers: Lightning loggers (``CSVLogger``, ``TensorBoardLogger``, ``MLFlowLogger``...)
+            the driver writes what the module logs to, with Trainer's names and steps.
 
     Returns:
         The checkpoint URL, the per-epoch metrics and the final weights.
@@ -116,6 +122,12 @@ def fit(
             ``run_key`` written by a different configuration.
         CheckpointStorageError: ``store_url`` cannot be written (checked before training).
     """
+    data = as_data(data, batch_size=config.batch_size)
+    if pipeline is not None and not hasattr(data, "read"):
+        raise ValueError(
+            f"pipeline stages train on tables (a DataSpec or TensorData), not on "
+            f"{type(data).__name__}; train a DataModule or Dataset without pipeline stages"
+        )
     layout = check_layout(config, pipeline, init_from=init_from)
     hparams = model_hparams(module_cls, hparams, getattr(data, "schema", None))
     layout.prepare(module_cls, hparams, data)  # a refused hyperparameter fails here
@@ -124,6 +136,9 @@ def fit(
     resume = _Resume.find(
         module_cls, hparams, data, config, store_url, run_key, init_from, layout=layout
     )
+    writers = _Loggers(loggers)
+    if hasattr(data, "prepare"):
+        data.prepare()  # a DataModule's prepare_data: once, before any worker starts
     group_cls = LocalGroup if in_process else RayWorkerGroup
     group = _start_group(group_cls, layout, module_cls, hparams, data, config)
     try:
@@ -135,9 +150,15 @@ def fit(
             max_epochs=config.epochs,
             world_size=config.workers,
         )
-        history = _train(group, layout, config, resume, on_epoch, callbacks)
+        writers.start(hparams)
+        history = _train(group, layout, config, resume, on_epoch, callbacks, writers)
         state = layout.model_state(group)
         events = resume.events() + group.events
+    except BaseException:
+        writers.finish("failed")
+        raise
+    else:
+        writers.finish("success")
     finally:
         group.shutdown()
     module = build_module(module_cls, hparams)
@@ -239,16 +260,19 @@ def _train(
     resume: _Resume,
     on_epoch: EpochCallback | None,
     callbacks: Callbacks,
+    loggers: _Loggers,
 ) -> list[EpochMetrics]:
     """The driver loop: steps in chunks that end where a checkpoint or an epoch ends."""
     steps_per_epoch = group.call_rank0("epoch_steps")
     resume.restore(group, steps_per_epoch)
     history = list(resume.history)
-    sums, samples, seconds = dict(resume.sums), resume.samples, resume.seconds
+    logged, seconds = resume.logged, resume.seconds
     step, total = resume.step, config.epochs * steps_per_epoch
+    optimizer_steps = -(-steps_per_epoch // config.accumulate_grad_batches)
     chunks = _Chunks(config, steps_per_epoch)
     group.commit(step)
     callbacks.load_state_dict(resume.callbacks)
+    group.call("fit_start")
     callbacks.fit_start()
     probe = False  # after a loss, commit after one step: the new ring is proven at once
     while step < total and not callbacks.should_stop:
@@ -258,15 +282,14 @@ def _train(
             callbacks.epoch_start(epoch)
         started = time.perf_counter()
         try:
-            chunk_sums, chunk_samples = dict(sums), samples
-            for part, n in group.call("train_steps", epoch, first, count):
-                for name, value in part.items():
-                    chunk_sums[name] = chunk_sums.get(name, 0.0) + value
-                chunk_samples += n
-            metrics = None
-            if (step + count) % steps_per_epoch == 0:
-                metrics = {k: v / max(chunk_samples, 1) for k, v in sorted(chunk_sums.items())}
-                metrics.update(_mean(group.call("evaluate", "validation")))
+            chunk = _merged(group.call("train_steps", epoch, first, count))
+            ended = (step + count) % steps_per_epoch == 0
+            validation = epoch_end = Logged()
+            if ended:
+                validation = _merged(group.call("evaluate", "validation"))
+                epoch_end = _merged(group.call("train_epoch_end", epoch))
+                so_far = logged.merge(chunk).merge(epoch_end)
+                metrics = {**so_far.results(), **validation.results()}
                 group.call("end_epoch", epoch, metrics)  # schedulers waiting for the metrics
             group.commit(step + count)
         except MembershipLost as lost:
@@ -276,24 +299,77 @@ def _train(
             continue
         step += count
         probe = False
-        sums, samples = chunk_sums, chunk_samples
         seconds += time.perf_counter() - started
-        if metrics is not None:
+        rows, _ = logger_rows(chunk, epoch_end=False)
+        for at, row in rows.items():
+            loggers.write(row, step=at, epoch=epoch)
+        logged = logged.merge(dataclasses.replace(chunk, steps={}))
+        if ended:
+            logged = logged.merge(epoch_end)
+            last = (epoch + 1) * optimizer_steps - 1  # Trainer's step for epoch-end rows
+            loggers.write(logger_rows(validation, epoch_end=True)[1], step=last, epoch=epoch)
+            loggers.write(logger_rows(logged, epoch_end=True)[1], step=last, epoch=epoch)
             history.append(EpochMetrics(epoch=epoch, metrics=metrics, seconds=seconds))
             log.info("epoch %d/%d %s", epoch + 1, config.epochs, _fmt(metrics))
-            sums, samples, seconds = {}, 0, 0.0
+            callback_metrics = {
+                **metrics,
+                **logger_rows(logged.merge(validation), epoch_end=True)[1],
+            }
+            logged, seconds = Logged(), 0.0
             if on_epoch is not None:
                 on_epoch(history[-1])
-            callbacks.epoch_end(epoch, step, metrics)  # EarlyStopping may stop the run here
+            # EarlyStopping may stop the run here
+            callbacks.epoch_end(epoch, last + 1, callback_metrics)
         if resume.store_url and chunks.checkpoint_due(step):
-            meta = resume.metadata(step, steps_per_epoch, history, sums, samples, seconds)
+            meta = resume.metadata(step, steps_per_epoch, history, logged, seconds)
             meta["callbacks"] = callbacks.state_dict()
             step = _checkpoint(group, layout, resume, step, meta, history)
     if resume.store_url is not None:
         for error in layout.flush(group):
             log.warning("a checkpoint of run %s was not saved: %s", resume.run_key, error)
+    group.call("fit_end")
     callbacks.fit_end()
     return history
+
+
+def _merged(parts: list[Logged]) -> Logged:
+    """The workers' records of the same steps as one (``engine.metrics``)."""
+    merged = Logged()
+    for part in parts:
+        merged = merged.merge(part)
+    return merged
+
+
+class _Loggers:
+    """Lightning loggers (``CSVLogger``, ``TensorBoardLogger``, ``MLFlowLogger``, ...) written
+    by the driver, the one process that holds every worker's values (Trainer's rank 0)."""
+
+    def __init__(self, loggers: Any) -> None:
+        if loggers is None:
+            loggers = []
+        self.loggers = list(loggers) if isinstance(loggers, list | tuple) else [loggers]
+        for logger in self.loggers:
+            if not callable(getattr(logger, "log_metrics", None)):
+                raise ValueError(
+                    f"loggers: {logger!r} is not a Lightning logger (it has no log_metrics); "
+                    "pass lightning.pytorch.loggers objects such as CSVLogger"
+                )
+
+    def start(self, hparams: dict[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.log_hyperparams(hparams)
+            logger.save()
+
+    def write(self, row: dict[str, float], *, step: int, epoch: int) -> None:
+        if not row:
+            return
+        for logger in self.loggers:
+            logger.log_metrics({**row, "epoch": epoch}, step=step)
+            logger.save()
+
+    def finish(self, status: str) -> None:
+        for logger in self.loggers:
+            logger.finalize(status)
 
 
 @dataclass(frozen=True)
@@ -409,8 +485,8 @@ class _Resume:
     history: list[EpochMetrics] = field(default_factory=list)
     callbacks: dict[str, Any] = field(default_factory=dict)
     """The callbacks' states at the checkpoint (``engine.callbacks``)."""
-    sums: dict[str, float] = field(default_factory=dict)
-    samples: int = 0
+    logged: Logged = field(default_factory=Logged)
+    """What the module logged in the epoch so far (``engine.metrics``)."""
     seconds: float = 0.0
 
     @classmethod
@@ -435,7 +511,8 @@ class _Resume:
             config,
             store_url,
             run_key,
-            dataset_url=getattr(data, "dataset_url", "tensors"),
+            dataset_url=getattr(data, "dataset_url", None)
+            or (data.identity() if hasattr(data, "identity") else "tensors"),
             **({"init_from": init_from} if init_from else {}),
             **layout.identity(),
         )
@@ -445,8 +522,7 @@ class _Resume:
         resume.checkpoint, resume.step = latest, latest.step
         resume.history = [EpochMetrics(**entry) for entry in latest.metadata["history"]]
         resume.callbacks = latest.metadata.get("callbacks", {})
-        resume.sums = dict(latest.metadata["epoch_sums"])
-        resume.samples = int(latest.metadata["epoch_samples"])
+        resume.logged = Logged.from_json(latest.metadata["epoch_logged"])
         resume.seconds = float(latest.metadata["epoch_seconds"])
         return resume
 
@@ -484,8 +560,7 @@ class _Resume:
         step: int,
         steps_per_epoch: int,
         history: list[EpochMetrics],
-        sums: dict[str, float],
-        samples: int,
+        logged: Logged,
         seconds: float,
     ) -> dict[str, Any]:
         """What a resumed driver needs besides the tensors: position and metrics so far."""
@@ -495,8 +570,7 @@ class _Resume:
             "step_in_epoch": step % steps_per_epoch,
             "steps_per_epoch": steps_per_epoch,
             "history": [dataclasses.asdict(entry) for entry in history],
-            "epoch_sums": sums,
-            "epoch_samples": samples,
+            "epoch_logged": logged.to_json(),
             "epoch_seconds": seconds,
         }
 
@@ -506,9 +580,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Load the committed model at ``model_uri`` and evaluate it on ``split`` in this process."""
     module, _ = load_model(model_uri)
-    x, y = data.read(split)
-    sums, count = evaluate_module(module, x, y, split=split, batch_size=batch_size)
-    return _mean([(sums, count)])
+    logged = evaluate_module(module, samples_of(data, split), split=split, batch_size=batch_size)
+    return logged.results()
 
 
 def _check_warm_start(module_cls: type, hparams: dict[str, Any], init_from: str) -> None:
@@ -525,13 +598,6 @@ def _check_warm_start(module_cls: type, hparams: dict[str, Any], init_from: str)
             f"cannot warm-start {module_cls.__name__}({hparams}) from {init_from}: tensors "
             f"{differ[:5]} are missing or shaped differently (trained with other hparams?)"
         )
-
-
-def _mean(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
-    """Combine per-worker sums into sample-weighted means."""
-    total = sum(count for _, count in parts)
-    names = sorted({name for sums, _ in parts for name in sums})
-    return {name: sum(s.get(name, 0.0) for s, _ in parts) / max(total, 1) for name in names}
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import socket
-from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -17,8 +16,17 @@ import torch
 
 from ringflow.engine.collective import Collective, GradientBuckets, create_collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
+from ringflow.engine.data import Samples, samples_of
 from ringflow.engine.errors import EngineError
-from ringflow.engine.module import Optimization, Precision
+from ringflow.engine.metrics import Logged, MetricLog
+from ringflow.engine.module import (
+    Optimization,
+    Precision,
+    TrainerView,
+    attach,
+    call_hook,
+    module_checkpoint,
+)
 from ringflow.storage.checkpoint import read_checkpoint
 from ringflow.storage.checkpointer import AsyncCheckpointer
 from ringflow.storage.reshard import (
@@ -167,24 +175,6 @@ def _assigned_gpu() -> int:
     return visible.split(",").index(ids[0]) if visible else int(ids[0])
 
 
-class _MetricCapture:
-    """Stands in for ``LightningModule.log`` so modules written for the Trainer run unchanged."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, float] = {}
-
-    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        self.values[name] = float(value.detach() if isinstance(value, torch.Tensor) else value)
-
-    def log_dict(self, metrics: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
-        for name, value in metrics.items():
-            self.log(name, value)
-
-    def take(self) -> dict[str, float]:
-        values, self.values = self.values, {}
-        return values
-
-
 class RankWorker:
     """Trains one rank. All ranks are called with the same methods in the same order.
 
@@ -218,12 +208,24 @@ class RankWorker:
         # then moved, before the optimizer exists, so its state is created on the device.
         self.precision = Precision(config.precision, self.device)
         self.module = self.precision.convert_module(module_cls(**hparams).to(self.device))
+        self.train = samples_of(data, "train")
+        self._evaluated: dict[str, Samples] = {}
+        self.steps_per_epoch = -(-len(self.train) // config.batch_size)
+        # What the module's own code reads of its Trainer, and its ``self.log``: set before
+        # ``configure_optimizers`` runs, which may ask for ``estimated_stepping_batches``.
+        self.trainer = TrainerView(
+            max_epochs=config.epochs,
+            steps_per_epoch=self.steps_per_epoch,
+            accumulate=config.accumulate_grad_batches,
+            rank=rank,
+            world_size=self.world_size,
+        )
+        self.metric_log = MetricLog()
+        attach(self.module, self.trainer, self.metric_log)
         self.optimization = Optimization(self.module, self.precision)
         self.optimizer = self.optimization.optimizer
+        self.trainer.adopt(self.optimization)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.train_x, self.train_y = data.read("train")
-        self._evaluated: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.steps_per_epoch = -(-len(self.train_y) // config.batch_size)
         self.collective: Collective | None = None
         self.buckets: GradientBuckets | None = None
         self.checkpointer: AsyncCheckpointer | None = None
@@ -287,6 +289,8 @@ class RankWorker:
         """
         self._leave_ring()
         self.rank, self.world_size = rank, world_size
+        self.trainer.global_rank, self.trainer.world_size = rank, world_size
+        self.trainer.is_global_zero = rank == 0
         self._join_ring(init_method)
 
     def commit(self, step: int) -> None:
@@ -330,17 +334,30 @@ class RankWorker:
         self._commits = {step: ({k: v.clone() for k, v in state[0].items()}, *state[1:])}
         self.rollback(step)
 
-    def train_steps(self, epoch: int, first: int, count: int) -> tuple[dict[str, float], int]:
+    def fit_start(self) -> None:
+        """Trainer's ``on_fit_start`` and ``on_train_start`` hooks (again when a run resumes,
+        as after a Trainer restart)."""
+        call_hook(self.module, "on_fit_start")
+        call_hook(self.module, "on_train_start")
+
+    def fit_end(self) -> None:
+        call_hook(self.module, "on_train_end")
+        call_hook(self.module, "on_fit_end")
+
+    def train_steps(self, epoch: int, first: int, count: int) -> Logged:
         """Run steps ``first .. first + count - 1`` of ``epoch``.
 
         Returns:
-            This rank's metric sums (weighted by samples) and its sample count.
+            What the module logged (``engine.metrics``), and how many samples this rank saw.
         """
         assert self.buckets is not None, "connect() must run before training"
-        sums: dict[str, float] = defaultdict(float)
         samples = 0
+        self.trainer.at(epoch, first)
+        if first == 0:
+            self.metric_log.enter("on_train_epoch_start")
+            call_hook(self.module, "on_train_epoch_start")
         for step, mine, global_size in epoch_batches(
-            len(self.train_y),
+            len(self.train),
             self.config,
             epoch=epoch,
             first=first,
@@ -349,12 +366,13 @@ class RankWorker:
             world_size=self.world_size,
             device=self.device,
         ):
-            for name, value in self._train_step(mine, global_size, step).items():
-                sums[name] += value * len(mine)
+            self._train_step(mine, global_size, epoch, step)
             samples += len(mine)
-        return dict(sums), samples
+        logged = self.metric_log.take()
+        logged.samples = samples
+        return logged
 
-    def _train_step(self, mine: torch.Tensor, global_size: int, step: int) -> dict[str, float]:
+    def _train_step(self, mine: torch.Tensor, global_size: int, epoch: int, step: int) -> None:
         """One batch; the optimizer steps at the last batch of an accumulation window.
 
         Each rank's loss is a mean over its part; weighting it by the part's share of the
@@ -362,52 +380,81 @@ class RankWorker:
         makes the sum over ranks and batches the gradient Trainer computes on one process.
         Without accumulation the weight is applied to each gradient on its way into a bucket;
         with it, to the loss, and the buckets reduce the window's summed gradients once.
+        The module's hooks run where Trainer runs them (``on_after_backward`` sees the
+        averaged gradients of a window's last batch).
         """
-        capture = _MetricCapture()
-        self.module.log, self.module.log_dict = capture.log, capture.log_dict
         self.module.train()
         window = self.config.accumulate_grad_batches
         weight = len(mine) / global_size
         steps = step % window == window - 1 or step == self.steps_per_epoch - 1
+        self.trainer.at(epoch, step)
+        every = self.config.log_every_n_steps
+        due = steps and every > 0 and (self.trainer.global_step + 1) % every == 0
+        log_step = self.trainer.global_step if due else None
+        batch = None
+        if len(mine):
+            batch = to_device(self.train.batch(mine), self.device)
+            self.metric_log.enter("on_train_batch_start", batch_size=len(mine), log_step=log_step)
+            call_hook(self.module, "on_train_batch_start", batch, step)
         if step % window == 0:
+            call_hook(self.module, "on_before_zero_grad", self.optimizer)
             self.optimizer.zero_grad(set_to_none=False)
         if steps:  # buckets start their all-reduces from inside backward
             self.buckets.start(weight=weight if window == 1 else 1.0)
-        if len(mine):
-            batch = (self.train_x[mine].to(self.device), self.train_y[mine].to(self.device))
+        out = None
+        if batch is not None:
+            self.metric_log.enter("training_step", batch_size=len(mine), log_step=log_step)
             with self.precision.forward_context():
                 out = self.module.training_step(self.precision.convert_input(batch), step)
             loss = out["loss"] if isinstance(out, Mapping) else out
+            call_hook(self.module, "on_before_backward", loss)
             self.precision.backward(loss if window == 1 else loss * (weight / window))
-            capture.values.setdefault("train_loss", float(loss.detach()))
+            self.metric_log.record("train_loss", float(loss.detach()), len(mine))
         if steps:
             self.buckets.finish()
+        if batch is not None:
+            call_hook(self.module, "on_after_backward")
+        if steps:
             self.optimization.step(
                 step,
                 last=step == self.steps_per_epoch - 1,
                 clip_val=self.config.gradient_clip_val,
                 clip_algorithm=self.config.gradient_clip_algorithm,
             )
-        return capture.take()
+            self.trainer.global_step += 1
+        if batch is not None:
+            self.metric_log.enter("on_train_batch_end", batch_size=len(mine), log_step=log_step)
+            call_hook(self.module, "on_train_batch_end", out, batch, step)
+
+    def train_epoch_end(self, epoch: int) -> Logged:
+        """Trainer's ``on_train_epoch_end`` (after the epoch's validation); what it logged."""
+        self.trainer.at(epoch, self.steps_per_epoch)  # after the epoch's last optimizer step
+        self.metric_log.enter("on_train_epoch_end")
+        call_hook(self.module, "on_train_epoch_end")
+        return self.metric_log.take()
 
     def end_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
         """After epoch ``epoch``'s validation: step the schedulers that wait for its metrics."""
+        self.trainer.callback_metrics = {k: torch.tensor(v) for k, v in metrics.items()}
         self.optimization.after_validation(epoch, metrics)
 
-    def evaluate(self, split: str) -> tuple[dict[str, float], int]:
+    def evaluate(self, split: str) -> Logged:
         """Evaluate this rank's part of ``split`` with the module's validation or test step."""
         if split not in self._evaluated:  # read once: evaluation runs every epoch
-            self._evaluated[split] = self.data.read(split)
-        x, y = self._evaluated[split]
-        mine = split_global_batch(torch.arange(len(y)), rank=self.rank, world_size=self.world_size)
+            self._evaluated[split] = samples_of(self.data, split)
+        samples = self._evaluated[split]
+        mine = split_global_batch(
+            torch.arange(len(samples)), rank=self.rank, world_size=self.world_size
+        )
         return evaluate_module(
             self.module,
-            x[mine],
-            y[mine],
+            samples,
+            mine,
             split=split,
             batch_size=self.config.batch_size,
             device=self.device,
             precision=self.precision,
+            log=self.metric_log,
         )
 
     def warm_start(self, model_uri: str) -> None:
@@ -422,6 +469,7 @@ class RankWorker:
             self.module, self.optimizer, state.replicated, checkpoint.metadata["optimizer"]
         )
         self.optimization.load_state_dict(checkpoint.metadata.get("optimization", {}))
+        call_hook(self.module, "on_load_checkpoint", dict(checkpoint.metadata.get("module", {})))
         return checkpoint.step
 
     def checkpoint(
@@ -442,7 +490,11 @@ class RankWorker:
             self.checkpointer = AsyncCheckpointer(CheckpointStore(store_url), check_writable=False)
             self._guard = self.checkpointer.guard(self.optimizer, self.module)
 
-        metadata = {**metadata, "optimization": self.optimization.state_dict()}
+        metadata = {
+            **metadata,
+            "optimization": self.optimization.state_dict(),
+            "module": module_checkpoint(self.module),
+        }
 
         def collect() -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
             tensors, optimizer_meta = training_state(self.module, self.optimizer)
@@ -490,39 +542,62 @@ class RankWorker:
 @torch.no_grad()
 def evaluate_module(
     module: torch.nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
+    samples: Samples,
+    indices: torch.Tensor | None = None,
     *,
     split: str,
     batch_size: int,
     device: torch.device | str | None = None,
     precision: Precision | None = None,
-) -> tuple[dict[str, float], int]:
-    """Run ``test_step`` (for ``split == "test"``) or ``validation_step`` over ``x, y``.
+    log: MetricLog | None = None,
+) -> Logged:
+    """Run ``test_step`` (for ``split == "test"``) or ``validation_step`` over the ``samples``
+    at ``indices`` (all of them for ``None``), between the module's
+    ``on_{validation,test}_epoch_start`` and ``_end`` hooks.
 
     Each batch is moved to ``device``; ``None`` means where the module's parameters are. The
     steps run in the training's ``precision`` (autocast, or bfloat16 inputs), as Trainer's do.
 
     Returns:
-        The sums of every logged metric weighted by batch size, and the number of samples.
+        What the module logged, weighted by batch size, and the number of samples.
     """
     if device is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    capture = _MetricCapture()
-    module.log, module.log_dict = capture.log, capture.log_dict
-    step = module.test_step if split == "test" else module.validation_step
+    if log is None:
+        log = MetricLog()
+        module.log, module.log_dict = log.log, log.log_dict
+    stage = "test" if split == "test" else "validation"
+    step = module.test_step if stage == "test" else module.validation_step
     module.eval()
-    sums: dict[str, float] = defaultdict(float)
-    for i, start in enumerate(range(0, len(y), batch_size)):
-        batch = (x[start : start + batch_size].to(device), y[start : start + batch_size].to(device))
+    log.enter(f"on_{stage}_epoch_start")
+    call_hook(module, f"on_{stage}_epoch_start")
+    if indices is None:
+        indices = torch.arange(len(samples))
+    for i, start in enumerate(range(0, len(indices), batch_size)):
+        part = indices[start : start + batch_size]
+        batch = to_device(samples.batch(part), device)
+        log.enter(f"{stage}_step", batch_size=len(part))
         if precision is None:
             step(batch, i)
         else:
             with precision.forward_context():
                 step(precision.convert_input(batch), i)
-        for name, value in capture.take().items():
-            sums[name] += value * len(y[start : start + batch_size])
-    return dict(sums), len(y)
+    log.enter(f"on_{stage}_epoch_end")
+    call_hook(module, f"on_{stage}_epoch_end")
+    logged = log.take()
+    logged.samples = len(indices)
+    return logged
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """``batch`` (tensors, or tuples, lists and dicts of them) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
+    if isinstance(batch, list | tuple) and not hasattr(batch, "_fields"):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
 
 
 def _host_copy(value: Any) -> Any:

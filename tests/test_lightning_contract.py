@@ -78,6 +78,11 @@ class EpochOrder(Sampler):
 
 @pytest.fixture(scope="module")
 def data() -> TensorData:
+    return table()
+
+
+def table() -> TensorData:
+    """150 samples of 8 features in 3 classes: 120 to train on, 30 to validate on."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(150, FEATURES, generator=g)
     y = (x[:, 0] + x[:, 1] > 0).long() + (x[:, 2] > 1).long()
@@ -92,26 +97,32 @@ def deterministic_off():
 
 
 def trained_by_trainer(
-    cls, hparams: dict, data: TensorData, *, epochs: int = EPOCHS, **options
+    cls, hparams: dict, data, *, epochs: int = EPOCHS, seed: int = SEED, **options
 ) -> tuple[L.LightningModule, L.Trainer]:
-    """``cls`` trained by ``lightning.Trainer`` on ringflow's batch order; module and trainer."""
-    x, y = data.splits["train"]
-    train = DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=EpochOrder(len(y), SEED))
-    val = DataLoader(TensorDataset(*data.splits["validation"]), batch_size=BATCH)
-    torch.manual_seed(SEED)
+    """``cls`` trained by ``lightning.Trainer`` on ringflow's batch order; module and trainer.
+    ``data``: ``TensorData``, or a ``LightningDataModule`` whose train loader has that order."""
+    torch.manual_seed(seed)
     module = cls(**hparams)
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        deterministic=True,
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **options,
+        **{
+            "accelerator": "cpu",
+            "devices": 1,
+            "deterministic": True,
+            "max_epochs": epochs,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            **options,
+        }
     )
+    if isinstance(data, L.LightningDataModule):
+        trainer.fit(module, datamodule=data)
+        return module, trainer
+    x, y = data.splits["train"]
+    train = DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=EpochOrder(len(y), seed))
+    val = DataLoader(TensorDataset(*data.splits["validation"]), batch_size=BATCH)
     trainer.fit(module, train, val)
     return module, trainer
 

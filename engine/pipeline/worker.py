@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ringflow.engine.collective import Collective, create_collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
+from ringflow.engine.metrics import Logged
 from ringflow.engine.module import Optimization
 from ringflow.engine.pipeline.config import PipelineConfig
 from ringflow.engine.pipeline.execute import MicroBatches, run_forward, run_schedule
@@ -183,7 +184,7 @@ class PipelineWorker:
 
     # ------------------------------------------------------------------ training
 
-    def train_steps(self, epoch: int, first: int, count: int) -> tuple[dict[str, float], int]:
+    def train_steps(self, epoch: int, first: int, count: int) -> Logged:
         """Run steps ``first .. first + count - 1`` of ``epoch`` (``engine.worker.epoch_batches``:
         the global batches a data-parallel worker sees).
 
@@ -211,8 +212,8 @@ class PipelineWorker:
             )
             samples += len(mine)
         if not self.stage.is_last:
-            return {}, 0
-        return {"train_loss": total}, samples
+            return Logged()
+        return Logged.means({"train_loss": total}, samples)
 
     def train_step(self, mine: torch.Tensor, *, global_size: int) -> float:
         """The gradients of this replica's samples ``mine`` of a global batch, summed over the
@@ -272,7 +273,7 @@ class PipelineWorker:
 
     # ------------------------------------------------------------------ evaluation, state
 
-    def evaluate(self, split: str) -> tuple[dict[str, float], int]:
+    def evaluate(self, split: str) -> Logged:
         """Forward this replica's part of ``split`` through the pipeline; the last stage
         returns ``val_loss`` (``{split}_loss`` for other splits) and ``pipeline_metrics``."""
         assert self.link is not None, "connect() must run before evaluating"
@@ -289,7 +290,7 @@ class PipelineWorker:
             for out, target in zip(outputs, micro.targets or [], strict=True):
                 for name, value in self._metrics(out, target.to(out.device)).items():
                     sums[f"{prefix}_{name}"] += value * len(out)
-        return (dict(sums), len(mine)) if self.stage.is_last else ({}, 0)
+        return Logged.means(dict(sums), len(mine)) if self.stage.is_last else Logged()
 
     @torch.no_grad()
     def _metrics(self, out: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
@@ -315,6 +316,17 @@ class PipelineWorker:
     def end_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
         """After epoch ``epoch``'s validation: step the schedulers that wait for its metrics."""
         self.optimization.after_validation(epoch, metrics)
+
+    # A pipeline stage holds part of a module: the module's own hooks and ``self.log`` are
+    # not called (``engine.layout.Pipeline`` names what it does not honour).
+    def fit_start(self) -> None:
+        pass
+
+    def fit_end(self) -> None:
+        pass
+
+    def train_epoch_end(self, epoch: int) -> Logged:
+        return Logged()
 
     def epoch_steps(self) -> int:
         """Steps (global batches) in one epoch of the training split."""

@@ -1,0 +1,172 @@
+"""Data beyond tables: a ``LightningDataModule`` or map-style torch ``Dataset``s, sharded across
+the workers the way tables are.
+
+Whatever the input, a worker sees a split as :class:`Samples`: a length and a way to build the
+batch of any list of sample indices. The global order is ringflow's (a seeded permutation per
+epoch, ``engine.worker.epoch_batches``), so N workers see the global batches 1 worker sees and a
+resumed run continues on the same sample; each worker builds only its part of every batch
+(its samples, through the dataset's ``__getitem__`` and the loader's ``collate_fn``).
+
+From a DataModule ringflow takes what its dataloaders hold, not the loaders themselves:
+``prepare_data`` runs once in the driver, ``setup`` in every worker, and of each
+``*_dataloader()`` the ``dataset`` and ``collate_fn``. The batch size is ``TrainConfig.batch_size``
+(the global batch, split across the workers), and the order is ringflow's, whatever sampler the
+loader has; a loader whose ``batch_size`` differs is named in a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["DataModuleData", "DatasetData", "Samples", "TableSamples", "as_data"]
+
+log = logging.getLogger("ringflow.engine")
+
+_LOADERS = {"train": "train_dataloader", "validation": "val_dataloader", "test": "test_dataloader"}
+_STAGES = {"train": "fit", "validation": "fit", "test": "test"}
+
+
+class Samples(Protocol):
+    """One split as a worker reads it."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: torch.Tensor) -> Any:
+        """The batch of the samples at ``indices`` (in host memory)."""
+
+
+@dataclass(frozen=True)
+class TableSamples:
+    """A table's split: ``(features[indices], labels[indices])``."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[indices], self.y[indices]
+
+
+@dataclass(frozen=True)
+class _DatasetSamples:
+    dataset: Any
+    collate_fn: Any
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def batch(self, indices: torch.Tensor) -> Any:
+        return self.collate_fn([self.dataset[i] for i in indices.tolist()])
+
+
+def _default_collate() -> Any:
+    from torch.utils.data import default_collate
+
+    return default_collate
+
+
+def _check_dataset(dataset: Any, what: str) -> None:
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ValueError(
+            f"{what} is a {type(dataset).__name__}, not a map-style dataset (__getitem__ and "
+            "__len__): ringflow shards samples by index across the workers; iterable datasets "
+            "are not supported"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetData:
+    """Map-style torch ``Dataset``s by split, batched with ``collate_fn`` (torch's default
+    collation when ``None``)."""
+
+    train: Any
+    validation: Any = None
+    test: Any = None
+    collate_fn: Any = None
+
+    def __post_init__(self) -> None:
+        for split in ("train", "validation", "test"):
+            if getattr(self, split) is not None:
+                _check_dataset(getattr(self, split), f"DatasetData.{split}")
+
+    def prepare(self) -> None:
+        """Nothing to do once per run."""
+
+    def samples(self, split: str) -> _DatasetSamples:
+        dataset = getattr(self, split if split in _LOADERS else "", None)
+        if dataset is None:
+            raise ValueError(f"DatasetData has no {split!r} split; give it as {split}=...")
+        return _DatasetSamples(dataset, self.collate_fn or _default_collate())
+
+    def identity(self) -> str:
+        return f"datasets:{type(self.train).__module__}.{type(self.train).__qualname__}"
+
+
+@dataclass(kw_only=True)
+class DataModuleData:
+    """A ``LightningDataModule``: ``prepare_data`` once (:meth:`prepare`, in the driver),
+    ``setup`` once in each worker, its loaders' datasets and collate functions."""
+
+    datamodule: Any
+    batch_size: int | None = None
+    """The run's global batch, to warn when a loader's ``batch_size`` differs."""
+    _stages: set[str] = field(default_factory=set)
+
+    def prepare(self) -> None:
+        self.datamodule.prepare_data()
+
+    def samples(self, split: str) -> _DatasetSamples:
+        if split not in _LOADERS:
+            raise ValueError(f"a LightningDataModule has no split {split!r}; use {list(_LOADERS)}")
+        stage = _STAGES[split]
+        if stage not in self._stages:
+            self.datamodule.setup(stage)
+            self._stages.add(stage)
+        name = f"{type(self.datamodule).__name__}.{_LOADERS[split]}()"
+        loader = getattr(self.datamodule, _LOADERS[split])()
+        dataset = getattr(loader, "dataset", None)
+        if dataset is None:
+            raise ValueError(f"{name} returned {type(loader).__name__}, not a torch DataLoader")
+        _check_dataset(dataset, f"{name}.dataset")
+        size = getattr(loader, "batch_size", None)
+        if split == "train" and size is not None and self.batch_size not in (None, size):
+            log.warning(
+                "%s has batch_size=%d; ringflow batches with the run's global batch_size=%d "
+                "(split across the workers) in its own seeded order",
+                name,
+                size,
+                self.batch_size,
+            )
+        return _DatasetSamples(dataset, getattr(loader, "collate_fn", None) or _default_collate())
+
+    def identity(self) -> str:
+        cls = type(self.datamodule)
+        return f"datamodule:{cls.__module__}.{cls.__qualname__}"
+
+
+def as_data(data: Any, *, batch_size: int | None = None) -> Any:
+    """``data`` as the engine takes it: a table (``DataSpec``, ``TensorData``), a
+    ``LightningDataModule`` or a map-style ``Dataset`` (its ``train`` split)."""
+    if hasattr(data, "samples") or hasattr(data, "read"):
+        return data
+    if all(hasattr(data, hook) for hook in ("prepare_data", "setup", "train_dataloader")):
+        return DataModuleData(datamodule=data, batch_size=batch_size)
+    if isinstance(data, torch.utils.data.Dataset):
+        return DatasetData(train=data)
+    raise ValueError(
+        f"data is a {type(data).__name__}; give a DataSpec (a preprocessed dataset), TensorData, "
+        "a LightningDataModule, or DatasetData(train=..., validation=...) of map-style datasets"
+    )
+
+
+def samples_of(data: Any, split: str) -> Samples:
+    """``split`` of any data the engine takes."""
+    if hasattr(data, "samples"):
+        return data.samples(split)
+    return TableSamples(*data.read(split))

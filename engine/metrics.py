@@ -1,0 +1,289 @@
+"""``self.log`` as Lightning defines it, for modules trained by ringflow's workers.
+
+A worker's module logs through :class:`MetricLog`; what it records (:class:`Logged`) travels to
+the driver, which merges the workers' records and writes the loggers (from one process, as
+Lightning's rank 0 does). Values are reduced across the batches of an epoch and across the
+workers of a global batch the way one process would reduce them over the whole batch:
+
+* ``mean`` (Lightning's default): weighted by each batch's size (``batch_size``, else the
+  number of samples the worker holds), so N workers' parts give the mean 1 worker computes;
+* ``sum``, ``max`` and ``min``: over every batch and every worker.
+
+Every value is reduced across the workers, ``sync_dist`` or not: a worker holds only its part
+of a global batch, and the figure a user reads is the one of the whole batch. Names follow
+Lightning: logged ``on_step`` and ``on_epoch``, ``loss`` is written as ``loss_step`` and
+``loss_epoch``. torchmetrics ``Metric`` objects are logged by value (their ``compute()`` at
+the point of logging), weighted like any other value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ringflow.engine.errors import ModelError
+
+__all__ = ["Logged", "MetricLog", "Value", "logger_rows"]
+
+_REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+_TORCH_REDUCTIONS = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
+
+# Hooks in which ``self.log`` defaults to ``on_step=True, on_epoch=False`` (Lightning's
+# ``_FxValidator``); everywhere else it defaults to ``on_step=False, on_epoch=True``.
+_STEP_HOOKS = {
+    "training_step",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+}
+
+
+def _reduction(reduce_fx: Any, name: str) -> str:
+    found = (
+        _REDUCTIONS.get(reduce_fx.lower())
+        if isinstance(reduce_fx, str)
+        else _TORCH_REDUCTIONS.get(reduce_fx)
+    )
+    if found is None:
+        raise ModelError(
+            f"self.log({name!r}, reduce_fx={reduce_fx!r}): ringflow reduces logged values with "
+            "'mean', 'sum', 'max' or 'min' (or torch.mean/sum/max/min)"
+        )
+    return found
+
+
+@dataclass
+class Value:
+    """One logged metric accumulated over batches (and workers)."""
+
+    reduce: str
+    total: float
+    weight: float = 0.0
+
+    def add(self, value: float, weight: float) -> None:
+        if self.reduce == "mean":
+            self.total += value * weight
+        elif self.reduce == "sum":
+            self.total += value
+        elif self.reduce == "max":
+            self.total = max(self.total, value)
+        else:
+            self.total = min(self.total, value)
+        self.weight += weight
+
+    def merge(self, other: Value) -> Value:
+        merged = Value(self.reduce, self.total, self.weight)
+        if self.reduce in ("mean", "sum"):
+            merged.total += other.total
+        elif self.reduce == "max":
+            merged.total = max(self.total, other.total)
+        else:
+            merged.total = min(self.total, other.total)
+        merged.weight += other.weight
+        return merged
+
+    def result(self) -> float:
+        if self.reduce == "mean":
+            return self.total / self.weight if self.weight else float("nan")
+        return self.total
+
+    @classmethod
+    def first(cls, reduce: str, value: float, weight: float) -> Value:
+        start = {"max": float("-inf"), "min": float("inf")}.get(reduce, 0.0)
+        made = cls(reduce, start)
+        made.add(value, weight)
+        return made
+
+
+@dataclass
+class Logged:
+    """What workers logged over some steps or an evaluation, mergeable across workers and
+    chunks: each metric's epoch accumulation, its values at the steps due for the loggers, and
+    how it was logged (``on_step``, ``on_epoch``, ``prog_bar``, ``logger``)."""
+
+    epoch: dict[str, Value] = field(default_factory=dict)
+    steps: dict[int, dict[str, Value]] = field(default_factory=dict)
+    options: dict[str, dict[str, bool]] = field(default_factory=dict)
+    samples: int = 0
+
+    def merge(self, other: Logged) -> Logged:
+        epoch = dict(self.epoch)
+        for name, value in other.epoch.items():
+            epoch[name] = epoch[name].merge(value) if name in epoch else value
+        steps = {step: dict(values) for step, values in self.steps.items()}
+        for step, values in other.steps.items():
+            mine = steps.setdefault(step, {})
+            for name, value in values.items():
+                mine[name] = mine[name].merge(value) if name in mine else value
+        return Logged(
+            epoch=epoch,
+            steps=steps,
+            options={**self.options, **other.options},
+            samples=self.samples + other.samples,
+        )
+
+    @classmethod
+    def means(cls, sums: dict[str, float], samples: int) -> Logged:
+        """Sample-weighted sums (as the pipeline's stages report them), logged per epoch."""
+        return cls(
+            epoch={name: Value("mean", total, float(samples)) for name, total in sums.items()},
+            options={name: {"on_step": False, "on_epoch": True} for name in sums},
+            samples=samples,
+        )
+
+    def results(self) -> dict[str, float]:
+        """Every metric's epoch value under its plain name (ringflow's history and reports)."""
+        return {name: value.result() for name, value in sorted(self.epoch.items())}
+
+    def to_json(self) -> dict[str, Any]:
+        def values(found: dict[str, Value]) -> dict[str, list]:
+            return {name: [v.reduce, v.total, v.weight] for name, v in found.items()}
+
+        return {
+            "epoch": values(self.epoch),
+            "steps": {str(step): values(found) for step, found in self.steps.items()},
+            "options": self.options,
+            "samples": self.samples,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Logged:
+        def values(found: dict[str, list]) -> dict[str, Value]:
+            return {name: Value(*entry) for name, entry in found.items()}
+
+        return cls(
+            epoch=values(data.get("epoch", {})),
+            steps={int(step): values(found) for step, found in data.get("steps", {}).items()},
+            options=data.get("options", {}),
+            samples=int(data.get("samples", 0)),
+        )
+
+
+def logger_rows(logged: Logged, *, epoch_end: bool) -> tuple[dict[int, dict], dict[str, float]]:
+    """What Lightning would send its loggers: the rows of the steps due (``name`` or
+    ``name_step``), and at an epoch's end the epoch row (``name`` or ``name_epoch``) of the
+    metrics logged ``on_epoch`` with ``logger=True``."""
+    steps: dict[int, dict] = {}
+    for step, values in sorted(logged.steps.items()):
+        row = {
+            _logged_name(name, logged.options[name], "step"): value.result()
+            for name, value in values.items()
+            if logged.options[name].get("logger", True)
+        }
+        if row:
+            steps[step] = row
+    epoch = {}
+    if epoch_end:
+        epoch = {
+            _logged_name(name, logged.options[name], "epoch"): value.result()
+            for name, value in logged.epoch.items()
+            if logged.options[name].get("on_epoch") and logged.options[name].get("logger", True)
+        }
+    return steps, epoch
+
+
+def _logged_name(name: str, options: dict[str, bool], when: str) -> str:
+    both = options.get("on_step") and options.get("on_epoch")
+    return f"{name}_{when}" if both else name
+
+
+class MetricLog:
+    """Stands in for ``LightningModule.log`` and ``log_dict`` in a worker.
+
+    The worker tells it where the module is (:meth:`enter`: the hook, the batch's size, and
+    whether the loggers want this step's values); it records every value as Lightning's
+    ``ResultCollection`` would and hands the record over with :meth:`take`.
+    """
+
+    def __init__(self) -> None:
+        self.logged = Logged()
+        self._hook, self._batch_size, self._step = "training_step", 0, None
+
+    def enter(self, hook: str, *, batch_size: int = 0, log_step: int | None = None) -> None:
+        """Values logged from now on come from ``hook``, on a batch of ``batch_size`` samples;
+        ``log_step``: the global step the loggers record this batch's values at, if due."""
+        self._hook, self._batch_size, self._step = hook, batch_size, log_step
+
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool | None = None,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: Any = "mean",
+        enable_graph: bool = False,
+        sync_dist: bool = False,
+        sync_dist_group: Any = None,
+        add_dataloader_idx: bool = True,
+        batch_size: int | None = None,
+        metric_attribute: str | None = None,
+        rank_zero_only: bool = False,
+    ) -> None:
+        in_step = self._hook in _STEP_HOOKS
+        on_step = in_step if on_step is None else on_step
+        on_epoch = (not in_step) if on_epoch is None else on_epoch
+        if on_step and not in_step:
+            on_step = False  # Lightning logs evaluation and epoch-end values once an epoch
+            on_epoch = True
+        reduce = _reduction(reduce_fx, name)
+        number = _number(name, value)
+        weight = float(batch_size if batch_size is not None else self._batch_size or 1)
+        options = {
+            "on_step": bool(on_step),
+            "on_epoch": bool(on_epoch),
+            "prog_bar": bool(prog_bar),
+            "logger": True if logger is None else bool(logger),
+        }
+        self.logged.options[name] = options
+        epoch = self.logged.epoch
+        if name in epoch and epoch[name].reduce == reduce:
+            epoch[name].add(number, weight)
+        else:
+            epoch[name] = Value.first(reduce, number, weight)
+        if on_step and self._step is not None:
+            self.logged.steps.setdefault(self._step, {})[name] = Value.first(reduce, number, weight)
+
+    def log_dict(self, dictionary: Any, *args: Any, **kwargs: Any) -> None:
+        items = dictionary.items() if hasattr(dictionary, "items") else dictionary
+        for name, value in items:
+            self.log(name, value, *args, **kwargs)
+
+    def record(self, name: str, value: float, weight: float) -> None:
+        """A value ringflow records for its own reports (the training loss) unless the module
+        logs one under the same name; it does not reach the loggers."""
+        if name not in self.logged.options:
+            self.logged.epoch[name] = Value.first("mean", value, weight)
+            self.logged.options[name] = {"on_step": False, "on_epoch": False, "logger": False}
+        elif name in self.logged.epoch and self.logged.options[name].get("logger") is False:
+            self.logged.epoch[name].add(value, weight)
+
+    def take(self) -> Logged:
+        logged, self.logged = self.logged, Logged()
+        return logged
+
+
+def _number(name: str, value: Any) -> float:
+    compute = getattr(value, "compute", None)
+    if callable(compute) and hasattr(value, "update"):  # a torchmetrics Metric
+        value = compute()
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ModelError(
+                f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; "
+                "log one number (a tensor with a single element)"
+            )
+        return float(value.detach().float())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ModelError(
+            f"self.log({name!r}, ...) got {type(value).__name__}; log a number, a one-element "
+            "tensor or a torchmetrics Metric"
+        ) from None

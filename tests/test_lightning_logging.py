@@ -1,0 +1,127 @@
+"""What a module logs reaches Lightning's loggers as under ``lightning.Trainer``: the same
+names (``loss_step``, ``loss_epoch``), steps and values, reduced over the batches of an epoch
+and the workers of a global batch as one process reduces them; the module's hooks run where
+Trainer runs them."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch.nn import functional as F
+
+from ringflow.engine import TrainConfig, fit
+from tests.test_lightning_contract import (
+    BATCH,
+    EPOCHS,
+    SEED,
+    STEPS,
+    OneCycle,
+    table,
+    trained_by_trainer,
+)
+
+EVERY = 5  # log_every_n_steps: step rows at global steps 4, 9, 14 and 19
+
+
+class Logs(OneCycle):
+    """Logs with every option Trainer reduces differently, from a step and from hooks."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        self.log("correct", (logits.argmax(1) == y).sum().float(), on_epoch=True, reduce_fx="sum")
+        worst = F.cross_entropy(logits, y, reduction="none").max()
+        self.log_dict({"worst": worst}, on_step=False, on_epoch=True, reduce_fx="max")
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", (logits.argmax(1) == y).float().mean())
+
+    def on_train_epoch_start(self):
+        self.log("epoch_seen", float(self.current_epoch))
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad.norm() for p in self.parameters() if p.grad is not None]
+        self.log("grad_norm", torch.stack(grads).norm(), on_epoch=True)
+
+    def on_train_epoch_end(self):
+        self.log("global_step_seen", float(self.global_step))
+
+    def on_validation_epoch_end(self):
+        self.log("val_seen", float(self.current_epoch) + 0.5)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return table()
+
+
+def rows(path) -> list[dict[str, float]]:
+    """metrics.csv as Lightning's CSVLogger wrote it: one dict per row, empty cells dropped."""
+    with open(path, newline="") as file:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(file)]
+
+
+def same_rows(ours: list[dict], theirs: list[dict], tolerance: float) -> None:
+    assert [sorted(row) for row in ours] == [sorted(row) for row in theirs]
+    for mine, oracle in zip(ours, theirs, strict=True):
+        for name, value in oracle.items():
+            assert mine[name] == pytest.approx(value, rel=tolerance, abs=tolerance), name
+
+
+def logged_by_ringflow(data, tmp_path, *, workers: int) -> list[dict]:
+    logger = CSVLogger(str(tmp_path / f"ringflow-{workers}"), name="run", version=0)
+    fit(
+        Logs,
+        hparams={"total_steps": STEPS},
+        data=data,
+        config=TrainConfig(
+            workers=workers,
+            epochs=EPOCHS,
+            batch_size=BATCH,
+            seed=SEED,
+            gradient_clip_val=0.5,
+            log_every_n_steps=EVERY,
+        ),
+        checkpoint_uri=str(tmp_path / f"model-{workers}"),
+        in_process=workers == 1,
+        loggers=[logger],
+    )
+    return rows(tmp_path / f"ringflow-{workers}" / "run" / "version_0" / "metrics.csv")
+
+
+@pytest.fixture(scope="module")
+def trainers_rows(data, tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("trainer")
+    logger = CSVLogger(str(root), name="run", version=0)
+    try:
+        trained_by_trainer(
+            Logs,
+            {"total_steps": STEPS},
+            data,
+            logger=logger,
+            log_every_n_steps=EVERY,
+            gradient_clip_val=0.5,
+        )
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return rows(root / "run" / "version_0" / "metrics.csv")
+
+
+def test_the_csv_logger_gets_trainers_names_steps_and_values(data, trainers_rows, tmp_path):
+    names = set().union(*trainers_rows)
+    assert {"loss_step", "loss_epoch", "correct_epoch", "worst", "grad_norm_step"} <= names
+    assert {"val_loss", "val_acc", "epoch_seen", "global_step_seen", "val_seen"} <= names
+    same_rows(logged_by_ringflow(data, tmp_path, workers=1), trainers_rows, 1e-6)
+
+
+def test_two_workers_log_what_one_process_logs(data, trainers_rows, tmp_path, ray_session):
+    same_rows(logged_by_ringflow(data, tmp_path, workers=2), trainers_rows, 1e-5)
