@@ -20,8 +20,13 @@ committed, manifest first, so a half-deleted checkpoint never looks committed. L
 interrupted writes (steps below the newest commit without a manifest, files no manifest
 names) are removed after a later commit or by :meth:`CheckpointStore.cleanup`, never read.
 
-One writer per run key at a time: the store does not lock against a second one. Every
-storage call is retried on transient errors until ``RetryPolicy.deadline_s``; a call in
+One writer per run key at a time: where a run key has a lease (``storage.lease``, taken by
+the ``train`` task), a manifest is published and a checkpoint deleted only by the lease's
+holder, and a save whose lease changed hands while it was written is refused
+(:class:`~storage.lease.LeaseLostError`), so a stale process never commits over, or deletes
+what, the holder needs. A run key without a lease is not fenced.
+
+Every storage call is retried on transient errors until ``RetryPolicy.deadline_s``; a call in
 flight is bounded by the fsspec client's own timeouts (``read_timeout`` and the like in
 ``storage_options``), not interrupted by the store.
 """
@@ -46,6 +51,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ringflow.storage.checkpoint import CheckpointError
 from ringflow.storage.fs import absolute, join, publish, sha256
+from ringflow.storage.lease import check_writer
 from ringflow.storage.retry import CheckpointStorageError, RetryPolicy, call_with_retries
 from ringflow.storage.tensorfile import (
     CHECKSUMS,
@@ -266,11 +272,14 @@ class CheckpointStore:
             raise ValueError("shards must name at least one shard")
         # Checked before any byte is written, so a typo costs no orphaned shards.
         metadata, metrics = _json_copy(metadata or {}), _metrics(metrics or {})
+        fence = self._check_writer(run_key, None, f"writing step {step} of run {run_key}")
         records = [
             self.write_shard(run_key, step=step, name=name, tensors=tensors)
             for name, tensors in shards.items()
         ]
-        return self.commit(run_key, step=step, shards=records, metadata=metadata, metrics=metrics)
+        return self.commit(
+            run_key, step=step, shards=records, metadata=metadata, metrics=metrics, fence=fence
+        )
 
     def write_shard(
         self, run_key: str, *, step: int, name: str, tensors: Mapping[str, torch.Tensor]
@@ -303,13 +312,19 @@ class CheckpointStore:
         shards: Sequence[ShardRecord],
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
+        fence: int | None = None,
     ) -> CommittedCheckpoint:
         """Publish the manifest of written shards, making the checkpoint exist; then apply
         retention and remove leftovers (failures there are logged, never raised).
 
+        Args:
+            fence: the lease token the shards were written under, if the run key had a
+                lease then (:meth:`save` passes it); the commit is refused if it changed.
+
         Raises:
             ValueError: no shards, a shard name twice, or metadata that is not JSON.
             CheckpointStorageError: the manifest could not be written before the deadline.
+            LeaseLostError: the run key's lease is held by another process, or changed hands.
         """
         names = [record.name for record in shards]
         if not names or len(set(names)) != len(names):
@@ -325,6 +340,7 @@ class CheckpointStore:
         )
         data = _manifest_bytes(checkpoint)
         path = self._path(run_key, _step_dir(step), _MANIFEST)
+        self._check_writer(run_key, fence, f"committing {checkpoint.url}")
         self._call(f"committing {checkpoint.url}", lambda: self._publish(path, data))
         self._tidy(checkpoint)
         return checkpoint
@@ -359,6 +375,11 @@ class CheckpointStore:
         Shards are not verified; use :meth:`latest` or :meth:`load` for that.
         """
         return sorted(self._committed(run_key, quiet=True), key=lambda c: c.step)
+
+    def steps_begun(self, run_key: str) -> list[int]:
+        """Every step of ``run_key`` with a directory, committed or not (a save in progress,
+        or one its writer died in), oldest first."""
+        return self._steps(run_key)
 
     def latest(
         self, run_key: str, *, verify: Literal["checksum", "size", "manifest"] = "checksum"
@@ -475,6 +496,7 @@ class CheckpointStore:
     def _remove_step(self, run_key: str, step: int) -> str:
         directory = self._path(run_key, _step_dir(step))
         url = self._url(run_key, _step_dir(step))
+        self._check_writer(run_key, None, f"deleting {url}")
         # The manifest goes first, so a directory half deleted is never taken as committed.
         with suppress(FileNotFoundError):
             self._call(f"deleting {url}", lambda: self._fs.rm_file(join(directory, _MANIFEST)))
@@ -489,6 +511,7 @@ class CheckpointStore:
         for path in self._list(directory, f"listing {checkpoint.url}"):
             name = path.rsplit("/", 1)[-1]
             if name not in wanted:
+                self._check_writer(checkpoint.run_key, None, f"deleting {path}")
                 with suppress(FileNotFoundError):
                     self._call(f"deleting {path}", lambda p=path: self._fs.rm(p, recursive=True))
                 removed.append(join(checkpoint.url, name))
@@ -594,6 +617,15 @@ class CheckpointStore:
             # The rename and the step directory's own entry must reach the disk as well.
             _fsync_directory(directory)
             _fsync_directory(directory.rsplit("/", 1)[0])
+
+    def _check_writer(self, run_key: str, fence: int | None, what: str) -> int | None:
+        """The run key's lease token after checking this process may write it (``None``:
+        the run key has no lease)."""
+        directory = self._path(_check_name("run_key", run_key))
+        return self._call(
+            f"checking the lease of run {run_key}",
+            lambda: check_writer(self._fs, directory, run_key=run_key, token=fence, what=what),
+        )
 
     def _size(self, path: str) -> int:
         self._fs.invalidate_cache(path)
