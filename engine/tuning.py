@@ -1,18 +1,25 @@
 """Hyperparameter search with Ray Tune; every trial trains through ``engine.fit``.
 
-A search is identified by its run key and keeps everything under ``storage_url``::
+A search is identified by its run key. Under ``storage_url`` it keeps JSON records and
+safetensors checkpoints only::
 
-    {storage_url}/tune/{run_key}/                        Ray Tune's experiment state
-    {storage_url}/tune/{run_key}/trials/{trial}/starts/  one file per execution of the trial,
-                                                         with the step it resumes from
-    {storage_url}/tune/{run_key}/trials/{trial}/epochs/  the metrics of every epoch it trained
+    {storage_url}/tune/{run_key}/trials/{trial}/starts/   one file per execution of the trial,
+                                                          with its parameters and the step it
+                                                          resumes from
+    {storage_url}/tune/{run_key}/trials/{trial}/epochs/   the metrics of every epoch it trained
+    {storage_url}/tune/{run_key}/trials/{trial}/stopped.json  the epoch the scheduler stopped it
     {storage_url}/tune/{run_key}/trials/{trial}/done.json  written once its training finished
-    {storage_url}/checkpoints/{run_key}-trial-{trial}/   its training state (``CheckpointStore``)
-    {storage_url}/runs/{run_key}/trials/{trial}/model    its trained model
+    {storage_url}/checkpoints/{run_key}-trial-{trial}/    its training state (``CheckpointStore``)
+    {storage_url}/runs/{run_key}/trials/{trial}/model     its trained model
 
-Calling :func:`search` again with the same run key continues the search: finished trials are
-kept, unfinished ones resume from their newest checkpoint, and the early-stopping scheduler
-is given back every result it had seen, so it decides as if the search had never stopped.
+Trials are numbered ``00000`` (the base configuration), ``00001``... Ray Tune runs them, and
+keeps its own experiment state (pickles) in a scratch directory on the machine that drives
+the search; it is never read back. Calling :func:`search` again with the same run key, on
+this machine or another, rebuilds the search from the records: finished and stopped trials
+are kept, unfinished ones resume from their newest checkpoint, the early-stopping scheduler
+and the searcher are given back every result recorded, and trials never started are proposed
+again. Every storage call is retried under ``SearchConfig.storage_retry``; a file under the
+search's directory that is not one of these JSON records is reported and ignored.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ import json
 import logging
 import math
 import os
-import pickle
 import random
 import re
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,6 +45,7 @@ from ringflow.engine.spec import model_hparams
 from ringflow.engine.trainer import EpochMetrics, fit
 from ringflow.storage.fs import atomic_write, join, read_bytes, resolve
 from ringflow.storage.layout import Workspace
+from ringflow.storage.retry import RetryPolicy, call_with_retries
 from ringflow.storage.store import CheckpointStore
 
 __all__ = [
@@ -95,6 +104,12 @@ class SearchConfig:
     """ASHA's halving rate: about ``1/reduction_factor`` of the trials reach each next rung."""
     checkpoint_every: int = 0
     """Checkpoint a trial every this many steps besides epoch ends (0: epoch ends only)."""
+    storage_retry: RetryPolicy = RetryPolicy()
+    """Backoff and deadline of every read and write of the search's records."""
+    state_dir: str | None = None
+    """A local directory for Ray Tune's own experiment state while the search runs, emptied
+    when it starts; ``None``: a private temporary directory, removed when it ends. Never read
+    back: a resumed search is rebuilt from its records under ``storage_url``."""
 
     def __post_init__(self) -> None:
         for name in ("trials", "epochs", "workers_per_trial", "grace_period"):
@@ -151,6 +166,8 @@ class TrialSummary:
     """The trained model of a completed trial."""
     is_base: bool = False
     """Whether this is the base configuration, the one trained without a search."""
+    error: str | None = None
+    """Why a failed trial failed, in one line."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +186,10 @@ class SearchResult:
     resumed: bool
     """Whether this call continued an earlier, interrupted search."""
     experiment_path: str
+    """The search's records under ``storage_url``."""
+    ignored_files: list[str] = field(default_factory=list)
+    """Files found under ``experiment_path`` that are not ringflow's JSON records (a planted
+    pickle, say), relative to it: reported and never opened."""
 
 
 # --------------------------------------------------------------------------- search spaces
@@ -182,13 +203,6 @@ class _Dimension:
     kind: str
     values: tuple[Any, ...]
     """The choices, or ``(low, high)`` (``high`` excluded for ``randint``)."""
-
-    def tune_domain(self) -> Any:
-        from ray import tune
-
-        if self.kind == "choice":
-            return tune.choice(list(self.values))
-        return getattr(tune, self.kind)(*self.values)
 
     def samples(self) -> list[Any]:
         """Values that probe the range's ends, for validation."""
@@ -273,28 +287,31 @@ def _is_range(kind: str, values: Any) -> bool:
 
 
 def _random_search(dims: list[_Dimension], base: dict[str, Any], cfg: SearchConfig, seed: int):
-    """Ray Tune's random sampling, with the base configuration evaluated first."""
-    from ray.tune.search.basic_variant import BasicVariantGenerator
+    """The base configuration as trial 0, then independent random samples: trial ``i`` is
+    drawn from a generator seeded by ``(seed, i)``, so a resumed search proposes exactly
+    what the uninterrupted one would have."""
 
-    return BasicVariantGenerator(
-        points_to_evaluate=[base], random_state=seed, max_concurrent=cfg.max_concurrent or 0
-    )
+    def propose(index: int) -> dict[str, Any]:
+        if index == 0:
+            return dict(base)
+        rng = random.Random(f"{seed}:{index}")
+        return {d.name: d.sample(rng) for d in dims}
+
+    return propose
 
 
 def _evolution_search(dims: list[_Dimension], base: dict[str, Any], cfg: SearchConfig, seed: int):
-    """Seeded mutation of the best trial so far (see ``EvolutionSearcher``)."""
-    from ray.tune.search import ConcurrencyLimiter
-
-    searcher = _evolution_searcher_cls()(dims, base, metric=cfg.metric, mode=cfg.mode, seed=seed)
-    return ConcurrencyLimiter(searcher, max_concurrent=cfg.max_concurrent or 1)
+    """Seeded mutation of the best trial so far (see :class:`_Evolution`)."""
+    return _Evolution(dims, base, metric=cfg.metric, mode=cfg.mode, seed=seed)
 
 
 SEARCH_ALGORITHMS: dict[str, Callable[..., Any]] = {
     "random": _random_search,
     "evolution": _evolution_search,
 }
-"""Search algorithms by name. Both need nothing beyond Ray Tune: the Ray searchers that
-model the metric (Optuna, HyperOpt, BayesOpt, ...) each need a package not installed here."""
+"""Search algorithms by name. Both are plain Python, rebuilt from the search's records when it
+resumes: the Ray searchers that model the metric (Optuna, HyperOpt, BayesOpt, ...) each need
+a package not installed here, and keep their state only as pickles."""
 
 
 class _Evolution:
@@ -334,71 +351,119 @@ class _Evolution:
         if trial_id in self.configs and _EPOCH in result and _finite(value):
             self.scores[trial_id] = (int(result[_EPOCH]), self.sign * float(value))
 
+    def resume(self, history: _History, *, base_trial: str) -> None:
+        """Take back the configurations and results of the trials recorded so far."""
+        for trial_id, trial in history.trials.items():
+            if trial.params is None:
+                continue
+            self.configs[trial_id] = dict(trial.params)
+            for result in trial.curve():
+                self.observe(trial_id, result)
+        if base_trial in self.configs:
+            self.queue.clear()
 
-def _evolution_searcher_cls() -> type:
-    """Ray's ``Searcher`` around :class:`_Evolution`; built on first use, as Ray is imported
-    only when a search runs. Its state is saved with the experiment and restored with it."""
+
+def _proposals(
+    dims: list[_Dimension], base: dict[str, Any], cfg: SearchConfig, seed: int
+) -> Callable[[int], dict[str, Any]] | _Evolution:
+    """What proposes the configuration of trial number ``index`` (see ``SEARCH_ALGORITHMS``)."""
+    return SEARCH_ALGORITHMS[cfg.algorithm](dims, base, cfg, seed)
+
+
+def _searcher_cls() -> type:
+    """Ray's ``Searcher`` handing out the trials a search still has to run; built on first use,
+    as Ray is imported only when a search runs.
+
+    Each configuration carries ringflow's own trial id (``{"trial": ..., "params": ...}``):
+    records, checkpoints and the scheduler key trials by it, so a search rebuilt from its
+    records, on any machine, finds every trial under the name it had before.
+    """
     from ray.tune.search import Searcher
 
-    class EvolutionSearcher(Searcher):
-        def __init__(self, dims, base, *, metric, mode, seed):
+    class TrialQueue(Searcher):
+        def __init__(self, queue, propose, evolution, *, metric, mode):
             super().__init__(metric=metric, mode=mode)
-            self.evolution = _Evolution(dims, base, metric=metric, mode=mode, seed=seed)
+            self.queue, self.propose, self.evolution = list(queue), propose, evolution
+            self.ids: dict[str, str] = {}
 
         def set_search_properties(self, metric, mode, config, **spec) -> bool:
-            return True  # metric, mode and space were given to the constructor
+            return True  # metric and mode were given to the constructor; there is no space
 
-        def suggest(self, trial_id: str) -> dict[str, Any]:
-            return self.evolution.suggest(trial_id)
+        def suggest(self, tune_id: str) -> dict[str, Any] | str:
+            if not self.queue:
+                return Searcher.FINISHED
+            trial_id, params = self.queue.pop(0)
+            self.ids[tune_id] = trial_id
+            resumed = params is not None
+            return {
+                "trial": trial_id,
+                "params": params or self.propose(trial_id),
+                "resumed": resumed,
+            }
 
-        def on_trial_result(self, trial_id: str, result: dict) -> None:
-            self.evolution.observe(trial_id, result)
+        def on_trial_result(self, tune_id: str, result: dict) -> None:
+            if self.evolution is not None and tune_id in self.ids:
+                self.evolution.observe(self.ids[tune_id], result)
 
-        def on_trial_complete(self, trial_id: str, result=None, error: bool = False) -> None:
+        def on_trial_complete(self, tune_id: str, result=None, error: bool = False) -> None:
             if result and not error:
-                self.evolution.observe(trial_id, result)
+                self.on_trial_result(tune_id, result)
 
         def save(self, checkpoint_path: str) -> None:
-            with open(checkpoint_path, "wb") as f:
-                pickle.dump(self.evolution, f)
+            # Tune saves its searcher in its scratch directory; a search never restores it
+            # (it is rebuilt from the records), so there is nothing worth keeping.
+            with open(checkpoint_path, "w") as f:
+                json.dump({"unstarted": [t for t, _ in self.queue]}, f)
 
         def restore(self, checkpoint_path: str) -> None:
-            with open(checkpoint_path, "rb") as f:
-                self.evolution = pickle.load(f)
+            raise NotImplementedError("a search is rebuilt from its records, never restored")
 
-    return EvolutionSearcher
+    return TrialQueue
 
 
 def _resumable_asha(
     cfg: SearchConfig,
     seen: dict[str, list[tuple[int, float]]],
-    base: dict[str, Any] | None = None,
+    *,
+    base_trial: str | None = None,
+    on_stop: Callable[[str, dict], None] | None = None,
 ) -> Any:
-    """ASHA on the ``epoch`` clock that, as restored trials are added, replays their results.
+    """ASHA on the ``epoch`` clock that knows trials by ringflow's id and starts from ``seen``.
 
-    Ray Tune does not save its scheduler with the experiment, so a restored search would
-    otherwise forget every rung and let a resumed trial pass where it would have stopped.
-    The base configuration's trial is never stopped early (its results still set the rungs):
-    it is the reference the search must match, so it always trains every epoch.
+    The rungs are rebuilt from every recorded result (``seen``, by trial id), so a resumed
+    search stops and keeps trials as the uninterrupted one would have. The base trial
+    (``base_trial``) is never stopped early (its results still set the rungs): it is the
+    reference the search must match, so it always trains every epoch. ``on_stop`` is told of
+    every trial stopped early, with the result that stopped it.
     """
     from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
+    def alias(trial: Any) -> Any:
+        return _Alias(trial_id=_our_id(trial))
+
     class ResumableASHA(ASHAScheduler):
         def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
-            super().on_trial_add(tune_controller, trial)
-            bracket = self._trial_info[trial.trial_id]
-            for epoch, value in seen.get(trial.trial_id, []):
-                bracket.on_result(trial, epoch, self._metric_op * value)
+            super().on_trial_add(tune_controller, alias(trial))
 
         def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-            decision = super().on_trial_result(tune_controller, trial, result)
-            config = getattr(trial, "config", None) or {}
-            is_base = base is not None and all(config.get(k) == v for k, v in base.items())
-            if is_base and result.get(_EPOCH, 0) < cfg.epochs:
+            decision = super().on_trial_result(tune_controller, alias(trial), result)
+            early = result.get(_EPOCH, cfg.epochs) < cfg.epochs
+            if _our_id(trial) == base_trial and early:
                 return TrialScheduler.CONTINUE
+            if decision == TrialScheduler.STOP and early and on_stop is not None:
+                on_stop(_our_id(trial), result)
             return decision
 
-    return ResumableASHA(
+        def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict) -> None:
+            super().on_trial_complete(tune_controller, alias(trial), result)
+
+        def on_trial_remove(self, tune_controller: Any, trial: Any) -> None:
+            super().on_trial_remove(tune_controller, alias(trial))
+
+        def on_trial_error(self, tune_controller: Any, trial: Any) -> None:
+            super().on_trial_error(tune_controller, alias(trial))
+
+    asha = ResumableASHA(
         time_attr=_EPOCH,
         metric=cfg.metric,
         mode=cfg.mode,
@@ -406,54 +471,140 @@ def _resumable_asha(
         grace_period=cfg.grace_period,
         reduction_factor=cfg.reduction_factor,
     )
+    (bracket,) = asha._brackets  # one bracket: ASHA's default
+    for trial_id, results in seen.items():
+        for epoch, value in results:
+            bracket.on_result(_Alias(trial_id=trial_id), epoch, asha._metric_op * value)
+    return asha
+
+
+@dataclass(frozen=True)
+class _Alias:
+    """A Tune trial as the scheduler sees it: by ringflow's trial id."""
+
+    trial_id: str
+
+
+def _our_id(trial: Any) -> str:
+    config = getattr(trial, "config", None) or {}
+    return config.get("trial", trial.trial_id)
 
 
 # --------------------------------------------------------------------------- records
 
 
+_RECORD = re.compile(
+    r"^trials/(?P<trial>\d{5})/(?:starts/[0-9a-f]{32}|epochs/\d{6}|done|stopped)\.json$"
+)
+"""Every file ringflow writes under a search's directory; anything else there is foreign."""
+
+
 @dataclass(frozen=True)
+class _Storage:
+    """Small JSON reads and writes on any fsspec URL, each retried under ``policy``."""
+
+    policy: RetryPolicy
+
+    def write(self, url: str, value: Any) -> None:
+        data = json.dumps(value, sort_keys=True).encode()
+        call_with_retries(self.policy, f"writing {url}", lambda: atomic_write(url, data))
+
+    def read(self, url: str) -> Any:
+        """The JSON at ``url``, or ``None`` (with a warning) if it is not JSON."""
+        data = call_with_retries(self.policy, f"reading {url}", lambda: read_bytes(url))
+        try:
+            return json.loads(data)
+        except ValueError:  # undecodable text included
+            log.warning("%s is not JSON; it is ignored (ringflow never unpickles it)", url)
+            return None
+
+    def find(self, url: str) -> list[str]:
+        """Every file under ``url``, relative to it, as the storage lists it now."""
+        fs, root = resolve(url)
+
+        def listing() -> list[str]:
+            fs.invalidate_cache()  # other processes write here: never trust a cached listing
+            try:
+                found = fs.find(root)
+            except FileNotFoundError:
+                return []
+            return [p[len(root.rstrip("/")) + 1 :] for p in found]
+
+        return call_with_retries(self.policy, f"listing {url}", listing)
+
+
+@dataclass(frozen=True, kw_only=True)
 class _TrialRecords:
-    """What one trial wrote under ``{tune dir}/trials/{trial}``: ours, on any fsspec URL."""
+    """What one trial wrote under ``{tune dir}/trials/{trial}``: JSON only, ours."""
 
     url: str
+    storage: _Storage
 
     def started(self, **info: Any) -> None:
-        atomic_write(join(self.url, "starts", f"{uuid.uuid4().hex}.json"), _dumps(info))
-
-    def executions(self) -> int:
-        return len(_list(join(self.url, "starts")))
+        self.storage.write(join(self.url, "starts", f"{uuid.uuid4().hex}.json"), info)
 
     def epoch(self, metrics: dict[str, float]) -> None:
-        atomic_write(join(self.url, "epochs", f"{int(metrics[_EPOCH]):06d}.json"), _dumps(metrics))
-
-    def epochs(self) -> list[dict[str, float]]:
-        return [json.loads(read_bytes(u)) for u in sorted(_list(join(self.url, "epochs")))]
+        self.storage.write(join(self.url, "epochs", f"{int(metrics[_EPOCH]):06d}.json"), metrics)
 
     def finish(self, **info: Any) -> None:
-        atomic_write(join(self.url, "done.json"), _dumps(info))
+        self.storage.write(join(self.url, "done.json"), info)
+
+    def stopped(self, **info: Any) -> None:
+        self.storage.write(join(self.url, "stopped.json"), info)
 
     def done(self) -> dict[str, Any] | None:
-        urls = _list(self.url)
-        done = join(self.url, "done.json")
-        return json.loads(read_bytes(done)) if done in urls else None
+        if "done.json" not in self.storage.find(self.url):
+            return None
+        done = self.storage.read(join(self.url, "done.json"))
+        return done if _is_done(done) else None
 
 
-def _list(url: str) -> list[str]:
-    fs, path = resolve(url)
-    if not fs.exists(path):
-        return []
-    prefix = url[: len(url) - len(path)] if url.endswith(path) else ""
-    return [prefix + p for p in fs.ls(path, detail=False)]
+@dataclass(frozen=True, kw_only=True)
+class _Recorded:
+    """One trial as its records describe it."""
+
+    trial_id: str
+    params: dict[str, Any] | None = None
+    executions: int = 0
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    done: dict[str, Any] | None = None
+    stopped_at: int | None = None
+    """The epoch after which the scheduler stopped it."""
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.stopped_at is not None
+
+    def curve(self) -> list[dict[str, Any]]:
+        """Its epochs, up to the one it was stopped after."""
+        last = self.stopped_at or math.inf
+        return [m for m in self.epochs if m.get(_EPOCH, 0) <= last]
 
 
-def _dumps(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True).encode()
+@dataclass(frozen=True, kw_only=True)
+class _History:
+    """Every trial of a search, read from its records, and what else lies in its directory."""
+
+    trials: dict[str, _Recorded]
+    foreign: list[str]
+    """Files under the search's directory that ringflow did not write (or not as JSON)."""
+
+    @property
+    def resumed(self) -> bool:
+        return bool(self.trials)
+
+    def seen(self, metric: str) -> dict[str, list[tuple[int, float]]]:
+        return {
+            t: [(int(m[_EPOCH]), float(m[metric])) for m in r.curve() if _finite(m.get(metric))]
+            for t, r in self.trials.items()
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
 class _Layout:
     storage_url: str
     run_key: str
+    storage: _Storage
 
     @property
     def tune_dir(self) -> str:
@@ -464,16 +615,60 @@ class _Layout:
         return Workspace(self.storage_url).checkpoints
 
     def trial(self, trial_id: str) -> _TrialRecords:
-        return _TrialRecords(join(self.tune_dir, "trials", trial_id))
+        return _TrialRecords(url=join(self.tune_dir, "trials", trial_id), storage=self.storage)
 
     def trial_run_key(self, trial_id: str) -> str:
-        return f"{self.run_key}-trial-{re.sub(r'[^A-Za-z0-9.=-]', '-', trial_id)}"
+        return f"{self.run_key}-trial-{trial_id}"
 
     def model(self, trial_id: str) -> str:
         return Workspace(self.storage_url).trial_model(self.run_key, trial_id)
 
-    def trial_ids(self) -> list[str]:
-        return [u.rstrip("/").rsplit("/", 1)[-1] for u in _list(join(self.tune_dir, "trials"))]
+    def history(self) -> _History:
+        """Read every record: one listing, then the JSON files. Nothing else is opened."""
+        files: dict[str, dict[str, Any]] = {}
+        foreign = []
+        for rel in sorted(self.storage.find(self.tune_dir)):
+            match = _RECORD.match(rel)
+            value = self.storage.read(join(self.tune_dir, rel)) if match else None
+            if not isinstance(value, dict):
+                foreign.append(rel)
+                continue
+            files.setdefault(match["trial"], {})[rel.split("/", 2)[2]] = value
+        return _History(
+            trials={t: _recorded(t, records) for t, records in sorted(files.items())},
+            foreign=foreign,
+        )
+
+
+def _recorded(trial_id: str, records: dict[str, dict[str, Any]]) -> _Recorded:
+    starts = [v for k, v in records.items() if k.startswith("starts/")]
+    epochs = sorted(
+        (v for k, v in records.items() if k.startswith("epochs/") and _EPOCH in v),
+        key=lambda m: m[_EPOCH],
+    )
+    params = next((s["params"] for s in starts if isinstance(s.get("params"), dict)), None)
+    done = records.get("done.json")
+    stopped = records.get("stopped.json", {}).get(_EPOCH)
+    return _Recorded(
+        trial_id=trial_id,
+        params=params,
+        executions=len(starts),
+        epochs=epochs,
+        done=done if _is_done(done) else None,
+        stopped_at=int(stopped) if isinstance(stopped, int | float) else None,
+    )
+
+
+def _is_done(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("checkpoint"), str)
+        and isinstance(value.get("last"), dict)
+    )
+
+
+def _trial_id(index: int) -> str:
+    return f"{index:05d}"
 
 
 # --------------------------------------------------------------------------- the trial
@@ -490,34 +685,34 @@ class _Trial:
     cfg: SearchConfig
     layout: _Layout
 
-    def __call__(self, params: dict[str, Any]) -> None:
+    def __call__(self, config: dict[str, Any]) -> None:
         from ray import tune
 
-        trial_id = tune.get_context().get_trial_id()
+        trial_id, params = config["trial"], config["params"]
         records = self.layout.trial(trial_id)
         done = records.done()
         if done is not None:
-            # Finished before a crash that Tune's saved state missed: nothing to train again.
+            # Finished before the driver read the records: nothing to train again.
             tune.report(done["last"])
             return
         run_key = self.layout.trial_run_key(trial_id)
         latest = CheckpointStore(self.layout.checkpoints).latest(run_key)
         records.started(params=params, resumes_from_step=latest.step if latest else None)
-        hparams, config = self.configure(params)
+        hparams, train_config = self.configure(params)
 
         def on_epoch(m: EpochMetrics) -> None:
             metrics = {**m.metrics, _EPOCH: m.epoch + 1}
             records.epoch(metrics)
-            if m.epoch + 1 < config.epochs:  # the last is reported once the model is saved
+            if m.epoch + 1 < train_config.epochs:  # the last is reported once the model is saved
                 tune.report(metrics)
 
         result = fit(
             self.module_cls,
             hparams=hparams,
             data=self.data,
-            config=config,
+            config=train_config,
             checkpoint_uri=self.layout.model(trial_id),
-            in_process=config.workers == 1,
+            in_process=train_config.workers == 1,
             on_epoch=on_epoch,
             store_url=self.layout.checkpoints,
             run_key=run_key,
@@ -542,6 +737,81 @@ class _Trial:
         return hparams, config
 
 
+# --------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """One line as each trial starts and as it ends, through ``emit``, while the search runs."""
+
+    def __init__(self, emit: Callable[[str], None], cfg: SearchConfig, total: int, base: str):
+        self.emit, self.cfg, self.total, self.base = emit, cfg, total, base
+        self.ended = 0
+        self.stopped: dict[str, int] = {}
+
+    def kept(self, trial: _Recorded) -> None:
+        self.ended += 1
+        last = trial.done["last"] if trial.done else (trial.curve() or [{}])[-1]
+        how = self._ending(trial.trial_id, last)
+        self.emit(f"trial {self._name(trial.trial_id)} {how} in an earlier attempt; kept")
+
+    def started(self, trial_id: str, params: dict[str, Any], resumed: bool) -> None:
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
+        verb = "resumes from its checkpoint" if resumed else "started"
+        self.emit(f"trial {self._name(trial_id)} {verb}: {shown}")
+
+    def stop(self, trial_id: str, result: dict) -> None:
+        self.stopped[trial_id] = int(result[_EPOCH])
+
+    def ended_with(self, trial_id: str, result: dict | None, error: str | None = None) -> None:
+        self.ended += 1
+        how = f"failed: {error}" if error else self._ending(trial_id, result or {})
+        self.emit(f"trial {self._name(trial_id)} {how} ({self.ended}/{self.total} trials ended)")
+
+    def _ending(self, trial_id: str, result: dict) -> str:
+        metric = result.get(self.cfg.metric)
+        value = f"{self.cfg.metric}={metric:.4f}" if _finite(metric) else "no metric"
+        epoch = result.get(_EPOCH, 0)
+        if trial_id in self.stopped or epoch < self.cfg.epochs:
+            return f"stopped early after epoch {epoch}, {value}"
+        return f"completed {epoch} epochs, {value}"
+
+    def _name(self, trial_id: str) -> str:
+        return f"{trial_id}{' (base)' if trial_id == self.base else ''}"
+
+    def callback(self) -> Any:
+        """The Ray Tune callback that calls this from the driver's loop."""
+        from ray.tune import Callback
+
+        progress = self
+
+        class TrialLines(Callback):
+            def on_trial_start(self, iteration, trials, trial, **info) -> None:
+                resumed = trial.config.get("resumed", False)
+                progress.started(_our_id(trial), trial.config["params"], resumed)
+
+            def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+                progress.ended_with(_our_id(trial), trial.last_result)
+
+            def on_trial_error(self, iteration, trials, trial, **info) -> None:
+                progress.ended_with(_our_id(trial), None, error=_first_line(trial.error_file))
+
+        return TrialLines()
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _first_line(error_file: str | None) -> str:
+    """The exception's last line, from Tune's error file in its (local) scratch directory."""
+    try:
+        with open(error_file) as f:
+            lines = [line.strip() for line in f if line.strip()]
+    except (OSError, TypeError):
+        return "see the trial's log"
+    return lines[-1] if lines else "see the trial's log"
+
+
 # --------------------------------------------------------------------------- search
 
 
@@ -555,6 +825,7 @@ def search(
     storage_url: str,
     run_key: str,
     config: SearchConfig | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> SearchResult:
     """Search ``space`` with ASHA early stopping; every trial is an ``engine.fit``.
 
@@ -570,9 +841,11 @@ def search(
         data: the preprocessed dataset.
         train_config: batch size, seed, collective of every trial (workers, epochs and
             checkpointing come from ``config``).
-        storage_url: root URL of checkpoints and the search's state.
+        storage_url: root URL of checkpoints and the search's records.
         run_key: the search's identity, stable across retries of the flow run.
         config: trials, epochs, metric, algorithm, concurrency and resources.
+        progress: called with one line as each trial starts and as it ends; defaults to
+            this module's logger.
 
     Returns:
         The best completed trial's parameters, metric and model, and every trial.
@@ -581,13 +854,23 @@ def search(
         ValueError: an empty or malformed space, a name the model does not take, a value
             it rejects, or a metric it does not report; all before any trial starts.
         RuntimeError: no trial completed.
+        CheckpointStorageError: the storage kept failing past ``config.storage_retry``.
     """
     cfg = config or SearchConfig()
     dims = parse_space(space)
     base_hparams = model_hparams(module_cls, base_hparams, data.schema)
     base = _check_names(module_cls, base_hparams, train_config, dims)
     _check_metric(module_cls, base_hparams, data, train_config, cfg.metric)
-    layout = _Layout(storage_url=storage_url, run_key=run_key)
+    layout = _Layout(storage_url=storage_url, run_key=run_key, storage=_Storage(cfg.storage_retry))
+    history = layout.history()
+    if history.foreign:
+        log.warning(
+            "ignored %d files under %s that ringflow did not write as its JSON records (it "
+            "never unpickles anything from storage): %s",
+            len(history.foreign),
+            layout.tune_dir,
+            ", ".join(history.foreign),
+        )
     trainable = _Trial(
         module_cls=module_cls,
         base_hparams=base_hparams,
@@ -596,59 +879,81 @@ def search(
         cfg=cfg,
         layout=layout,
     )
-    results, resumed = _run_tuner(trainable, dims, base, layout, cfg, seed=train_config.seed)
-    trials = _summaries(results, layout, cfg, base)
-    return _best(trials, cfg, resumed=resumed, path=layout.tune_dir)
+    lines = _Progress(progress or log.info, cfg, total=cfg.trials, base=_trial_id(0))
+    errors = _run_trials(trainable, dims, base, history, cfg, lines, seed=train_config.seed)
+    trials = _summaries(layout.history(), errors, cfg, base)
+    return _best(
+        trials, cfg, resumed=history.resumed, path=layout.tune_dir, ignored=history.foreign
+    )
 
 
-def _run_tuner(
+def _run_trials(
     trainable: _Trial,
     dims: list[_Dimension],
     base: dict[str, Any],
-    layout: _Layout,
+    history: _History,
     cfg: SearchConfig,
+    lines: _Progress,
     *,
     seed: int,
-) -> tuple[Any, bool]:
+) -> dict[str, str]:
+    """Run with Ray Tune every trial not finished in ``history``, up to ``cfg.trials``.
+
+    Returns:
+        The trials that failed, with the last line of their error.
+    """
+    kept = {t: r for t, r in history.trials.items() if r.finished}
+    for trial in kept.values():
+        lines.kept(trial)
+    if kept:
+        log.info("search %s continues: %d trials kept", trainable.layout.run_key, len(kept))
+    recorded = {t: r.params for t, r in history.trials.items() if not r.finished}
+    queue = [(t, recorded.get(t)) for t in _ids(cfg) if t not in kept]
+    if not queue:
+        return {}
+    proposer = _proposals(dims, base, cfg, seed)
+    evolution = proposer if isinstance(proposer, _Evolution) else None
+    if evolution is not None:
+        evolution.resume(history, base_trial=_trial_id(0))
+    with _tune_scratch(cfg) as scratch:
+        return _fit_tuner(trainable, queue, proposer, evolution, history, cfg, lines, scratch)
+
+
+def _fit_tuner(trainable, queue, proposer, evolution, history, cfg, lines, scratch) -> dict:
     from ray import tune
 
     per_trial, concurrent = _packing(cfg)
-    cfg = dataclasses.replace(cfg, max_concurrent=concurrent)
-    fs_path = _tune_path(layout.tune_dir)
-    base = dict(base)
-    seen = {t: _rung_results(layout.trial(t), cfg.metric) for t in layout.trial_ids()}
+    layout = trainable.layout
 
-    def trial(params: dict[str, Any]) -> None:  # Tune wants a plain function to annotate
-        trainable(params)
+    def propose(trial_id: str) -> dict[str, Any]:
+        return proposer.suggest(trial_id) if evolution is not None else proposer(int(trial_id))
 
-    resources = tune.with_resources(trial, {"cpu": per_trial})
-    resumed = tune.Tuner.can_restore(fs_path)
-    with _experiment_saved_every(seconds=1):
-        if resumed:
-            log.info("search %s continues from %s", layout.run_key, fs_path)
-            tuner = tune.Tuner.restore(
-                fs_path, resources, resume_unfinished=True, restart_errored=True
-            )
-            # Not saved with the experiment: give it back, with every result seen so far.
-            tuner._local_tuner._tune_config.scheduler = _resumable_asha(cfg, seen, base)
-        else:
-            tuner = tune.Tuner(
-                resources,
-                param_space={} if cfg.algorithm != "random" else _param_space(dims),
-                tune_config=tune.TuneConfig(
-                    num_samples=cfg.trials,
-                    scheduler=_resumable_asha(cfg, {}, base),
-                    search_alg=SEARCH_ALGORITHMS[cfg.algorithm](dims, base, cfg, seed),
-                ),
-                run_config=tune.RunConfig(
-                    storage_path=fs_path.rsplit("/", 1)[0], name=layout.run_key, verbose=0
-                ),
-            )
-        return tuner.fit(), resumed
+    def trial(config: dict[str, Any]) -> None:  # Tune wants a plain function to annotate
+        trainable(config)
 
+    def stop(trial_id: str, result: dict) -> None:
+        lines.stop(trial_id, result)
+        layout.trial(trial_id).stopped(**{_EPOCH: int(result[_EPOCH])})
 
-def _param_space(dims: list[_Dimension]) -> dict[str, Any]:
-    return {d.name: d.tune_domain() for d in dims}
+    searcher = _searcher_cls()(queue, propose, evolution, metric=cfg.metric, mode=cfg.mode)
+    tuner = tune.Tuner(
+        tune.with_resources(trial, {"cpu": per_trial}),
+        tune_config=tune.TuneConfig(
+            num_samples=len(queue),
+            scheduler=_resumable_asha(
+                cfg, history.seen(cfg.metric), base_trial=_trial_id(0), on_stop=stop
+            ),
+            search_alg=searcher,
+            max_concurrent_trials=concurrent,
+        ),
+        run_config=tune.RunConfig(
+            storage_path=scratch, name=layout.run_key, verbose=0, callbacks=[lines.callback()]
+        ),
+    )
+    results = tuner.fit()
+    return {
+        r.config["trial"]: _one_line(r.error) for r in results if r.error is not None and r.config
+    }
 
 
 def _packing(cfg: SearchConfig) -> tuple[float, int]:
@@ -673,39 +978,40 @@ def _packing(cfg: SearchConfig) -> tuple[float, int]:
 
 
 @contextmanager
-def _experiment_saved_every(*, seconds: float) -> Iterator[None]:
-    """Save Tune's experiment state often (its default waits 10 s or more between saves), so
-    a crash right after a trial finished keeps it finished. Tune reads this variable only."""
-    key = "TUNE_GLOBAL_CHECKPOINT_S"
+def _tune_scratch(cfg: SearchConfig) -> Iterator[str]:
+    """A local directory for Ray Tune's experiment state, empty at the start of the search.
+
+    Tune's state (``tuner.pkl``, searcher and trial states) is pickled; it stays on the
+    machine that drives the search and is never read back: a resumed search is rebuilt from
+    the JSON records under ``storage_url``. ``TUNE_DISABLE_AUTO_CALLBACK_LOGGERS`` drops
+    Tune's CSV, JSON and TensorBoard loggers (the records are ringflow's own), and with them
+    its hint to run TensorBoard on that scratch directory.
+    """
+    path = (
+        tempfile.mkdtemp(prefix="ringflow-tune-")
+        if cfg.state_dir is None
+        else os.path.abspath(cfg.state_dir)
+    )
+    if cfg.state_dir is not None:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+    key = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"
     old = os.environ.get(key)
-    os.environ.setdefault(key, str(seconds))
+    os.environ[key] = "1"
     try:
-        yield
+        yield path
     finally:
         if old is None:
             os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+        if cfg.state_dir is None:
+            shutil.rmtree(path, ignore_errors=True)
 
 
-def _tune_path(url: str) -> str:
-    """Ray Tune takes a local path or a URL that pyarrow opens (``s3://``, ``gs://``)."""
-    fs, path = resolve(url)
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    if "file" in protocols or "local" in protocols:
-        return path
-    if {"s3", "s3a", "gs", "gcs"} & set(protocols):
-        return url
-    raise ValueError(
-        f"Ray Tune cannot keep its search state at {url!r} (protocol {protocols[0]!r}); "
-        "use a local path, s3:// or gs:// for storage_url"
-    )
-
-
-def _rung_results(records: _TrialRecords, metric: str) -> list[tuple[int, float]]:
-    return [
-        (int(m[_EPOCH]), float(m[metric]))
-        for m in records.epochs()
-        if _EPOCH in m and _finite(m.get(metric))
-    ]
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[-1] if text else ''}".rstrip(": ")
 
 
 # --------------------------------------------------------------------------- validation
@@ -765,7 +1071,7 @@ def reported_metrics(
     hparams = model_hparams(module_cls, hparams, data.schema)
     one = dataclasses.replace(config, workers=1, epochs=1)
     worker = RankWorker(module_cls, hparams=hparams, data=data, config=one, rank=0)
-    reported, _ = worker.evaluate("validation")
+    reported = worker.evaluate("validation").results()
     return sorted({*reported, "train_loss"})
 
 
@@ -784,32 +1090,32 @@ def _check_metric(
 
 
 def _summaries(
-    results: Any, layout: _Layout, cfg: SearchConfig, base: dict[str, Any]
+    history: _History, errors: dict[str, str], cfg: SearchConfig, base: dict[str, Any]
 ) -> list[TrialSummary]:
-    summaries = []
-    for result in results:
-        trial_id = result.metrics.get("trial_id") or _trial_id_from_path(result.path)
-        summaries.append(_summary(trial_id, result, layout.trial(trial_id), cfg, base))
-    return summaries
+    return [_summary(t, history.trials.get(t), errors.get(t), cfg, base) for t in _ids(cfg)]
+
+
+def _ids(cfg: SearchConfig) -> list[str]:
+    return [_trial_id(i) for i in range(cfg.trials)]
 
 
 def _summary(
     trial_id: str,
-    result: Any,
-    records: _TrialRecords,
+    trial: _Recorded | None,
+    error: str | None,
     cfg: SearchConfig,
     base: dict[str, Any],
 ) -> TrialSummary:
-    epochs = records.epochs()
-    done = records.done()
+    trial = trial or _Recorded(trial_id=trial_id)
+    epochs = trial.curve()
     curve = [float(m.get(cfg.metric, math.nan)) for m in epochs]
-    if done is not None:
+    if trial.done is not None:
         state = "completed"
-    elif result.error is not None:
+    elif error is not None:
         state = "failed"
     else:
         state = "stopped early" if epochs else "not started"
-    params = {name: result.config[name] for name in base if name in result.config}
+    params = {name: (trial.params or {})[name] for name in base if name in (trial.params or {})}
     return TrialSummary(
         trial_id=trial_id,
         params=params,
@@ -817,23 +1123,26 @@ def _summary(
         epochs=len(epochs),
         state=state,
         curve=curve,
-        executions=records.executions(),
-        checkpoint=done["checkpoint"] if done else None,
-        is_base=params == base,
+        executions=trial.executions,
+        checkpoint=trial.done["checkpoint"] if trial.done else None,
+        is_base=trial_id == _trial_id(0),
+        error=error,
     )
 
 
-def _trial_id_from_path(path: str) -> str:
-    match = re.search(r"_([0-9a-f]{5}_\d{5})(_|$)", path.rstrip("/").rsplit("/", 1)[-1])
-    return match.group(1) if match else path.rstrip("/").rsplit("/", 1)[-1]
-
-
-def _best(trials: list[TrialSummary], cfg: SearchConfig, *, resumed: bool, path: str):
+def _best(
+    trials: list[TrialSummary],
+    cfg: SearchConfig,
+    *,
+    resumed: bool,
+    path: str,
+    ignored: list[str],
+) -> SearchResult:
     sign = 1.0 if cfg.mode == "max" else -1.0
     completed = [t for t in trials if t.state == "completed" and t.metric is not None]
     if not completed:
-        states = {t.trial_id: t.state for t in trials}
-        raise RuntimeError(f"no trial of the search completed: {states}; see the logs in {path}")
+        states = {t.trial_id: t.error or t.state for t in trials}
+        raise RuntimeError(f"no trial of the search completed: {states}")
     best = max(completed, key=lambda t: sign * t.metric)
     base = next((t for t in completed if t.is_base), None)
     return SearchResult(
@@ -845,8 +1154,9 @@ def _best(trials: list[TrialSummary], cfg: SearchConfig, *, resumed: bool, path:
         trials=trials,
         resumed=resumed,
         experiment_path=path,
+        ignored_files=list(ignored),
     )
 
 
 def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -71,8 +71,10 @@ def tune(
         algorithm=algorithm,
         max_concurrent=max_concurrent,
         workers_per_trial=workers_per_trial,
+        checkpoint_every=config.checkpoint_every,
     )
     connect(model=model.path)
+    logger = get_run_logger()
     result = search(
         model.resolve(),
         base_hparams=model.hparams,
@@ -82,8 +84,16 @@ def tune(
         storage_url=storage_url,
         run_key=run_key,
         config=search_config,
+        progress=logger.info,
     )
-    logger = get_run_logger()
+    if result.ignored_files:
+        logger.warning(
+            "ignored %d files under %s that ringflow did not write (it never unpickles what "
+            "storage holds; someone with write access to the bucket may have put them there): %s",
+            len(result.ignored_files),
+            result.experiment_path,
+            ", ".join(result.ignored_files),
+        )
     if result.resumed:
         logger.warning("continued the interrupted search of run %s", run_key)
     logger.info("best %s=%.4f with %s", metric, result.best_metric, result.best_params)

@@ -46,14 +46,19 @@ class Faults:
     """Fraction of requests delayed by ``slow_s`` before they are forwarded."""
     slow_s: float = 0.2
     """Delay of a slow request, in seconds."""
+    drop_rate: float = 0.0
+    """Fraction of requests whose connection is closed without an answer (half before, half
+    after forwarding), as when a load balancer or the network drops it."""
     methods: frozenset[str] = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE"})
     """HTTP methods the faults apply to."""
     released: threading.Event = field(default_factory=_set_event)
     """Requests of ``methods`` wait until this is set (30 s at most): clear it to hold them."""
     seed: int = 0
     """Seed of the generator that picks the faulty requests."""
-    counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "500": 0, "slow": 0})
-    """How many requests were seen, answered with 500 and delayed."""
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"requests": 0, "500": 0, "slow": 0, "dropped": 0}
+    )
+    """How many requests were seen, answered with 500, delayed and dropped."""
 
 
 class FaultProxy:
@@ -107,7 +112,8 @@ class FaultProxy:
             self._activity.notify_all()
 
     def decide(self, method: str) -> tuple[str | None, bool]:
-        """Pick this request's fault: ``("before" | "after" | None, slow)``."""
+        """Pick this request's fault: ``("before" | "after" | "drop before" | "drop after" |
+        None, slow)``."""
         with self._lock:
             faults = self.faults
             faults.counts["requests"] += 1
@@ -118,6 +124,10 @@ class FaultProxy:
             if self._random.random() < faults.error_rate:
                 error = self._random.choice(("before", "after"))
                 faults.counts["500"] += 1
+            # Drawn only when asked for, so seeded runs without drops see the same faults.
+            if error is None and faults.drop_rate and self._random.random() < faults.drop_rate:
+                error = self._random.choice(("drop before", "drop after"))
+                faults.counts["dropped"] += 1
             faults.counts["slow"] += slow
             return error, slow
 
@@ -152,7 +162,13 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         if error == "before":
             self._reply(500, {"Content-Type": "application/xml"}, _INTERNAL_ERROR)
             return
+        if error == "drop before":
+            self.close_connection = True
+            return
         status, headers, payload = self._forward(body)
+        if error == "drop after":
+            self.close_connection = True
+            return
         if error == "after":
             self._reply(500, {"Content-Type": "application/xml"}, _INTERNAL_ERROR)
             return

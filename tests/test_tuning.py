@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -100,39 +101,62 @@ def test_evolution_starts_from_the_base_is_seeded_and_climbs_from_the_best():
     assert max(evo.scores, key=evo.scores.__getitem__) == "t1"
 
 
-def test_the_scheduler_replays_the_results_of_restored_trials():
-    """Tune does not save its scheduler: a restored search hands ASHA every result again."""
+def _tune_trial(trial_id, tune_id=None):
+    """A Tune trial as the scheduler sees one: Tune's own id, ringflow's id in its config."""
     from types import SimpleNamespace
 
+    return SimpleNamespace(trial_id=tune_id or f"tune-{trial_id}", config={"trial": trial_id})
+
+
+def test_the_scheduler_starts_from_every_recorded_result():
+    """A rebuilt search hands ASHA every recorded result, keyed by ringflow's trial ids."""
     from ringflow.engine.tuning import _resumable_asha
 
-    cfg = SearchConfig(epochs=4)
-    seen = {"a": [(1, 0.9), (2, 0.95)], "b": [(1, 0.8)]}
-    asha = _resumable_asha(cfg, seen)
-    for trial_id in ("a", "b", "c"):
-        asha.on_trial_add(None, SimpleNamespace(trial_id=trial_id))
+    stopped = []
+    seen = {"00000": [(1, 0.9), (2, 0.95)], "00001": [(1, 0.8)]}
+    asha = _resumable_asha(SearchConfig(epochs=4), seen, on_stop=lambda t, r: stopped.append(t))
     rungs = dict(asha._brackets[0]._rungs)
-    assert rungs[1] == {"a": 0.9, "b": 0.8}
-    assert rungs[2] == {"a": 0.95}
-    # A new trial below the restored rung's cutoff is stopped, as it would have been.
-    decision = asha.on_trial_result(
-        None, SimpleNamespace(trial_id="c"), {"epoch": 1, "val_accuracy": 0.1}
-    )
-    assert decision == "STOP"
+    assert rungs[1] == {"00000": 0.9, "00001": 0.8}
+    assert rungs[2] == {"00000": 0.95}
+    # A resumed trial, under a new Tune id, is not compared again at a rung it passed...
+    resumed = _tune_trial("00001", tune_id="new-id")
+    asha.on_trial_add(None, resumed)
+    assert asha.on_trial_result(None, resumed, {"epoch": 1, "val_accuracy": 0.1}) == "CONTINUE"
+    # ...and a new trial below the recorded rung's cutoff is stopped, as it would have been.
+    new = _tune_trial("00002")
+    asha.on_trial_add(None, new)
+    assert asha.on_trial_result(None, new, {"epoch": 1, "val_accuracy": 0.1}) == "STOP"
+    assert stopped == ["00002"]
 
 
 def test_the_base_trial_is_never_stopped_early():
-    from types import SimpleNamespace
-
     from ringflow.engine.tuning import _resumable_asha
 
-    asha = _resumable_asha(SearchConfig(epochs=4), {"a": [(1, 0.9)]}, base=BASE)
-    base, other = SimpleNamespace(trial_id="b", config=BASE), SimpleNamespace(trial_id="c")
-    for trial in (SimpleNamespace(trial_id="a"), base, other):
+    asha = _resumable_asha(SearchConfig(epochs=4), {"00003": [(1, 0.9)]}, base_trial="00000")
+    base, other = _tune_trial("00000"), _tune_trial("00001")
+    for trial in (base, other):
         asha.on_trial_add(None, trial)
     low = {"epoch": 1, "val_accuracy": 0.1}
     assert asha.on_trial_result(None, base, low) == "CONTINUE"
     assert asha.on_trial_result(None, other, low) == "STOP"
+
+
+def test_random_search_proposes_by_trial_number_the_base_first():
+    """Trial i's configuration depends on the seed and i only: a resumed search proposes the
+    trials it had not started exactly as the uninterrupted one would have."""
+    from ringflow.engine.tuning import _random_search
+
+    dims = parse_space(SPACE)
+
+    def proposals(seed, order):
+        propose = _random_search(dims, BASE, SearchConfig(), seed)
+        return {i: propose(i) for i in order}
+
+    first = proposals(3, [0, 1, 2, 3])
+    assert first[0] == BASE
+    assert first == proposals(3, [3, 2, 1, 0])
+    assert first[1] != first[2]
+    assert first[1] != proposals(4, [1])[1]
 
 
 # --------------------------------------------------------------------------- with Ray
@@ -166,7 +190,7 @@ from ringflow.engine import DataSpec, TrainConfig
 from ringflow.engine.tuning import SearchConfig, search
 from ringflow.models.digits import SCHEMA, DigitsClassifier
 
-dataset_url, storage_url = sys.argv[1:3]
+dataset_url, storage_url, state_dir = sys.argv[1:4]
 ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 result = search(
     DigitsClassifier,
@@ -176,19 +200,22 @@ result = search(
     train_config=TrainConfig(workers=1, batch_size=32),
     storage_url=storage_url,
     run_key="killed",
-    config=SearchConfig(trials=3, epochs=2, max_concurrent=1, checkpoint_every=5),
+    config=SearchConfig(
+        trials=3, epochs=2, max_concurrent=1, checkpoint_every=5, state_dir=state_dir
+    ),
 )
 print("RESULT " + json.dumps({
     "resumed": result.resumed,
     "trials": {t.trial_id: [t.state, t.executions, t.epochs] for t in result.trials},
+    "ignored": result.ignored_files,
 }), flush=True)
 """
 
 
-def _start(digits, storage: Path) -> subprocess.Popen:
+def _start(digits, storage: Path, state_dir: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "TUNE_"))}
     return subprocess.Popen(
-        [sys.executable, "-c", _SCRIPT, digits.dataset_url, str(storage)],
+        [sys.executable, "-c", _SCRIPT, digits.dataset_url, str(storage), str(state_dir)],
         cwd=ROOT,
         env={**env, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE,
@@ -199,23 +226,42 @@ def _start(digits, storage: Path) -> subprocess.Popen:
 
 
 def _unfinished_with_checkpoint(storage: Path) -> set[str]:
-    """Trials killed mid-training after a committed checkpoint."""
+    """Trials killed mid-training after a committed checkpoint (neither done nor stopped)."""
     trials = storage / "tune" / "killed" / "trials"
     return {
         trial.name
         for trial in trials.glob("*")
         if not (trial / "done.json").exists()
-        and list(
-            storage.glob(f"checkpoints/killed-trial-{trial.name.replace('_', '-')}/*/manifest.json")
-        )
+        and not (trial / "stopped.json").exists()
+        and list(storage.glob(f"checkpoints/killed-trial-{trial.name}/*/manifest.json"))
     }
 
 
+def _sentinel_pickle(sentinel: Path) -> bytes:
+    """A pickle that, once loaded, creates ``sentinel``: what a bucket writer could plant."""
+
+    class Plant:
+        def __reduce__(self):
+            return (open, (str(sentinel), "w"))
+
+    return pickle.dumps(Plant())
+
+
+def _is_pickle(path: Path) -> bool:
+    with path.open("rb") as f:
+        return path.suffix in (".pkl", ".pickle") or f.read(1) == b"\x80"
+
+
 @pytest.mark.ray
-def test_a_search_killed_mid_way_resumes_without_rerunning_finished_trials(digits, tmp_path):
-    storage = tmp_path / "storage"
+def test_a_search_killed_mid_way_resumes_without_rerunning_finished_trials_or_unpickling(
+    digits, tmp_path
+):
+    """Killed mid-search, then a pickle that writes a sentinel file planted in place of every
+    file Ray Tune keeps for the experiment: the search resumes from its own JSON records,
+    never loads a plant, and reports each one."""
+    storage, scratch = tmp_path / "storage", tmp_path / "tune-scratch"
     trials = storage / "tune" / "killed" / "trials"
-    first = _start(digits, storage)
+    first = _start(digits, storage, scratch)
     try:
         deadline = time.monotonic() + 300
         while not (list(trials.glob("*/done.json")) and _unfinished_with_checkpoint(storage)):
@@ -226,17 +272,37 @@ def test_a_search_killed_mid_way_resumes_without_rerunning_finished_trials(digit
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     finished = {p.parent.name for p in trials.glob("*/done.json")}
+    stopped = {p.parent.name for p in trials.glob("*/stopped.json")}
     interrupted = _unfinished_with_checkpoint(storage)
+    assert not [p for p in storage.rglob("*") if p.is_file() and _is_pickle(p)]
 
-    second = _start(digits, storage)
+    # Plant: every file Tune left in its scratch directory (tuner.pkl, its searcher's and
+    # trials' states...), at the same place under the search's directory in storage_url.
+    sentinel = tmp_path / "sentinel"
+    pickle.loads(_sentinel_pickle(tmp_path / "proof"))  # the plant works: loading writes it
+    assert (tmp_path / "proof").exists()
+    (experiment,) = scratch.glob("killed")
+    planted = sorted(str(p.relative_to(experiment)) for p in experiment.rglob("*") if p.is_file())
+    assert "tuner.pkl" in planted, planted
+    for rel in planted:
+        target = storage / "tune" / "killed" / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(_sentinel_pickle(sentinel))
+
+    second = _start(digits, storage, scratch)
     out, _ = second.communicate(timeout=400)
     assert second.returncode == 0, out[-3000:]
+    assert not sentinel.exists()
     result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    assert set(planted) <= set(result["ignored"]), result["ignored"]
+    assert "tuner.pkl" in out.split("ignored", 1)[1].split("\n", 1)[0]  # the warning names it
     assert result["resumed"] is True
     states = result["trials"]
     assert len(states) == 3
     for trial_id in finished:
         assert states[trial_id][:2] == ["completed", 1], states
+    for trial_id in stopped:
+        assert states[trial_id][:2] == ["stopped early", 1], states
     for trial_id in interrupted:  # ran again, from its checkpoint rather than from scratch
         assert states[trial_id][1] == 2, states
         starts = [json.loads(p.read_text()) for p in (trials / trial_id / "starts").glob("*")]
