@@ -12,12 +12,15 @@ workers of a global batch the way one process would reduce them over the whole b
 Every value is reduced across the workers, ``sync_dist`` or not: a worker holds only its part
 of a global batch, and the figure a user reads is the one of the whole batch. Names follow
 Lightning: logged ``on_step`` and ``on_epoch``, ``loss`` is written as ``loss_step`` and
-``loss_epoch``. torchmetrics ``Metric`` objects are logged by value (their ``compute()`` at
-the point of logging), weighted like any other value.
+``loss_epoch``. A torchmetrics ``Metric`` logged as an object gives its batch value
+(``forward``'s) to the step rows, and its epoch value is ``compute()`` over the states of every
+batch of every worker, merged in the driver (``Metric.merge_state``), as one process would
+compute it; a worker's metric is reset whenever it hands its state over.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,11 +113,17 @@ class Logged:
     steps: dict[int, dict[str, Value]] = field(default_factory=dict)
     options: dict[str, dict[str, bool]] = field(default_factory=dict)
     samples: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    """torchmetrics ``Metric``s logged on_epoch: a copy holding the state of these steps (or,
+    read back from a checkpoint, that state as a dict of tensors)."""
 
     def merge(self, other: Logged) -> Logged:
         epoch = dict(self.epoch)
         for name, value in other.epoch.items():
             epoch[name] = epoch[name].merge(value) if name in epoch else value
+        metrics = dict(self.metrics)
+        for name, metric in other.metrics.items():
+            metrics[name] = _merged_metric(metrics[name], metric) if name in metrics else metric
         steps = {step: dict(values) for step, values in self.steps.items()}
         for step, values in other.steps.items():
             mine = steps.setdefault(step, {})
@@ -125,6 +134,7 @@ class Logged:
             steps=steps,
             options={**self.options, **other.options},
             samples=self.samples + other.samples,
+            metrics=metrics,
         )
 
     @classmethod
@@ -138,7 +148,17 @@ class Logged:
 
     def results(self) -> dict[str, float]:
         """Every metric's epoch value under its plain name (ringflow's history and reports)."""
-        return {name: value.result() for name, value in sorted(self.epoch.items())}
+        values = {name: value.result() for name, value in self.epoch.items()}
+        values.update(self.computed())
+        return dict(sorted(values.items()))
+
+    def computed(self) -> dict[str, float]:
+        """The ``Metric`` objects' ``compute()`` over the merged states."""
+        return {
+            name: float(metric.compute())
+            for name, metric in self.metrics.items()
+            if not isinstance(metric, dict)
+        }
 
     def to_json(self) -> dict[str, Any]:
         def values(found: dict[str, Value]) -> dict[str, list]:
@@ -149,6 +169,7 @@ class Logged:
             "steps": {str(step): values(found) for step, found in self.steps.items()},
             "options": self.options,
             "samples": self.samples,
+            "metrics": {name: _state(metric) for name, metric in self.metrics.items()},
         }
 
     @classmethod
@@ -161,6 +182,10 @@ class Logged:
             steps={int(step): values(found) for step, found in data.get("steps", {}).items()},
             options=data.get("options", {}),
             samples=int(data.get("samples", 0)),
+            metrics={
+                name: {k: _tensors(v) for k, v in state.items()}
+                for name, state in data.get("metrics", {}).items()
+            },
         )
 
 
@@ -179,12 +204,53 @@ def logger_rows(logged: Logged, *, epoch_end: bool) -> tuple[dict[int, dict], di
             steps[step] = row
     epoch = {}
     if epoch_end:
+        values = {name: value.result() for name, value in logged.epoch.items()}
+        values.update(logged.computed())
         epoch = {
-            _logged_name(name, logged.options[name], "epoch"): value.result()
-            for name, value in logged.epoch.items()
+            _logged_name(name, logged.options[name], "epoch"): value
+            for name, value in values.items()
             if logged.options[name].get("on_epoch") and logged.options[name].get("logger", True)
         }
     return steps, epoch
+
+
+def _is_metric(value: Any) -> bool:
+    return callable(getattr(value, "merge_state", None)) and callable(
+        getattr(value, "compute", None)
+    )
+
+
+def _merged_metric(mine: Any, other: Any) -> Any:
+    """Two states of one ``Metric`` as one (either may be a state read back as a dict)."""
+    if isinstance(mine, dict) and isinstance(other, dict):
+        raise ValueError("two metric states without a Metric to merge them into")
+    base, incoming = (other, mine) if isinstance(mine, dict) else (mine, other)
+    merged = copy.deepcopy(base)
+    merged.merge_state(incoming)
+    return merged
+
+
+def _state(metric: Any) -> dict[str, Any]:
+    """A ``Metric``'s state (or a state read back) as JSON: tensors as nested lists."""
+    if not isinstance(metric, dict):
+        metric = {attr: getattr(metric, attr) for attr in metric._defaults}
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {"__tensor__": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return {attr: plain(value) for attr, value in metric.items()}
+
+
+def _tensors(value: Any) -> Any:
+    if isinstance(value, dict) and "__tensor__" in value:
+        return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+    if isinstance(value, list):
+        return [_tensors(v) for v in value]
+    return value
 
 
 def _logged_name(name: str, options: dict[str, bool], when: str) -> str:
@@ -203,6 +269,8 @@ class MetricLog:
     def __init__(self) -> None:
         self.logged = Logged()
         self._hook, self._batch_size, self._step = "training_step", 0, None
+        self._live: dict[str, Any] = {}  # the module's Metric objects logged on_epoch
+        self._options: dict[str, dict[str, bool]] = {}
 
     def enter(self, hook: str, *, batch_size: int = 0, log_step: int | None = None) -> None:
         """Values logged from now on come from ``hook``, on a batch of ``batch_size`` samples;
@@ -233,6 +301,19 @@ class MetricLog:
             on_step = False  # Lightning logs evaluation and epoch-end values once an epoch
             on_epoch = True
         reduce = _reduction(reduce_fx, name)
+        if _is_metric(value):
+            self._log_metric(name, value, on_step=on_step, on_epoch=on_epoch)
+            if on_epoch:
+                self.logged.options[name] = {
+                    "on_step": bool(on_step),
+                    "on_epoch": True,
+                    "prog_bar": bool(prog_bar),
+                    "logger": True if logger is None else bool(logger),
+                }
+                self._options[name] = self.logged.options[name]
+                if not on_step:
+                    return
+            value = value._forward_cache if value._forward_cache is not None else value.compute()
         number = _number(name, value)
         weight = float(batch_size if batch_size is not None else self._batch_size or 1)
         options = {
@@ -241,14 +322,34 @@ class MetricLog:
             "prog_bar": bool(prog_bar),
             "logger": True if logger is None else bool(logger),
         }
-        self.logged.options[name] = options
-        epoch = self.logged.epoch
-        if name in epoch and epoch[name].reduce == reduce:
-            epoch[name].add(number, weight)
+        if name in self._live:  # a Metric: its epoch value is compute()d from its state
+            options["on_epoch"] = True
         else:
-            epoch[name] = Value.first(reduce, number, weight)
+            epoch = self.logged.epoch
+            if name in epoch and epoch[name].reduce == reduce:
+                epoch[name].add(number, weight)
+            else:
+                epoch[name] = Value.first(reduce, number, weight)
+        self.logged.options[name] = options
         if on_step and self._step is not None:
             self.logged.steps.setdefault(self._step, {})[name] = Value.first(reduce, number, weight)
+
+    def _log_metric(self, name: str, metric: Any, *, on_step: bool, on_epoch: bool) -> None:
+        if metric.full_state_update is not False or metric.dist_sync_on_step:
+            raise ModelError(
+                f"self.log({name!r}, {type(metric).__name__}): ringflow merges a Metric's "
+                "state across workers with Metric.merge_state, which this metric does not "
+                "support (full_state_update or dist_sync_on_step); log its compute() value "
+                "instead, or set full_state_update = False if its update allows it"
+            )
+        if on_epoch:
+            self._live[name] = metric
+
+    def reset(self) -> None:
+        """Forget what was logged since the last :meth:`take` (a rollback to a commit)."""
+        for metric in self._live.values():
+            metric.reset()
+        self.logged = Logged()
 
     def log_dict(self, dictionary: Any, *args: Any, **kwargs: Any) -> None:
         items = dictionary.items() if hasattr(dictionary, "items") else dictionary
@@ -265,7 +366,14 @@ class MetricLog:
             self.logged.epoch[name].add(value, weight)
 
     def take(self) -> Logged:
+        """What was logged since the last call; each Metric's state goes with it (a copy on
+        the CPU) and the module's metric starts afresh."""
         logged, self.logged = self.logged, Logged()
+        for name, metric in self._live.items():
+            if metric._update_count:
+                logged.metrics[name] = copy.deepcopy(metric).cpu()
+                logged.options[name] = self._options[name]
+            metric.reset()
         return logged
 
 

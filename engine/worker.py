@@ -314,6 +314,7 @@ class RankWorker:
         optimizer state next to its parameters).
         """
         model, optimizer, schedulers = self.committed_state(step)
+        self.metric_log.reset()  # what the lost steps logged is not kept
         if self.checkpointer is not None:
             self.checkpointer.fence()  # a background copy may still read the weights
         with torch.no_grad():

@@ -11,10 +11,12 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.nn import functional as F
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from ringflow.engine import TrainConfig, fit
 from tests.test_lightning_contract import (
     BATCH,
+    CLASSES,
     EPOCHS,
     SEED,
     STEPS,
@@ -27,11 +29,19 @@ EVERY = 5  # log_every_n_steps: step rows at global steps 4, 9, 14 and 19
 
 
 class Logs(OneCycle):
-    """Logs with every option Trainer reduces differently, from a step and from hooks."""
+    """Logs with every option Trainer reduces differently, from a step and from hooks, and
+    torchmetrics objects."""
+
+    def __init__(self, **hparams) -> None:
+        super().__init__(**hparams)
+        self.train_acc = MulticlassAccuracy(num_classes=CLASSES, average="micro")
+        self.val_f1 = MulticlassF1Score(num_classes=CLASSES, average="macro")
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         logits = self(x)
+        self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
         loss = F.cross_entropy(logits, y)
         self.log("loss", loss, on_step=True, on_epoch=True, prog_bar=True)
         self.log("correct", (logits.argmax(1) == y).sum().float(), on_epoch=True, reduce_fx="sum")
@@ -44,6 +54,8 @@ class Logs(OneCycle):
         logits = self(x)
         self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
         self.log("val_acc", (logits.argmax(1) == y).float().mean())
+        self.val_f1.update(logits, y)
+        self.log("val_f1", self.val_f1)
 
     def on_train_epoch_start(self):
         self.log("epoch_seen", float(self.current_epoch))
@@ -120,6 +132,7 @@ def test_the_csv_logger_gets_trainers_names_steps_and_values(data, trainers_rows
     names = set().union(*trainers_rows)
     assert {"loss_step", "loss_epoch", "correct_epoch", "worst", "grad_norm_step"} <= names
     assert {"val_loss", "val_acc", "epoch_seen", "global_step_seen", "val_seen"} <= names
+    assert {"train_acc_step", "train_acc_epoch", "val_f1"} <= names
     same_rows(logged_by_ringflow(data, tmp_path, workers=1), trainers_rows, 1e-6)
 
 
