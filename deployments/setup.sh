@@ -17,8 +17,16 @@ want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-"$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]"
+# Each phase says what it installs; pip shows its own progress (a bar per download when this
+# is a terminal).
+pip_install() {
+  "$VENV/bin/python" -m pip install --disable-pip-version-check "$@"
+}
+echo "[1/3] pip: the newest release, into $VENV"
+pip_install --quiet --upgrade pip
+echo "[2/3] torch 2.13.0, the CPU build (about 200 MB on a fresh machine)"
+pip_install "torch==2.13.0"
+echo "[3/3] ringflow and its dependencies (Prefect, Ray, Lightning, pyarrow, ...) and test tools"
+pip_install -e "$ROOT[dev]"
 echo "$want" >"$stamp"
 echo "installed ringflow into $VENV"

@@ -205,6 +205,10 @@ def _run(flow: Any, params: dict[str, Any], *, keep_serving: bool) -> int:
         print(f"error: the run ended {state.name}: {state.message}", file=sys.stderr, flush=True)
         return 1
     result = state.result()
+    if isinstance(result, dict) and "promoted" in result:  # train-pipeline's result
+        from ringflow.flows.result import describe
+
+        print("\n".join(describe(result)), file=sys.stderr, flush=True)
     print(json.dumps(result, default=str), flush=True)
     if keep_serving and params.get("serve"):
         _wait_for_interrupt(result.get("endpoint"))

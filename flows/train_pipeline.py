@@ -149,14 +149,28 @@ if __name__ == "__main__":
 
     raise SystemExit(main(train_pipeline))
 
+import logging
+import os
+
 from prefect import flow
+from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Failed
 
 from ringflow.engine.cluster import quiet_environment
 
-quiet_environment()  # before the tasks import Ray, which reads some settings only then
+# Before the tasks import Ray, which reads some settings only then. A private local Ray (no
+# RAY_ADDRESS) gets token authentication, Ray's default, asked for by name: Ray then starts
+# it without a warning on every run.
+quiet_environment(**({} if os.environ.get("RAY_ADDRESS") else {"RAY_AUTH_MODE": "token"}))
+# Serve says this at INFO whenever a run serves into the Serve instance an earlier run
+# started; the options it keeps are the ones the run asked for (a different port is a
+# separate warning, which stays).
+logging.getLogger("ray.serve").addFilter(
+    lambda record: "http_options/controller_options will not be applied" not in record.getMessage()
+)
 
+from ringflow.flows.result import describe
 from ringflow.flows.spec import RunSpec, fail_at_once, publish_summary
 from ringflow.storage import CheckpointStore
 from ringflow.tasks import (
@@ -263,4 +277,5 @@ def _run(spec: RunSpec, attempt: int) -> dict:
         served["served_version"] = served.pop("model_version")
         result.update(served)
     publish_summary(result)
+    get_run_logger().info("result: %s", "; ".join(" ".join(ln.split()) for ln in describe(result)))
     return result

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -289,6 +290,7 @@ def test_demo_command_from_the_readme(tmp_path):
         )
         assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
         assert "Flow run finished successfully in 'Completed'" in demo.stdout
+        _assert_summary(demo.stdout, ports["RINGFLOW_SERVE_PORT"])
         assert '"digit":' in demo.stdout.rsplit("Asking it about", 1)[-1]
         # The endpoint outlives the flow run: it is hosted by the Ray head.
         _assert_serves_digits(f"http://127.0.0.1:{ports['RINGFLOW_SERVE_PORT']}/predict")
@@ -299,6 +301,17 @@ def test_demo_command_from_the_readme(tmp_path):
     for port in ports.values():
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+
+
+def _assert_summary(stdout: str, port: str) -> None:
+    """The demo ends with what its run produced: accuracy, the gate's decision, the endpoint."""
+    summary = stdout.rsplit("train-pipeline run ", 1)[-1]
+    assert re.search(r"^\s+test\s+accuracy 0\.\d{4}, loss \d", summary, re.M), summary
+    assert re.search(
+        r"^\s+gate\s+digits v\d{4} (promoted to production|not promoted): \S", summary, re.M
+    ), summary
+    assert f"endpoint    http://127.0.0.1:{port}/predict" in summary, summary
+    assert "python -m ringflow.flows.result " in summary
 
 
 def _prefect(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:

@@ -100,3 +100,30 @@ def test_bad_values_are_rejected_naming_the_parameter(params, named):
 def test_unknown_parameter_is_rejected():
     with pytest.raises(SignatureMismatchError, match="bogus"):
         train_pipeline.validate_parameters({"bogus": 1})
+
+
+def test_a_run_is_described_by_its_accuracy_gate_endpoint_and_artifacts():
+    from ringflow.flows.result import describe
+
+    lines = describe(
+        {
+            "test_accuracy": 0.96875,
+            "test_loss": 0.1,
+            "model_name": "digits",
+            "model_version": "v0002",
+            "promoted": False,
+            "gate_reason": "test_accuracy 0.9688 < production's 0.9700",
+            "endpoint": "http://127.0.0.1:8000/predict",
+            "served_version": "v0001",
+            "model_uri": "/s/registry/digits/versions/v0002/model",
+            "checkpoint": "/s/runs/k/checkpoints/step-40",
+            "dataset_url": "/s/datasets/ab",
+            "rejected_rows": 3,
+        }
+    )
+    text = "\n".join(lines)
+    assert "accuracy 0.9688, loss 0.1000" in text
+    assert "digits v0002 not promoted: test_accuracy 0.9688 < production's 0.9700" in text
+    assert "http://127.0.0.1:8000/predict (answering with v0001)" in text
+    assert "/s/registry/digits/versions/v0002/model" in text
+    assert "(3 rows rejected)" in text

@@ -1,0 +1,78 @@
+"""What a ``train-pipeline`` run produced, in a few lines for a person.
+
+``python -m ringflow.flows.result [FLOW_RUN_ID]`` prints a finished run's test metrics, the
+gate's decision and why, the endpoint and where its artifacts are, or why it failed; without
+an id, the newest run of ``train-pipeline``. ``deployments/demo.sh`` ends with it, and the
+command line and the flow's log give the same lines.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["describe", "main"]
+
+
+def describe(result: dict[str, Any]) -> list[str]:
+    """The lines that say what a completed run produced, from the flow's result."""
+    metrics = ", ".join(
+        f"{name.removeprefix('test_')} {_number(value)}"
+        for name, value in result.items()
+        if name.startswith("test_")
+    )
+    decision = "promoted to production" if result.get("promoted") else "not promoted"
+    lines = [
+        f"test        {metrics or 'no test metrics'}",
+        f"gate        {result.get('model_name')} {result.get('model_version')} {decision}: "
+        f"{result.get('gate_reason')}",
+        f"endpoint    {result['endpoint']} (answering with {result.get('served_version')})"
+        if result.get("endpoint")
+        else "endpoint    none (serve was off)",
+        f"model       {result.get('model_uri')}",
+        f"checkpoint  {result.get('checkpoint')}",
+        f"dataset     {result.get('dataset_url')} ({result.get('rejected_rows', 0)} rows rejected)",
+    ]
+    return lines
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print a run's result; exit status 0 for a completed run, 1 otherwise."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    args = sys.argv[1:] if argv is None else argv
+    with get_client(sync_client=True) as client:
+        if args:
+            run = client.read_flow_run(UUID(args[0]))
+        else:
+            runs = client.read_flow_runs(
+                flow_filter=FlowFilter(name=FlowFilterName(any_=["train-pipeline"])),
+                sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+                limit=1,
+            )
+            if not runs:
+                print("no train-pipeline run yet", file=sys.stderr)
+                return 1
+            run = runs[0]
+    state = run.state
+    print(f"train-pipeline run {run.name} ({run.id}): {state.name if state else 'unknown'}")
+    if state is None or not state.is_completed():
+        why = " ".join(str(state.message if state else "").split()) or "no message"
+        print(f"  why         {why}")
+        return 1
+    for line in describe(state.result()):
+        print("  " + line)
+    print(f"  again       python -m ringflow.flows.result {run.id}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

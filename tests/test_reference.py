@@ -1,0 +1,90 @@
+"""docs/reference.md names every knob the code has: each flow parameter, each argument of
+``engine.fit``, each ``TrainConfig`` field and each ``RINGFLOW_*`` environment variable."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+from ringflow.engine import TrainConfig, fit
+from ringflow.flows.train_pipeline import train_pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "docs" / "reference.md"
+# Where the code users run lives; tests/ is left out (its variables are its own).
+CODE = ["engine", "storage", "tasks", "flows", "models", "deployments", "bench", "examples"]
+SUFFIXES = {".py", ".sh", ".yaml", ".yml", ".toml"}
+NOT_KNOBS = {
+    # bench/serve.py points its server's token_env at a variable nobody sets: no token.
+    "RINGFLOW_BENCH_TOKEN_NEVER_SET",
+}
+
+
+def _documented() -> set[str]:
+    """Every name written as code (`name`) in the first column of a table row."""
+    return set(re.findall(r"^\| `([^`]+)` \|", REFERENCE.read_text(), re.M))
+
+
+def _environment_variables() -> dict[str, str]:
+    """``RINGFLOW_*`` variable -> the first file that reads or sets it."""
+    found: dict[str, str] = {}
+    for folder in CODE:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in SUFFIXES and ".venv" not in path.parts:
+                for name in re.findall(r"\bRINGFLOW_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()):
+                    found.setdefault(name, str(path.relative_to(ROOT)))
+    return {name: path for name, path in found.items() if name not in NOT_KNOBS}
+
+
+def _missing(kind: str, names: dict[str, str] | list[str], where: str) -> list[str]:
+    documented = _documented()
+    return [
+        f"{kind} {name} ({names[name] if isinstance(names, dict) else where})"
+        for name in names
+        if name not in documented
+    ]
+
+
+def test_the_reference_names_every_knob_of_the_code():
+    missing = [
+        *_missing(
+            "flow parameter",
+            list(inspect.signature(train_pipeline.fn).parameters),
+            "flows/train_pipeline.py",
+        ),
+        *_missing("fit argument", list(inspect.signature(fit).parameters), "engine/trainer.py"),
+        *_missing(
+            "TrainConfig field",
+            [f.name for f in dataclasses.fields(TrainConfig)],
+            "engine/config.py",
+        ),
+        *_missing("environment variable", _environment_variables(), ""),
+    ]
+    assert not missing, (
+        "docs/reference.md lacks a table row (| `name` | default | ... |) for: "
+        + "; ".join(missing)
+    )
+
+
+def test_the_scan_finds_the_variables_the_code_reads():
+    found = _environment_variables()
+    assert {"RINGFLOW_STATE", "RINGFLOW_SERVE_TOKEN", "RINGFLOW_SYMM_GRAPHS"} <= set(found)
+    assert "RINGFLOW_TEST_SERVING_TOKEN" not in found  # tests/ is not scanned
+
+
+def test_the_reference_names_nothing_the_code_lacks():
+    known = {
+        *inspect.signature(train_pipeline.fn).parameters,
+        *inspect.signature(fit).parameters,
+        *(f.name for f in dataclasses.fields(TrainConfig)),
+        *_environment_variables(),
+    }
+    serving = {"POST /predict", "GET /healthz", "GET /model"}
+    stale = sorted(
+        name
+        for name in _documented()
+        if name not in known and not name.startswith("POST /predict") and name not in serving
+    )
+    assert not stale, f"docs/reference.md documents what the code no longer has: {stale}"
