@@ -516,7 +516,7 @@ def _summary(spec: Spec, by_layout: dict[str, dict]) -> dict:
         "max_bubble_excess_over_replay": max(over_replay) if over_replay else None,
         "by_layout": by_layout,
     }
-    if len(by_layout) == 1:  # one layout: its figures at the top level, as before layouts
+    if len(by_layout) == 1:  # one layout: its figures at the top level too, for short reads
         (only,) = by_layout.values()
         summary.update({k: v for k, v in only.items() if not k.startswith("max_bubble")})
     if compared:

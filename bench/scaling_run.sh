@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's scaling run: every multi-GPU bench on one host, one after the other, each under
+# The scaling run: every multi-GPU bench on one host, one after the other, each under
 # its own `timeout`, each one's output tee'd to "$OUT/<name>.txt" so partial results survive.
 #
 #   OUT=/tmp/scaling bash bench/scaling_run.sh          # on the GPU host, from the repo root
