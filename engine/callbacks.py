@@ -10,13 +10,16 @@ when the run resumes.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
 
 from ringflow.engine.errors import ModelError
 
-__all__ = ["Callbacks"]
+__all__ = ["Callbacks", "in_worker"]
+
+log = logging.getLogger("ringflow.engine")
 
 
 class _Strategy:
@@ -46,13 +49,70 @@ class _TrainerView:
         self.logger = None
 
 
-class Callbacks:
-    """The module's callbacks, called at the points of an epoch where Trainer calls them."""
+# The hooks the driver calls (once an epoch, on the global metrics); a callback overriding
+# another hook is warned about by name, never dropped in silence.
+_DRIVER_HOOKS = {
+    "setup",
+    "teardown",
+    "on_fit_start",
+    "on_fit_end",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_validation_epoch_end",
+    "on_validation_end",
+    "state_dict",
+    "load_state_dict",
+    "state_key",
+}
 
-    def __init__(self, module: torch.nn.Module, *, max_epochs: int, world_size: int) -> None:
+
+def in_worker(callback: Any) -> bool:
+    """Callbacks that read the optimizer run on rank 0's worker instead of the driver."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    return isinstance(callback, LearningRateMonitor)
+
+
+class Callbacks:
+    """The run's callbacks (``fit(callbacks=...)`` and the module's ``configure_callbacks``),
+    called at the points of an epoch where Trainer calls them."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        max_epochs: int,
+        world_size: int,
+        extra: list[Any] | None = None,
+    ) -> None:
+        import lightning as L
+
         configured = getattr(module, "configure_callbacks", None)
         found = configured() if callable(configured) else []
-        self.callbacks = list(found) if isinstance(found, list | tuple) else [found]
+        found = list(found) if isinstance(found, list | tuple) else [found]
+        every = list(extra or []) + found
+        for callback in every:
+            if not isinstance(callback, L.Callback):
+                raise ValueError(f"callbacks: {callback!r} is not a lightning Callback")
+        self.in_workers = [c for c in every if in_worker(c)]
+        self.callbacks = [c for c in every if not in_worker(c)]
+        for callback in self.callbacks:
+            ignored = sorted(
+                name
+                for name, value in vars(type(callback)).items()
+                if name.startswith("on_")
+                and name not in _DRIVER_HOOKS
+                and callable(value)
+                and hasattr(L.Callback, name)
+            )
+            if ignored:
+                log.warning(
+                    "callback %s overrides %s, which ringflow does not call: callbacks run in "
+                    "the driver at epoch boundaries (%s)",
+                    type(callback).__name__,
+                    ", ".join(ignored),
+                    ", ".join(sorted(h for h in _DRIVER_HOOKS if h.startswith("on_"))),
+                )
         self.trainer = _TrainerView(module, max_epochs=max_epochs, world_size=world_size)
         self.module = module
         if self.callbacks:

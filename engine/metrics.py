@@ -113,6 +113,8 @@ class Logged:
     steps: dict[int, dict[str, Value]] = field(default_factory=dict)
     options: dict[str, dict[str, bool]] = field(default_factory=dict)
     samples: int = 0
+    rows: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    """Rows callbacks in a worker logged (``LearningRateMonitor``), by step, in order."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """torchmetrics ``Metric``s logged on_epoch: a copy holding the state of these steps (or,
     read back from a checkpoint, that state as a dict of tensors)."""
@@ -134,6 +136,7 @@ class Logged:
             steps=steps,
             options={**self.options, **other.options},
             samples=self.samples + other.samples,
+            rows=self.rows + other.rows,
             metrics=metrics,
         )
 

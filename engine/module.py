@@ -126,6 +126,7 @@ class Optimization:
             )
         self.module, self.optimizer = module, optimizers[0]
         self.precision = precision or Precision("32-true", torch.device("cpu"))
+        self.configs = configs  # Lightning's LRSchedulerConfigs, as Trainer holds them
         self.schedules = [
             _Schedule(
                 scheduler=c.scheduler,
@@ -251,15 +252,32 @@ class TrainerView:
         self.current_epoch, self.global_step = 0, 0
         self.training, self.sanity_checking, self.fast_dev_run = True, False, False
         self.should_stop = False
-        self.loggers: list = []
+        self.recorder = _Recorder()
+        self.loggers: list = []  # the recorder, when the run has loggers (``use_loggers``)
         self.logger = None
         self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.log_every_n_steps = 50
+        self.logs_due = False
+        self._logger_connector = self.fit_loop = self.epoch_loop = self
+
+    def use_loggers(self, every: int) -> None:
+        """The run has loggers: what callbacks log in this worker is recorded for them."""
+        self.loggers, self.logger, self.log_every_n_steps = [self.recorder], self.recorder, every
+
+    @property
+    def should_update_logs(self) -> bool:
+        """Whether the loggers take this batch's values (Trainer's ``_logger_connector``)."""
+        return self.logs_due
+
+    @property
+    def _batches_that_stepped(self) -> int:  # Trainer's ``fit_loop.epoch_loop``
+        return self.global_step
 
     def adopt(self, optimization: Optimization) -> None:
         """The optimizer and schedulers ``self.optimizers()`` and ``self.lr_schedulers()``
         return (and ``LearningRateMonitor`` reads)."""
         self.optimizers = [optimization.optimizer]
-        self.lr_scheduler_configs = optimization.schedules
+        self.lr_scheduler_configs = optimization.configs
         self.strategy = _Strategy(self.optimizers)
 
     def at(self, epoch: int, batch_idx: int) -> None:
@@ -274,9 +292,31 @@ class TrainerView:
         self.global_step = epoch * self.optimizer_steps_per_epoch + done
 
 
+class _Recorder:
+    """A logger in a worker: keeps the rows callbacks log there (``LearningRateMonitor``'s)
+    for the driver, which writes them to the run's loggers."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        self.rows.append((int(step or 0), {k: float(v) for k, v in metrics.items()}))
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass  # the driver logs the run's hyperparameters
+
+    def save(self) -> None:
+        pass
+
+    def take(self) -> list[tuple[int, dict[str, float]]]:
+        rows, self.rows = self.rows, []
+        return rows
+
+
 class _Strategy:
     def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self._lightning_optimizers = optimizers
+        self.root_device = torch.device("cpu")
 
     @staticmethod
     def reduce_boolean_decision(decision: bool, all: bool = True) -> bool:  # noqa: A002

@@ -76,6 +76,7 @@ def fit(
     init_from: str | None = None,
     pipeline: PipelineConfig | None = None,
     loggers: Any = None,
+    callbacks: list[Any] | None = None,
 ) -> FitResult:
     """Train ``module_cls(**hparams)`` on ``data`` with ``config.workers`` data-parallel workers.
 
@@ -113,6 +114,8 @@ def fit(
         pipeline: cut the model into pipeline stages (``PipelineConfig``).
         loggers: Lightning loggers (``CSVLogger``, ``TensorBoardLogger``, ``MLFlowLogger``...)
             the driver writes what the module logs to, with Trainer's names and steps.
+        callbacks: Lightning ``Callback``s, as Trainer takes them (the module's
+            ``configure_callbacks`` are added); ``engine.callbacks`` says where each runs.
 
     Returns:
         The checkpoint URL, the per-epoch metrics and the final weights.
@@ -146,10 +149,20 @@ def fit(
             group.call("warm_start", init_from)
             log.info("warm start from %s", init_from)
         callbacks = Callbacks(
-            build_module(module_cls, hparams) if _has_callbacks(module_cls) else torch.nn.Module(),
+            build_module(module_cls, hparams)
+            if _has_callbacks(module_cls) or callbacks
+            else torch.nn.Module(),
             max_epochs=config.epochs,
             world_size=config.workers,
+            extra=callbacks,
         )
+        if callbacks.in_workers:
+            if pipeline is not None:
+                raise ValueError(
+                    "LearningRateMonitor is not supported with pipeline stages: each stage "
+                    "holds its own optimizer"
+                )
+            group.call_rank0("add_callbacks", callbacks.in_workers, loggers=bool(writers.loggers))
         writers.start(hparams)
         history = _train(group, layout, config, resume, on_epoch, callbacks, writers)
         state = layout.model_state(group)
@@ -300,10 +313,12 @@ def _train(
         step += count
         probe = False
         seconds += time.perf_counter() - started
-        rows, _ = logger_rows(chunk, epoch_end=False)
-        for at, row in rows.items():
-            loggers.write(row, step=at, epoch=epoch)
-        logged = logged.merge(dataclasses.replace(chunk, steps={}))
+        # Callbacks' rows (LearningRateMonitor's, at a batch's start) before the step's own.
+        rows = [(at, 0, row) for at, row in chunk.rows]
+        rows += [(at, 1, row) for at, row in logger_rows(chunk, epoch_end=False)[0].items()]
+        for at, own, row in sorted(rows, key=lambda entry: entry[:2]):
+            loggers.write(row, step=at, epoch=epoch if own else None)
+        logged = logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
         if ended:
             logged = logged.merge(epoch_end)
             last = (epoch + 1) * optimizer_steps - 1  # Trainer's step for epoch-end rows
@@ -360,11 +375,13 @@ class _Loggers:
             logger.log_hyperparams(hparams)
             logger.save()
 
-    def write(self, row: dict[str, float], *, step: int, epoch: int) -> None:
+    def write(self, row: dict[str, float], *, step: int, epoch: int | None) -> None:
+        """``row`` at ``step``; with ``epoch``, the row has it too (Trainer adds it to what
+        the module logs, not to what callbacks log to the loggers themselves)."""
         if not row:
             return
         for logger in self.loggers:
-            logger.log_metrics({**row, "epoch": epoch}, step=step)
+            logger.log_metrics(row if epoch is None else {**row, "epoch": epoch}, step=step)
             logger.save()
 
     def finish(self, status: str) -> None:

@@ -335,10 +335,22 @@ class RankWorker:
         self._commits = {step: ({k: v.clone() for k, v in state[0].items()}, *state[1:])}
         self.rollback(step)
 
+    def add_callbacks(self, callbacks: list[Any], *, loggers: bool) -> None:
+        """Callbacks that read the optimizer (``LearningRateMonitor``) run here, on rank 0;
+        with ``loggers``, what they log goes with the steps' records to the driver's loggers."""
+        self.callbacks = list(callbacks)
+        if loggers:
+            self.trainer.use_loggers(self.config.log_every_n_steps)
+
+    def _callbacks(self, hook: str, *args: Any) -> None:
+        for callback in getattr(self, "callbacks", ()):
+            getattr(callback, hook)(self.trainer, self.module, *args)
+
     def fit_start(self) -> None:
         """Trainer's ``on_fit_start`` and ``on_train_start`` hooks (again when a run resumes,
         as after a Trainer restart)."""
         call_hook(self.module, "on_fit_start")
+        self._callbacks("on_train_start")
         call_hook(self.module, "on_train_start")
 
     def fit_end(self) -> None:
@@ -356,6 +368,7 @@ class RankWorker:
         self.trainer.at(epoch, first)
         if first == 0:
             self.metric_log.enter("on_train_epoch_start")
+            self._callbacks("on_train_epoch_start")
             call_hook(self.module, "on_train_epoch_start")
         for step, mine, global_size in epoch_batches(
             len(self.train),
@@ -371,6 +384,7 @@ class RankWorker:
             samples += len(mine)
         logged = self.metric_log.take()
         logged.samples = samples
+        logged.rows = self.trainer.recorder.take()
         return logged
 
     def _train_step(self, mine: torch.Tensor, global_size: int, epoch: int, step: int) -> None:
@@ -396,6 +410,9 @@ class RankWorker:
         if len(mine):
             batch = to_device(self.train.batch(mine), self.device)
             self.metric_log.enter("on_train_batch_start", batch_size=len(mine), log_step=log_step)
+            # Trainer asks at every batch whether the next optimizer step is due for the loggers
+            self.trainer.logs_due = every > 0 and (self.trainer.global_step + 1) % every == 0
+            self._callbacks("on_train_batch_start", batch, step)
             call_hook(self.module, "on_train_batch_start", batch, step)
         if step % window == 0:
             call_hook(self.module, "on_before_zero_grad", self.optimizer)

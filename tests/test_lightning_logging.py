@@ -9,6 +9,7 @@ import csv
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 from torch.nn import functional as F
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
@@ -106,6 +107,7 @@ def logged_by_ringflow(data, tmp_path, *, workers: int) -> list[dict]:
         checkpoint_uri=str(tmp_path / f"model-{workers}"),
         in_process=workers == 1,
         loggers=[logger],
+        callbacks=[LearningRateMonitor(log_momentum=True)],
     )
     return rows(tmp_path / f"ringflow-{workers}" / "run" / "version_0" / "metrics.csv")
 
@@ -122,6 +124,7 @@ def trainers_rows(data, tmp_path_factory) -> list[dict]:
             logger=logger,
             log_every_n_steps=EVERY,
             gradient_clip_val=0.5,
+            callbacks=[LearningRateMonitor(log_momentum=True)],
         )
     finally:
         torch.use_deterministic_algorithms(False)
@@ -132,7 +135,7 @@ def test_the_csv_logger_gets_trainers_names_steps_and_values(data, trainers_rows
     names = set().union(*trainers_rows)
     assert {"loss_step", "loss_epoch", "correct_epoch", "worst", "grad_norm_step"} <= names
     assert {"val_loss", "val_acc", "epoch_seen", "global_step_seen", "val_seen"} <= names
-    assert {"train_acc_step", "train_acc_epoch", "val_f1"} <= names
+    assert {"train_acc_step", "train_acc_epoch", "val_f1", "lr-AdamW", "lr-AdamW-momentum"} <= names
     same_rows(logged_by_ringflow(data, tmp_path, workers=1), trainers_rows, 1e-6)
 
 
