@@ -342,7 +342,7 @@ def _train(
     if resume.store_url is not None:
         for error in layout.flush(group):
             log.warning("a checkpoint of run %s was not saved: %s", resume.run_key, error)
-    group.call("fit_end")
+    group.call("fit_end", step // steps_per_epoch)
     callbacks.fit_end()
     return history
 

@@ -353,7 +353,9 @@ class RankWorker:
         self._callbacks("on_train_start")
         call_hook(self.module, "on_train_start")
 
-    def fit_end(self) -> None:
+    def fit_end(self, epochs: int) -> None:
+        """Trainer's ``on_train_end`` and ``on_fit_end``, after ``epochs`` whole epochs."""
+        self.trainer.current_epoch = epochs
         call_hook(self.module, "on_train_end")
         call_hook(self.module, "on_fit_end")
 

@@ -322,7 +322,7 @@ class PipelineWorker:
     def fit_start(self) -> None:
         pass
 
-    def fit_end(self) -> None:
+    def fit_end(self, epochs: int) -> None:
         pass
 
     def train_epoch_end(self, epoch: int) -> Logged:

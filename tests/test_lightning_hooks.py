@@ -1,0 +1,159 @@
+"""The module's hooks run where Trainer runs them, in Trainer's order; what a module adds to
+a checkpoint in ``on_save_checkpoint`` comes back to ``on_load_checkpoint`` when a run
+resumes; a hook or callback ringflow does not call is named, not dropped in silence."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning as L
+import pytest
+import torch
+
+from ringflow.engine import ModelError, TrainConfig, fit
+from tests.test_lightning_contract import BATCH, SEED, OneCycle, table, trained_by_trainer
+
+HOOKS = (
+    "on_fit_start",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_fit_end",
+)
+
+
+def recording(name: str):
+    def hook(self, *args, **kwargs):
+        type(self).calls.append((name, self.current_epoch, self.global_step))
+        return getattr(OneCycle, name)(self, *args, **kwargs)
+
+    return hook
+
+
+Recorded = type("Recorded", (OneCycle,), {"calls": [], **{name: recording(name) for name in HOOKS}})
+
+
+def test_the_module_hooks_run_in_trainers_order_at_trainers_steps(tmp_path):
+    data = table()
+    hparams = {"total_steps": 2 * 8}
+    try:
+        trained_by_trainer(Recorded, hparams, data, epochs=2, accumulate_grad_batches=2)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    trainers, Recorded.calls = Recorded.calls, []
+    fit(
+        Recorded,
+        hparams=hparams,
+        data=data,
+        config=TrainConfig(
+            workers=1,
+            epochs=2,
+            batch_size=BATCH,
+            seed=SEED,
+            accumulate_grad_batches=2,
+            commit_every=2,
+        ),
+        checkpoint_uri=str(tmp_path / "model"),
+        in_process=True,
+    )
+    assert Recorded.calls == trainers
+
+
+class Counting(OneCycle):
+    """Counts the batches it saw; the count lives in the checkpoint, as JSON."""
+
+    def __init__(self, **hparams) -> None:
+        super().__init__(**hparams)
+        self.seen, self.loaded = 0, None
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.seen += 1
+        if self.seen == Counting.dies_after:
+            raise RuntimeError("preempted")
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["seen"] = self.seen
+
+    def on_load_checkpoint(self, checkpoint):
+        self.loaded = checkpoint["seen"]
+        self.seen = checkpoint["seen"]
+
+    def on_train_end(self):
+        Counting.ended_with = (self.loaded, self.seen)
+
+    dies_after: int | None = None
+    ended_with: tuple | None = None
+
+
+def test_what_on_save_checkpoint_adds_comes_back_on_resume(tmp_path):
+    def run():
+        return fit(
+            Counting,
+            hparams={"total_steps": 2 * 8},
+            data=table(),
+            config=TrainConfig(
+                workers=1, epochs=2, batch_size=BATCH, seed=SEED, checkpoint_every=4
+            ),
+            checkpoint_uri=str(tmp_path / "model"),
+            in_process=True,
+            store_url=str(tmp_path / "store"),
+            run_key="counting",
+        )
+
+    Counting.dies_after = 6
+    try:
+        with pytest.raises(RuntimeError, match="preempted"):
+            run()
+    finally:
+        Counting.dies_after = None
+    assert run().resumed_from == 4
+    assert Counting.ended_with == (4, 16)  # restored at 4 batches, then the 12 left
+
+
+class Tensorish(OneCycle):
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["cache"] = object()
+
+
+def test_what_cannot_be_checkpointed_as_json_is_refused_by_name(tmp_path):
+    with pytest.raises(ModelError, match="Tensorish.on_save_checkpoint adds is not JSON"):
+        fit(
+            Tensorish,
+            hparams={"total_steps": 8},
+            data=table(),
+            config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+            checkpoint_uri=str(tmp_path / "model"),
+            in_process=True,
+            store_url=str(tmp_path / "store"),
+            run_key="tensorish",
+        )
+
+
+class PerBatch(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pass
+
+
+def test_a_callback_hook_ringflow_does_not_call_is_named(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="ringflow.engine"):
+        fit(
+            OneCycle,
+            hparams={"total_steps": 8},
+            data=table(),
+            config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+            checkpoint_uri=str(tmp_path / "model"),
+            in_process=True,
+            callbacks=[PerBatch()],
+        )
+    assert "callback PerBatch overrides on_train_batch_end, which ringflow does not call" in (
+        caplog.text
+    )
