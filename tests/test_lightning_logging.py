@@ -141,3 +141,56 @@ def test_the_csv_logger_gets_trainers_names_steps_and_values(data, trainers_rows
 
 def test_two_workers_log_what_one_process_logs(data, trainers_rows, tmp_path, ray_session):
     same_rows(logged_by_ringflow(data, tmp_path, workers=2), trainers_rows, 1e-5)
+
+
+def scalars(directory) -> dict[tuple[str, int], float]:
+    """Every scalar in a TensorBoard event file: (tag, step) to value."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    found = {}
+    for path in directory.rglob("events.out.tfevents.*"):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):  # TFRecord: length, its CRC, the record, its CRC
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 16 + length
+            for value in event.summary.value:
+                found[(value.tag, event.step)] = value.simple_value
+    return found
+
+
+def test_the_tensorboard_logger_gets_what_trainer_gives_it(data, trainers_rows, tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    fit(
+        Logs,
+        hparams={"total_steps": STEPS},
+        data=data,
+        config=TrainConfig(
+            workers=1,
+            epochs=EPOCHS,
+            batch_size=BATCH,
+            seed=SEED,
+            gradient_clip_val=0.5,
+            log_every_n_steps=EVERY,
+        ),
+        checkpoint_uri=str(tmp_path / "model"),
+        in_process=True,
+        loggers=[TensorBoardLogger(str(tmp_path / "tb"), name="run", version=0)],
+    )
+    wanted = {
+        (name, int(row["step"])): value
+        for row in trainers_rows
+        for name, value in row.items()
+        if name != "step" and not name.startswith("lr-")
+    }
+    got = scalars(tmp_path / "tb")
+    hparams = {key for key in got if key[0] == "hp_metric" or key[0].startswith("_hparams_")}
+    assert hparams  # log_hyperparams, as Trainer calls it
+    got = {key: value for key, value in got.items() if key not in hparams}
+    assert got.keys() == wanted.keys()
+    for key, value in wanted.items():
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
