@@ -8,6 +8,14 @@ Two modes:
   seconds with ``--concurrency`` requests in flight, prints a table, shuts down what it
   started, and prints one JSON line last: ``rps``, ``p50_ms``, ``p99_ms``,
   ``failed_requests`` (of the batched run; both runs under ``runs``).
+- ``python -m bench.serve redeploy`` measures serving through a flow run that promotes
+  and serves a new version: a Prefect flow (the pipeline's own ``register``, ``promote``
+  and ``serve-production`` tasks) puts an untrained digits model in production and serves
+  it; then, while the load generator keeps ``--concurrency`` requests in flight for
+  ``--duration`` seconds, a second run of the same flow registers a trained model, the
+  gate promotes it and the run serves it again (``serve_registry`` on the running app).
+  It prints a table, then one JSON line: ``failed_requests``, ``p99_ms`` (and ``p99``),
+  the versions that answered in order, and when the flow run started and ended.
 - ``python -m bench.serve load --url URL`` is only the load generator (tests use it to
   load a server from a second process while a new model is promoted). It prints one JSON
   line: counts, latency percentiles, and which model versions answered, in order.
@@ -146,6 +154,10 @@ def _load_main(args: argparse.Namespace) -> int:
 
 def load_in_subprocess(url: str, *, duration_s: float, concurrency: int) -> dict[str, Any]:
     """Run the load generator in a second process; return its summary."""
+    return _collect(_start_load(url, duration_s=duration_s, concurrency=concurrency), duration_s)
+
+
+def _start_load(url: str, *, duration_s: float, concurrency: int) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
@@ -158,12 +170,25 @@ def load_in_subprocess(url: str, *, duration_s: float, concurrency: int) -> dict
         "--concurrency",
         str(concurrency),
     ]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=duration_s + 60, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"load generator failed ({done.returncode}): {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _collect(load: subprocess.Popen, duration_s: float) -> dict[str, Any]:
+    stdout, stderr = load.communicate(timeout=duration_s + 60)
+    if load.returncode != 0:
+        raise RuntimeError(f"load generator failed ({load.returncode}): {stderr[-2000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def _wait_first_answer(load: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Block until the load generator reports its first good answer on stderr."""
+    deadline = time.monotonic() + timeout_s
+    for line in load.stderr:
+        if line.startswith("first answer"):
+            return
+        if time.monotonic() > deadline:
+            break
+    raise RuntimeError("the load generator got no answer; is the server up?")
 
 
 def _bench_main(args: argparse.Namespace) -> int:
@@ -231,6 +256,117 @@ def _bench_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- redeploy
+
+
+def _redeploy_flow():
+    """The serving end of ``train-pipeline`` as a flow of its own: register a trained
+    checkpoint, gate its promotion, serve production (redeploying the Serve app)."""
+    from prefect import flow
+
+    from ringflow.tasks.registry import promote, register
+    from ringflow.tasks.serve import serve_production
+
+    @flow(name="bench-promote-and-serve")
+    def promote_and_serve(
+        checkpoint: str, storage_url: str, dataset_url: str, metrics: dict, run_key: str, port: int
+    ) -> dict:
+        version = register(
+            checkpoint,
+            storage_url,
+            metrics=metrics,
+            dataset_url=dataset_url,
+            run_key=run_key,
+            model="digits",
+        )
+        gate = promote(version["version"], storage_url, model="digits")
+        served = serve_production(storage_url, dataset_url, port=port, model="digits")
+        return {"version": version["version"], "promoted": gate["promoted"], **served}
+
+    return promote_and_serve
+
+
+def _two_models(root: str) -> tuple[str, list[tuple[str, dict[str, float]]]]:
+    """The digits dataset, an untrained model and a trained one, with their test metrics."""
+    import torch
+
+    from ringflow.engine import DataSpec, TrainConfig, evaluate, fit
+    from ringflow.models.digits import SCHEMA, DigitsClassifier, write_digits_csv
+    from ringflow.storage.checkpoint import save_model
+    from ringflow.storage.dataset import preprocess
+
+    write_digits_csv(f"{root}/raw/digits.csv")
+    dataset_url = preprocess(f"{root}/raw/digits.csv", root, SCHEMA, seed=0).dataset_url
+    data = DataSpec(dataset_url=dataset_url, schema=SCHEMA)
+    torch.manual_seed(0)
+    untrained = save_model(f"{root}/untrained", DigitsClassifier(hidden=32), hparams={"hidden": 32})
+    trained = fit(
+        DigitsClassifier,
+        hparams={"hidden": 32, "lr": 0.01},
+        data=data,
+        config=TrainConfig(workers=1, epochs=4, batch_size=64, seed=0),
+        checkpoint_uri=f"{root}/trained",
+        in_process=True,
+    ).checkpoint
+    return dataset_url, [(uri, evaluate(uri, data)) for uri in (untrained, trained)]
+
+
+def _redeploy_main(args: argparse.Namespace) -> int:
+    from ringflow.engine.cluster import quiet_environment
+
+    quiet_environment()  # before Ray is imported: a local Ray stays on loopback
+    os.environ.pop("RINGFLOW_SERVE_TOKEN", None)  # the load generator sends no token
+    import ray
+    from ray import serve
+
+    from ringflow.engine.serving import shutdown_serving
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("PREFECT_HOME", f"{tmp}/prefect")  # a throwaway local server
+        storage = f"{tmp}/storage"
+        dataset_url, models = _two_models(f"{tmp}/data")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        port = args.port or _free_port()
+        promote_and_serve = _redeploy_flow()
+        try:
+            (first, first_metrics), (second, second_metrics) = models
+            before = promote_and_serve(first, storage, dataset_url, first_metrics, "first", port)
+            url = f"http://127.0.0.1:{port}"
+            load = _start_load(url, duration_s=args.duration, concurrency=args.concurrency)
+            _wait_first_answer(load)
+            started = time.monotonic()
+            time.sleep(min(2.0, args.duration / 4))  # some load on the old version first
+            flow_start = time.monotonic() - started
+            after = promote_and_serve(second, storage, dataset_url, second_metrics, "second", port)
+            flow_end = time.monotonic() - started
+            result = _collect(load, args.duration)
+        finally:
+            shutdown_serving()
+            serve.shutdown()
+            ray.shutdown()
+    result["server"] = "redeploy"
+    _print_table([result])
+    print(
+        f"flow run 2 ({after['version']}, promoted={after['promoted']}) ran from "
+        f"{flow_start:.1f} s to {flow_end:.1f} s after the first answer; versions answered in "
+        f"order: {', '.join(result['version_order'])}"
+    )
+    summary = {k: result[k] for k in ("failed_requests", "requests", "rps", "p50_ms", "p99_ms")}
+    summary |= {
+        "p99": result["p99_ms"],
+        "errors": result["errors"],
+        "version_order": result["version_order"],
+        "versions": result["versions"],
+        "served_before": before["model_version"],
+        "served_after": after["model_version"],
+        "flow_run_s": [round(flow_start, 2), round(flow_end, 2)],
+        "concurrency": args.concurrency,
+        "duration_s": args.duration,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
 def _print_table(runs: list[dict[str, Any]]) -> None:
     header = f"{'server':<10} {'requests':>9} {'failed':>7} {'rps':>8} {'p50 ms':>8} "
     header += f"{'p90 ms':>8} {'p99 ms':>8} {'max ms':>8}"
@@ -254,10 +390,14 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__)
     sub = parser.add_subparsers(dest="mode")
+    redeploy = sub.add_parser(
+        "redeploy", help="load the server while a flow run promotes and serves a new version"
+    )
+    redeploy.add_argument("--port", type=int, default=0, help="Serve's HTTP port; 0 picks one")
     load = sub.add_parser("load", help="only the load generator, against a running server")
     load.add_argument("--url", required=True, help="endpoint, e.g. http://127.0.0.1:8000")
     load.add_argument("--token-env", default=None, help="env var holding the bearer token")
-    for p in (parser, load):
+    for p in (parser, load, redeploy):
         p.add_argument("--duration", type=float, default=10.0, help="seconds of load per run")
         p.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     parser.add_argument("--hidden", type=int, default=128, help="hidden width of the model")
@@ -266,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.duration <= 3600 or not 1 <= args.concurrency <= 1024:
         parser.error("--duration must be in (0, 3600] and --concurrency in 1..1024")
+    if args.mode == "redeploy":
+        return _redeploy_main(args)
     return _load_main(args) if args.mode == "load" else _bench_main(args)
 
 

@@ -9,6 +9,12 @@ no request fails or mixes models during the switch. A :class:`ModelServer` repli
 controller is detached, so an application deployed on a long-running Ray head keeps
 serving after the caller's process exits; :func:`shutdown_serving` deletes it.
 
+Deploying again what already runs (the same source, options, token, name, route and code:
+one digest, which every replica reports in ``GET /healthz``'s ``X-Ringflow-Deployment``
+header) does not redeploy. For a registry the running replicas are already following the
+pointer, so the caller only waits until they serve the production version. Anything else
+is a Serve rolling update.
+
 The module is generic over the served model. The request follows the data the model was
 trained on: the engine records the dataset's schema in every checkpoint
 (``meta["data_schema"]``), and the server takes one input as an object of the named features,
@@ -38,7 +44,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
@@ -49,7 +55,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException
 
-from ringflow.storage.checkpoint import ModelCheckpoint, load_model
+from ringflow.storage.checkpoint import CheckpointError, ModelCheckpoint, load_model
 from ringflow.storage.dataset import TableSchema
 
 __all__ = ["ModelServer", "ServingError", "serve_model", "serve_registry", "shutdown_serving"]
@@ -62,6 +68,8 @@ _MAX_INSTANCES = 1024
 _BATCH_WAIT_S = 0.005
 _INSTANCES = "instances"
 _VERSION_HEADER = "X-Model-Version"
+_DEPLOYMENT_HEADER = "X-Ringflow-Deployment"
+_FOLLOW_WAIT_S = 30.0  # beyond two polls: load and check a version in the replica
 _SWAP_RETRY_S = 30.0
 
 
@@ -184,13 +192,16 @@ def serve_registry(
     options = _ServerOptions(
         max_batch_size=max_batch_size, batching=batching, max_body_bytes=max_body_bytes
     )
-    return _deploy(
-        source,
-        options,
-        token=_read_token(token_env, token_file),
-        address=(host, port, route_prefix),
-        app_name=app_name,
-    )
+    token = _read_token(token_env, token_file)
+    address = (host, port, route_prefix)
+    url = _endpoint(host, port, route_prefix)
+    digest = _deployment_digest(source, options, token=token, address=address, app_name=app_name)
+    if _follows_in_place(
+        url, token, digest, source, wanted=record.version, specs=_specs(module, ckpt)
+    ):
+        logger.info("%r at %s already serves %s; it follows the pointer", app_name, url, source)
+        return url
+    return _deploy(source, options, token=token, address=address, app_name=app_name)
 
 
 def _deploy(
@@ -204,8 +215,15 @@ def _deploy(
     host, port, route_prefix = address
     auth = _TokenCheck.for_token(token) if token is not None else None
     _start_serve(host, port)
+    url = _endpoint(host, port, route_prefix)
+    digest = _deployment_digest(source, options, token=token, address=address, app_name=app_name)
+    if isinstance(source, _FixedModel) and _running_digest(url, token) == digest:
+        logger.info("%r at %s already serves %s; not redeployed", app_name, url, source)
+        return url
     ongoing = max(100, 2 * options.max_batch_size)
-    app = ModelServer.options(max_ongoing_requests=ongoing).bind(source, options, auth=auth)
+    app = ModelServer.options(max_ongoing_requests=ongoing).bind(
+        source, options, auth=auth, deployment=digest
+    )
     try:
         serve.run(app, name=app_name, route_prefix=route_prefix)
     except RuntimeError as err:
@@ -213,10 +231,98 @@ def _deploy(
         raise ServingError(
             f"Serve application {app_name!r} failed to deploy: {err}{details}"
         ) from err
-    url = _endpoint(host, port, route_prefix)
     _wait_healthy(url, token)
     logger.info("serving %s as %r at %s", source, app_name, url)
     return url
+
+
+def _deployment_digest(
+    source: "_FixedModel | _RegistryModel",
+    options: "_ServerOptions",
+    *,
+    token: str | None,
+    address: tuple[str, int, str],
+    app_name: str,
+) -> str:
+    """What identifies a deployment: equal digests mean redeploying would change nothing.
+
+    The token enters only as a hash; this module's own source does too, so new serving code
+    is always redeployed.
+    """
+    with open(__file__, "rb") as f:
+        code = hashlib.sha256(f.read()).hexdigest()
+    described = {
+        "source": {type(source).__name__: asdict(source)},
+        "options": asdict(options),
+        "token": None if token is None else hashlib.sha256(token.encode()).hexdigest(),
+        "address": list(address),
+        "app": app_name,
+        "code": code,
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+
+def _running_digest(url: str, token: str | None) -> str | None:
+    """The deployment digest the application at ``url`` reports, or ``None``."""
+    if _serve_client() is None:
+        return None
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    try:
+        reply = httpx.get(f"{url}/healthz", headers=headers, timeout=5.0, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    return reply.headers.get(_DEPLOYMENT_HEADER) if reply.status_code == 200 else None
+
+
+def _follows_in_place(
+    url: str,
+    token: str | None,
+    digest: str,
+    source: "_RegistryModel",
+    *,
+    wanted: str,
+    specs: "tuple[_InputSpec | _TableInput, _OutputSpec]",
+) -> bool:
+    """Whether the running application is this very deployment and comes to serve version
+    ``wanted`` without a redeploy: its replicas already follow the pointer, and swap to a
+    version that takes the same input and gives the same answer. Waits for the swap."""
+    if _running_digest(url, token) != digest:
+        return False
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    with httpx.Client(timeout=5.0, trust_env=False, headers=headers) as client:
+        served = _served_version(client, url)
+        if served not in (None, wanted) and not _same_interface(source, served, specs):
+            return False  # the replicas would refuse it: the clients' interface changes
+        deadline = time.monotonic() + _FOLLOW_WAIT_S + 2 * source.poll_s
+        while time.monotonic() < deadline:
+            if _served_version(client, url) == wanted:
+                return True
+            time.sleep(_HEALTH_POLL_S)
+    logger.warning("%s did not swap to %s in time; redeploying", url, wanted)
+    return False
+
+
+def _served_version(client: httpx.Client, url: str) -> str | None:
+    try:
+        reply = client.get(f"{url}/model")
+    except httpx.HTTPError:
+        return None
+    return reply.json().get("version") if reply.status_code == 200 else None
+
+
+def _same_interface(
+    source: "_RegistryModel", version: str, specs: "tuple[_InputSpec | _TableInput, _OutputSpec]"
+) -> bool:
+    """Whether the registry's ``version`` takes the input and gives the answer ``specs`` do."""
+    from ringflow.storage.registry import ModelRegistry, RegistryError
+
+    try:
+        module, ckpt = load_model(ModelRegistry(source.url, source.model).get(version).uri)
+    except (CheckpointError, RegistryError, OSError, ValueError):
+        return False
+    old_spec, old_output = _specs(module, ckpt)
+    spec, output = specs
+    return (old_spec.signature, old_output.signature) == (spec.signature, output.signature)
 
 
 def shutdown_serving(app_name: str = "ringflow") -> None:
@@ -1131,6 +1237,7 @@ class ModelServer:
         source: a fixed checkpoint, or a registry whose production version to follow.
         options: batching and body limits.
         auth: the bearer token's digest, or ``None`` to serve without a token.
+        deployment: the digest of what was deployed, reported by ``GET /healthz``.
     """
 
     def __init__(
@@ -1139,8 +1246,10 @@ class ModelServer:
         options: _ServerOptions,
         *,
         auth: _TokenCheck | None,
+        deployment: str = "",
     ) -> None:
         _keep_replica_grpc_on_node_address()
+        self._deployment = deployment
         self._max_body_bytes = options.max_body_bytes
         self._batching = options.batching
         self._auth = auth
@@ -1167,8 +1276,9 @@ class ModelServer:
             stop.set()
 
     @_api.get("/healthz")
-    async def healthz(self, request: Request) -> dict[str, str]:
+    async def healthz(self, request: Request, response: Response) -> dict[str, str]:
         self._authorize(request)
+        response.headers[_DEPLOYMENT_HEADER] = self._deployment
         return {"status": "ok"}
 
     @_api.get("/model")

@@ -5,7 +5,9 @@ down, when no other module already runs it) serves ``{storage}/registry/digits``
 run in file order and tell one story: v1 (weak) serves; v2 (better) is promoted while a
 second process loads the server, with zero failed requests; v3 (shuffled training labels)
 is refused by the gate and v2 keeps answering; a damaged v4 forced into production is
-skipped by the replica; the rollback command goes back to v2 and then v1.
+skipped by the replica; the rollback command goes back to v2 and then v1; the next flow
+run's serve step, under load, finds the app it would deploy already running and waits for it
+to follow the pointer instead of redeploying it.
 """
 
 from __future__ import annotations
@@ -56,7 +58,16 @@ def endpoint(ray_session, storage):
 
     running = _get_global_client(raise_if_no_controller_running=False)
     port = running.http_config.port if running is not None else free_port()
-    url = serve_registry(
+    url = _serve_step(storage, port)
+    yield url
+    shutdown_serving(APP)
+    if running is None:
+        serve.shutdown()  # only the Serve this module started
+
+
+def _serve_step(storage: str, port: int) -> str:
+    """What the pipeline's serve step calls, with this module's app name and route."""
+    return serve_registry(
         join(storage, "registry"),
         "digits",
         port=port,
@@ -65,10 +76,35 @@ def endpoint(ray_session, storage):
         poll_s=POLL_S,
         token_env=UNSET_TOKEN_ENV,
     )
-    yield url
-    shutdown_serving(APP)
-    if running is None:
-        serve.shutdown()  # only the Serve this module started
+
+
+def _deployed_at() -> float:
+    """When Serve last deployed the app: a redeploy changes it."""
+    from ray import serve
+
+    return serve.status().applications[APP].last_deployed_time_s
+
+
+def _start_load(endpoint: str, seconds: int) -> subprocess.Popen:
+    load = subprocess.Popen(
+        [sys.executable, "-m", "bench.serve", "load", "--url", endpoint]
+        + ["--duration", str(seconds), "--concurrency", "8"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert "first answer" in load.stderr.readline()  # the load runs on the old version first
+    return load
+
+
+def _load_result(load: subprocess.Popen) -> dict:
+    try:
+        out, err = load.communicate(timeout=60)
+    finally:
+        load.kill()
+    assert load.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -122,26 +158,13 @@ def test_serves_the_production_version(http, registry):
 @pytest.mark.ray
 def test_promotion_under_load_fails_no_request(http, endpoint, storage, digits, registry):
     better = _train(digits, join(storage, "runs", "better"), epochs=6, hidden=32)
-    load = subprocess.Popen(
-        [sys.executable, "-m", "bench.serve", "load", "--url", endpoint]
-        + ["--duration", "8", "--concurrency", "8"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert "first answer" in load.stderr.readline()  # the load runs on v1 first
-        time.sleep(1.0)
-        decision = _register_and_gate(storage, better, digits, run_key="better")
-        promoted_at = time.monotonic()
-        info = _wait_for_version(http, "v0002")
-        switch_s = time.monotonic() - promoted_at
-        out, err = load.communicate(timeout=60)
-    finally:
-        load.kill()
-    assert load.returncode == 0, err
-    result = json.loads(out.strip().splitlines()[-1])
+    load = _start_load(endpoint, 8)
+    time.sleep(1.0)
+    decision = _register_and_gate(storage, better, digits, run_key="better")
+    promoted_at = time.monotonic()
+    info = _wait_for_version(http, "v0002")
+    switch_s = time.monotonic() - promoted_at
+    result = _load_result(load)
     print(
         f"\nload during promotion: {result['requests']} requests, {result['failed_requests']} "
         f"failed, {result['rps']} rps, p50 {result['p50_ms']} ms, p90 {result['p90_ms']} ms, "
@@ -209,3 +232,20 @@ def test_rollback_command_swaps_back(http, storage):
         assert json.loads(done.stdout.strip().splitlines()[-1])["production"] == expected
         assert _wait_for_version(http, expected)["version"] == expected
         assert _answers(http) == {expected}
+
+
+@pytest.mark.ray
+def test_next_flow_runs_serve_step_follows_in_place_under_load(http, endpoint, storage, registry):
+    assert http.get("/model").json()["version"] == "v0001"  # where the rollbacks left it
+    deployed_at = _deployed_at()
+    load = _start_load(endpoint, 6)
+    time.sleep(1.0)
+    registry.promote("v0002", reason="the next flow run's gate")
+    port = int(endpoint.rsplit(":", 1)[1].split("/", 1)[0])
+    assert _serve_step(storage, port) == endpoint
+    served = http.get("/model").json()["version"]  # the serve step returned once it swapped
+    result = _load_result(load)
+    assert served == "v0002"
+    assert _deployed_at() == deployed_at  # followed the pointer: no redeploy
+    assert result["failed_requests"] == 0, result["errors"]
+    assert result["version_order"] == ["v0001", "v0002"], result
