@@ -46,8 +46,10 @@ def serve_production(
     ``{storage_url}/registry``, following the pointer every ``poll_s`` seconds; return the
     endpoint, the version and one real answer (to a row of the dataset's test split).
 
-    Deploying again (the next flow run) is not needed for a new model: a promotion moves the
-    pointer and the running replicas swap to it within ``poll_s``.
+    A promotion moves the pointer and the running replicas swap to it within ``poll_s``. So
+    when the next flow run gets here and finds this same deployment up, it does not
+    redeploy. It returns once the app answers with the production version, and no request
+    fails on the way (``engine.serving.serve_registry``).
     """
     connect(model=model_path)
     registry_url = Workspace(storage_url).registry
