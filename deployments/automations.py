@@ -2,18 +2,31 @@
 
 Prefect retries a flow run whose code raised (``retries=`` on the flow), but not one whose
 process or host died: a killed flow process is marked Crashed by its worker and never retried
-(PrefectHQ/prefect#10211), and a run whose worker died with it stays Running forever. Two
+(PrefectHQ/prefect#10211), and a run whose worker died with it stays Running forever. Three
 automations close both gaps for the deployments tagged ``RINGFLOW_RESUME_TAG``:
 
 * ``ringflow: crash silent runs``: a run that sent a heartbeat and then neither another one
   nor a final state within ``RINGFLOW_HEARTBEAT_GRACE_SECONDS`` is marked Crashed.
-* ``ringflow: reschedule crashed runs``: a Crashed run is put back to Scheduled
-  (``AwaitingRetry``), so the same flow run, with the same id and so the same checkpoints,
-  runs again on any worker of its pool. Only runs that have started at most
-  ``RINGFLOW_MAX_RESTARTS`` times are rescheduled: that is the guard against a crash loop.
+* ``ringflow: reschedule killed runs``: when a worker reports that the process of a run
+  ended by a signal (SIGKILL, SIGTERM: the ``prefect.worker.executed-flow-run`` event with
+  status code -9, -15, 137 or 143), the run is put back to Scheduled (``AwaitingRetry``).
+  The worker sends that event once per process, after its last report of the crash: the
+  process worker reports a crash twice (once at the exit, again after loading the flow to
+  look for ``on_crashed`` hooks), and acting on the Crashed states would restart the run a
+  second time beside the first restart. By then the run is Crashed, a final state that the
+  late report cannot change.
+* ``ringflow: reschedule silent runs``: a run the first automation marked Crashed (no worker
+  is left to report it) is put back to Scheduled, while it has started at most
+  ``RINGFLOW_MAX_RESTARTS`` times: that is the server's guard against a crash loop.
+
+Both reschedules act without ``force``: the server refuses to reschedule a Completed run.
+The same flow run, with the same id and so the same checkpoints, then runs again on any
+worker of its pool; its ``train`` task holds the run key's lease (``storage.lease``), so a
+start of it that finds another one alive steps aside instead of training beside it.
 
 Applying them is idempotent: an automation of the same name is updated in place, duplicates
-are deleted. Run ``python deployments/automations.py --help`` for the settings.
+are deleted, and ones of this script's older versions are removed. Run
+``python deployments/automations.py --help`` for the settings.
 """
 
 from __future__ import annotations
@@ -30,10 +43,17 @@ from prefect.events.actions import ChangeFlowRunState
 from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.events.schemas.events import ResourceSpecification
 
-__all__ = ["ResumePolicy", "apply", "automations"]
+__all__ = ["ResumePolicy", "apply", "automations", "retire_old"]
 
 CRASH_SILENT = "ringflow: crash silent runs"
-RESCHEDULE_CRASHED = "ringflow: reschedule crashed runs"
+RESCHEDULE_KILLED = "ringflow: reschedule killed runs"
+RESCHEDULE_SILENT = "ringflow: reschedule silent runs"
+RETIRED = ("ringflow: reschedule crashed runs",)
+"""Names this script used before; applying removes them."""
+KILLED_STATUS_CODES = ["-*", "137", "143"]
+"""Exit statuses of a flow process ended by a signal: negative (the process worker), or
+128 + SIGKILL/SIGTERM (container runtimes). A process that exits 1 failed in its code."""
+SILENT_MESSAGE = "No heartbeat for"
 _FINAL_EVENTS = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
 
 
@@ -48,7 +68,8 @@ class ResumePolicy:
     grace_seconds: int = 90
     """A run silent for this long after a heartbeat is marked Crashed."""
     max_restarts: int = 3
-    """A crashed run is rescheduled only while it has started at most this many times."""
+    """A run marked Crashed for its silence is rescheduled only while it has started at most
+    this many times; a killed one, by the flow's own ``max_restarts`` check."""
 
     def __post_init__(self) -> None:
         if not self.tag:
@@ -81,7 +102,7 @@ class ResumePolicy:
 
 
 def automations(policy: ResumePolicy) -> list[Automation]:
-    """The two automations of ``policy``, ready to apply."""
+    """The three automations of ``policy``, ready to apply."""
     tagged = ResourceSpecification({"prefect.resource.id": f"prefect.tag.{policy.tag}"})
     crash_silent = Automation(
         name=CRASH_SILENT,
@@ -104,17 +125,43 @@ def automations(policy: ResumePolicy) -> list[Automation]:
             ChangeFlowRunState(
                 state=StateType.CRASHED,
                 message=(
-                    f"No heartbeat for {policy.grace_seconds} s: the flow run's process or its "
+                    f"{SILENT_MESSAGE} {policy.grace_seconds} s: the flow run's process or its "
                     "host was lost (ringflow automation)"
                 ),
             )
         ],
     )
-    reschedule = Automation(
-        name=RESCHEDULE_CRASHED,
+    reschedule_killed = Automation(
+        name=RESCHEDULE_KILLED,
         description=(
-            f"Puts a Crashed flow run tagged {policy.tag!r} back to Scheduled so it resumes "
-            f"from its checkpoints, while it has started at most {policy.max_restarts} times. "
+            f"Puts a flow run tagged {policy.tag!r} whose process a signal ended back to "
+            "Scheduled, once per process, after its worker has reported the crash, so it "
+            "resumes from its checkpoints. Created by deployments/automations.py."
+        ),
+        trigger=EventTrigger(
+            posture=Posture.Reactive,
+            expect={"prefect.worker.executed-flow-run"},
+            match=ResourceSpecification({"prefect.resource.id": "prefect.worker.*"}),
+            match_related=[
+                tagged,
+                ResourceSpecification(
+                    {
+                        "prefect.resource.role": "flow-run",
+                        "prefect.infrastructure.status-code": KILLED_STATUS_CODES,
+                    }
+                ),
+            ],
+            for_each={"related:flow-run:prefect.resource.id"},
+            threshold=1,
+            within=timedelta(0),
+        ),
+        actions=[_reschedule(policy, "after its process was killed")],
+    )
+    reschedule_silent = Automation(
+        name=RESCHEDULE_SILENT,
+        description=(
+            f"Puts a flow run tagged {policy.tag!r} that was marked Crashed for its silence "
+            f"back to Scheduled, while it has started at most {policy.max_restarts} times. "
             "Created by deployments/automations.py."
         ),
         trigger=EventTrigger(
@@ -123,6 +170,7 @@ def automations(policy: ResumePolicy) -> list[Automation]:
             match=ResourceSpecification(
                 {
                     "prefect.resource.id": "prefect.flow-run.*",
+                    "prefect.state-message": f"{SILENT_MESSAGE} *",
                     # The loop guard, on the server: a run that crashed before it ever ran
                     # (run count 0) or has used its restarts is left Crashed.
                     "prefect.run-count": [str(n) for n in range(1, policy.max_restarts + 1)],
@@ -133,18 +181,31 @@ def automations(policy: ResumePolicy) -> list[Automation]:
             threshold=1,
             within=timedelta(0),
         ),
-        actions=[
-            ChangeFlowRunState(
-                state=StateType.SCHEDULED,
-                name="AwaitingRetry",
-                message=(
-                    "Rescheduled after a crash, to resume from its latest checkpoint "
-                    f"(ringflow automation; at most {policy.max_restarts} restarts)"
-                ),
-            )
-        ],
+        actions=[_reschedule(policy, "after its heartbeats stopped")],
     )
-    return [crash_silent, reschedule]
+    return [crash_silent, reschedule_killed, reschedule_silent]
+
+
+def _reschedule(policy: ResumePolicy, why: str) -> ChangeFlowRunState:
+    return ChangeFlowRunState(
+        state=StateType.SCHEDULED,
+        name="AwaitingRetry",
+        message=(
+            f"Rescheduled {why}, to resume from its latest checkpoint (ringflow automation; "
+            f"at most {policy.max_restarts} restarts)"
+        ),
+    )
+
+
+def retire_old() -> list[str]:
+    """Delete the automations of this script's older versions; return their names."""
+    removed = []
+    with get_client(sync_client=True) as client:
+        for name in RETIRED:
+            for automation in client.read_automations_by_name(name):
+                client.delete_automation(automation.id)
+                removed.append(name)
+    return removed
 
 
 def apply(automation: Automation) -> Automation:
@@ -173,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         policy = ResumePolicy.from_env()
     except ValueError as err:
         parser.error(str(err))
+    for name in retire_old():
+        print(f"automation {name!r}: removed (replaced)")
     for automation in automations(policy):
         applied = apply(automation)
         print(f"automation {applied.name!r}: {applied.id}")

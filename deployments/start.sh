@@ -3,6 +3,17 @@
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
+# keep_log NAME: set aside the log of a NAME that is not running, before start_bg starts a
+# new one over it: a dead worker's log is what says why its runs crashed.
+keep_log() {
+  local log="$LOG_DIR/$1.log"
+  if ! running "$1" && [ -s "$log" ]; then
+    mv "$log" "$LOG_DIR/$1.$(date -u -r "$log" +%Y%m%dT%H%M%S.%NZ).log"
+  fi
+}
+
+for name in prefect-server ray-head prefect-worker; do keep_log "$name"; done
+
 start_bg prefect-server prefect server start --host 127.0.0.1 --port "$RINGFLOW_PREFECT_PORT"
 
 if [ "$RINGFLOW_LOCAL_RAY" = 1 ]; then

@@ -398,9 +398,9 @@ class RunLease:
 
         Args:
             ttl_s: how long the lease lasts without a renewal (renewed every third of it).
-            wait_s: how long to wait for a held lease to become free; ``None`` waits
-                ``ttl_s``, long enough for the lease of a holder that died on another
-                machine to expire.
+            wait_s: how long to wait for a held lease to become free. ``None``: not at all
+                when the holder is a live process of this machine, else ``ttl_s``, long
+                enough for the lease of a holder that died on another machine to expire.
             info: JSON recorded with the holder, such as the flow run and its start.
 
         Raises:
@@ -432,7 +432,8 @@ class RunLease:
                     lease._forget_old()
                     return lease
                 continue  # another process took this token first: look again
-            if now >= deadline:
+            here = current.holder.get("machine") == _machine()
+            if now >= deadline or (wait_s is None and here):  # alive here: waiting only queues
                 raise LeaseHeldError(
                     f"run key {run_key!r} is being trained by {current.describe(now)}: "
                     "not starting a second writer; wait for it to finish or use another "

@@ -1,8 +1,8 @@
-"""Why a flow run resumed, and roughly how much work it lost: logged and kept as an artifact."""
+"""Why a flow run resumed, and how many steps it lost: logged and kept as an artifact."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from dataclasses import dataclass
 
 from prefect import get_client
 from prefect.artifacts import create_markdown_artifact
@@ -10,17 +10,50 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
 from ringflow.storage import CommittedCheckpoint
+from ringflow.storage.lease import LeaseError, LeaseRecord, read_lease
 
-__all__ = ["report_resume"]
+__all__ = ["StepsLost", "report_resume", "steps_lost"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepsLost:
+    """Steps the start that ended trained after the checkpoint resumed from, by step counts."""
+
+    at_least: int
+    """Steps up to the newest checkpoint the ended start began writing."""
+    at_most: int
+    """``at_least`` plus the steps before its next checkpoint was due."""
+    reached: int
+    """The newest step the ended start began a checkpoint of."""
+    every: int
+    """Steps between its checkpoints."""
+
+    def __str__(self) -> str:
+        span = (
+            f"{self.at_least}"
+            if self.at_least == self.at_most
+            else f"{self.at_least} to {self.at_most}"
+        )
+        return (
+            f"{span} (the stopped start had begun a checkpoint at step {self.reached} and "
+            f"none later; checkpoints every {self.every} steps)"
+        )
 
 
 def report_resume(
     checkpoints: list[CommittedCheckpoint], run_key: str, step: int, attempt: int
 ) -> None:
-    """Log why this run resumed and roughly how many steps it lost; add a ``resume`` artifact."""
-    cause, crashed_at = _last_failure()
-    lost = _steps_lost(checkpoints, step, crashed_at)
-    lost_text = "unknown" if lost is None else f"about {lost} (step rate x time to the crash)"
+    """Log why this run resumed and how many steps it lost; add a ``resume`` artifact.
+
+    Args:
+        checkpoints: the run key's committed checkpoints, listed before training.
+        step: the step training resumed from.
+        attempt: this start's number (the flow run's ``run_count``).
+    """
+    cause = _cause()
+    lease = _lease(checkpoints)
+    lost = steps_lost(checkpoints, step, lease)
+    lost_text = "unknown (no record of the stopped start)" if lost is None else str(lost)
     get_run_logger().warning(
         "start %d of run %s resumed at step %d after: %s; steps lost: %s",
         attempt,
@@ -37,39 +70,61 @@ def report_resume(
     )
 
 
-def _last_failure() -> tuple[str, datetime | None]:
-    """What ended this flow run's previous start (a Crashed, Failed or AwaitingRetry state)."""
+def steps_lost(
+    checkpoints: list[CommittedCheckpoint], step: int, lease: LeaseRecord | None
+) -> StepsLost | None:
+    """Steps trained after checkpoint ``step`` and lost, from the step counts the lease of
+    this start recorded when it took the run key over (``tasks.train``).
+
+    The stopped start had reached at least the newest step it began a checkpoint of, and
+    was killed before its next checkpoint was begun. A checkpoint it had asked for but not
+    yet begun writing (storage slower than the interval) is not seen.
+    """
+    took_over = (lease.note.get("took_over") if lease is not None else None) or {}
+    if not took_over:
+        return None
+    reached = max(step, took_over.get("reached_step") or step)
+    every = lease.note.get("checkpoint_every") or _steps_per_epoch(checkpoints, step)
+    if not every:
+        return None
+    return StepsLost(
+        at_least=reached - step, at_most=reached - step + every - 1, reached=reached, every=every
+    )
+
+
+def _steps_per_epoch(checkpoints: list[CommittedCheckpoint], step: int) -> int | None:
+    for checkpoint in checkpoints:
+        if checkpoint.step == step:
+            return checkpoint.metadata.get("steps_per_epoch")
+    return None
+
+
+def _lease(checkpoints: list[CommittedCheckpoint]) -> LeaseRecord | None:
+    if not checkpoints:
+        return None
+    try:
+        return read_lease(checkpoints[-1].url.rsplit("/", 1)[0])
+    except (LeaseError, OSError) as err:
+        get_run_logger().warning("the run key's lease could not be read: %s", err)
+        return None
+
+
+def _cause() -> str:
+    """What ended this flow run's previous start: the first Crashed or Failed state after
+    that start began, i.e. the report of the crash itself, not a later duplicate of it."""
     run_id = flow_run.get_id()
     states = []
     if run_id is not None:
         with get_client(sync_client=True) as client:
             states = sorted(client.read_flow_run_states(run_id), key=lambda s: s.timestamp)
-    current = max((i for i, s in enumerate(states) if s.is_running()), default=len(states))
-    # Back from the current start: the newest crash or failure before it (the worker's and
-    # the automations' states are timestamped by different processes, so do not assume they
-    # sit between two Running states), else the newest rescheduling.
-    earlier = states[:current]
-    for state in reversed(earlier):
-        if state.is_crashed() or state.is_failed():
-            return f"{state.name}: {state.message}", state.timestamp
-    for state in reversed(earlier):
-        if state.is_scheduled() and state.name != "Scheduled":
-            return f"{state.name}: {state.message}", state.timestamp
-    return "an earlier run under the same run key stopped", None
-
-
-def _steps_lost(
-    checkpoints: list[CommittedCheckpoint], step: int, ended: datetime | None
-) -> int | None:
-    """Steps trained after checkpoint ``step`` and lost, from the step rate between checkpoints.
-
-    An upper bound where the crash was noticed late (a lost host is marked Crashed only after
-    its heartbeats have been missing for a while).
-    """
-    before = [c for c in checkpoints if c.step <= step]
-    if ended is None or len(before) < 2:
-        return None
-    (a, b) = (before[-2], before[-1])
-    times = [datetime.fromisoformat(c.created) for c in (a, b)]
-    rate = (b.step - a.step) / max((times[1] - times[0]).total_seconds(), 1e-3)
-    return max(0, round(rate * (ended - times[1]).total_seconds()))
+    starts = [i for i, s in enumerate(states) if s.is_running()]
+    current = starts[-1] if starts else len(states)
+    previous = starts[-2] if len(starts) > 1 else -1
+    between = states[previous + 1 : current]
+    ended = [s for s in between if s.is_crashed() or s.is_failed()]
+    ended = ended or [s for s in between if s.is_scheduled() and s.name != "Scheduled"]
+    # A state another process timestamped out of order: the newest such before this start.
+    ended = ended or [s for s in states[:current] if s.is_crashed() or s.is_failed()][-1:]
+    if ended:
+        return f"{ended[0].name}: {ended[0].message}"
+    return "an earlier run under the same run key stopped"

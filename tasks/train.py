@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from typing import NoReturn
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ringflow.engine import DataSpec, EpochMetrics, TrainConfig, fit
@@ -16,7 +19,10 @@ from ringflow.engine import evaluate as evaluate_model
 from ringflow.engine.cluster import connect
 from ringflow.engine.pipeline import PipelineConfig
 from ringflow.engine.spec import ModelRef
+from ringflow.storage.fs import join
 from ringflow.storage.layout import Workspace
+from ringflow.storage.lease import LeaseHeldError, LeaseLostError, RunLease, read_lease
+from ringflow.storage.store import CheckpointStore
 from ringflow.tasks.report import epoch_table, loss_curve
 
 
@@ -41,14 +47,18 @@ def train(
         init_from: a committed model to warm-start from.
 
     Training is checkpointed under ``{storage_url}/checkpoints/{run_key}``, so a retried
-    flow run (same run key) resumes where the failed attempt stopped.
+    flow run (same run key) resumes where the failed attempt stopped. The run key's lease
+    (``storage.lease``) is held while training: a second process for the same run key waits
+    for it, then is refused (``LeaseHeldError``, naming the holder); a second start of this
+    same flow run exits quietly and leaves the run to the start that holds it.
     """
-    connect(model=model.path)
+    connect(model=model.path)  # first: the lease names this process's Ray job as its writer
     workspace = Workspace(storage_url)
     if pipeline is not None and pipeline.stages > 1 and config.cpus_per_worker == 1.0:
         cpus = _stage_cpus(config.workers * pipeline.stages)
         config = dataclasses.replace(config, cpus_per_worker=cpus)
-    with _epoch_progress(config.epochs) as on_epoch:
+    lease = _hold_run_key(workspace.checkpoints, run_key, config)
+    with lease, _epoch_progress(config.epochs) as on_epoch:
         result = fit(
             model.resolve(),
             hparams=model.hparams,
@@ -61,6 +71,13 @@ def train(
             init_from=init_from,
             pipeline=pipeline,
         )
+        try:
+            lease.check()
+        except LeaseLostError as err:  # another process trains the run key now
+            holder = read_lease(join(workspace.checkpoints, run_key))
+            if holder is not None and _same_flow_run(holder.holder):
+                _step_aside(str(err))
+            raise
     if result.resumed_from is not None:
         get_run_logger().warning(
             "resumed run %s from its checkpoint at step %d", run_key, result.resumed_from
@@ -73,6 +90,59 @@ def train(
         "metrics": result.metrics,
         "resumed_from_step": result.resumed_from,
     }
+
+
+def _hold_run_key(store_url: str, run_key: str, config: TrainConfig) -> RunLease:
+    """Take the run key's lease, noting how far the start it replaces had got.
+
+    ``RINGFLOW_LEASE_TTL_S`` (default 60) is how long a lease outlives its holder's last
+    renewal; a second process waits that long for a held lease before it is refused.
+    """
+    ttl = float(os.environ.get("RINGFLOW_LEASE_TTL_S", "60"))
+    me = {"flow_run": str(flow_run.get_id() or ""), "start": flow_run.get_run_count() or 1}
+    try:
+        lease = RunLease.acquire(store_url, run_key, ttl_s=ttl, info=me)
+    except LeaseHeldError as err:
+        if err.lease is not None and _same_flow_run(err.lease.holder):
+            _step_aside(str(err))
+        raise
+    previous = lease.previous
+    if previous is not None:
+        begun = CheckpointStore(store_url).steps_begun(run_key)
+        lease.renew(
+            took_over={
+                "token": previous.token,
+                "holder": previous.holder,
+                "renewed": previous.renewed,
+                "reached_step": max(begun, default=None),
+            },
+            checkpoint_every=config.checkpoint_every,
+        )
+    return lease
+
+
+def _same_flow_run(holder: dict) -> bool:
+    """Whether a lease's holder is a start of this same flow run."""
+    mine = flow_run.get_id()
+    return bool(mine) and holder.get("flow_run") == str(mine)
+
+
+def _step_aside(reason: str) -> NoReturn:
+    """Leave this flow run to the start of it that holds its run key: end this process
+    without proposing a state, so the run is not failed (or rescheduled) under that start.
+    """
+    get_run_logger().warning(
+        "%s; this is a duplicate start of the same flow run, which exits and leaves the run "
+        "to the start that holds it",
+        reason,
+    )
+    try:
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=5)
+    except Exception:  # the log line is a courtesy; leaving is what matters
+        pass
+    os._exit(0)
 
 
 def _stage_cpus(actors: int) -> float:
@@ -130,7 +200,8 @@ def _epoch_progress(epochs: int):
 
         def on_epoch(m: EpochMetrics) -> None:
             shown = " ".join(f"{k}={v:.4f}" for k, v in m.metrics.items())
-            progress.update(bar, advance=1, metrics=shown)
+            # Set, not advanced: a resumed run's first epoch is not the bar's first.
+            progress.update(bar, completed=m.epoch + 1, metrics=shown)
             logger.info("epoch %d/%d %s (%.2f s)", m.epoch + 1, epochs, shown, m.seconds)
 
         yield on_epoch
