@@ -343,6 +343,10 @@ def _create(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
         fs.pipe_file(path, data, mode="create")  # S3: a conditional PUT (If-None-Match)
     except FileExistsError:
         return False
+    except OSError as err:  # 412 Precondition Failed, as some clients raise it
+        if "PreconditionFailed" in str(err) or "412" in str(err):
+            return False
+        raise
     return True
 
 
@@ -412,11 +416,15 @@ class RunLease:
         fs, root = fsspec.core.url_to_fs(absolute(url), **dict(storage_options or {}))
         directory = join(root.rstrip("/"), run_key)
         deadline = clock() + (ttl_s if wait_s is None else wait_s)
-        holder = {**this_process(), **dict(info or {})}
+        # The nonce tells our own lease from another's when the reply to a conditional PUT
+        # that succeeded was lost and its retry was refused.
+        holder = {**this_process(), **dict(info or {}), "nonce": uuid.uuid4().hex}
         waited = False
         while True:
             current = current_lease(fs, directory)
             now = clock()
+            if current is not None and current.holder.get("nonce") == holder["nonce"]:
+                return cls(fs, directory, current, ttl_s=ttl_s, previous=None, clock=clock)
             if _free(current, now):
                 token = 1 if current is None else current.token + 1
                 record = LeaseRecord(

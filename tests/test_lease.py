@@ -20,9 +20,11 @@ from ringflow.storage.lease import (
     LeaseHeldError,
     LeaseLostError,
     RunLease,
+    _create,
     read_lease,
     this_process,
 )
+from tests.moto_s3 import s3_endpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -196,3 +198,21 @@ def test_ray_workers_of_the_holders_job_may_write_and_others_may_not(tmp_path, r
     finally:
         _kill(holder)
     assert [c.step for c in CheckpointStore(url).checkpoints(run_key)] == [1, 2]
+
+
+def test_on_s3_each_token_is_created_once_by_a_conditional_put():
+    import fsspec
+
+    with s3_endpoint() as s3:
+        url, options = s3.url("checkpoints"), s3.storage_options()
+        first = RunLease.acquire(url, "run-1", storage_options=options)
+        assert first.token == 1
+        fs, root = fsspec.core.url_to_fs(url, **options)
+        path = f"{root}/run-1/lease-000000000001.json"
+        assert not _create(fs, path, b"{}")  # taken: the second PUT is refused, not applied
+        assert read_lease(url + "/run-1", **options).holder == first.record.holder
+        first.release()
+        second = RunLease.acquire(url, "run-1", storage_options=options, wait_s=0)
+        assert second.token == 2
+        assert second.previous.released
+        second.release()
