@@ -322,13 +322,17 @@ class ModelRegistry:
 
     def history(self) -> list[dict[str, Any]]:
         """Every move of the production pointer, oldest first:
-        ``{sequence, action, version, at, reason}``. Moves from before the pointer kept one
-        file per move come from ``production.json``'s last 100."""
-        moves = {}
+        ``{sequence, action, version, at, reason}``.
+
+        The last 100 come with the pointer; older ones are read from their move files.
+        Moves made before the pointer kept one file per move survive only among the last 100.
+        """
         current = self.production()
-        for entry in () if current is None else current.history:
-            moves[int(entry["sequence"])] = dict(entry)
-        for sequence in self._move_numbers():
+        if current is None:
+            return []
+        moves = {int(entry["sequence"]): dict(entry) for entry in current.history}
+        oldest = min(moves, default=current.sequence + 1)
+        for sequence in (n for n in self._move_numbers() if n < oldest):
             pointer = self._read_move(sequence)
             if pointer is not None and pointer.history:
                 moves[sequence] = dict(pointer.history[-1])
@@ -604,9 +608,10 @@ def promote_if_better(
                 + decision.reason,
             )
         if decision.promoted and decision.production != candidate.version:
-            try:
-                moved = registry.promote(
-                    candidate.version, reason=decision.reason, expected=_sequence(pointer)
+            previous = () if pointer is None else (*pointer.previous, pointer.version)
+            try:  # from the very pointer the verdict was reached against
+                moved = registry._move(
+                    pointer, candidate.version, previous, action="promote", reason=decision.reason
                 )
             except PointerMovedError as err:
                 lost_to.append("nothing" if err.winner is None else err.winner.version)

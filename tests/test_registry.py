@@ -258,15 +258,14 @@ def test_eight_promotions_at_once_one_wins_and_history_keeps_every_winner(
     registry = _racing_registry(store, tmp_path, request, "race")
     base = _register(registry, checkpoints[0], 0.5, data="base")
     candidates = [_register(registry, checkpoints[i % 3], 0.9, data=f"d{i}") for i in range(8)]
+    uris = {v: registry.get(v).uri for v in (base, *candidates)}
     rng = np.random.default_rng(0)
     for _ in range(20):
         registry.promote(base, reason="reset by the test")
         start = registry.production().sequence
         ranks = rng.permutation(8)
-        scores = {registry.get(base).uri: 0.5}
-        scores |= {
-            registry.get(v).uri: 0.6 + 0.01 * r for v, r in zip(candidates, ranks, strict=True)
-        }
+        scores = {uris[base]: 0.5}
+        scores |= {uris[v]: 0.6 + 0.01 * r for v, r in zip(candidates, ranks, strict=True)}
         decisions = _race(registry, candidates, scores)
 
         first = [d for d in decisions if not d.lost_to]
@@ -291,6 +290,23 @@ def test_eight_promotions_at_once_one_wins_and_history_keeps_every_winner(
     history = registry.history()
     assert [e["sequence"] for e in history] == list(range(1, len(history) + 1))
     assert len(history) > 20 * 2
+
+
+def test_history_beyond_what_the_pointer_carries_comes_from_the_move_files(
+    tmp_path, checkpoints, monkeypatch
+):
+    from ringflow.storage import registry as registry_module
+
+    monkeypatch.setattr(registry_module, "_HISTORY_KEPT", 3)
+    registry = ModelRegistry(str(tmp_path), "digits")
+    versions = [_register(registry, uri, 0.9) for uri in checkpoints]
+    for i in range(7):
+        registry.promote(versions[i % 3], reason=f"move {i + 1}")
+    assert len(registry.production().history) == 3
+    history = registry.history()
+    assert [(e["sequence"], e["version"], e["reason"]) for e in history] == [
+        (i + 1, versions[i % 3], f"move {i + 1}") for i in range(7)
+    ]
 
 
 def test_concurrent_registrations_get_their_own_numbers(tmp_path, checkpoints):
