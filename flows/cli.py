@@ -8,8 +8,8 @@ parameters. The command line checks them before anything starts, in two steps:
    file's presence, format and header (:mod:`ringflow.flows.preflight`): before Prefect, Ray
    or torch is imported, so the answer comes in well under a second;
 2. the flow module's ``preflight(parameters)``, if it defines one: what needs the engine
-   (training options together, the model's import path and keywords), still before Prefect's
-   server or Ray starts.
+   (training options together, the model's import path and keywords), before Prefect and
+   Ray are imported.
 
 A refusal is one line on stderr and exit status 2; ``--debug`` (or ``RINGFLOW_DEBUG=1``)
 adds its traceback.
@@ -148,7 +148,11 @@ def main(flow: Callable[..., Any], argv: list[str] | None = None) -> int:
     debug = "--debug" in argv or os.environ.get("RINGFLOW_DEBUG", "0") not in ("", "0")
     try:
         params, keep_serving = _check_command_line(flow, argv)
-        flow, preflight = _load(flow)
+        # As before: the temporary Prefect server sends nothing out, gloo stays on loopback.
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        fn = getattr(flow, "fn", flow)
+        preflight = getattr(sys.modules.get(fn.__module__), "preflight", None)
         if preflight is not None:
             preflight(params)
     except (ValueError, TypeError) as err:  # PreflightError, ModelError, bad combinations
@@ -156,7 +160,7 @@ def main(flow: Callable[..., Any], argv: list[str] | None = None) -> int:
             raise
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2
-    return _run(flow, params, keep_serving=keep_serving)
+    return _run(_load(flow), params, keep_serving=keep_serving)
 
 
 def _check_command_line(flow: Callable[..., Any], argv: list[str]) -> tuple[dict, bool]:
@@ -178,17 +182,13 @@ def _check_command_line(flow: Callable[..., Any], argv: list[str]) -> tuple[dict
     return params, keep_serving
 
 
-def _load(flow: Callable[..., Any]) -> tuple[Any, Callable[[dict], None] | None]:
-    """The Prefect flow and its module's ``preflight``; Ray and Prefect are imported here."""
-    # Ray reads some settings once, on import: keep a local Ray quiet and on loopback.
-    from ringflow.engine.cluster import quiet_environment
-
-    quiet_environment(PREFECT_SERVER_ANALYTICS_ENABLED="false", GLOO_SOCKET_IFNAME="lo")
+def _load(flow: Callable[..., Any]) -> Any:
+    """The Prefect flow: imported here, with Prefect, the tasks and Ray, when given its
+    function."""
     fn = getattr(flow, "fn", flow)
-    module = importlib.import_module(_module_name(fn))
-    if flow is fn:
-        flow = getattr(module, fn.__name__)
-    return flow, getattr(module, "preflight", None)
+    if flow is not fn:
+        return flow
+    return getattr(importlib.import_module(_module_name(fn)), fn.__name__)
 
 
 def _run(flow: Any, params: dict[str, Any], *, keep_serving: bool) -> int:

@@ -2,8 +2,8 @@
 
 :class:`RunSpec` turns ``train-pipeline``'s flat parameters into the engine's own objects
 (``ModelRef``, ``TrainConfig``, ``PipelineConfig``) before anything runs, so a bad
-combination fails the run at once; :func:`fail_at_once` makes such a failure final (a
-retry cannot fix it) and says why in one line.
+combination fails the run at once. It needs the engine but not Prefect or Ray: the command
+line builds one to check its options before either starts.
 """
 
 from __future__ import annotations
@@ -12,13 +12,6 @@ import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any
-
-from prefect import get_client
-from prefect.artifacts import create_markdown_artifact
-from prefect.client.schemas.objects import FlowRunPolicy
-from prefect.logging import get_run_logger
-from prefect.runtime import flow_run
-from prefect.states import Failed, State
 
 from ringflow.engine import TrainConfig
 from ringflow.engine.errors import ModelError
@@ -30,7 +23,7 @@ from ringflow.flows.preflight import check_data_file
 from ringflow.storage.fs import absolute
 from ringflow.storage.layout import Workspace
 
-__all__ = ["RunSpec", "fail_at_once", "publish_summary"]
+__all__ = ["RunSpec"]
 
 _DATA = ("label", "features", "task", "bounds", "classes", "categorical")
 """Parameters describing the data; a model's ``data_defaults`` gives defaults for them."""
@@ -74,8 +67,6 @@ class RunSpec:
                 "use_best_checkpoint takes the best tuning trial's model, but tune_trials is 0: "
                 "set tune_trials to 1 or more, or leave use_best_checkpoint off"
             )
-        model = ModelRef(path=p["model"], hparams=dict(p["hparams"] or {}))
-        _check_keywords(model)
         config = TrainConfig(
             workers=p["workers"],
             epochs=p["epochs"],
@@ -103,13 +94,16 @@ class RunSpec:
         check_layout(
             config, pipeline, init_from="the production model" if p["warm_start"] else None
         )
+        # Last: importing the model (and Lightning) takes longest.
+        model = ModelRef(path=p["model"], hparams=dict(p["hparams"] or {}))
+        _check_keywords(model)
         return cls(
             model=model,
             model_name=p["model_name"] or model.name,
             data_url=absolute(p["data_url"]) if p["data_url"] else None,
             data=_data_parameters(model, p),
             workspace=Workspace(p["storage_url"]),
-            run_key=p["run_key"] or str(flow_run.get_id() or "local"),
+            run_key=p["run_key"] or "local",
             config=config,
             pipeline=pipeline,
             tune=_tune_parameters(config, p),
@@ -175,26 +169,3 @@ def _tune_parameters(config: TrainConfig, p: dict[str, Any]) -> dict[str, Any] |
         "algorithm": p["tune_algorithm"],
         "max_concurrent": p["tune_max_concurrent"],
     }
-
-
-def fail_at_once(err: Exception) -> State:
-    """A final Failed state saying why in one line: bad input, which no retry can fix.
-
-    The flow run's retries are set to 0 first, so the server does not retry it.
-    """
-    message = " ".join(f"{type(err).__name__}: {err}".split())
-    run_id = flow_run.get_id()
-    if run_id is not None:
-        with get_client(sync_client=True) as client:
-            client.update_flow_run(run_id, empirical_policy=FlowRunPolicy(retries=0))
-    get_run_logger().error("%s", message)
-    return Failed(message=message)
-
-
-def publish_summary(result: dict[str, Any]) -> None:
-    """The run's result as a ``run-summary`` artifact."""
-    create_markdown_artifact(
-        key="run-summary",
-        markdown="| | |\n|---|---|\n" + "".join(f"| {k} | `{v}` |\n" for k, v in result.items()),
-        description="What this run produced",
-    )

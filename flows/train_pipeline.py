@@ -12,7 +12,7 @@ the command line is checked against its signature before Prefect, Ray and torch 
 # ruff: noqa: E402 (Prefect and the tasks are imported after the command line's checks)
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -136,12 +136,27 @@ def train_pipeline(
             f"{max_restarts} restarts (raise max_restarts to allow more)"
         )
     parameters = {k: v for k, v in locals().items() if k != "attempt"}
+    # The flow run's id stays the same across its retries and restarts.
+    parameters["run_key"] = run_key or str(flow_run.get_id() or "local")
     try:
         spec = RunSpec.build(**parameters)
         spec.check_data()
         return _run(spec, attempt)
     except (ValueError, TypeError) as err:  # bad input (ModelError, DataError...): final
         return fail_at_once(err)
+
+
+def preflight(parameters: dict) -> None:
+    """The command line's second check, before Prefect or Ray starts: the run's parts built
+    together (training options, the model and its keywords) and the data file's header
+    against the label and features the run will use.
+
+    Raises:
+        ValueError: naming the parameter, the model or the file, and what to change.
+    """
+    from ringflow.flows.spec import RunSpec
+
+    RunSpec.build(**parameters).check_data()
 
 
 if __name__ == "__main__":
@@ -152,10 +167,12 @@ if __name__ == "__main__":
 import logging
 import os
 
-from prefect import flow
+from prefect import flow, get_client
+from prefect.artifacts import create_markdown_artifact
+from prefect.client.schemas.objects import FlowRunPolicy
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
-from prefect.states import Failed
+from prefect.states import Failed, State
 
 from ringflow.engine.cluster import quiet_environment
 
@@ -171,7 +188,7 @@ logging.getLogger("ray.serve").addFilter(
 )
 
 from ringflow.flows.result import describe
-from ringflow.flows.spec import RunSpec, fail_at_once, publish_summary
+from ringflow.flows.spec import RunSpec
 from ringflow.storage import CheckpointStore
 from ringflow.tasks import (
     evaluate,
@@ -195,15 +212,27 @@ train_pipeline = flow(
 )(train_pipeline)
 
 
-def preflight(parameters: dict) -> None:
-    """The command line's second check, before anything starts: the run's parts built
-    together (training options, the model and its keywords) and the data file's header
-    against the label and features the run will use.
+def fail_at_once(err: Exception) -> State:
+    """A final Failed state saying why in one line: bad input, which no retry can fix.
 
-    Raises:
-        ValueError: naming the parameter, the model or the file, and what to change.
+    The flow run's retries are set to 0 first, so the server does not retry it.
     """
-    RunSpec.build(**parameters).check_data()
+    message = " ".join(f"{type(err).__name__}: {err}".split())
+    run_id = flow_run.get_id()
+    if run_id is not None:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(run_id, empirical_policy=FlowRunPolicy(retries=0))
+    get_run_logger().error("%s", message)
+    return Failed(message=message)
+
+
+def publish_summary(result: dict[str, Any]) -> None:
+    """The run's result as a ``run-summary`` artifact."""
+    create_markdown_artifact(
+        key="run-summary",
+        markdown="| | |\n|---|---|\n" + "".join(f"| {k} | `{v}` |\n" for k, v in result.items()),
+        description="What this run produced",
+    )
 
 
 def _run(spec: RunSpec, attempt: int) -> dict:
