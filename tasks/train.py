@@ -21,7 +21,7 @@ from ringflow.engine.pipeline import PipelineConfig
 from ringflow.engine.spec import ModelRef
 from ringflow.storage.fs import join
 from ringflow.storage.layout import Workspace
-from ringflow.storage.lease import LeaseHeldError, LeaseLostError, RunLease, read_lease
+from ringflow.storage.lease import LeaseError, LeaseHeldError, RunLease, read_lease
 from ringflow.storage.store import CheckpointStore
 from ringflow.tasks.report import epoch_table, loss_curve
 
@@ -48,9 +48,10 @@ def train(
 
     Training is checkpointed under ``{storage_url}/checkpoints/{run_key}``, so a retried
     flow run (same run key) resumes where the failed attempt stopped. The run key's lease
-    (``storage.lease``) is held while training: a second process for the same run key waits
-    for it, then is refused (``LeaseHeldError``, naming the holder); a second start of this
-    same flow run exits quietly and leaves the run to the start that holds it.
+    (``storage.lease``) is held while training: a second process for the same run key is
+    refused (``LeaseHeldError``, naming the holder), at once if the holder is alive on this
+    machine, else when the holder's lease has not expired within ``RINGFLOW_LEASE_TTL_S``; a
+    second start of this same flow run exits quietly and leaves the run to the one holding it.
     """
     connect(model=model.path)  # first: the lease names this process's Ray job as its writer
     workspace = Workspace(storage_url)
@@ -59,24 +60,24 @@ def train(
         config = dataclasses.replace(config, cpus_per_worker=cpus)
     lease = _hold_run_key(workspace.checkpoints, run_key, config)
     with lease, _epoch_progress(config.epochs) as on_epoch:
-        result = fit(
-            model.resolve(),
-            hparams=model.hparams,
-            data=DataSpec(dataset_url=dataset_url),
-            config=config,
-            checkpoint_uri=workspace.run_model(run_key),
-            on_epoch=on_epoch,
-            store_url=workspace.checkpoints,
-            run_key=run_key,
-            init_from=init_from,
-            pipeline=pipeline,
-        )
         try:
-            lease.check()
-        except LeaseLostError as err:  # another process trains the run key now
-            holder = read_lease(join(workspace.checkpoints, run_key))
-            if holder is not None and _same_flow_run(holder.holder):
-                _step_aside(str(err))
+            result = fit(
+                model.resolve(),
+                hparams=model.hparams,
+                data=DataSpec(dataset_url=dataset_url),
+                config=config,
+                checkpoint_uri=workspace.run_model(run_key),
+                on_epoch=on_epoch,
+                store_url=workspace.checkpoints,
+                run_key=run_key,
+                init_from=init_from,
+                pipeline=pipeline,
+            )
+            lease.check()  # raises if another process took the run key meanwhile
+        except Exception as err:
+            # Superseded by another start of this flow run: whatever went wrong here, that
+            # start owns the run's state, which this one must not turn Failed.
+            _step_aside_if_superseded(workspace.checkpoints, run_key, lease, err)
             raise
     if result.resumed_from is not None:
         get_run_logger().warning(
@@ -119,6 +120,23 @@ def _hold_run_key(store_url: str, run_key: str, config: TrainConfig) -> RunLease
             checkpoint_every=config.checkpoint_every,
         )
     return lease
+
+
+def _step_aside_if_superseded(
+    store_url: str, run_key: str, lease: RunLease, error: Exception
+) -> None:
+    """Step aside (:func:`_step_aside`) if another start of this flow run holds the run key."""
+    try:
+        holder = read_lease(join(store_url, run_key))
+    except (LeaseError, OSError):
+        return
+    if (
+        holder is not None
+        and holder.token != lease.token
+        and not holder.released
+        and _same_flow_run(holder.holder)
+    ):
+        _step_aside(f"{error}; run key {run_key!r} is held by {holder.describe()}")
 
 
 def _same_flow_run(holder: dict) -> bool:

@@ -217,10 +217,28 @@ class _Overlap:
         self._thread.join()
 
 
-def _signal_tree(pid: int, sig: int) -> None:
-    for proc in [pid, *_descendants(pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc, sig)
+@contextlib.contextmanager
+def _training_paused(stack: Stack):
+    """SIGSTOP the Ray training workers of the stack's head while inside: the flow process
+    stays alive, heartbeating and holding its run key's lease, and trains no further."""
+    head = int((stack.state / "run" / "ray-head.pid").read_text())
+    workers = [pid for pid in _descendants(head) if _cmdline(pid).startswith("ray::RankWorker")]
+    assert workers, "no training worker under the stack's Ray head"
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def _kill_tree(pid: int) -> None:
@@ -272,8 +290,6 @@ def _summary(stack: Stack, run_id: str) -> dict[str, str]:
 
 
 def _assert_resumed_bit_for_bit(stack: Stack, run_id: str, tmp_path: Path) -> dict[str, str]:
-    from ringflow.engine import DataSpec, TrainConfig, fit
-    from ringflow.models.digits import DigitsClassifier
     from ringflow.storage import load_model
 
     summary = _summary(stack, run_id)
@@ -284,8 +300,20 @@ def _assert_resumed_bit_for_bit(stack: Stack, run_id: str, tmp_path: Path) -> di
     assert "resumed from step" in resume
     assert "Crashed" in resume, resume
 
+    reference = _reference_for(summary, tmp_path)
+    resumed, _ = load_model(summary["checkpoint"])
+    for name, tensor in reference.items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
+    return summary
+
+
+def _reference_for(summary: dict[str, str], tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The weights of an uninterrupted in-process run of the run's configuration."""
+    from ringflow.engine import DataSpec, TrainConfig, fit
+    from ringflow.models.digits import DigitsClassifier
+
     key = (summary["dataset_url"], summary["hparams"])
-    if key not in _REFERENCES:  # an uninterrupted run of the same configuration
+    if key not in _REFERENCES:
         _REFERENCES[key] = fit(
             DigitsClassifier,
             hparams=ast.literal_eval(summary["hparams"]),
@@ -296,10 +324,7 @@ def _assert_resumed_bit_for_bit(stack: Stack, run_id: str, tmp_path: Path) -> di
             checkpoint_uri=str(tmp_path / "reference"),
             in_process=True,
         ).state_dict
-    resumed, _ = load_model(summary["checkpoint"])
-    for name, tensor in _REFERENCES[key].items():
-        assert torch.equal(resumed.state_dict()[name], tensor), name
-    return summary
+    return _REFERENCES[key]
 
 
 _REFERENCES: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
@@ -322,15 +347,14 @@ def test_a_killed_flow_process_is_rescheduled_and_resumes_bit_for_bit(stack, tmp
     process = _flow_process(stack, run_id)
 
     # A second run given this run's key while it trains is refused at once and writes
-    # nothing. The first one's process is stopped meanwhile (alive, holding its lease),
-    # so that training, a few seconds long, cannot end before the second run arrives.
-    _signal_tree(process, signal.SIGSTOP)
-    intruder = _wait_until_final(stack, stack.submit(run_key=run_id), 180)
-    assert intruder["state"]["type"] == "FAILED", intruder["state"]
-    assert f"being trained by flow run {run_id}" in intruder["state"]["message"]
-
-    store = CheckpointStore(str(stack.storage / "checkpoints"))
-    committed = max(c.step for c in store.checkpoints(run_id))
+    # nothing. The first one's training is paused meanwhile (its process alive and holding
+    # the lease), so that training, a few seconds long, cannot end before the second arrives.
+    with _training_paused(stack):
+        intruder = _wait_until_final(stack, stack.submit(run_key=run_id), 180)
+        assert intruder["state"]["type"] == "FAILED", intruder["state"]
+        assert f"being trained by flow run {run_id}" in intruder["state"]["message"]
+        store = CheckpointStore(str(stack.storage / "checkpoints"))
+        committed = max(c.step for c in store.checkpoints(run_id))
     _kill_tree(process)
 
     run = _wait_until_completed(stack, run_id, 240)
@@ -353,7 +377,10 @@ def test_a_killed_flow_process_is_rescheduled_and_resumes_bit_for_bit(stack, tmp
     resumed = int(summary["resumed_from_step"])
     assert resumed >= committed
     low, high = _steps_lost(resume)
-    assert 0 <= low <= high < low + CHECKPOINT_EVERY, resume
+    # Training moves in chunks that end at checkpoints: the kill cost fewer steps than one
+    # interval past the newest checkpoint begun, and the report says so in steps.
+    assert 0 <= low < CHECKPOINT_EVERY, resume
+    assert high == low + CHECKPOINT_EVERY - 1, resume
     lease = read_lease(str(stack.storage / "checkpoints" / run_id))
     assert lease.token == 2, lease  # the intruder never held it
     assert lease.released, lease
@@ -398,7 +425,8 @@ def _kill_once(stack: Stack, tmp_path: Path) -> dict:
     }
     assert overlap.most == 1, seen
     assert seen["resumed_from"] >= committed, seen
-    assert 0 <= low <= high < low + CHECKPOINT_EVERY, seen
+    assert 0 <= low < CHECKPOINT_EVERY, seen
+    assert high == low + CHECKPOINT_EVERY - 1, seen
     return seen
 
 
@@ -412,6 +440,39 @@ def test_repeated_kills_each_restart_once_and_resume_bit_for_bit(stack, tmp_path
     for kill in range(kills):
         seen = _kill_once(stack, tmp_path / str(kill))
         print(f"kill {kill + 1}/{kills}: {json.dumps(seen)}", flush=True)
+
+
+@pytest.mark.e2e
+def test_a_duplicate_start_of_a_running_run_steps_aside_and_the_run_completes(stack, tmp_path):
+    run_id = stack.submit()
+    _wait_for_first_checkpoint(stack, run_id)
+    with _training_paused(stack):  # the first start stays alive, holding the run key
+        # What a duplicate crash report used to do: reschedule the run while it runs.
+        reply = httpx.post(
+            f"{stack.api}/flow_runs/{run_id}/set_state",
+            json={"state": {"type": "SCHEDULED", "name": "AwaitingRetry"}, "force": True},
+            timeout=30,
+        )
+        assert reply.raise_for_status().json()["status"] == "ACCEPT", reply.text
+        deadline = time.monotonic() + 180
+        while stack.flow_run(run_id)["run_count"] < 2 or len(_flow_processes(stack, run_id)) > 1:
+            assert time.monotonic() < deadline, "the duplicate start did not come and go"
+            time.sleep(0.5)
+    run = _wait_until_completed(stack, run_id, 180)
+    # The duplicate exited on its own, proposing nothing: no Crashed, no Failed, no restart.
+    states = [s["type"] for s in stack.states(run_id)]
+    assert "FAILED" not in states, states
+    assert "CRASHED" not in states, states
+    assert run["run_count"] == 2
+    worker_log = (stack.state / "logs" / "prefect-worker.log").read_text(errors="replace")
+    assert f"being trained by flow run {run_id} start 1" in worker_log
+    assert "duplicate start of the same flow run" in worker_log
+    summary = _summary(stack, run_id)
+    from ringflow.storage import load_model
+
+    trained, _ = load_model(summary["checkpoint"])
+    for name, tensor in _reference_for(summary, tmp_path).items():
+        assert torch.equal(trained.state_dict()[name], tensor), name
 
 
 @pytest.mark.e2e
@@ -473,3 +534,29 @@ def test_the_flow_refuses_a_start_beyond_max_restarts(monkeypatch, tmp_path):
     assert refused.is_failed()
     assert "max_restarts" in refused.message
     assert not any(tmp_path.iterdir()), "the refused run did work"
+
+
+def test_steps_lost_are_counted_in_steps_from_what_the_stopped_start_had_begun():
+    from ringflow.storage.lease import LeaseRecord
+    from ringflow.tasks.resume import steps_lost
+
+    def lease(note: dict) -> LeaseRecord:
+        return LeaseRecord(
+            run_key="r", token=2, holder={}, acquired=0.0, renewed=0.0, expires=60.0, note=note
+        )
+
+    took_over = {"token": 1, "holder": {}, "renewed": 0.0}
+    # A save of step 250 was being written at the kill: at least 10 steps past step 240.
+    lost = steps_lost(
+        [], 240, lease({"took_over": {**took_over, "reached_step": 250}, "checkpoint_every": 5})
+    )
+    assert (lost.at_least, lost.at_most) == (10, 14)
+    assert str(lost).startswith("10 to 14 (")
+    # Nothing begun past the checkpoint resumed from: fewer steps than one interval.
+    lost = steps_lost(
+        [], 240, lease({"took_over": {**took_over, "reached_step": 240}, "checkpoint_every": 20})
+    )
+    assert (lost.at_least, lost.at_most) == (0, 19)
+    # No record of the stopped start (a run key without a lease): unknown, not guessed.
+    assert steps_lost([], 240, None) is None
+    assert steps_lost([], 240, lease({})) is None
