@@ -110,9 +110,12 @@ def check_data_file(
             f"data_url {url}: cannot open it ({err}); install the fsspec package for its "
             "protocol (s3fs for s3://, gcsfs for gs://) or give a local path"
         ) from None
-    if not fs.exists(path):
-        raise PreflightError(f"data_url {url} does not exist; give a {_ACCEPTED}")
-    columns = _columns(url, fs, path)
+    try:
+        if not fs.exists(path):
+            raise PreflightError(f"data_url {url} does not exist; give a {_ACCEPTED}")
+        columns = _columns(url, fs, path)
+    except OSError as err:  # no permission, a store that does not answer...
+        raise PreflightError(f"data_url {url} is not readable: {err}") from None
     wanted = [*([label] if label else []), *(features or [])]
     missing = [name for name in wanted if name not in columns]
     if missing:
@@ -128,13 +131,10 @@ def _columns(url: str, fs: Any, path: str) -> list[str]:
     if fs.isdir(path):
         return _parquet_directory_columns(url, fs, path)
     name = path.lower()
-    try:
-        if name.endswith((".csv", ".csv.gz")):
-            return _csv_columns(url, fs, path)
-        if name.endswith(".parquet"):
-            return _parquet_columns(url, fs, path)
-    except PermissionError as err:
-        raise PreflightError(f"data_url {url} is not readable: {err}") from None
+    if name.endswith((".csv", ".csv.gz")):
+        return _csv_columns(url, fs, path)
+    if name.endswith(".parquet"):
+        return _parquet_columns(url, fs, path)
     raise PreflightError(f"data_url {url} has an unsupported format; give a {_ACCEPTED}")
 
 
