@@ -9,6 +9,7 @@ import pytest
 from prefect import get_client
 from prefect.testing.utilities import prefect_test_harness
 
+from ringflow.flows.result import main as show_result
 from ringflow.flows.train_pipeline import train_pipeline
 from ringflow.storage import read_checkpoint
 from tests.test_own_model import write_table
@@ -45,7 +46,7 @@ def _run_count(state) -> int:
     ],
 )
 def test_bad_input_ends_the_run_on_its_first_attempt_saying_why(
-    params, why, prefect_server, ray_session, houses, tmp_path
+    params, why, prefect_server, ray_session, houses, tmp_path, capsys
 ):
     state = train_pipeline(
         **{
@@ -63,14 +64,18 @@ def test_bad_input_ends_the_run_on_its_first_attempt_saying_why(
     assert "\n" not in state.message
     assert re.search(why, state.message), state.message
     assert _run_count(state) == 1  # failed once: the flow's retry was not used
+    capsys.readouterr()
+    assert show_result([str(state.state_details.flow_run_id)]) == 1
+    shown = capsys.readouterr().out
+    assert re.search(r"^  why +" + why, shown, re.M), shown
 
 
 def test_the_configuration_a_search_picks_is_the_one_training_uses(
-    prefect_server, ray_session, houses, tmp_path
+    prefect_server, ray_session, houses, tmp_path, capsys
 ):
     # The base configuration (batch 256, no compression) is the first trial; the second takes
     # the only values the space offers, and with 16 times the steps per epoch it wins.
-    result = train_pipeline(
+    state = train_pipeline(
         model="ringflow.models.tabular:TabularMLP",
         hparams={"hidden": 16},
         data_url=houses,
@@ -83,10 +88,17 @@ def test_the_configuration_a_search_picks_is_the_one_training_uses(
         tune_epochs=2,
         tune_space={"batch_size": [16], "compression": ["bf16"], "lr": [0.02]},
         serve=False,
+        return_state=True,
     )
+    result = state.result()
     assert result["tune"]["best_params"] == {"batch_size": 16, "compression": "bf16", "lr": 0.02}
     trained = read_checkpoint(result["checkpoint"])
     assert trained.meta["train_config"]["batch_size"] == 16
     assert trained.meta["train_config"]["compression"] == "bf16"
     assert trained.hparams["lr"] == 0.02
     assert result["hparams"] == {"hidden": 16, "lr": 0.02}
+    capsys.readouterr()
+    assert show_result([str(state.state_details.flow_run_id)]) == 0
+    shown = capsys.readouterr().out
+    assert f"model       {result['model_uri']}" in shown, shown
+    assert re.search(r"^  gate +tabular_mlp v0001 promoted to production: ", shown, re.M), shown
