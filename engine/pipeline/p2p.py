@@ -7,13 +7,20 @@ deadlock ``batch_isend_irecv`` exists to avoid). Sends are asynchronous; every r
 waited for with the deadline ``timeout_s``, and a neighbour that died or stopped answering
 raises ``PeerLostError`` or ``CollectiveTimeoutError`` naming that stage, never a hang.
 
-On CPU (gloo) the deadline is enforced by this module. On GPU (NCCL) waits only order the
-compute stream; the deadline is NCCL's own process-group timeout, set to ``timeout_s``.
+On CPU (gloo) a receive is waited for on the host, up to the deadline. On GPU (NCCL) a wait
+only orders the compute stream and the host runs ahead; a thread of this module then holds
+every transfer to its deadline (a CUDA event recorded after it), and when one passes it
+aborts the link's communicators, so kernels stuck on a dead or silent neighbour return, and
+the next wait, send or flush on this stage raises ``CollectiveTimeoutError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -72,11 +79,12 @@ class StageLink:
         self.prepost = 2
         """Receives posted ahead of the action that needs them."""
         self._groups: dict[str, dist.ProcessGroup] = {}
+        self._deadline, self._watchdog = False, None
         if stages == 1:
             return
         if backend == "nccl":
-            if groups is None:
-                timeout = dt.timedelta(seconds=timeout_s)
+            if groups is None:  # NCCL's own watchdog stays behind this module's deadlines
+                timeout = dt.timedelta(seconds=max(timeout_s, connect_timeout_s) + 60)
                 groups = tuple(dist.new_group(backend="nccl", timeout=timeout) for _ in _DIRS)
             self._groups = dict(zip(_DIRS, groups, strict=True))
             self._connect_nccl()
@@ -87,6 +95,7 @@ class StageLink:
                 for d in _DIRS
             }
         self._deadline = backend == "gloo"
+        self._watchdog = _Watchdog(self) if backend == "nccl" else None
         # gloo moves bytes on its own threads: receives posted ahead overlap compute. NCCL
         # receives posted ahead of sends in the other direction can stall the pair: none.
         self.prepost = 2 if backend == "gloo" else 0
@@ -110,7 +119,8 @@ class StageLink:
         """Start sending ``tensor`` to the next stage (activation) or the previous (gradient)."""
         peer = self.stage + 1 if what == FORWARD else self.stage - 1
         tensor = tensor.contiguous()
-        work = self._groups[what].send([tensor], peer, micro)
+        with self._checked(peer, f"pipeline {what} send"):
+            work = self._groups[what].send([tensor], peer, micro)
         self._sends.append((work, tensor, peer))
         self._sends = [s for s in self._sends if not s[0].is_completed()]
 
@@ -127,7 +137,8 @@ class StageLink:
         gradient (from the next)."""
         peer = self.stage - 1 if what == FORWARD else self.stage + 1
         buffer = torch.empty(shape, dtype=dtype, device=device)
-        work = self._groups[what].recv([buffer], peer, micro)
+        with self._checked(peer, f"pipeline {what} receive"):
+            work = self._groups[what].recv([buffer], peer, micro)
         return PendingReceive(work=work, buffer=buffer, peer=peer, what=what)
 
     def wait(self, pending: PendingReceive) -> torch.Tensor:
@@ -141,10 +152,13 @@ class StageLink:
         return pending.buffer
 
     def flush(self) -> None:
-        """Wait until every send has left (end of a step)."""
+        """Wait until every send has left (end of a step); on NCCL, until every transfer of
+        the step is done on the GPU or one passed its deadline."""
         sends, self._sends = self._sends, []
         for work, _, peer in sends:
             self._wait(work, peer, "pipeline send")
+        if self._watchdog is not None:
+            self._watchdog.drain()
 
     def barrier(self) -> None:
         """All stages of the pipeline meet (benchmarks line up their steps with it)."""
@@ -152,6 +166,13 @@ class StageLink:
             self._wait(self._groups[FORWARD].barrier(), None, "pipeline barrier")
 
     def _wait(self, work: dist.Work, peer: int | None, op: str) -> None:
+        if self._watchdog is not None:
+            with self._checked(peer, op):
+                work.wait()  # the compute stream waits for NCCL's; the host does not
+            done = torch.cuda.Event()
+            done.record()
+            self._watchdog.watch(done, peer, op)
+            return
         if not self._deadline:
             work.wait()
             return
@@ -170,9 +191,104 @@ class StageLink:
                 rank=self.stage,
             ) from err
 
+    @contextlib.contextmanager
+    def _checked(self, peer: int | None, op: str):
+        """Raise the watchdog's verdict, before and instead of what NCCL raises after an
+        abort (it refuses work on an aborted communicator)."""
+        if self._watchdog is None:
+            yield
+            return
+        self._watchdog.raise_failure()
+        try:
+            yield
+        except RuntimeError as err:
+            self._watchdog.raise_failure()
+            raise PeerLostError(
+                f"pipeline stage {peer} was lost during {op} (stage {self.stage} saw: {err})",
+                peer=peer,
+                op=op,
+                rank=self.stage,
+            ) from err
+
+    def timed_out(self, peer: int | None, op: str) -> CollectiveTimeoutError:
+        return CollectiveTimeoutError(
+            f"pipeline stage {peer} stopped answering during {op}: nothing arrived within "
+            f"the deadline of {self.timeout_s:g} s seen by stage {self.stage}; raise "
+            "collective_timeout_s (TrainConfig) if the stages are merely slow",
+            peer=peer,
+            op=op,
+            rank=self.stage,
+        )
+
+    def abort(self) -> None:
+        """End the communicators, so that kernels waiting on a neighbour return."""
+        for group in self._groups.values():
+            with contextlib.suppress(Exception):  # already failing: best effort
+                dist.distributed_c10d._abort_process_group(group)
+
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
         self._sends = []
         self._groups = {}
+
+
+class _Watchdog:
+    """Holds every NCCL transfer of a link to its deadline, from a thread of its own."""
+
+    _POLL_S = 1e-3
+
+    def __init__(self, link: StageLink) -> None:
+        self._link = link
+        self._pending: deque[tuple[torch.cuda.Event, float, int | None, str]] = deque()
+        self._changed = threading.Condition()
+        self._stopped = False
+        self.failure: CollectiveTimeoutError | None = None
+        self._thread = threading.Thread(target=self._loop, name="ringflow-pipeline-deadlines")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def watch(self, done: torch.cuda.Event, peer: int | None, op: str) -> None:
+        with self._changed:
+            self._pending.append((done, time.monotonic() + self._link.timeout_s, peer, op))
+            self._changed.notify()
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def drain(self) -> None:
+        """Wait until every watched transfer is done or one passed its deadline (raised)."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._pending or self.failure or self._stopped)
+        self.raise_failure()
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+        self._thread.join(1.0)
+
+    def _loop(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending or self._stopped)
+                if self._stopped:
+                    return
+                done, deadline, peer, op = self._pending[0]
+            if done.query():
+                with self._changed:
+                    self._pending.popleft()
+                    self._changed.notify_all()
+                continue
+            if time.monotonic() > deadline:
+                with self._changed:
+                    self.failure = self._link.timed_out(peer, op)
+                    self._changed.notify_all()
+                # Aborting can block on the hung kernels: it runs beside this thread's exit.
+                threading.Thread(target=self._link.abort, daemon=True).start()
+                return
+            time.sleep(self._POLL_S)
 
 
 _DIRS = (FORWARD, BACKWARD)
