@@ -756,7 +756,7 @@ class _Progress:
 
     def started(self, trial_id: str, params: dict[str, Any], resumed: bool) -> None:
         shown = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
-        verb = "resumes from its checkpoint" if resumed else "started"
+        verb = "started again (it was interrupted)" if resumed else "started"
         self.emit(f"trial {self._name(trial_id)} {verb}: {shown}")
 
     def stop(self, trial_id: str, result: dict) -> None:
@@ -921,6 +921,7 @@ def _run_trials(
 
 def _fit_tuner(trainable, queue, proposer, evolution, history, cfg, lines, scratch) -> dict:
     from ray import tune
+    from ray.tune.logger import JsonLoggerCallback
 
     per_trial, concurrent = _packing(cfg)
     layout = trainable.layout
@@ -947,7 +948,10 @@ def _fit_tuner(trainable, queue, proposer, evolution, history, cfg, lines, scrat
             max_concurrent_trials=concurrent,
         ),
         run_config=tune.RunConfig(
-            storage_path=scratch, name=layout.run_key, verbose=0, callbacks=[lines.callback()]
+            storage_path=scratch,
+            name=layout.run_key,
+            verbose=0,
+            callbacks=[lines.callback(), JsonLoggerCallback()],
         ),
     )
     results = tuner.fit()
@@ -979,13 +983,14 @@ def _packing(cfg: SearchConfig) -> tuple[float, int]:
 
 @contextmanager
 def _tune_scratch(cfg: SearchConfig) -> Iterator[str]:
-    """A local directory for Ray Tune's experiment state, empty at the start of the search.
+    """A local directory for Ray Tune's experiment state, empty at the start of the search,
+    and Tune's own output off while it runs.
 
     Tune's state (``tuner.pkl``, searcher and trial states) is pickled; it stays on the
     machine that drives the search and is never read back: a resumed search is rebuilt from
-    the JSON records under ``storage_url``. ``TUNE_DISABLE_AUTO_CALLBACK_LOGGERS`` drops
-    Tune's CSV, JSON and TensorBoard loggers (the records are ringflow's own), and with them
-    its hint to run TensorBoard on that scratch directory.
+    the JSON records under ``storage_url``. Tune's status tables, its CSV and TensorBoard
+    loggers (the records are ringflow's own) and with them its hint to run TensorBoard on
+    that directory are off; the search prints a line per trial instead (:class:`_Progress`).
     """
     path = (
         tempfile.mkdtemp(prefix="ringflow-tune-")
@@ -995,16 +1000,24 @@ def _tune_scratch(cfg: SearchConfig) -> Iterator[str]:
     if cfg.state_dir is not None:
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
-    key = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"
-    old = os.environ.get(key)
-    os.environ[key] = "1"
+    # Read by Tune when the search starts: the legacy reporter, silent at verbose=0 (the new
+    # one prints its configuration table and the scratch path whatever the verbosity), and
+    # no default loggers (the JSON one, which the result grid reads, is added explicitly).
+    quiet = {"RAY_AIR_NEW_OUTPUT": "0", "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1"}
+    saved = {key: os.environ.get(key) for key in quiet}
+    tune_log = logging.getLogger("ray.tune")
+    level = tune_log.level
+    os.environ.update(quiet)
+    tune_log.setLevel(logging.WARNING)  # "wrote the latest version of all result files"
     try:
         yield path
     finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
+        tune_log.setLevel(level)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         if cfg.state_dir is None:
             shutil.rmtree(path, ignore_errors=True)
 
