@@ -226,6 +226,56 @@ class Optimization:
             schedule.scheduler.load_state_dict(state)
 
 
+# The LightningModule methods ringflow calls where Trainer calls them (engine.worker); a module
+# overriding another hook of Trainer's loop is named in a warning when a run starts.
+CALLED_HOOKS = frozenset(
+    {
+        "setup",
+        "configure_model",
+        "teardown",
+        "on_fit_start",
+        "on_fit_end",
+        "on_train_start",
+        "on_train_end",
+        "on_train_epoch_start",
+        "on_train_epoch_end",
+        "on_train_batch_start",
+        "on_train_batch_end",
+        "on_before_zero_grad",
+        "on_before_backward",
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "on_validation_epoch_start",
+        "on_validation_epoch_end",
+        "on_test_epoch_start",
+        "on_test_epoch_end",
+        "on_save_checkpoint",
+        "on_load_checkpoint",
+    }
+)
+_OTHER_HOOKS = ("configure_gradient_clipping", "optimizer_step", "optimizer_zero_grad", "backward")
+
+
+def uncalled_hooks(module_cls: type, *, called: frozenset[str] = CALLED_HOOKS) -> list[str]:
+    """The hooks of Trainer's loop ``module_cls`` overrides that ringflow does not call."""
+    import lightning as L
+    from lightning.pytorch.core.hooks import CheckpointHooks, DataHooks, ModelHooks
+
+    hooks = {
+        name
+        for base in (ModelHooks, DataHooks, CheckpointHooks)
+        for name, value in vars(base).items()
+        if callable(value) and not name.startswith("_")
+    }
+    hooks.update(_OTHER_HOOKS)
+    hooks -= {"prepare_data", "configure_sharded_model"}  # a data module's; deprecated
+    return sorted(
+        name
+        for name in hooks - called
+        if getattr(module_cls, name, None) is not getattr(L.LightningModule, name, None)
+    )
+
+
 def call_hook(module: torch.nn.Module, name: str, *args: Any) -> Any:
     """Call the module's hook ``name`` if it has one (a LightningModule has them all)."""
     hook = getattr(module, name, None)

@@ -21,6 +21,7 @@ from ringflow.engine.errors import EngineError, WorkerFailedError
 from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, WorkerGroup
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged, logger_rows
+from ringflow.engine.module import CALLED_HOOKS, uncalled_hooks
 from ringflow.engine.spec import build_module, model_hparams
 from ringflow.engine.worker import evaluate_module
 from ringflow.storage.checkpoint import load_model, read_checkpoint, save_model
@@ -140,6 +141,7 @@ def fit(
         module_cls, hparams, data, config, store_url, run_key, init_from, layout=layout
     )
     writers = _Loggers(loggers)
+    _warn_uncalled_hooks(module_cls, pipeline)
     if hasattr(data, "prepare"):
         data.prepare()  # a DataModule's prepare_data: once, before any worker starts
     group_cls = LocalGroup if in_process else RayWorkerGroup
@@ -196,6 +198,26 @@ def fit(
         resumed_from=resume.step if resume.checkpoint is not None else None,
         events=events,
     )
+
+
+def _warn_uncalled_hooks(module_cls: type, pipeline: PipelineConfig | None) -> None:
+    """Name the hooks the module overrides that this run will not call (never silence)."""
+    if not isinstance(module_cls, type) or not issubclass(module_cls, torch.nn.Module):
+        return
+    import lightning as L
+
+    if not issubclass(module_cls, L.LightningModule):
+        return
+    # A pipeline stage holds part of the module: none of its hooks run there.
+    uncalled = uncalled_hooks(module_cls, called=frozenset() if pipeline else CALLED_HOOKS)
+    if uncalled:
+        log.warning(
+            "%s overrides %s, which ringflow does not call%s (docs/own-model.md lists what "
+            "it calls)",
+            module_cls.__name__,
+            ", ".join(uncalled),
+            " with pipeline stages" if pipeline else "",
+        )
 
 
 def _has_callbacks(module_cls: type) -> bool:

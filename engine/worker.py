@@ -207,7 +207,7 @@ class RankWorker:
         # Built on the CPU, so the initial weights are the same wherever the worker trains;
         # then moved, before the optimizer exists, so its state is created on the device.
         self.precision = Precision(config.precision, self.device)
-        self.module = self.precision.convert_module(module_cls(**hparams).to(self.device))
+        module = module_cls(**hparams)
         self.train = samples_of(data, "train")
         self._evaluated: dict[str, Samples] = {}
         self.steps_per_epoch = -(-len(self.train) // config.batch_size)
@@ -221,7 +221,10 @@ class RankWorker:
             world_size=self.world_size,
         )
         self.metric_log = MetricLog()
-        attach(self.module, self.trainer, self.metric_log)
+        attach(module, self.trainer, self.metric_log)
+        call_hook(module, "setup", "fit")  # as Trainer: then configure_model, then the device
+        call_hook(module, "configure_model")
+        self.module = self.precision.convert_module(module.to(self.device))
         self.optimization = Optimization(self.module, self.precision)
         self.optimizer = self.optimization.optimizer
         self.trainer.adopt(self.optimization)
@@ -358,6 +361,7 @@ class RankWorker:
         self.trainer.current_epoch = epochs
         call_hook(self.module, "on_train_end")
         call_hook(self.module, "on_fit_end")
+        call_hook(self.module, "teardown", "fit")
 
     def train_steps(self, epoch: int, first: int, count: int) -> Logged:
         """Run steps ``first .. first + count - 1`` of ``epoch``.

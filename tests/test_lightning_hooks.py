@@ -157,3 +157,27 @@ def test_a_callback_hook_ringflow_does_not_call_is_named(tmp_path, caplog):
     assert "callback PerBatch overrides on_train_batch_end, which ringflow does not call" in (
         caplog.text
     )
+
+
+class OwnStep(OneCycle):
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+        pass
+
+
+def test_a_module_hook_ringflow_does_not_call_is_named(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="ringflow.engine"):
+        fit(
+            OwnStep,
+            hparams={"total_steps": 8},
+            data=table(),
+            config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+            checkpoint_uri=str(tmp_path / "model"),
+            in_process=True,
+        )
+    assert (
+        "OwnStep overrides on_validation_batch_end, optimizer_step, which ringflow does not call"
+        in caplog.text
+    )

@@ -22,8 +22,9 @@ Host time. A collective is a dozen small launches and their Python; on a slow ho
 more than the GPU's work (0.2-0.4 ms a collective on 2 H100s). So the first collective on
 a tensor (same address, length, dtype, reduction) is recorded as a CUDA graph, and later ones
 replay it: one launch. Gradient buckets and benchmark buffers are
-the same tensors every step. Growing the staging buffers drops the graphs. On 2 H100s this
-took the ring from 0.29 to 0.81 of NCCL's all-reduce at 16 MiB (docs/benchmarks.md);
+the same tensors every step. Growing the staging buffers drops the graphs. On 2 H100s a
+replayed 16 MiB collective runs at 0.81 of NCCL's all-reduce, launched kernel by kernel at
+0.29 (docs/benchmarks.md, "What the symm settings are worth");
 ``RINGFLOW_SYMM_GRAPHS=0`` launches every kernel each time instead.
 
 Failures. A peer that dies or stops answering leaves this rank's signal waits unanswered. At
