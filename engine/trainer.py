@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["EpochMetrics", "FitResult", "check_layout", "evaluate", "fit"]
 
 log = logging.getLogger("ringflow.engine")
+progress = logging.getLogger("ringflow.engine.progress")
+"""Epoch lines: a caller with a display of its own (the flow's progress bar) may leave them."""
 
 EpochCallback = Callable[["EpochMetrics"], None]
 
@@ -347,7 +349,7 @@ def _train(
             loggers.write(logger_rows(validation, epoch_end=True)[1], step=last, epoch=epoch)
             loggers.write(logger_rows(logged, epoch_end=True)[1], step=last, epoch=epoch)
             history.append(EpochMetrics(epoch=epoch, metrics=metrics, seconds=seconds))
-            log.info("epoch %d/%d %s", epoch + 1, config.epochs, _fmt(metrics))
+            progress.info("epoch %d/%d %s", epoch + 1, config.epochs, _fmt(metrics))
             callback_metrics = {
                 **metrics,
                 **logger_rows(logged.merge(validation), epoch_end=True)[1],
@@ -449,6 +451,7 @@ def _checkpoint(
     history: list[EpochMetrics],
 ) -> int:
     """Checkpoint ``step`` as the layout does (data parallel: queued on rank 0)."""
+    log.info("checkpoint of step %d of run %s: saving", step, resume.run_key)
     try:
         layout.checkpoint(
             group,
