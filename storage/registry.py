@@ -213,6 +213,7 @@ class ModelRegistry:
         self.model = model
         self._fs = fs
         self._root = join(root.rstrip("/") or root, model)
+        self._records: dict[str, ModelVersion] = {}  # committed versions never change
 
     def __repr__(self) -> str:
         return f"ModelRegistry({self.url!r})"
@@ -511,6 +512,8 @@ class ModelRegistry:
         raise RegistryError(f"{self.url}: could not claim a version number; register again")
 
     def _read_record(self, version: str) -> ModelVersion | None:
+        if version in self._records:
+            return self._records[version]
         path = self._path("versions", version, _RECORD)
         try:
             self._fs.invalidate_cache(path)
@@ -521,9 +524,11 @@ class ModelRegistry:
         if body.pop("format", None) != _VERSION_FORMAT or body.get("version") != version:
             raise RegistryError(f"{join(self.url, 'versions', version)} has a foreign record")
         try:
-            return ModelVersion(**body)
+            record = ModelVersion(**body)
         except TypeError as err:
             raise RegistryError(f"{join(self.url, 'versions', version)}: {err}") from err
+        self._records[version] = record
+        return record
 
     def _numbers(self) -> list[int]:
         """Numbers of every version directory, committed or not."""
