@@ -9,13 +9,12 @@ when the run resumes.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 import torch
 
-from ringflow.engine.errors import ModelError
+from ringflow.engine.jsonstate import from_json, to_json
 
 __all__ = ["Callbacks", "in_worker"]
 
@@ -149,14 +148,7 @@ class Callbacks:
         """Every callback's state by its ``state_key``, and whether one stopped the run."""
         states = {}
         for callback in self.callbacks:
-            state = _plain(callback.state_dict())
-            try:
-                json.dumps(state)
-            except TypeError as err:
-                raise ModelError(
-                    f"callback {callback.state_key}'s state is not JSON, so ringflow cannot "
-                    f"checkpoint it: {err}"
-                ) from None
+            state = to_json(callback.state_dict(), what=f"callback {callback.state_key}'s state")
             states[callback.state_key] = state
         return {"states": states, "stopped": self.trainer.should_stop}
 
@@ -164,25 +156,5 @@ class Callbacks:
         states = state.get("states", {})
         for callback in self.callbacks:
             if callback.state_key in states:
-                callback.load_state_dict(_tensors(states[callback.state_key]))
+                callback.load_state_dict(from_json(states[callback.state_key]))
         self.trainer.should_stop = bool(state.get("stopped", False))
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return {"__tensor__": value.tolist()}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _tensors(value: Any) -> Any:
-    if isinstance(value, dict):
-        if set(value) == {"__tensor__"}:
-            return torch.tensor(value["__tensor__"])
-        return {k: _tensors(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_tensors(v) for v in value]
-    return value

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ringflow.engine.errors import ModelError
+from ringflow.engine.jsonstate import from_json, to_json
 
 __all__ = ["Logged", "MetricLog", "Value", "logger_rows"]
 
@@ -172,7 +173,10 @@ class Logged:
             "steps": {str(step): values(found) for step, found in self.steps.items()},
             "options": self.options,
             "samples": self.samples,
-            "metrics": {name: _state(metric) for name, metric in self.metrics.items()},
+            "metrics": {
+                name: to_json(_state(metric), what=f"metric {name}'s state")
+                for name, metric in self.metrics.items()
+            },
         }
 
     @classmethod
@@ -185,10 +189,7 @@ class Logged:
             steps={int(step): values(found) for step, found in data.get("steps", {}).items()},
             options=data.get("options", {}),
             samples=int(data.get("samples", 0)),
-            metrics={
-                name: {k: _tensors(v) for k, v in state.items()}
-                for name, state in data.get("metrics", {}).items()
-            },
+            metrics={name: from_json(state) for name, state in data.get("metrics", {}).items()},
         )
 
 
@@ -234,26 +235,10 @@ def _merged_metric(mine: Any, other: Any) -> Any:
 
 
 def _state(metric: Any) -> dict[str, Any]:
-    """A ``Metric``'s state (or a state read back) as JSON: tensors as nested lists."""
-    if not isinstance(metric, dict):
-        metric = {attr: getattr(metric, attr) for attr in metric._defaults}
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return {"__tensor__": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
-        if isinstance(value, list):
-            return [plain(v) for v in value]
-        return value
-
-    return {attr: plain(value) for attr, value in metric.items()}
-
-
-def _tensors(value: Any) -> Any:
-    if isinstance(value, dict) and "__tensor__" in value:
-        return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
-    if isinstance(value, list):
-        return [_tensors(v) for v in value]
-    return value
+    """A ``Metric``'s state (or a state read back, as it is)."""
+    if isinstance(metric, dict):
+        return metric
+    return {attr: getattr(metric, attr) for attr in metric._defaults}
 
 
 def _logged_name(name: str, options: dict[str, bool], when: str) -> str:

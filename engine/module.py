@@ -23,7 +23,6 @@ optimizers, manual optimisation, and a ``ReduceLROnPlateau`` stepped every batch
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from ringflow.engine.errors import ModelError
+from ringflow.engine.jsonstate import from_json, to_json
 
 __all__ = ["CLIP_ALGORITHMS", "PRECISIONS", "Optimization", "Precision", "clip_gradients"]
 
@@ -209,21 +209,24 @@ class Optimization:
         """Every scheduler's state, and the gradient scaler's, as JSON (checkpoints keep it)."""
         scaler = self.precision.scaler
         return {
-            "schedulers": [_jsonable(s.scheduler.state_dict()) for s in self.schedules],
-            "scaler": None if scaler is None else _jsonable(scaler.state_dict()),
+            "schedulers": [
+                to_json(s.scheduler.state_dict(), what="a learning-rate scheduler's state")
+                for s in self.schedules
+            ],
+            "scaler": None if scaler is None else to_json(scaler.state_dict(), what="scaler"),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         states = state.get("schedulers", [])
         if state.get("scaler") is not None and self.precision.scaler is not None:
-            self.precision.scaler.load_state_dict(state["scaler"])
+            self.precision.scaler.load_state_dict(from_json(state["scaler"]))
         if len(states) != len(self.schedules):
             raise ValueError(
                 f"the checkpoint holds {len(states)} scheduler states, the module configures "
                 f"{len(self.schedules)}"
             )
         for schedule, state in zip(self.schedules, states, strict=True):
-            schedule.scheduler.load_state_dict(state)
+            schedule.scheduler.load_state_dict(from_json(state))
 
 
 # The LightningModule methods ringflow calls where Trainer calls them (engine.worker); a module
@@ -378,8 +381,7 @@ def module_checkpoint(module: torch.nn.Module) -> dict[str, Any]:
     (ringflow never pickles); ``on_load_checkpoint`` gets it back on resume."""
     extra: dict[str, Any] = {}
     call_hook(module, "on_save_checkpoint", extra)
-    extra = _jsonable(extra, what=f"what {type(module).__name__}.on_save_checkpoint adds")
-    return extra
+    return to_json(extra, what=f"what {type(module).__name__}.on_save_checkpoint adds")
 
 
 def attach(module: torch.nn.Module, trainer: TrainerView, log: Any) -> None:
@@ -398,26 +400,3 @@ def clip_gradients(optimizer: torch.optim.Optimizer, value: float | None, algori
         torch.nn.utils.clip_grad_norm_(params, value)
     else:
         torch.nn.utils.clip_grad_value_(params, value)
-
-
-def _jsonable(state: dict[str, Any], *, what: str = "a learning-rate scheduler's state") -> dict:
-    """A state with tensors as numbers, checked to survive JSON."""
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.item() if value.numel() == 1 else value.tolist()
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [plain(v) for v in value]
-        return value
-
-    state = plain(state)
-    try:
-        json.dumps(state, allow_nan=True)
-    except TypeError as err:
-        raise ModelError(
-            f"{what} is not JSON, so ringflow cannot checkpoint it: {err}; keep numbers, "
-            "strings, lists and dicts there (tensors are turned into lists)"
-        ) from None
-    return state

@@ -194,3 +194,22 @@ def test_the_tensorboard_logger_gets_what_trainer_gives_it(data, trainers_rows, 
     assert got.keys() == wanted.keys()
     for key, value in wanted.items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+
+
+def test_a_metric_state_taken_mid_epoch_survives_the_checkpoint_as_json():
+    import json
+
+    from ringflow.engine.metrics import Logged
+
+    def accuracy(preds, target) -> MulticlassAccuracy:
+        metric = MulticlassAccuracy(num_classes=CLASSES, average="micro")
+        metric.update(torch.tensor(preds), torch.tensor(target))
+        return metric
+
+    options = {"acc": {"on_step": False, "on_epoch": True}}
+    before = Logged(metrics={"acc": accuracy([0, 1, 2], [0, 1, 1])}, options=options)
+    stored = json.loads(json.dumps(before.to_json()))  # what the checkpoint's metadata holds
+    after = Logged(metrics={"acc": accuracy([2, 0], [2, 1])}, options=options)
+    resumed = Logged.from_json(stored).merge(after)
+    whole = accuracy([0, 1, 2, 2, 0], [0, 1, 1, 2, 1]).compute()
+    assert resumed.results()["acc"] == pytest.approx(float(whole))  # 3 of 5
