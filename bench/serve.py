@@ -15,7 +15,10 @@ Two modes:
   ``--duration`` seconds, a second run of the same flow registers a trained model, the
   gate promotes it and the run serves it again (``serve_registry`` on the running app).
   It prints a table, then one JSON line: ``failed_requests``, ``p99_ms`` (and ``p99``),
-  the versions that answered in order, and when the flow run started and ended.
+  the versions that answered in order, and when the flow run started and ended. The
+  second run serves exactly what runs, so the app follows the pointer in place; with
+  ``--rolling`` it serves with another ``poll_s``, which Serve rolls out as a new
+  deployment (what a changed token or option does).
 - ``python -m bench.serve load --url URL`` is only the load generator (tests use it to
   load a server from a second process while a new model is promoted). It prints one JSON
   line: counts, latency percentiles, and which model versions answered, in order.
@@ -269,7 +272,13 @@ def _redeploy_flow():
 
     @flow(name="bench-promote-and-serve")
     def promote_and_serve(
-        checkpoint: str, storage_url: str, dataset_url: str, metrics: dict, run_key: str, port: int
+        checkpoint: str,
+        storage_url: str,
+        dataset_url: str,
+        metrics: dict,
+        run_key: str,
+        port: int,
+        poll_s: float = 1.0,
     ) -> dict:
         version = register(
             checkpoint,
@@ -280,7 +289,9 @@ def _redeploy_flow():
             model="digits",
         )
         gate = promote(version["version"], storage_url, model="digits")
-        served = serve_production(storage_url, dataset_url, port=port, model="digits")
+        served = serve_production(
+            storage_url, dataset_url, port=port, model="digits", poll_s=poll_s
+        )
         return {"version": version["version"], "promoted": gate["promoted"], **served}
 
     return promote_and_serve
@@ -337,21 +348,26 @@ def _redeploy_main(args: argparse.Namespace) -> int:
             started = time.monotonic()
             time.sleep(min(2.0, args.duration / 4))  # some load on the old version first
             flow_start = time.monotonic() - started
-            after = promote_and_serve(second, storage, dataset_url, second_metrics, "second", port)
+            poll_s = 0.5 if args.rolling else 1.0  # another poll_s: another deployment
+            after = promote_and_serve(
+                second, storage, dataset_url, second_metrics, "second", port, poll_s
+            )
             flow_end = time.monotonic() - started
             result = _collect(load, args.duration)
         finally:
             shutdown_serving()
             serve.shutdown()
             ray.shutdown()
-    result["server"] = "redeploy"
+    result["server"] = "rolling" if args.rolling else "in place"
     _print_table([result])
     print(
         f"flow run 2 ({after['version']}, promoted={after['promoted']}) ran from "
         f"{flow_start:.1f} s to {flow_end:.1f} s after the first answer; versions answered in "
         f"order: {', '.join(result['version_order'])}"
     )
-    summary = {k: result[k] for k in ("failed_requests", "requests", "rps", "p50_ms", "p99_ms")}
+    summary = {
+        k: result[k] for k in ("failed_requests", "requests", "rps", "p50_ms", "p99_ms", "max_ms")
+    }
     summary |= {
         "p99": result["p99_ms"],
         "errors": result["errors"],
@@ -362,6 +378,7 @@ def _redeploy_main(args: argparse.Namespace) -> int:
         "flow_run_s": [round(flow_start, 2), round(flow_end, 2)],
         "concurrency": args.concurrency,
         "duration_s": args.duration,
+        "rolling": args.rolling,
     }
     print(json.dumps(summary))
     return 0
@@ -394,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
         "redeploy", help="load the server while a flow run promotes and serves a new version"
     )
     redeploy.add_argument("--port", type=int, default=0, help="Serve's HTTP port; 0 picks one")
+    redeploy.add_argument(
+        "--rolling", action="store_true", help="serve with another poll_s: a Serve rolling update"
+    )
     load = sub.add_parser("load", help="only the load generator, against a running server")
     load.add_argument("--url", required=True, help="endpoint, e.g. http://127.0.0.1:8000")
     load.add_argument("--token-env", default=None, help="env var holding the bearer token")
