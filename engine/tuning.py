@@ -286,18 +286,31 @@ def _is_range(kind: str, values: Any) -> bool:
 # --------------------------------------------------------------------------- algorithms
 
 
-def _random_search(dims: list[_Dimension], base: dict[str, Any], cfg: SearchConfig, seed: int):
-    """The base configuration as trial 0, then independent random samples: trial ``i`` is
-    drawn from a generator seeded by ``(seed, i)``, so a resumed search proposes exactly
-    what the uninterrupted one would have."""
+class _Random:
+    """The base configuration as trial ``00000``, then independent samples: trial ``i`` is
+    drawn from a generator seeded by ``(seed, i)``, so a resumed search proposes exactly what
+    the uninterrupted one would have."""
 
-    def propose(index: int) -> dict[str, Any]:
+    def __init__(self, dims: list[_Dimension], base: dict[str, Any], *, seed: int):
+        self.dims, self.base, self.seed = dims, base, seed
+
+    def suggest(self, trial_id: str) -> dict[str, Any]:
+        index = int(trial_id)
         if index == 0:
-            return dict(base)
-        rng = random.Random(f"{seed}:{index}")
-        return {d.name: d.sample(rng) for d in dims}
+            return dict(self.base)
+        rng = random.Random(f"{self.seed}:{index}")
+        return {d.name: d.sample(rng) for d in self.dims}
 
-    return propose
+    def observe(self, trial_id: str, result: dict) -> None:
+        pass  # proposals do not depend on results
+
+    def resume(self, history: _History, *, base_trial: str) -> None:
+        pass
+
+
+def _random_search(dims: list[_Dimension], base: dict[str, Any], cfg: SearchConfig, seed: int):
+    """Random sampling, the base configuration first (see :class:`_Random`)."""
+    return _Random(dims, base, seed=seed)
 
 
 def _evolution_search(dims: list[_Dimension], base: dict[str, Any], cfg: SearchConfig, seed: int):
@@ -309,9 +322,11 @@ SEARCH_ALGORITHMS: dict[str, Callable[..., Any]] = {
     "random": _random_search,
     "evolution": _evolution_search,
 }
-"""Search algorithms by name. Both are plain Python, rebuilt from the search's records when it
-resumes: the Ray searchers that model the metric (Optuna, HyperOpt, BayesOpt, ...) each need
-a package not installed here, and keep their state only as pickles."""
+"""Search algorithms by name: each returns a proposer with ``suggest(trial_id)``,
+``observe(trial_id, result)`` and ``resume(history, base_trial=...)``. Both are plain Python,
+rebuilt from the search's records when it resumes: the Ray searchers that model the metric
+(Optuna, HyperOpt, BayesOpt, ...) each need a package not installed here, and keep their
+state only as pickles."""
 
 
 class _Evolution:
@@ -363,13 +378,6 @@ class _Evolution:
             self.queue.clear()
 
 
-def _proposals(
-    dims: list[_Dimension], base: dict[str, Any], cfg: SearchConfig, seed: int
-) -> Callable[[int], dict[str, Any]] | _Evolution:
-    """What proposes the configuration of trial number ``index`` (see ``SEARCH_ALGORITHMS``)."""
-    return SEARCH_ALGORITHMS[cfg.algorithm](dims, base, cfg, seed)
-
-
 def _searcher_cls() -> type:
     """Ray's ``Searcher`` handing out the trials a search still has to run; built on first use,
     as Ray is imported only when a search runs.
@@ -381,9 +389,9 @@ def _searcher_cls() -> type:
     from ray.tune.search import Searcher
 
     class TrialQueue(Searcher):
-        def __init__(self, queue, propose, evolution, *, metric, mode):
+        def __init__(self, queue, proposer, *, metric, mode):
             super().__init__(metric=metric, mode=mode)
-            self.queue, self.propose, self.evolution = list(queue), propose, evolution
+            self.queue, self.proposer = list(queue), proposer
             self.ids: dict[str, str] = {}
 
         def set_search_properties(self, metric, mode, config, **spec) -> bool:
@@ -397,13 +405,13 @@ def _searcher_cls() -> type:
             resumed = params is not None
             return {
                 "trial": trial_id,
-                "params": params or self.propose(trial_id),
+                "params": params or self.proposer.suggest(trial_id),
                 "resumed": resumed,
             }
 
         def on_trial_result(self, tune_id: str, result: dict) -> None:
-            if self.evolution is not None and tune_id in self.ids:
-                self.evolution.observe(self.ids[tune_id], result)
+            if tune_id in self.ids:
+                self.proposer.observe(self.ids[tune_id], result)
 
         def on_trial_complete(self, tune_id: str, result=None, error: bool = False) -> None:
             if result and not error:
@@ -911,23 +919,19 @@ def _run_trials(
     queue = [(t, recorded.get(t)) for t in _ids(cfg) if t not in kept]
     if not queue:
         return {}
-    proposer = _proposals(dims, base, cfg, seed)
-    evolution = proposer if isinstance(proposer, _Evolution) else None
-    if evolution is not None:
-        evolution.resume(history, base_trial=_trial_id(0))
+    proposer = SEARCH_ALGORITHMS[cfg.algorithm](dims, base, cfg, seed)
+    proposer.resume(history, base_trial=_trial_id(0))
     with _tune_scratch(cfg) as scratch:
-        return _fit_tuner(trainable, queue, proposer, evolution, history, cfg, lines, scratch)
+        return _fit_tuner(trainable, queue, proposer, history, cfg, lines, scratch)
 
 
-def _fit_tuner(trainable, queue, proposer, evolution, history, cfg, lines, scratch) -> dict:
+def _fit_tuner(trainable, queue, proposer, history, cfg, lines, scratch) -> dict[str, str]:
+    """Run the trials of ``queue`` with Ray Tune; the failed ones, with why."""
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
     per_trial, concurrent = _packing(cfg)
     layout = trainable.layout
-
-    def propose(trial_id: str) -> dict[str, Any]:
-        return proposer.suggest(trial_id) if evolution is not None else proposer(int(trial_id))
 
     def trial(config: dict[str, Any]) -> None:  # Tune wants a plain function to annotate
         trainable(config)
@@ -936,7 +940,7 @@ def _fit_tuner(trainable, queue, proposer, evolution, history, cfg, lines, scrat
         lines.stop(trial_id, result)
         layout.trial(trial_id).stopped(**{_EPOCH: int(result[_EPOCH])})
 
-    searcher = _searcher_cls()(queue, propose, evolution, metric=cfg.metric, mode=cfg.mode)
+    searcher = _searcher_cls()(queue, proposer, metric=cfg.metric, mode=cfg.mode)
     tuner = tune.Tuner(
         tune.with_resources(trial, {"cpu": per_trial}),
         tune_config=tune.TuneConfig(

@@ -149,8 +149,8 @@ def test_random_search_proposes_by_trial_number_the_base_first():
     dims = parse_space(SPACE)
 
     def proposals(seed, order):
-        propose = _random_search(dims, BASE, SearchConfig(), seed)
-        return {i: propose(i) for i in order}
+        proposer = _random_search(dims, BASE, SearchConfig(), seed)
+        return {i: proposer.suggest(f"{i:05d}") for i in order}
 
     first = proposals(3, [0, 1, 2, 3])
     assert first[0] == BASE
