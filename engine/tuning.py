@@ -781,7 +781,7 @@ class _Progress:
         epoch = result.get(_EPOCH, 0)
         if trial_id in self.stopped or epoch < self.cfg.epochs:
             return f"stopped early after epoch {epoch}, {value}"
-        return f"completed {epoch} epochs, {value}"
+        return f"completed {epoch} epoch{'' if epoch == 1 else 's'}, {value}"
 
     def _name(self, trial_id: str) -> str:
         return f"{trial_id}{' (base)' if trial_id == self.base else ''}"
