@@ -67,6 +67,11 @@ class RunSpec:
                 "use_best_checkpoint takes the best tuning trial's model, but tune_trials is 0: "
                 "set tune_trials to 1 or more, or leave use_best_checkpoint off"
             )
+        if "-trial-" in (p["run_key"] or ""):
+            raise ValueError(
+                f"run_key {p['run_key']!r} contains '-trial-', which names the checkpoints of "
+                "a run's tuning trials; choose a key without it"
+            )
         config = TrainConfig(
             workers=p["workers"],
             epochs=p["epochs"],

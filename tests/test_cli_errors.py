@@ -139,6 +139,11 @@ def test_a_combination_the_engine_refuses_is_one_line_before_prefect_or_ray_star
     assert "Ray" not in result.stdout
 
 
+def test_a_run_key_that_could_be_a_tuning_trials_is_refused():
+    result, _ = _cli("--run-key", "nightly-trial-00001", "--tune-trials", "0")
+    _assert_one_line_error(result, "run_key 'nightly-trial-00001' contains '-trial-'")
+
+
 def test_debug_shows_the_traceback():
     result, _ = _cli("--workers", "0", "--debug")
     assert result.returncode != 0
