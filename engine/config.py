@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ringflow.engine.collective import COMPRESSIONS, TRANSPORTS, available_collectives
 from ringflow.storage.dataset import TableSchema
 
-__all__ = ["PLACEMENTS", "DataSpec", "TensorData", "TrainConfig"]
+__all__ = ["PLACEMENTS", "STREAM_ABOVE_BYTES", "DataSpec", "TensorData", "TrainConfig"]
+
+STREAM_ABOVE_BYTES = 256 * 2**20
+"""``DataSpec(stream=None)`` streams a split whose Parquet shards hold more bytes than this."""
 
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
 """``TrainConfig.placement`` to the Ray placement-group strategy."""
@@ -208,8 +212,24 @@ class DataSpec:
     """URL of the dataset directory (holds ``_manifest.json``)."""
     schema: TableSchema | None = None
     """Feature and label columns; ``None`` reads the schema the dataset was written with."""
+    stream: bool | None = None
+    """``True``: workers read their rows of every batch from the shards' row groups while they
+    train (``storage.stream``: memory bounded by a few row groups); ``False``: each split is
+    read whole into every worker; ``None``: stream a split whose shards hold more than
+    ``STREAM_ABOVE_BYTES`` (256 MiB), read smaller ones whole (faster when they fit). All give
+    the same batches, bit for bit."""
+    shuffle_window: int = 4
+    """Row groups whose rows are shuffled together each epoch (after the row groups are
+    shuffled): part of the order (``engine.data.EpochOrder``), whether streamed or not. A
+    split stored in one row group is shuffled whole."""
+    prefetch_batches: int = 4
+    """Batches a streaming worker's background reader prepares ahead of training."""
 
     def __post_init__(self) -> None:
+        if self.stream is not None and not isinstance(self.stream, bool):
+            raise ValueError(f"stream must be True, False or None (by size), got {self.stream!r}")
+        _positive_int("shuffle_window", self.shuffle_window)
+        _positive_int("prefetch_batches", self.prefetch_batches)
         if self.schema is None:
             from ringflow.storage.dataset import dataset_schema
 
@@ -221,6 +241,29 @@ class DataSpec:
 
         x, y = read_split(self.dataset_url, split, self.schema)
         return torch.from_numpy(x), torch.from_numpy(y)
+
+    def samples(self, split: str) -> Any:
+        """``split`` as a worker reads it (``engine.data.Samples``): streamed, or read whole,
+        with its row-group layout either way."""
+        from ringflow.storage.dataset import split_shards
+        from ringflow.storage.stream import ParquetSplit, SplitStream
+
+        stream = self.stream
+        if stream is None:
+            _, shards = split_shards(self.dataset_url, split, self.schema)
+            stream = sum(f["size"] for f in shards) > STREAM_ABOVE_BYTES
+        if stream:
+            return SplitStream(
+                self.dataset_url,
+                split,
+                self.schema,
+                window=self.shuffle_window,
+                prefetch=self.prefetch_batches,
+            )
+        from ringflow.engine.data import Layout, TableSamples
+
+        blocks = ParquetSplit(self.dataset_url, split, self.schema).blocks or (0,)
+        return TableSamples(*self.read(split), layout=Layout(blocks, self.shuffle_window))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,6 +12,14 @@ From a DataModule ringflow takes what its dataloaders hold, not the loaders them
 ``*_dataloader()`` the ``dataset`` and ``collate_fn``. The batch size is ``TrainConfig.batch_size``
 (the global batch, split across the workers), and the order is ringflow's, whatever sampler the
 loader has; a loader whose ``batch_size`` differs is named in a warning.
+
+The order (:class:`EpochOrder`) follows the split's :class:`Layout`, its blocks (a Parquet
+dataset's row groups): each epoch shuffles the blocks, shuffles the rows inside each window of
+``window`` consecutive blocks of that order, cuts the result into global batches and groups
+each batch's rows by block. A streaming reader (``storage.stream``) can follow it holding a
+window of blocks, and each rank's contiguous part of a batch touches about ``window / ranks``
+of them. Data without blocks (tensors, datasets, data modules) is one block: its order is one
+seeded ``torch.randperm`` of the split per epoch.
 """
 
 from __future__ import annotations
@@ -22,7 +30,16 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["DataModuleData", "DatasetData", "Samples", "TableSamples", "as_data"]
+__all__ = [
+    "DataModuleData",
+    "DatasetData",
+    "EpochOrder",
+    "Layout",
+    "Samples",
+    "TableSamples",
+    "as_data",
+    "layout_of",
+]
 
 log = logging.getLogger("ringflow.engine")
 
@@ -31,7 +48,12 @@ _STAGES = {"train": "fit", "validation": "fit", "test": "test"}
 
 
 class Samples(Protocol):
-    """One split as a worker reads it."""
+    """One split as a worker reads it.
+
+    It may also have a ``layout`` (:class:`Layout`; none means one block) and a
+    ``follow(position, plan)`` method, which ``engine.worker.epoch_batches`` calls with the
+    ``(step, indices)`` it is about to ask :meth:`batch` for, so that a reader can prefetch.
+    """
 
     def __len__(self) -> int: ...
 
@@ -40,11 +62,101 @@ class Samples(Protocol):
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How a split is stored, as far as its order depends on it."""
+
+    blocks: tuple[int, ...]
+    """Rows in each block (a Parquet row group), in the split's row order."""
+    window: int = 1
+    """Blocks whose rows are shuffled together (``DataSpec.shuffle_window``)."""
+
+    def __post_init__(self) -> None:
+        if not self.blocks or min(self.blocks) < 0 or self.window < 1:
+            raise ValueError(
+                f"a layout has blocks of 0 or more rows and a window of 1 or more: {self}"
+            )
+
+
+def layout_of(samples: Samples) -> Layout:
+    """``samples``' layout; one block where it has none."""
+    return getattr(samples, "layout", None) or Layout((len(samples),))
+
+
+_BLOCK_STREAM = 2**31 - 1
+"""The generator stream that shuffles blocks; window ``w`` shuffles its rows with stream ``w``."""
+
+
+def _generator(seed: int, epoch: int, stream: int) -> torch.Generator:
+    # Stream 0 is seeded ``seed + epoch``: one block's order is the randperm it always was.
+    return torch.Generator().manual_seed((seed + epoch + (stream << 32)) % 2**63)
+
+
+class EpochOrder:
+    """The global order of one epoch: a seeded function of the layout, ``seed`` and ``epoch``.
+
+    Blocks are shuffled; each window of ``layout.window`` consecutive blocks of that order has
+    its rows shuffled together; the concatenation is cut into batches of ``batch_size``, and
+    each batch's rows are grouped by block (stably, blocks in their shuffled order), which
+    changes no batch's content and keeps each rank's part in few blocks. Windows are computed
+    when a batch needs them and only the last few are kept, so the order of any step costs
+    about one window, never the whole split.
+    """
+
+    def __init__(self, layout: Layout, *, seed: int, epoch: int, batch_size: int) -> None:
+        self.layout, self.seed, self.epoch, self.batch_size = layout, seed, epoch, batch_size
+        blocks = torch.tensor(layout.blocks, dtype=torch.int64)
+        self.size = int(blocks.sum())
+        self.steps = -(-self.size // batch_size)
+        self._ends = torch.cumsum(blocks, 0)
+        self._starts = self._ends - blocks
+        if len(blocks) > 1:
+            shuffled = torch.randperm(len(blocks), generator=_generator(seed, epoch, _BLOCK_STREAM))
+        else:
+            shuffled = torch.arange(len(blocks))
+        self._windows = torch.split(shuffled, layout.window)
+        sizes = torch.stack([blocks[w].sum() for w in self._windows])
+        self._window_ends = torch.cumsum(sizes, 0)
+        self._rank = torch.empty_like(shuffled)  # a block's place in the shuffled order
+        self._rank[shuffled] = torch.arange(len(shuffled))
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def batch(self, step: int) -> torch.Tensor:
+        """The row indices of global batch ``step``, grouped by block."""
+        start = step * self.batch_size
+        end = min(start + self.batch_size, self.size)
+        first = int(torch.searchsorted(self._window_ends, start, right=True))
+        pieces = []
+        for w in range(first, len(self._windows)):
+            offset = int(self._window_ends[w - 1]) if w else 0
+            if offset >= end:
+                break
+            pieces.append(self._window(w)[max(start - offset, 0) : end - offset])
+        rows = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if len(self.layout.blocks) > 1:
+            keys = self._rank[torch.searchsorted(self._ends, rows, right=True)]
+            rows = rows[torch.sort(keys, stable=True).indices]
+        return rows
+
+    def _window(self, w: int) -> torch.Tensor:
+        if w not in self._cache:
+            rows = torch.cat(
+                [torch.arange(self._starts[b], self._ends[b]) for b in self._windows[w].tolist()]
+            )
+            perm = torch.randperm(len(rows), generator=_generator(self.seed, self.epoch, w))
+            self._cache[w] = rows[perm]
+            for old in [k for k in self._cache if k < w - 1]:
+                del self._cache[old]
+        return self._cache[w]
+
+
+@dataclass(frozen=True)
 class TableSamples:
     """A table's split: ``(features[indices], labels[indices])``."""
 
     x: torch.Tensor
     y: torch.Tensor
+    layout: Layout | None = None
+    """How the split is stored (it sets the order); ``None`` for one block."""
 
     def __len__(self) -> int:
         return len(self.y)

@@ -16,7 +16,7 @@ import torch
 
 from ringflow.engine.collective import Collective, GradientBuckets, create_collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
-from ringflow.engine.data import Samples, samples_of
+from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of, samples_of
 from ringflow.engine.errors import EngineError
 from ringflow.engine.metrics import Logged, MetricLog
 from ringflow.engine.module import (
@@ -69,7 +69,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def epoch_batches(
-    samples: int,
+    samples: int | Samples,
     config: TrainConfig,
     *,
     epoch: int,
@@ -82,25 +82,41 @@ def epoch_batches(
     """Steps ``first .. first + count - 1`` of ``epoch``: each step's index, this rank's part
     of its global batch (sample indices) and the global batch's size.
 
-    The order is a seeded function of the epoch, and the generators are reseeded at every
-    step (:func:`step_seed`), so any worker count, layout or resume point sees the same global
-    batches and the same random numbers.
+    The order is a seeded function of the split's layout and the epoch
+    (``engine.data.EpochOrder``; a number of samples is one block), and the generators are
+    reseeded at every step (:func:`step_seed`), so any worker count, layout or resume point
+    sees the same global batches and the same random numbers. Samples that can ``follow``
+    are told the parts this rank will ask for, to the epoch's end, so they can read ahead.
 
     Raises:
         ValueError: the steps are outside the epoch.
     """
-    steps_per_epoch = -(-samples // config.batch_size)
+    layout = Layout((samples,)) if isinstance(samples, int) else layout_of(samples)
+    order = EpochOrder(layout, seed=config.seed, epoch=epoch, batch_size=config.batch_size)
+    steps_per_epoch = order.steps
     if not 0 <= first < first + count <= steps_per_epoch:
         raise ValueError(
             f"steps {first}..{first + count - 1} are outside epoch {epoch}, "
             f"which has {steps_per_epoch} steps"
         )
-    order = torch.randperm(samples, generator=torch.Generator().manual_seed(config.seed + epoch))
-    size = config.batch_size
+    follow = getattr(samples, "follow", None)
+    if follow is not None:
+        position = (config.seed, config.batch_size, epoch, first, rank, world_size)
+        follow(position, _rank_parts(layout, config, epoch, first, rank, world_size))
     for step in range(first, first + count):
         _seed(step_seed(config.seed, epoch * steps_per_epoch + step, rank), device)
-        batch = order[step * size : (step + 1) * size]
+        batch = order.batch(step)
         yield step, split_global_batch(batch, rank=rank, world_size=world_size), len(batch)
+
+
+def _rank_parts(
+    layout: Layout, config: TrainConfig, epoch: int, first: int, rank: int, world_size: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(step, this rank's part)`` from ``first`` to the epoch's end, on its own order object
+    (a reader's thread computes them ahead of the training loop)."""
+    order = EpochOrder(layout, seed=config.seed, epoch=epoch, batch_size=config.batch_size)
+    for step in range(first, order.steps):
+        yield step, split_global_batch(order.batch(step), rank=rank, world_size=world_size)
 
 
 def free_address() -> str:
@@ -377,7 +393,7 @@ class RankWorker:
             self._callbacks("on_train_epoch_start")
             call_hook(self.module, "on_train_epoch_start")
         for step, mine, global_size in epoch_batches(
-            len(self.train),
+            self.train,
             self.config,
             epoch=epoch,
             first=first,

@@ -40,10 +40,13 @@ __all__ = [
     "PreprocessResult",
     "SchemaError",
     "TableSchema",
+    "commit_manifest",
     "dataset_schema",
     "infer_schema",
     "preprocess",
     "read_split",
+    "split_shards",
+    "table_arrays",
 ]
 
 SPLITS = ("train", "validation", "test")
@@ -1084,6 +1087,17 @@ def read_split(
             or does not match its size and checksum.
         SchemaError: the dataset lacks a schema column or stores it with another dtype.
     """
+    schema, shards = split_shards(dataset_url, split, schema)
+    names = [c.name for c in schema.columns]
+    table = pa.concat_tables([_read_shard(dataset_url, f, names) for f in shards])
+    return table_arrays(table, schema)
+
+
+def split_shards(
+    dataset_url: str, split: str, schema: TableSchema | None = None
+) -> tuple[TableSchema, list[dict[str, Any]]]:
+    """The schema to read ``split`` with and its shards' manifest entries (``path``, ``rows``,
+    ``size``, ``sha256``), in the split's row order; checked as :func:`read_split` checks."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
     manifest = _load_manifest(dataset_url)
@@ -1092,14 +1106,50 @@ def read_split(
         schema = stored
     else:
         _check_stored_schema(dataset_url, stored, schema)
-    names = [c.name for c in schema.columns]
-    shards = [f for f in manifest["files"] if f["split"] == split]
-    table = pa.concat_tables([_read_shard(dataset_url, f, names) for f in shards])
+    return schema, [f for f in manifest["files"] if f["split"] == split]
+
+
+def table_arrays(table: pa.Table, schema: TableSchema) -> tuple[np.ndarray, np.ndarray]:
+    """``(features, labels)`` of a table of the schema's columns, as :func:`read_split` returns
+    them."""
     features = np.empty((table.num_rows, schema.input_dim), dtype=np.float32)
     for i, column in enumerate(schema.features):
         features[:, i] = table[column.name].to_numpy()
     label_type = np.int64 if schema.task == "classification" else np.float32
     return features, table[schema.label.name].to_numpy().astype(label_type)
+
+
+def commit_manifest(
+    dataset_url: str,
+    *,
+    schema: TableSchema,
+    files: list[dict[str, Any]],
+    fingerprint: str,
+    source_url: str,
+    fractions: tuple[float, float, float],
+    seed: int,
+) -> PreprocessResult:
+    """Commit shards written by other code than :func:`preprocess` (a generator, a job) as a
+    dataset: the manifest is written last, as :func:`preprocess` writes it.
+
+    Args:
+        files: one entry per shard: ``split``, ``path`` (relative to ``dataset_url``),
+            ``rows``, ``size`` and ``sha256`` of its bytes.
+    """
+    manifest = {
+        "format": _FORMAT,
+        "fingerprint": fingerprint,
+        "source_url": source_url,
+        "schema": _schema_json(schema),
+        "fractions": list(fractions),
+        "seed": seed,
+        "rows": {s: sum(f["rows"] for f in files if f["split"] == s) for s in SPLITS},
+        "source_rows": sum(f["rows"] for f in files),
+        "rejected_rows": 0,
+        "files": files,
+    }
+    atomic_write(join(dataset_url, _MANIFEST), json.dumps(manifest, indent=2).encode())
+    return _result(dataset_url, manifest)
 
 
 def dataset_schema(dataset_url: str) -> TableSchema:

@@ -1,0 +1,237 @@
+"""Read a split of a committed dataset while training runs, a few row groups at a time.
+
+A :class:`SplitStream` is one split as a worker sees it (``engine.data.Samples``): its length,
+its layout (the row groups of its shards, read from the Parquet footers) and the batch of any
+rows. A worker tells it which rows it will ask for next (:meth:`SplitStream.follow`); a
+background thread then reads the row groups those rows lie in and builds the batches ahead of
+the training loop, at most ``prefetch`` batches ahead, keeping only the row groups that the
+next batches need. Nothing reads a whole split, so a worker's memory is bounded by a few row
+groups and ``prefetch`` batches, whatever the dataset's size.
+
+The batches are the very values :func:`storage.dataset.read_split` gives (the same conversion,
+:func:`storage.dataset.table_arrays`). Each shard's size and row count are checked against the
+manifest when the stream opens; the SHA-256 of a whole shard is checked only by whole-split
+reads, since a streaming worker reads parts of shards.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from ringflow.storage.dataset import DataError, TableSchema, split_shards, table_arrays
+from ringflow.storage.fs import join, resolve
+
+__all__ = ["ParquetSplit", "SplitStream"]
+
+_LOOKAHEAD = 16
+"""Planned batches whose row groups the reader keeps: a row group used again within this many
+batches is not read twice."""
+_DIRECT_BLOCKS = 2
+"""Row groups kept for reads outside a plan (evaluation reads its rows in order)."""
+
+
+class ParquetSplit:
+    """The row groups of one split of a committed dataset, each readable on its own.
+
+    Raises:
+        DataError: no committed dataset, or a shard's size or rows differ from the manifest.
+        SchemaError: the dataset lacks a schema column (as ``read_split``).
+    """
+
+    def __init__(self, dataset_url: str, split: str, schema: TableSchema | None = None) -> None:
+        self.schema, shards = split_shards(dataset_url, split, schema)
+        self.names = [c.name for c in self.schema.columns]
+        self._fs, root = resolve(dataset_url)
+        self._paths: list[str] = []
+        self._groups: list[tuple[int, int]] = []  # (shard, row group) of every block
+        rows: list[int] = []
+        for shard, entry in enumerate(shards):
+            path = join(root, entry["path"])
+            self._paths.append(path)
+            for group, count in enumerate(self._row_groups(dataset_url, path, entry)):
+                self._groups.append((shard, group))
+                rows.append(count)
+        self.blocks = tuple(rows)
+        """Rows in each row group, in the split's row order."""
+
+    def _row_groups(self, dataset_url: str, path: str, entry: dict[str, Any]) -> list[int]:
+        url = join(dataset_url, entry["path"])
+        try:
+            size = self._fs.size(path)
+        except FileNotFoundError as err:
+            raise DataError(
+                f"shard {url} listed in the manifest is missing; run preprocess again"
+            ) from err
+        if size != entry["size"]:
+            raise DataError(f"shard {url} has {size} bytes, its manifest says {entry['size']}")
+        with self._fs.open(path, "rb") as f:
+            meta = pq.read_metadata(f)
+        if meta.num_rows != entry["rows"]:
+            raise DataError(
+                f"shard {url} has {meta.num_rows} rows, its manifest says {entry['rows']}"
+            )
+        return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+    def read(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(features, labels)`` of row group ``block``, as ``read_split`` converts them."""
+        shard, group = self._groups[block]
+        with self._fs.open(self._paths[shard], "rb") as f:
+            table = pq.ParquetFile(f).read_row_group(group, columns=self.names)
+        return table_arrays(table, self.schema)
+
+
+@dataclass
+class _Failed:
+    error: BaseException
+
+
+class _Plan:
+    """A reading thread following one sequence of ``(step, rows)``."""
+
+    def __init__(self, position: tuple, stream: SplitStream, parts: Iterable) -> None:
+        self.position = position
+        self.out: queue.Queue = queue.Queue(maxsize=stream.prefetch)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=stream._read_ahead, args=(parts, self), name="ringflow-reader", daemon=True
+        )
+        self.thread.start()
+
+    def put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class SplitStream:
+    """One split of a committed dataset, read in row groups as training asks for rows.
+
+    Args:
+        dataset_url: the committed dataset.
+        split: ``train``, ``validation`` or ``test``.
+        schema: the columns to read (``None``: the dataset's own).
+        window: row groups shuffled together (the layout's ``window``, which the order uses).
+        prefetch: batches the background reader builds ahead of the training loop.
+    """
+
+    def __init__(
+        self,
+        dataset_url: str,
+        split: str,
+        schema: TableSchema | None = None,
+        *,
+        window: int,
+        prefetch: int,
+    ) -> None:
+        from ringflow.engine.data import Layout
+
+        self._split = ParquetSplit(dataset_url, split, schema)
+        self.layout = Layout(self._split.blocks or (0,), window)
+        self.prefetch = prefetch
+        self._ends = np.cumsum(np.array(self.layout.blocks, dtype=np.int64))
+        self._starts = self._ends - np.array(self.layout.blocks, dtype=np.int64)
+        self._label_type = np.int64 if self._split.schema.task == "classification" else np.float32
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the reading thread's
+        self._direct: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._plan: _Plan | None = None
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def follow(self, position: Hashable, parts: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """Read ahead the ``(step, rows)`` of ``parts``, which :meth:`batch` will be asked for
+        in that order. ``position`` names where ``parts`` starts; a plan already at that
+        position (the next steps of the one running) goes on, any other replaces it."""
+        if self._plan is not None and self._plan.position == position:
+            return
+        self.close()
+        self._plan = _Plan(position, self, parts)
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(features, labels)`` of the rows at ``indices``: the read-ahead batch when they
+        are the plan's next rows, else read now."""
+        plan = self._plan
+        if plan is not None:
+            item = plan.out.get()
+            if isinstance(item, _Failed):
+                self._plan = None
+                raise item.error
+            if item is not None and torch.equal(item[1], indices):
+                step, _, batch = item
+                plan.position = (*plan.position[:3], step + 1, *plan.position[4:])
+                return batch
+            self.close()  # asked for other rows than planned: stop reading ahead
+        return self._gather(indices, self._direct)
+
+    def close(self) -> None:
+        """Stop the reading thread, if one runs."""
+        if self._plan is not None:
+            self._plan.close()
+            self._plan = None
+
+    def _read_ahead(self, parts: Iterable[tuple[int, torch.Tensor]], plan: _Plan) -> None:
+        try:
+            planned = self._planned(iter(parts))
+            ahead: deque = deque()
+            for item in planned:
+                ahead.append(item)
+                if len(ahead) > _LOOKAHEAD and not self._serve(ahead, plan):
+                    return
+            while ahead:
+                if not self._serve(ahead, plan):
+                    return
+            plan.put(None)
+        except BaseException as err:  # handed to the training thread, which raises it
+            plan.put(_Failed(err))
+
+    def _planned(self, parts: Iterator[tuple[int, torch.Tensor]]) -> Iterator[tuple]:
+        for step, rows in parts:
+            if len(rows):  # a rank with no rows in a batch asks for nothing
+                blocks = np.unique(np.searchsorted(self._ends, rows.numpy(), side="right"))
+                yield step, rows, set(blocks.tolist())
+
+    def _serve(self, ahead: deque, plan: _Plan) -> bool:
+        step, rows, _ = ahead.popleft()
+        batch = self._gather(rows, self._cache)
+        needed = set().union(*(blocks for _, _, blocks in ahead))
+        for block in [b for b in self._cache if b not in needed]:
+            del self._cache[block]
+        return plan.put((step, rows, batch))
+
+    def _gather(self, rows: torch.Tensor, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = rows.numpy()
+        which = np.searchsorted(self._ends, ids, side="right")
+        x = np.empty((len(ids), self._split.schema.input_dim), dtype=np.float32)
+        y = np.empty(len(ids), dtype=self._label_type)
+        for block in np.unique(which).tolist():
+            bx, by = self._block(block, cache)
+            here = which == block
+            local = ids[here] - self._starts[block]
+            x[here], y[here] = bx[local], by[local]
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def _block(self, block: int, cache: dict) -> tuple[np.ndarray, np.ndarray]:
+        if block not in cache:
+            cache[block] = self._split.read(block)
+            if isinstance(cache, OrderedDict) and len(cache) > _DIRECT_BLOCKS:
+                cache.popitem(last=False)
+        elif isinstance(cache, OrderedDict):
+            cache.move_to_end(block)
+        return cache[block]
