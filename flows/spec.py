@@ -49,6 +49,8 @@ class RunSpec:
     tolerance: float
     serve: bool
     serve_port: int
+    loggers: tuple[str, ...] = ()
+    """Lightning loggers by name (``tasks.train.run_loggers``)."""
 
     @property
     def storage_url(self) -> str:
@@ -84,6 +86,7 @@ class RunSpec:
             accumulate_grad_batches=p["accumulate_grad_batches"],
             gradient_clip_val=p["gradient_clip_val"],
             gradient_clip_algorithm=p["gradient_clip_algorithm"],
+            log_every_n_steps=p["log_every_n_steps"],
             placement=p["placement"],
             gpus_per_worker=p["gpus_per_worker"],
             **({"cpus_per_worker": p["cpus_per_worker"]} if p["cpus_per_worker"] else {}),
@@ -117,6 +120,7 @@ class RunSpec:
             tolerance=p["promotion_tolerance"],
             serve=p["serve"],
             serve_port=p["serve_port"],
+            loggers=_loggers(p["loggers"]),
         )
 
     def check_data(self) -> None:
@@ -174,3 +178,16 @@ def _tune_parameters(config: TrainConfig, p: dict[str, Any]) -> dict[str, Any] |
         "algorithm": p["tune_algorithm"],
         "max_concurrent": p["tune_max_concurrent"],
     }
+
+
+def _loggers(names: list[str] | None) -> tuple[str, ...]:
+    """The loggers asked for, each once; mlflow only where it is installed."""
+    import importlib.util
+
+    chosen = tuple(dict.fromkeys(names or ()))
+    if "mlflow" in chosen and importlib.util.find_spec("mlflow") is None:
+        raise ValueError(
+            "loggers: mlflow needs the mlflow package where the flow runs (pip install mlflow); "
+            "or use csv or tensorboard"
+        )
+    return chosen

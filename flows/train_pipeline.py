@@ -62,6 +62,8 @@ def train_pipeline(
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b",
     warm_start: bool = False,
     promotion_tolerance: Annotated[float, Field(ge=0, le=1)] = 0.0,
+    loggers: list[Literal["csv", "tensorboard", "mlflow"]] | None = None,
+    log_every_n_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 50,
 ) -> dict:
     """Train a model end to end, promote it if it beats production, serve it.
 
@@ -128,6 +130,10 @@ def train_pipeline(
         warm_start: start training from the production model's weights, if there is one.
         promotion_tolerance: promote a model whose test metric is at most this much worse
             than production's; otherwise production keeps its model.
+        loggers: Lightning loggers for what the model logs: csv and tensorboard write under
+            storage_url's runs/<run key>/logs/, mlflow to MLFLOW_TRACKING_URI (needs mlflow).
+        log_every_n_steps: values the model logs every step reach the loggers every this many
+            optimizer steps (Lightning's log_every_n_steps).
     """
     attempt = flow_run.get_run_count() or 1
     if attempt > max_restarts + 1:
@@ -260,6 +266,8 @@ def _run(spec: RunSpec, attempt: int) -> dict:
             init_from=warm_start_checkpoint(spec.storage_url, spec.model_name)
             if spec.warm_start
             else None,
+            loggers=spec.loggers,
+            model_name=spec.model_name,
         )
         if trained["resumed_from_step"] is not None:
             report_resume(checkpoints, spec.run_key, trained["resumed_from_step"], attempt)

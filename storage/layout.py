@@ -6,6 +6,7 @@
     {storage_url}/datasets/{fingerprint}/   validated, split Parquet shards (storage.dataset)
     {storage_url}/checkpoints/{run key}/    training state, resumable (storage.store)
     {storage_url}/runs/{run key}/model      the model a run trained
+    {storage_url}/runs/{run key}/logs/      what its loggers wrote (csv/, tensorboard/)
     {storage_url}/tune/{run key}/           a search's records (engine.tuning)
     {storage_url}/registry/{model name}/    versions and the production pointer (storage.registry)
 """
@@ -43,6 +44,10 @@ class Workspace:
 
     def run_model(self, run_key: str) -> str:
         return join(self.url, "runs", run_key, "model")
+
+    def logs(self, run_key: str) -> str:
+        """Where a run's Lightning loggers write (one folder each)."""
+        return join(self.url, "runs", run_key, "logs")
 
     def trial_model(self, run_key: str, trial_id: str) -> str:
         return join(self.url, "runs", run_key, "trials", trial_id, "model")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -36,6 +37,8 @@ def train(
     config: TrainConfig,
     pipeline: PipelineConfig | None = None,
     init_from: str | None = None,
+    loggers: tuple[str, ...] = (),
+    model_name: str | None = None,
 ) -> dict:
     """Train ``model`` on Ray actors; return the checkpoint URL and the final metrics.
 
@@ -45,6 +48,8 @@ def train(
         pipeline: with more than one stage the model is split into pipeline stages,
             ``config.workers`` replicas of them.
         init_from: a committed model to warm-start from.
+        loggers: Lightning loggers by name (:func:`run_loggers`), written under the run's
+            ``logs`` folder; ``model_name`` names an MLflow experiment.
 
     Training is checkpointed under ``{storage_url}/checkpoints/{run_key}``, so a retried
     flow run (same run key) resumes where the failed attempt stopped. The run key's lease
@@ -59,7 +64,8 @@ def train(
         cpus = _stage_cpus(config.workers * pipeline.stages)
         config = dataclasses.replace(config, cpus_per_worker=cpus)
     lease = _hold_run_key(workspace.checkpoints, run_key, config)
-    with lease, _epoch_progress(config.epochs) as on_epoch:
+    writers = run_loggers(loggers, workspace.logs(run_key), run_key, model_name)
+    with lease, _engine_logs(), _epoch_progress(config.epochs) as on_epoch:
         try:
             result = fit(
                 model.resolve(),
@@ -72,6 +78,7 @@ def train(
                 run_key=run_key,
                 init_from=init_from,
                 pipeline=pipeline,
+                loggers=writers,
             )
             lease.check()  # raises if another process took the run key meanwhile
         except Exception as err:
@@ -91,6 +98,64 @@ def train(
         "metrics": result.metrics,
         "resumed_from_step": result.resumed_from,
     }
+
+
+def run_loggers(
+    names: tuple[str, ...], logs_url: str, run_key: str, model_name: str | None
+) -> list:
+    """Lightning loggers by name: ``csv`` and ``tensorboard`` in ``logs_url``'s ``csv/`` and
+    ``tensorboard/`` (a run resumed under the same key appends to them), ``mlflow`` to
+    ``MLFLOW_TRACKING_URI`` in the experiment ``model_name``, as a run named ``run_key``."""
+    made = []
+    for name in names:
+        if name == "csv":
+            from lightning.pytorch.loggers import CSVLogger
+
+            made.append(CSVLogger(logs_url, name="", version="csv"))
+        elif name == "tensorboard":
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            made.append(TensorBoardLogger(logs_url, name="", version="tensorboard"))
+        elif name == "mlflow":
+            from lightning.pytorch.loggers import MLFlowLogger
+
+            made.append(
+                MLFlowLogger(
+                    experiment_name=model_name or "ringflow",
+                    run_name=run_key,
+                    tracking_uri=os.environ.get("MLFLOW_TRACKING_URI"),
+                )
+            )
+        else:
+            raise ValueError(f"loggers: unknown logger {name!r}; use csv, tensorboard or mlflow")
+    return made
+
+
+@contextmanager
+def _engine_logs():
+    """What the engine logs (resumes, checkpoints, warnings naming what a module does that
+    ringflow does not honour) goes to the run's log, except its epoch lines: the progress
+    display below gives those."""
+    engine = logging.getLogger("ringflow.engine")
+    forward = _ToRunLogger(get_run_logger())
+    forward.addFilter(lambda record: record.name != "ringflow.engine.progress")
+    level = engine.level
+    engine.addHandler(forward)
+    engine.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        engine.removeHandler(forward)
+        engine.setLevel(level)
+
+
+class _ToRunLogger(logging.Handler):
+    def __init__(self, run_logger: logging.LoggerAdapter) -> None:
+        super().__init__(logging.INFO)
+        self.run_logger = run_logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.run_logger.log(record.levelno, record.getMessage())
 
 
 def _hold_run_key(store_url: str, run_key: str, config: TrainConfig) -> RunLease:

@@ -88,6 +88,8 @@ def test_the_configuration_a_search_picks_is_the_one_training_uses(
         tune_epochs=2,
         tune_space={"batch_size": [16], "compression": ["bf16"], "lr": [0.02]},
         serve=False,
+        loggers=["csv"],
+        log_every_n_steps=10,
         return_state=True,
     )
     result = state.result()
@@ -97,6 +99,21 @@ def test_the_configuration_a_search_picks_is_the_one_training_uses(
     assert trained.meta["train_config"]["compression"] == "bf16"
     assert trained.hparams["lr"] == 0.02
     assert result["hparams"] == {"hidden": 16, "lr": 0.02}
+    # The loggers asked for, under the run's folder: Lightning's names and steps.
+    run_key = trained.meta["run_key"]
+    with open(tmp_path / "runs" / run_key / "logs" / "csv" / "metrics.csv") as rows:
+        header = rows.readline().strip().split(",")
+    assert {"epoch", "step", "train_loss", "val_loss", "val_mae"} <= set(header), header
+    # What the engine logs reaches the run's log (its checkpoints), once per checkpoint.
+    with get_client(sync_client=True) as client:
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        flow_run = LogFilterFlowRunId(any_=[state.state_details.flow_run_id])
+        logged = [entry.message for entry in client.read_logs(LogFilter(flow_run_id=flow_run))]
+    saves = [
+        m for m in logged if re.fullmatch(rf"checkpoint of step \d+ of run {run_key}: saving", m)
+    ]
+    assert len(saves) == 1, logged  # one epoch: its end
     capsys.readouterr()
     assert show_result([str(state.state_details.flow_run_id)]) == 0
     shown = capsys.readouterr().out
