@@ -96,8 +96,9 @@ class EpochOrder:
 
     Blocks are shuffled; each window of ``layout.window`` consecutive blocks of that order has
     its rows shuffled together; the concatenation is cut into batches of ``batch_size``, and
-    each batch's rows are grouped by block (stably, blocks in their shuffled order), which
-    changes no batch's content and keeps each rank's part in few blocks. Windows are computed
+    each batch's rows are grouped by block (stably; by the block's place in its window, then
+    by window), which changes no batch's content and keeps each rank's part in the same few
+    blocks of every window. Windows are computed
     when a batch needs them and only the last few are kept, so the order of any step costs
     about one window, never the whole split.
     """
@@ -116,8 +117,11 @@ class EpochOrder:
         self._windows = torch.split(shuffled, layout.window)
         sizes = torch.stack([blocks[w].sum() for w in self._windows])
         self._window_ends = torch.cumsum(sizes, 0)
-        self._rank = torch.empty_like(shuffled)  # a block's place in the shuffled order
-        self._rank[shuffled] = torch.arange(len(shuffled))
+        # Where a block's rows go in a batch: by its place in its window, then by window, so
+        # that a batch spanning two windows gives each rank the same band of both.
+        place = torch.empty_like(shuffled)
+        place[shuffled] = torch.arange(len(shuffled))
+        self._key = (place % layout.window) * len(self._windows) + place // layout.window
         self._cache: dict[int, torch.Tensor] = {}
 
     def batch(self, step: int) -> torch.Tensor:
@@ -133,7 +137,7 @@ class EpochOrder:
             pieces.append(self._window(w)[max(start - offset, 0) : end - offset])
         rows = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if len(self.layout.blocks) > 1:
-            keys = self._rank[torch.searchsorted(self._ends, rows, right=True)]
+            keys = self._key[torch.searchsorted(self._ends, rows, right=True)]
             rows = rows[torch.sort(keys, stable=True).indices]
         return rows
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,15 +95,55 @@ class _Failed:
     error: BaseException
 
 
-class _Plan:
-    """A reading thread following one sequence of ``(step, rows)``."""
+class _Rows:
+    """Rows of a split by index, through a cache of its row groups (what a stream and its
+    reading thread share; the thread holds no reference to the stream, so a stream dropped
+    mid-epoch is collected and its thread stopped)."""
 
-    def __init__(self, position: tuple, stream: SplitStream, parts: Iterable) -> None:
+    def __init__(self, split: ParquetSplit) -> None:
+        self.split = split
+        blocks = np.array(split.blocks or (0,), dtype=np.int64)
+        self.ends = np.cumsum(blocks)
+        self.starts = self.ends - blocks
+        self.label_type = np.int64 if split.schema.task == "classification" else np.float32
+
+    def blocks_of(self, rows: torch.Tensor) -> set[int]:
+        return set(np.unique(np.searchsorted(self.ends, rows.numpy(), side="right")).tolist())
+
+    def gather(self, rows: torch.Tensor, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = rows.numpy()
+        which = np.searchsorted(self.ends, ids, side="right")
+        x = np.empty((len(ids), self.split.schema.input_dim), dtype=np.float32)
+        y = np.empty(len(ids), dtype=self.label_type)
+        for block in np.unique(which).tolist():
+            bx, by = self._block(block, cache)
+            here = which == block
+            local = ids[here] - self.starts[block]
+            x[here], y[here] = bx[local], by[local]
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def _block(self, block: int, cache: dict) -> tuple[np.ndarray, np.ndarray]:
+        if block not in cache:
+            cache[block] = self.split.read(block)
+            if isinstance(cache, OrderedDict) and len(cache) > _DIRECT_BLOCKS:
+                cache.popitem(last=False)
+        elif isinstance(cache, OrderedDict):
+            cache.move_to_end(block)
+        return cache[block]
+
+
+class _Plan:
+    """A reading thread following one sequence of ``(step, rows)``, at most ``prefetch``
+    batches ahead of the one taking them."""
+
+    def __init__(
+        self, position: tuple, rows: _Rows, cache: dict, parts: Iterable, prefetch: int
+    ) -> None:
         self.position = position
-        self.out: queue.Queue = queue.Queue(maxsize=stream.prefetch)
+        self.out: queue.Queue = queue.Queue(maxsize=prefetch)
         self.stop = threading.Event()
         self.thread = threading.Thread(
-            target=stream._read_ahead, args=(parts, self), name="ringflow-reader", daemon=True
+            target=_read_ahead, args=(rows, cache, parts, self), name="ringflow-reader", daemon=True
         )
         self.thread.start()
 
@@ -118,6 +159,40 @@ class _Plan:
     def close(self) -> None:
         self.stop.set()
         self.thread.join()
+
+
+def _read_ahead(rows: _Rows, cache: dict, parts: Iterable, plan: _Plan) -> None:
+    """The reading thread: build each planned batch, keeping the row groups that the next
+    ``_LOOKAHEAD`` planned batches need and no other."""
+    try:
+        ahead: deque = deque()
+        for step, part in parts:
+            if plan.stop.is_set():
+                return
+            if len(part):  # a rank with no rows in a batch asks for nothing
+                ahead.append((step, part, rows.blocks_of(part)))
+            if len(ahead) > _LOOKAHEAD and not _serve(rows, cache, ahead, plan):
+                return
+        while ahead:
+            if not _serve(rows, cache, ahead, plan):
+                return
+        plan.put(None)
+    except BaseException as err:  # handed to the training thread, which raises it
+        plan.put(_Failed(err))
+
+
+def _serve(rows: _Rows, cache: dict, ahead: deque, plan: _Plan) -> bool:
+    step, part, _ = ahead.popleft()
+    batch = rows.gather(part, cache)
+    needed = set().union(*(blocks for _, _, blocks in ahead))
+    for block in [b for b in cache if b not in needed]:
+        del cache[block]
+    return plan.put((step, part, batch))
+
+
+def _stop(plans: list[_Plan]) -> None:
+    while plans:
+        plans.pop().close()
 
 
 class SplitStream:
@@ -142,96 +217,44 @@ class SplitStream:
     ) -> None:
         from ringflow.engine.data import Layout
 
-        self._split = ParquetSplit(dataset_url, split, schema)
-        self.layout = Layout(self._split.blocks or (0,), window)
+        self._rows = _Rows(ParquetSplit(dataset_url, split, schema))
+        self.layout = Layout(self._rows.split.blocks or (0,), window)
         self.prefetch = prefetch
-        self._ends = np.cumsum(np.array(self.layout.blocks, dtype=np.int64))
-        self._starts = self._ends - np.array(self.layout.blocks, dtype=np.int64)
-        self._label_type = np.int64 if self._split.schema.task == "classification" else np.float32
         self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # the reading thread's
         self._direct: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._plan: _Plan | None = None
+        self._plans: list[_Plan] = []  # the running one, if any
+        # Stops the thread when the stream is dropped, and before the interpreter exits
+        # (a daemon thread killed inside Arrow's code aborts the process).
+        self._finalizer = weakref.finalize(self, _stop, self._plans)
 
     def __len__(self) -> int:
-        return int(self._ends[-1])
+        return int(self._rows.ends[-1])
 
     def follow(self, position: Hashable, parts: Iterable[tuple[int, torch.Tensor]]) -> None:
         """Read ahead the ``(step, rows)`` of ``parts``, which :meth:`batch` will be asked for
         in that order. ``position`` names where ``parts`` starts; a plan already at that
         position (the next steps of the one running) goes on, any other replaces it."""
-        if self._plan is not None and self._plan.position == position:
+        if self._plans and self._plans[0].position == position:
             return
         self.close()
-        self._plan = _Plan(position, self, parts)
+        self._plans.append(_Plan(position, self._rows, self._cache, parts, self.prefetch))
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(features, labels)`` of the rows at ``indices``: the read-ahead batch when they
         are the plan's next rows, else read now."""
-        plan = self._plan
-        if plan is not None:
+        if self._plans:
+            plan = self._plans[0]
             item = plan.out.get()
             if isinstance(item, _Failed):
-                self._plan = None
+                self.close()
                 raise item.error
             if item is not None and torch.equal(item[1], indices):
                 step, _, batch = item
                 plan.position = (*plan.position[:3], step + 1, *plan.position[4:])
                 return batch
             self.close()  # asked for other rows than planned: stop reading ahead
-        return self._gather(indices, self._direct)
+        return self._rows.gather(indices, self._direct)
 
     def close(self) -> None:
         """Stop the reading thread, if one runs."""
-        if self._plan is not None:
-            self._plan.close()
-            self._plan = None
-
-    def _read_ahead(self, parts: Iterable[tuple[int, torch.Tensor]], plan: _Plan) -> None:
-        try:
-            planned = self._planned(iter(parts))
-            ahead: deque = deque()
-            for item in planned:
-                ahead.append(item)
-                if len(ahead) > _LOOKAHEAD and not self._serve(ahead, plan):
-                    return
-            while ahead:
-                if not self._serve(ahead, plan):
-                    return
-            plan.put(None)
-        except BaseException as err:  # handed to the training thread, which raises it
-            plan.put(_Failed(err))
-
-    def _planned(self, parts: Iterator[tuple[int, torch.Tensor]]) -> Iterator[tuple]:
-        for step, rows in parts:
-            if len(rows):  # a rank with no rows in a batch asks for nothing
-                blocks = np.unique(np.searchsorted(self._ends, rows.numpy(), side="right"))
-                yield step, rows, set(blocks.tolist())
-
-    def _serve(self, ahead: deque, plan: _Plan) -> bool:
-        step, rows, _ = ahead.popleft()
-        batch = self._gather(rows, self._cache)
-        needed = set().union(*(blocks for _, _, blocks in ahead))
-        for block in [b for b in self._cache if b not in needed]:
-            del self._cache[block]
-        return plan.put((step, rows, batch))
-
-    def _gather(self, rows: torch.Tensor, cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = rows.numpy()
-        which = np.searchsorted(self._ends, ids, side="right")
-        x = np.empty((len(ids), self._split.schema.input_dim), dtype=np.float32)
-        y = np.empty(len(ids), dtype=self._label_type)
-        for block in np.unique(which).tolist():
-            bx, by = self._block(block, cache)
-            here = which == block
-            local = ids[here] - self._starts[block]
-            x[here], y[here] = bx[local], by[local]
-        return torch.from_numpy(x), torch.from_numpy(y)
-
-    def _block(self, block: int, cache: dict) -> tuple[np.ndarray, np.ndarray]:
-        if block not in cache:
-            cache[block] = self._split.read(block)
-            if isinstance(cache, OrderedDict) and len(cache) > _DIRECT_BLOCKS:
-                cache.popitem(last=False)
-        elif isinstance(cache, OrderedDict):
-            cache.move_to_end(block)
-        return cache[block]
+        _stop(self._plans)
