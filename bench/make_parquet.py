@@ -23,7 +23,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ringflow.storage.dataset import SPLITS, Column, TableSchema, commit_manifest
+from ringflow.storage.dataset import (
+    SPLITS,
+    Column,
+    TableSchema,
+    commit_manifest,
+    row_group_entries,
+)
 from ringflow.storage.fs import join, resolve
 
 __all__ = ["schema", "write_dataset"]
@@ -125,7 +131,15 @@ def _digest(fs, path, name) -> dict:
         while chunk := f.read(2**24):
             digest.update(chunk)
             size += len(chunk)
-    return {"size": size, "sha256": digest.hexdigest()}
+        f.seek(0)
+        metadata = pq.read_metadata(f)
+
+        def read(offset: int, count: int) -> bytes:
+            f.seek(offset)
+            return f.read(count)
+
+        groups = row_group_entries(metadata, read)
+    return {"size": size, "sha256": digest.hexdigest(), "row_groups": groups}
 
 
 def main(argv: list[str] | None = None) -> None:

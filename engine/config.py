@@ -246,7 +246,7 @@ class DataSpec:
         """``split`` as a worker reads it (``engine.data.Samples``): streamed, or read whole,
         with its row-group layout either way."""
         from ringflow.storage.dataset import split_shards
-        from ringflow.storage.stream import ParquetSplit, SplitStream
+        from ringflow.storage.stream import SplitStream
 
         stream = self.stream
         if stream is None:
@@ -260,10 +260,18 @@ class DataSpec:
                 window=self.shuffle_window,
                 prefetch=self.prefetch_batches,
             )
-        from ringflow.engine.data import Layout, TableSamples
+        from ringflow.engine.data import TableSamples
 
-        blocks = ParquetSplit(self.dataset_url, split, self.schema).blocks or (0,)
-        return TableSamples(*self.read(split), layout=Layout(blocks, self.shuffle_window))
+        return TableSamples(*self.read(split), layout=self.layout(split))
+
+    def layout(self, split: str) -> Any:
+        """``split``'s row groups and ``shuffle_window`` (``engine.data.Layout``), which set
+        its order; read from the shards' Parquet footers."""
+        from ringflow.engine.data import Layout
+        from ringflow.storage.stream import ParquetSplit
+
+        blocks = ParquetSplit(self.dataset_url, split, self.schema).blocks
+        return Layout(blocks or (0,), self.shuffle_window)
 
 
 @dataclass(frozen=True, kw_only=True)

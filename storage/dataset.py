@@ -21,7 +21,7 @@ import io
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from numbers import Real
 from typing import Any, Literal
@@ -45,6 +45,8 @@ __all__ = [
     "infer_schema",
     "preprocess",
     "read_split",
+    "row_group_entries",
+    "row_group_range",
     "split_shards",
     "table_arrays",
 ]
@@ -1042,13 +1044,44 @@ def _write_parquet(dataset_url: str, name: str, table: pa.Table, split: str | No
     data = sink.getvalue()
     # Atomic so that a concurrent run with the same fingerprint never sees a torn shard.
     atomic_write(join(dataset_url, name), data)
-    return {
+    entry = {
         "split": split,
         "path": name,
         "rows": table.num_rows,
         "size": len(data),
         "sha256": sha256(data),
     }
+    if split is not None:  # what a streaming reader, which reads row groups, checks
+        metadata = pq.read_metadata(pa.BufferReader(data))
+        entry["row_groups"] = row_group_entries(metadata, lambda at, size: data[at : at + size])
+    return entry
+
+
+def row_group_range(group: pq.RowGroupMetaData) -> tuple[int, int]:
+    """``(offset, size)`` of a row group's bytes in its file: its column chunks, which a
+    Parquet writer stores one after the other."""
+    starts, ends = [], []
+    for i in range(group.num_columns):
+        chunk = group.column(i)
+        start = chunk.dictionary_page_offset if chunk.has_dictionary_page else None
+        start = chunk.data_page_offset if start is None else start
+        starts.append(start)
+        ends.append(start + chunk.total_compressed_size)
+    return min(starts), max(ends) - min(starts)
+
+
+def row_group_entries(
+    metadata: pq.FileMetaData, read: Callable[[int, int], bytes]
+) -> list[dict[str, Any]]:
+    """Each row group's ``rows``, ``offset``, ``size`` and ``sha256`` of its bytes, for a
+    shard's manifest entry; ``read(offset, size)`` gives the file's bytes."""
+    entries = []
+    for g in range(metadata.num_row_groups):
+        group = metadata.row_group(g)
+        offset, size = row_group_range(group)
+        digest = sha256(read(offset, size))
+        entries.append({"rows": group.num_rows, "offset": offset, "size": size, "sha256": digest})
+    return entries
 
 
 def _remove_leftovers(dataset_url: str, files: list[dict]) -> None:
@@ -1134,7 +1167,8 @@ def commit_manifest(
 
     Args:
         files: one entry per shard: ``split``, ``path`` (relative to ``dataset_url``),
-            ``rows``, ``size`` and ``sha256`` of its bytes.
+            ``rows``, ``size`` and ``sha256`` of its bytes, and ``row_groups``
+            (:func:`row_group_entries`) for a streaming reader to check what it reads.
     """
     manifest = {
         "format": _FORMAT,

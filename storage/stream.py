@@ -9,13 +9,15 @@ next batches need. Nothing reads a whole split, so a worker's memory is bounded 
 groups and ``prefetch`` batches, whatever the dataset's size.
 
 The batches are the very values :func:`storage.dataset.read_split` gives (the same conversion,
-:func:`storage.dataset.table_arrays`). Each shard's size and row count are checked against the
-manifest when the stream opens; the SHA-256 of a whole shard is checked only by whole-split
-reads, since a streaming worker reads parts of shards.
+:func:`storage.dataset.table_arrays`). Each shard's size, rows and row groups are checked
+against the manifest when the stream opens, and each row group's bytes against the SHA-256 the
+manifest lists for it before they are decoded (datasets committed before manifests listed row
+groups get the size and row checks only).
 """
 
 from __future__ import annotations
 
+import io
 import queue
 import threading
 import weakref
@@ -28,8 +30,14 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from ringflow.storage.dataset import DataError, TableSchema, split_shards, table_arrays
-from ringflow.storage.fs import join, resolve
+from ringflow.storage.dataset import (
+    DataError,
+    TableSchema,
+    row_group_range,
+    split_shards,
+    table_arrays,
+)
+from ringflow.storage.fs import join, resolve, sha256
 
 __all__ = ["ParquetSplit", "SplitStream"]
 
@@ -43,51 +51,111 @@ _DIRECT_BLOCKS = 2
 class ParquetSplit:
     """The row groups of one split of a committed dataset, each readable on its own.
 
+    Where the manifest lists a shard's row groups (``storage.dataset.row_group_entries``, as
+    ``preprocess`` and ``commit_manifest`` write them), each row group's bytes are fetched in
+    one range read and checked against their SHA-256 before they are decoded; otherwise only
+    the shard's size and rows are checked, when the split opens.
+
     Raises:
-        DataError: no committed dataset, or a shard's size or rows differ from the manifest.
+        DataError: no committed dataset, or a shard's size, rows or row groups differ from the
+            manifest.
         SchemaError: the dataset lacks a schema column (as ``read_split``).
     """
 
     def __init__(self, dataset_url: str, split: str, schema: TableSchema | None = None) -> None:
-        self.schema, shards = split_shards(dataset_url, split, schema)
+        self.schema, self._entries = split_shards(dataset_url, split, schema)
         self.names = [c.name for c in self.schema.columns]
+        self._url = dataset_url
         self._fs, root = resolve(dataset_url)
-        self._paths: list[str] = []
-        self._groups: list[tuple[int, int]] = []  # (shard, row group) of every block
-        rows: list[int] = []
-        for shard, entry in enumerate(shards):
-            path = join(root, entry["path"])
-            self._paths.append(path)
-            for group, count in enumerate(self._row_groups(dataset_url, path, entry)):
-                self._groups.append((shard, group))
-                rows.append(count)
-        self.blocks = tuple(rows)
+        self._paths = [join(root, entry["path"]) for entry in self._entries]
+        self._footers = [self._footer(shard) for shard in range(len(self._entries))]
+        self._groups = [
+            (shard, group)
+            for shard, footer in enumerate(self._footers)
+            for group in range(footer.num_row_groups)
+        ]
+        self.blocks = tuple(self._footers[s].row_group(g).num_rows for s, g in self._groups)
         """Rows in each row group, in the split's row order."""
 
-    def _row_groups(self, dataset_url: str, path: str, entry: dict[str, Any]) -> list[int]:
-        url = join(dataset_url, entry["path"])
+    def _footer(self, shard: int) -> pq.FileMetaData:
+        entry, url = self._entries[shard], join(self._url, self._entries[shard]["path"])
         try:
-            size = self._fs.size(path)
+            size = self._fs.size(self._paths[shard])
         except FileNotFoundError as err:
             raise DataError(
                 f"shard {url} listed in the manifest is missing; run preprocess again"
             ) from err
         if size != entry["size"]:
             raise DataError(f"shard {url} has {size} bytes, its manifest says {entry['size']}")
-        with self._fs.open(path, "rb") as f:
-            meta = pq.read_metadata(f)
-        if meta.num_rows != entry["rows"]:
-            raise DataError(
-                f"shard {url} has {meta.num_rows} rows, its manifest says {entry['rows']}"
-            )
-        return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        with self._fs.open(self._paths[shard], "rb") as f:
+            footer = pq.read_metadata(f)
+        groups = entry.get("row_groups")
+        listed = None if groups is None else [(g["rows"], g["offset"], g["size"]) for g in groups]
+        found = [
+            (footer.row_group(g).num_rows, *row_group_range(footer.row_group(g)))
+            for g in range(footer.num_row_groups)
+        ]
+        if footer.num_rows != entry["rows"] or listed not in (None, found):
+            raise DataError(f"shard {url} does not hold the rows and row groups of its manifest")
+        return footer
 
     def read(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(features, labels)`` of row group ``block``, as ``read_split`` converts them."""
+        """``(features, labels)`` of row group ``block``, as ``read_split`` converts them.
+
+        Raises:
+            DataError: the row group's bytes do not match their manifest checksum.
+        """
         shard, group = self._groups[block]
-        with self._fs.open(self._paths[shard], "rb") as f:
-            table = pq.ParquetFile(f).read_row_group(group, columns=self.names)
+        listed = self._entries[shard].get("row_groups")
+        if listed is None:
+            with self._fs.open(self._paths[shard], "rb") as f:
+                table = pq.ParquetFile(f).read_row_group(group, columns=self.names)
+            return table_arrays(table, self.schema)
+        offset, size = listed[group]["offset"], listed[group]["size"]
+        data = self._fs.cat_file(self._paths[shard], start=offset, end=offset + size)
+        if sha256(data) != listed[group]["sha256"]:
+            url = join(self._url, self._entries[shard]["path"])
+            raise DataError(
+                f"row group {group} of shard {url} does not match its manifest checksum; "
+                "run preprocess again"
+            )
+        source = _RowGroupBytes(self._entries[shard]["size"], offset, data)
+        table = pq.ParquetFile(source, metadata=self._footers[shard]).read_row_group(
+            group, columns=self.names
+        )
         return table_arrays(table, self.schema)
+
+
+class _RowGroupBytes(io.RawIOBase):
+    """A shard as Parquet's reader sees it, holding only one row group's (checked) bytes: with
+    the footer given, the reader asks for nothing else."""
+
+    def __init__(self, size: int, offset: int, data: bytes) -> None:
+        self._size, self._offset, self._data, self._at = size, offset, data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._size}[whence]
+        self._at = base + offset
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def size(self) -> int:
+        return self._size
+
+    def read(self, size: int = -1) -> bytes:
+        start = self._at - self._offset
+        if size < 0 or start < 0 or start + size > len(self._data):
+            raise OSError(f"read of {size} bytes at {self._at}, outside the row group read")
+        self._at += size
+        return self._data[start : start + size]
 
 
 @dataclass

@@ -3,6 +3,7 @@ weights, as reading whole splits, also across a mid-epoch resume and a lost work
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -14,7 +15,7 @@ from ringflow.engine.data import EpochOrder, Layout
 from ringflow.engine.worker import epoch_batches
 from ringflow.models.digits import SCHEMA, DigitsClassifier, write_digits_csv
 from ringflow.storage import CheckpointStore
-from ringflow.storage.dataset import preprocess
+from ringflow.storage.dataset import DataError, preprocess
 
 HPARAMS = {"hidden": 32, "lr": 0.01}
 
@@ -91,6 +92,22 @@ def test_a_stream_gives_each_rank_the_rows_of_the_whole_split(layered, world_siz
                 # Bounded memory: the row groups of about two windows, never the split.
                 assert len(stream._cache) <= 2 * 3 + 2
         stream.close()
+
+
+def test_a_row_group_whose_bytes_changed_is_refused_when_streamed(tmp_path):
+    url = write_dataset(str(tmp_path), rows=600, features=3, classes=2, rows_per_group=50)
+    with open(f"{url}/_manifest.json") as f:
+        entry = next(e for e in json.load(f)["files"] if e["path"] == "train/part-00000.parquet")
+    group = entry["row_groups"][1]
+    with open(f"{url}/train/part-00000.parquet", "r+b") as f:  # same size, one byte flipped
+        f.seek(group["offset"] + group["size"] // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    stream = DataSpec(dataset_url=url, stream=True).samples("train")
+    assert len(stream.batch(torch.arange(50))[1]) == 50  # row group 0 is intact
+    with pytest.raises(DataError, match=r"row group 1 of shard .*train/part-00000.parquet"):
+        stream.batch(torch.arange(50, 100))
 
 
 def test_streamed_training_ends_with_the_weights_of_whole_split_training(sharded_digits, tmp_path):
