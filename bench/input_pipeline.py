@@ -97,7 +97,8 @@ def _ours(dataset_url: str, rank: int, workers: int, batch_size: int, steps: int
         _touch(x, y)
         count += len(y)
     samples.close()
-    return _result(count, start)
+    read = f"{samples.row_groups_read} of {len(samples.layout.blocks)}"
+    return {**_result(count, start), "row_groups_read": read}
 
 
 # --------------------------------------------------------------------------- torch DataLoader
@@ -302,6 +303,8 @@ def _readers(args: argparse.Namespace) -> None:
             )
         rates[reader] = sum(r["samples_per_s"] for r in runs) / len(runs)
         per = ", ".join(f"{r['samples_per_s']:,.0f}" for r in runs)
+        if "row_groups_read" in runs[0]:
+            per += "; row groups read: " + ", ".join(r["row_groups_read"] for r in runs)
         print(
             f"{reader:<11} {rates[reader]:>12,.0f} samples/s per worker "
             f"(workers: {per}; {runs[0]['samples']:,} samples in {runs[0]['seconds']:.1f} s)",

@@ -76,6 +76,8 @@ class ParquetSplit:
         ]
         self.blocks = tuple(self._footers[s].row_group(g).num_rows for s, g in self._groups)
         """Rows in each row group, in the split's row order."""
+        self.reads = 0
+        """Row groups read so far (a row group read again counts again)."""
 
     def _footer(self, shard: int) -> pq.FileMetaData:
         entry, url = self._entries[shard], join(self._url, self._entries[shard]["path"])
@@ -106,6 +108,7 @@ class ParquetSplit:
             DataError: the row group's bytes do not match their manifest checksum.
         """
         shard, group = self._groups[block]
+        self.reads += 1
         listed = self._entries[shard].get("row_groups")
         if listed is None:
             with self._fs.open(self._paths[shard], "rb") as f:
@@ -297,6 +300,11 @@ class SplitStream:
 
     def __len__(self) -> int:
         return int(self._rows.ends[-1])
+
+    @property
+    def row_groups_read(self) -> int:
+        """Row groups read so far, by the reading thread and by direct reads."""
+        return self._rows.split.reads
 
     def follow(self, position: Hashable, parts: Iterable[tuple[int, torch.Tensor]]) -> None:
         """Read ahead the ``(step, rows)`` of ``parts``, which :meth:`batch` will be asked for
