@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ringflow.engine.collective import Collective, create_collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
+from ringflow.engine.data import TableSamples
 from ringflow.engine.metrics import Logged
 from ringflow.engine.module import Optimization
 from ringflow.engine.pipeline.config import PipelineConfig
@@ -77,6 +78,9 @@ class PipelineWorker:
         torch.manual_seed(config.seed)  # every stage builds the unsplit model's weights
         self.module = module_cls(**hparams)
         self.train_x, self.train_y = data.read("train")
+        # The split's row groups set the global order, as for data-parallel workers.
+        layout = data.layout("train") if hasattr(data, "layout") else None
+        self.train = TableSamples(self.train_x, self.train_y, layout=layout)
         self._evaluated: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         example, _ = pipeline_batch(self.module, self.train_x[:1], self.train_y[:1])
         last = stage == partition.stages - 1
@@ -194,7 +198,7 @@ class PipelineWorker:
         """
         total, samples = 0.0, 0
         for step, mine, global_size in epoch_batches(
-            len(self.train_y),
+            self.train,
             self.config,
             epoch=epoch,
             first=first,
