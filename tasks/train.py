@@ -139,14 +139,18 @@ def _engine_logs():
     engine = logging.getLogger("ringflow.engine")
     forward = _ToRunLogger(get_run_logger())
     forward.addFilter(lambda record: record.name != "ringflow.engine.progress")
-    level = engine.level
+    level, disabled = engine.level, engine.disabled
     engine.addHandler(forward)
     engine.setLevel(logging.INFO)
+    # A library's logging setup may have disabled loggers that existed before it ran
+    # (``disable_existing_loggers``, dateparser's for one): this one must be heard.
+    engine.disabled = False
     try:
         yield
     finally:
         engine.removeHandler(forward)
         engine.setLevel(level)
+        engine.disabled = disabled
 
 
 class _ToRunLogger(logging.Handler):

@@ -54,6 +54,8 @@ PARAMETERS = [
     "pipeline_schedule",
     "warm_start",
     "promotion_tolerance",
+    "loggers",
+    "log_every_n_steps",
 ]
 
 

@@ -4,6 +4,7 @@ training uses, and bad input ends a run on its first attempt, in one line."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from prefect import get_client
@@ -104,15 +105,19 @@ def test_the_configuration_a_search_picks_is_the_one_training_uses(
     with open(tmp_path / "runs" / run_key / "logs" / "csv" / "metrics.csv") as rows:
         header = rows.readline().strip().split(",")
     assert {"epoch", "step", "train_loss", "val_loss", "val_mae"} <= set(header), header
-    # What the engine logs reaches the run's log (its checkpoints), once per checkpoint.
-    with get_client(sync_client=True) as client:
-        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    # What the engine logs reaches the run's log (its checkpoints), once per checkpoint; the
+    # run's logs reach the server in batches, in the background.
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-        flow_run = LogFilterFlowRunId(any_=[state.state_details.flow_run_id])
-        logged = [entry.message for entry in client.read_logs(LogFilter(flow_run_id=flow_run))]
-    saves = [
-        m for m in logged if re.fullmatch(rf"checkpoint of step \d+ of run {run_key}: saving", m)
-    ]
+    flow_run = LogFilterFlowRunId(any_=[state.state_details.flow_run_id])
+    saving = rf"checkpoint of step \d+ of run {run_key}: saving"
+    for _ in range(60):
+        with get_client(sync_client=True) as client:
+            logged = [entry.message for entry in client.read_logs(LogFilter(flow_run_id=flow_run))]
+        saves = [m for m in logged if re.fullmatch(saving, m)]
+        if saves:
+            break
+        time.sleep(0.5)
     assert len(saves) == 1, logged  # one epoch: its end
     capsys.readouterr()
     assert show_result([str(state.state_details.flow_run_id)]) == 0
