@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import uuid
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 __all__ = [
     "absolute",
     "atomic_write",
+    "create_once",
     "exists",
     "join",
     "publish",
@@ -90,3 +93,48 @@ def publish(fs: fsspec.AbstractFileSystem, path: str, data: bytes, *, fsync: boo
         if fsync:
             os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+_MEMORY_CREATE = threading.Lock()  # memory:// lives in one process: a lock there is atomic
+
+
+def create_once(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` unless it exists, in one atomic step; ``True`` if this
+    call created it. Of several callers racing on one path exactly one gets ``True``, and
+    readers see the whole file or none (leases, the registry's pointer moves).
+
+    Local disk: a complete, fsynced temporary file hard-linked to ``path`` (``link`` fails
+    if it exists). S3 (s3fs): a conditional PUT (``If-None-Match: *``); a create whose reply
+    was lost and was retried finds its own bytes there. memory://: a process lock. Other
+    backends: whatever their ``mode="create"`` does.
+    """
+    if isinstance(fs, LocalFileSystem):
+        os.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+        return True
+    if isinstance(fs, MemoryFileSystem):
+        with _MEMORY_CREATE:
+            if fs.exists(path):
+                return False
+            fs.pipe_file(path, data)
+            return True
+    try:
+        fs.pipe_file(path, data, mode="create")
+        return True
+    except FileExistsError:
+        pass
+    except OSError as err:  # 412 Precondition Failed, as some clients raise it
+        if "PreconditionFailed" not in str(err) and "412" not in str(err):
+            raise
+    fs.invalidate_cache(path)
+    return fs.cat_file(path) == data

@@ -40,10 +40,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from ringflow.storage.checkpoint import CheckpointError
-from ringflow.storage.fs import absolute, join, publish
+from ringflow.storage.fs import absolute, create_once, join, publish
 
 __all__ = [
     "LeaseError",
@@ -322,34 +321,6 @@ def _name(token: int) -> str:
     return f"lease-{token:012d}.json"
 
 
-def _create(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
-    """Write ``path`` only if it does not exist, all at once; ``False`` if it existed."""
-    if isinstance(fs, LocalFileSystem):
-        directory = path.rsplit("/", 1)[0]
-        os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # fails if path exists; readers see all of it or nothing
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
-        return True
-    try:
-        fs.pipe_file(path, data, mode="create")  # S3: a conditional PUT (If-None-Match)
-    except FileExistsError:
-        return False
-    except OSError as err:  # 412 Precondition Failed, as some clients raise it
-        if "PreconditionFailed" in str(err) or "412" in str(err):
-            return False
-        raise
-    return True
-
-
 # ---------------------------------------------------------------------------- the lease
 
 
@@ -435,7 +406,7 @@ class RunLease:
                     renewed=now,
                     expires=now + ttl_s,
                 )
-                if _create(fs, join(directory, _name(token)), record.to_json()):
+                if create_once(fs, join(directory, _name(token)), record.to_json()):
                     lease = cls(fs, directory, record, ttl_s=ttl_s, previous=current, clock=clock)
                     lease._forget_old()
                     return lease

@@ -34,7 +34,6 @@ import logging
 import math
 import os
 import re
-import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -43,11 +42,9 @@ from numbers import Real
 from typing import Any, Literal
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
-from fsspec.implementations.memory import MemoryFileSystem
 
 from ringflow.storage.checkpoint import read_checkpoint
-from ringflow.storage.fs import join, publish, read_bytes, sha256
+from ringflow.storage.fs import create_once, join, publish, read_bytes, sha256
 
 __all__ = [
     "GateDecision",
@@ -76,7 +73,6 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _VERSION = re.compile(r"^v(\d{4,})$")
 _HISTORY_KEPT = 100
 _RACES_KEPT = 64  # a gate losing more races than this gives up (each loss is another's move)
-_MEMORY_CREATE = threading.Lock()  # memory:// lives in one process: a lock there is atomic
 
 EvaluateFn = Callable[[str], Mapping[str, float]]
 """Evaluates the checkpoint at a URI on held-out data; returns metrics by name."""
@@ -442,7 +438,7 @@ class ModelRegistry:
         body = {"format": _POINTER_FORMAT, "move": uuid.uuid4().hex, **asdict(pointer)}
         body["previous"], body["history"] = list(pointer.previous), list(pointer.history)
         data = _sealed(body)
-        if not _create(self._fs, self._move_path(sequence), data):
+        if not create_once(self._fs, self._move_path(sequence), data):
             raise self._moved(sequence, f"while moving it to {version}")
         if self._read_move(sequence + 1) is None:  # a newer move makes this head stale
             self._publish(self._path(_POINTER), data)
@@ -507,7 +503,7 @@ class ModelRegistry:
         claim = json.dumps({"run_key": run_key, "claim": uuid.uuid4().hex, "at": _now()})
         for _ in range(_RACES_KEPT):
             version = f"v{self._next_number():04d}"
-            if _create(self._fs, self._path("versions", version, _CLAIM), claim.encode()):
+            if create_once(self._fs, self._path("versions", version, _CLAIM), claim.encode()):
                 return version
         raise RegistryError(f"{self.url}: could not claim a version number; register again")
 
@@ -785,46 +781,6 @@ def production_checkpoint(
 
 def _sequence(pointer: Production | None) -> int:
     return 0 if pointer is None else pointer.sequence
-
-
-def _create(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
-    """Create ``path`` holding ``data`` unless it exists, in one atomic step; ``True`` if this
-    call created it. Of several callers racing on one path exactly one gets ``True``."""
-    if isinstance(fs, LocalFileSystem):
-        return _create_local(path, data)
-    if isinstance(fs, MemoryFileSystem):
-        with _MEMORY_CREATE:
-            if fs.exists(path):
-                return False
-            fs.pipe_file(path, data)
-            return True
-    # S3 (s3fs) sends If-None-Match: *; other backends do what their create mode does.
-    try:
-        fs.pipe_file(path, data, mode="create")
-        return True
-    except FileExistsError:
-        # A create whose reply was lost is retried and then finds its own object: compare.
-        fs.invalidate_cache(path)
-        return fs.cat_file(path) == data
-
-
-def _create_local(path: str, data: bytes) -> bool:
-    """A complete, fsynced temporary file linked to ``path``: ``link`` fails if ``path``
-    exists, so the file appears whole, once."""
-    parent = path.rsplit("/", 1)[0]
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    finally:
-        os.unlink(tmp)
-    return True
 
 
 def _sealed(body: dict[str, Any]) -> bytes:

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from ringflow.storage import CheckpointStore, RetentionPolicy
+from ringflow.storage.fs import create_once
 from ringflow.storage.lease import (
     LeaseHeldError,
     LeaseLostError,
     RunLease,
-    _create,
     read_lease,
     this_process,
 )
@@ -209,7 +209,7 @@ def test_on_s3_each_token_is_created_once_by_a_conditional_put():
         assert first.token == 1
         fs, root = fsspec.core.url_to_fs(url, **options)
         path = f"{root}/run-1/lease-000000000001.json"
-        assert not _create(fs, path, b"{}")  # taken: the second PUT is refused, not applied
+        assert not create_once(fs, path, b"{}")  # taken: the second PUT is refused, not applied
         assert read_lease(url + "/run-1", **options).holder == first.record.holder
         first.release()
         second = RunLease.acquire(url, "run-1", storage_options=options, wait_s=0)

@@ -20,6 +20,7 @@ import torch
 from ringflow.engine import DataSpec, TrainConfig, fit
 from ringflow.models.digits import DigitsClassifier
 from ringflow.storage.checkpoint import load_model, save_model
+from ringflow.storage.dataset import row_group_entries
 from ringflow.storage.fs import sha256
 from ringflow.storage.registry import (
     ModelRegistry,
@@ -482,6 +483,9 @@ def _corrupt_training_labels(clean_url: str, dest: str, seed: int = 0) -> str:
         with open(path, "rb") as f:
             data = f.read()
         entry.update(size=len(data), sha256=sha256(data))
+        # A manifest also vouches for each row group, which a streaming reader checks.
+        metadata = pq.read_metadata(path)
+        entry["row_groups"] = row_group_entries(metadata, lambda at, n, d=data: d[at : at + n])
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)
     return dest
