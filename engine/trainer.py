@@ -321,11 +321,11 @@ def _train(
         try:
             chunk = _merged(group.call("train_steps", epoch, first, count))
             ended = (step + count) % steps_per_epoch == 0
-            validation = epoch_end = Logged()
+            # The epoch so far; the chunk's step rows and callbacks' rows go to the loggers now.
+            so_far = logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
             if ended:
                 validation = _merged(group.call("evaluate", "validation"))
-                epoch_end = _merged(group.call("train_epoch_end", epoch))
-                so_far = logged.merge(chunk).merge(epoch_end)
+                so_far = so_far.merge(_merged(group.call("train_epoch_end", epoch)))
                 metrics = {**so_far.results(), **validation.results()}
                 group.call("end_epoch", epoch, metrics)  # schedulers waiting for the metrics
             group.commit(step + count)
@@ -342,18 +342,16 @@ def _train(
         rows += [(at, 1, row) for at, row in logger_rows(chunk, epoch_end=False)[0].items()]
         for at, own, row in sorted(rows, key=lambda entry: entry[:2]):
             loggers.write(row, step=at, epoch=epoch if own else None)
-        logged = logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
+        logged = so_far
         if ended:
-            logged = logged.merge(epoch_end)
             last = (epoch + 1) * optimizer_steps - 1  # Trainer's step for epoch-end rows
-            loggers.write(logger_rows(validation, epoch_end=True)[1], step=last, epoch=epoch)
-            loggers.write(logger_rows(logged, epoch_end=True)[1], step=last, epoch=epoch)
+            validation_row = logger_rows(validation, epoch_end=True)[1]
+            epoch_row = logger_rows(logged, epoch_end=True)[1]
+            loggers.write(validation_row, step=last, epoch=epoch)
+            loggers.write(epoch_row, step=last, epoch=epoch)
             history.append(EpochMetrics(epoch=epoch, metrics=metrics, seconds=seconds))
             progress.info("epoch %d/%d %s", epoch + 1, config.epochs, _fmt(metrics))
-            callback_metrics = {
-                **metrics,
-                **logger_rows(logged.merge(validation), epoch_end=True)[1],
-            }
+            callback_metrics = {**metrics, **validation_row, **epoch_row}
             logged, seconds = Logged(), 0.0
             if on_epoch is not None:
                 on_epoch(history[-1])

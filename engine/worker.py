@@ -426,14 +426,14 @@ class RankWorker:
         steps = step % window == window - 1 or step == self.steps_per_epoch - 1
         self.trainer.at(epoch, step)
         every = self.config.log_every_n_steps
-        due = steps and every > 0 and (self.trainer.global_step + 1) % every == 0
-        log_step = self.trainer.global_step if due else None
+        # Trainer asks at every batch whether the next optimizer step is due for the loggers
+        # (LearningRateMonitor reads it); the module's values are taken at the stepping batch.
+        self.trainer.logs_due = every > 0 and (self.trainer.global_step + 1) % every == 0
+        log_step = self.trainer.global_step if steps and self.trainer.logs_due else None
         batch = None
         if len(mine):
             batch = to_device(self.train.batch(mine), self.device)
             self.metric_log.enter("on_train_batch_start", batch_size=len(mine), log_step=log_step)
-            # Trainer asks at every batch whether the next optimizer step is due for the loggers
-            self.trainer.logs_due = every > 0 and (self.trainer.global_step + 1) % every == 0
             self._callbacks("on_train_batch_start", batch, step)
             call_hook(self.module, "on_train_batch_start", batch, step)
         if step % window == 0:
