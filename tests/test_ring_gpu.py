@@ -1,6 +1,8 @@
 """The ring over NCCL, one process per GPU: same results as NCCL's own, and deadlines hold.
 
-Needs 2 CUDA devices (``-m gpu`` on the lent GPU machine); skipped elsewhere.
+Needs 2 CUDA devices (``-m gpu`` on the lent GPU machine); skipped elsewhere. With
+``RINGFLOW_GPU_WORLD=4`` (4 devices) the same tests run 4 ranks, where all-reduces below
+``RINGFLOW_SYMM_MESH_BELOW`` go over the mesh (two shots) rather than the ring.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import torch
 
 from tests.conftest import free_port
 
+WORLD = int(os.environ.get("RINGFLOW_GPU_WORLD", "2"))
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+    pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA devices"),
 ]
 
-WORLD = 2
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -101,7 +103,7 @@ def _correctness_main(rank: int, port: int, transport: str, queue) -> None:
         works = [
             ring.allreduce_async_(torch.full((1 << 20,), float(i), device="cuda")) for i in range(5)
         ]
-        if [float(w.wait()[0]) for w in works] != [2.0 * i for i in range(5)]:
+        if [float(w.wait()[0]) for w in works] != [WORLD * float(i) for i in range(5)]:
             failures.append("async")
         failures += _reused_buffer_failures(dist, ring, rank, transport)
         failures += _side_stream_failures(ring, rank)
@@ -134,8 +136,9 @@ def _reused_buffer_failures(dist, ring, rank: int, transport: str) -> list[str]:
 def _side_stream_failures(ring, rank: int) -> list[str]:
     """The ring runs beside the caller's stream, and results land where they belong."""
     failures = []
+    total = float(sum(range(1, WORLD + 1)))
     grid = torch.full((512, 768), float(rank + 1), device="cuda").t()  # not contiguous
-    if not torch.equal(ring.allreduce_(grid), torch.full_like(grid, 3.0)):
+    if not torch.equal(ring.allreduce_(grid), torch.full_like(grid, total)):
         failures.append("non-contiguous")
     x = torch.full((16 << 20,), float(rank + 1), device="cuda")
     work = ring.allreduce_async_(x)
@@ -145,7 +148,7 @@ def _side_stream_failures(ring, rank: int) -> list[str]:
     beside = time.monotonic() - started
     if beside > 0.5:
         failures.append(f"the ring waited for the caller's later work ({beside:.2f} s)")
-    if not torch.equal(work.wait(), torch.full_like(x, 3.0)):
+    if not torch.equal(work.wait(), torch.full_like(x, total)):
         failures.append("beside")
     return failures
 
@@ -156,10 +159,10 @@ TRANSPORTS = ("symm", "nccl")
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_gpu_ring_matches_nccl_all_reduce(transport: str):
     replies = dict(_spawn(_correctness_main, free_port(), transport))
-    assert replies == {0: [], 1: []}
+    assert replies == dict.fromkeys(range(WORLD), [])
 
 
-def _failure_main(rank: int, port: int, transport: str, queue) -> None:
+def _failure_main(rank: int, port: int, transport: str, numel: int, queue) -> None:
     import faulthandler
 
     from ringflow.engine.collective import PeerLostError, RingCollective
@@ -177,7 +180,7 @@ def _failure_main(rank: int, port: int, transport: str, queue) -> None:
         timeout_s=3,
         transport=transport,
     )
-    tensor = torch.zeros(64 << 20, device="cuda")
+    tensor = torch.zeros(numel, device="cuda")
     ring.allreduce_(tensor)
     started = time.time()
     try:
@@ -198,18 +201,24 @@ def _failure_main(rank: int, port: int, transport: str, queue) -> None:
     os._exit(0)  # NCCL teardown after an abort can block: the verdict is what matters
 
 
+# 256 MiB goes around the ring; 4 MiB over the mesh when there are more than two ranks.
+SIZES = {"ring": 64 << 20, "small": 1 << 20}
+
+
+@pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_gpu_survivor_raises_within_the_deadline(transport: str):
-    [(rank, (name, peer, op, late_s))] = _spawn(
-        _failure_main, free_port(), transport, reports=1, timeout_s=45
+def test_gpu_survivor_raises_within_the_deadline(transport: str, size: str):
+    reports = _spawn(
+        _failure_main, free_port(), transport, SIZES[size], reports=WORLD - 1, timeout_s=45
     )
-    assert rank == 0
-    assert name in ("PeerLostError", "CollectiveTimeoutError")
-    assert (peer, op) == (1, "allreduce")
-    assert late_s < 3 + 1.5
+    assert sorted(rank for rank, _ in reports) == [r for r in range(WORLD) if r != 1]
+    for _, (name, peer, op, late_s) in reports:
+        assert name in ("PeerLostError", "CollectiveTimeoutError")
+        assert (peer, op) == (1, "allreduce")
+        assert late_s < 3 + 1.5
 
 
-def _stall_main(rank: int, port: int, queue) -> None:
+def _stall_main(rank: int, port: int, numel: int, queue) -> None:
     from ringflow.engine.collective import PeerLostError, RingCollective
 
     torch.cuda.set_device(rank)
@@ -221,7 +230,7 @@ def _stall_main(rank: int, port: int, queue) -> None:
         timeout_s=3,
         transport="symm",
     )
-    tensor = torch.zeros(64 << 20, device="cuda")
+    tensor = torch.zeros(numel, device="cuda")
     ring.allreduce_(tensor)
     torch.cuda.current_stream().synchronize()
     if rank == 1:
@@ -242,13 +251,13 @@ def _stall_main(rank: int, port: int, queue) -> None:
     os._exit(0)
 
 
-def test_symm_survivor_of_a_stalled_peer_raises_within_the_deadline_and_keeps_its_gpu():
-    [(rank, (name, peer, usable, after_s))] = _spawn(
-        _stall_main, free_port(), reports=1, timeout_s=60
-    )
-    assert rank == 0
-    # Which rank is blamed is a guess when the other is alive but silent; what matters is the
-    # typed error by the deadline, with this process's GPU still usable.
-    assert (name, usable) == ("CollectiveTimeoutError", 10.0)
-    assert peer in (0, 1)
-    assert after_s < 3 + 1.5
+@pytest.mark.parametrize("size", SIZES)
+def test_symm_survivor_of_a_stalled_peer_raises_within_the_deadline_and_keeps_its_gpu(size: str):
+    reports = _spawn(_stall_main, free_port(), SIZES[size], reports=WORLD - 1, timeout_s=60)
+    assert sorted(rank for rank, _ in reports) == [r for r in range(WORLD) if r != 1]
+    for _, (name, peer, usable, after_s) in reports:
+        # Which rank is blamed is a guess when one is alive but silent; what matters is the
+        # typed error by the deadline, with this process's GPU still usable.
+        assert (name, usable) == ("CollectiveTimeoutError", 10.0)
+        assert peer in range(WORLD)
+        assert after_s < 3 + 1.5
