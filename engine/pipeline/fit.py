@@ -12,6 +12,7 @@ import torch
 
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.pipeline.config import PipelineConfig
+from ringflow.engine.pipeline.data import first_rows
 from ringflow.engine.pipeline.partition import Partition, model_layers, partition_model
 from ringflow.engine.pipeline.worker import pipeline_batch
 from ringflow.engine.spec import build_module
@@ -66,7 +67,6 @@ def check_pipeline(
     model_layers(module)  # not a layer sequence: say so before profiling anything
     example = None
     if pipeline.balance == "time":
-        x, y = data.read("train")
         size = max(1, config.batch_size // (config.workers * pipeline.micro_batches))
-        example, _ = pipeline_batch(module, x[:size], y[:size])
+        example, _ = pipeline_batch(module, *first_rows(data, size))
     return partition_model(module, pipeline, example=example)

@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 from ringflow.engine.collective import Collective, create_collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
-from ringflow.engine.data import TableSamples
+from ringflow.engine.data import Samples
 from ringflow.engine.metrics import Logged
 from ringflow.engine.module import Optimization
 from ringflow.engine.pipeline.config import PipelineConfig
+from ringflow.engine.pipeline.data import SplitShape, first_rows, stage_split
 from ringflow.engine.pipeline.execute import MicroBatches, run_forward, run_schedule
 from ringflow.engine.pipeline.p2p import StageLink
 from ringflow.engine.pipeline.partition import Partition
@@ -77,13 +78,13 @@ class PipelineWorker:
         self.replica, self.replicas = replica, config.workers
         torch.manual_seed(config.seed)  # every stage builds the unsplit model's weights
         self.module = module_cls(**hparams)
-        self.train_x, self.train_y = data.read("train")
-        # The split's row groups set the global order, as for data-parallel workers.
-        layout = data.layout("train") if hasattr(data, "layout") else None
-        self.train = TableSamples(self.train_x, self.train_y, layout=layout)
-        self._evaluated: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        example, _ = pipeline_batch(self.module, self.train_x[:1], self.train_y[:1])
         last = stage == partition.stages - 1
+        # The first stage reads inputs, the last targets; the others only the split's layout,
+        # which sets the global order as for data-parallel workers (engine.pipeline.data).
+        self.reads_rows = stage == 0 or last
+        self.train = stage_split(data, "train", reads_rows=self.reads_rows)
+        self._evaluated: dict[str, Samples | SplitShape] = {}
+        example, _ = pipeline_batch(self.module, *first_rows(data, 1))
         self.stage = PipelineStage(
             self.module,
             partition=partition,
@@ -227,38 +228,41 @@ class PipelineWorker:
             On the last stage, the loss summed over ``mine`` (0.0 elsewhere).
         """
         assert self.link is not None, "connect() must run before training"
-        parts = self._split(mine)
-        micro = self._micro_batches(parts, self.train_x, self.train_y, global_size)
+        micro = self._micro_batches(self.train, mine, global_size)
         self.optimizer.zero_grad(set_to_none=False)
         actions = stage_actions(
             self.pipeline.schedule,
             stage=self.stage.stage,
             stages=self.stage.stages,
-            micro_batches=len(parts),
+            micro_batches=len(micro.sizes),
         )
         losses = run_schedule(self.stage, actions, link=self.link, micro=micro)
         self._reduce_gradients()
         if not self.stage.is_last:
             return 0.0
-        return sum(loss * len(part) for loss, part in zip(losses, parts, strict=True))
-
-    def _split(self, mine: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # Fewer samples than micro-batches (a short last batch): one sample per micro-batch.
-        return torch.tensor_split(mine, min(self.pipeline.micro_batches, len(mine)))
+        return sum(loss * size for loss, size in zip(losses, micro.sizes, strict=True))
 
     def _micro_batches(
-        self, parts: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor, global_size: int
+        self, samples: Samples | SplitShape, mine: torch.Tensor, global_size: int
     ) -> MicroBatches:
-        inputs, targets = [], []
-        for part in parts:
-            first_input, target = pipeline_batch(self.module, x[part], y[part])
-            inputs.append(first_input)
-            targets.append(target)
+        """The micro-batches of this replica's samples ``mine``. The stages that read rows ask
+        ``samples`` for all of ``mine`` at once (a stream hands over the batch it read ahead)
+        and cut it; the others need only the sizes."""
+        # Fewer samples than micro-batches (a short last batch): one sample per micro-batch.
+        parts = torch.tensor_split(mine, min(self.pipeline.micro_batches, len(mine)))
+        sizes = tuple(len(part) for part in parts)
+        pairs = []
+        if self.reads_rows:
+            x, y = samples.batch(mine)
+            pairs = [
+                pipeline_batch(self.module, *part)
+                for part in zip(torch.split(x, sizes), torch.split(y, sizes), strict=True)
+            ]
         return MicroBatches(
-            sizes=tuple(len(part) for part in parts),
-            inputs=inputs if self.stage.is_first else None,
-            targets=targets if self.stage.is_last else None,
-            weights=tuple(len(part) / global_size for part in parts),
+            sizes=sizes,
+            inputs=[first for first, _ in pairs] if self.stage.is_first else None,
+            targets=[target for _, target in pairs] if self.stage.is_last else None,
+            weights=tuple(size / global_size for size in sizes),
         )
 
     def _reduce_gradients(self) -> None:
@@ -281,15 +285,16 @@ class PipelineWorker:
         """Forward this replica's part of ``split`` through the pipeline; the last stage
         returns ``val_loss`` (``{split}_loss`` for other splits) and ``pipeline_metrics``."""
         assert self.link is not None, "connect() must run before evaluating"
-        if split not in self._evaluated:  # read once: evaluation runs every epoch
-            self._evaluated[split] = self.data.read(split)
-        x, y = self._evaluated[split]
-        mine = split_global_batch(torch.arange(len(y)), rank=self.replica, world_size=self.replicas)
+        if split not in self._evaluated:  # opened once: evaluation runs every epoch
+            self._evaluated[split] = stage_split(self.data, split, reads_rows=self.reads_rows)
+        samples = self._evaluated[split]
+        mine = split_global_batch(
+            torch.arange(len(samples)), rank=self.replica, world_size=self.replicas
+        )
         prefix = "val" if split == "validation" else split
         sums: dict[str, float] = defaultdict(float)
         for start in range(0, len(mine), self.config.batch_size):
-            parts = self._split(mine[start : start + self.config.batch_size])
-            micro = self._micro_batches(parts, x, y, 1)
+            micro = self._micro_batches(samples, mine[start : start + self.config.batch_size], 1)
             outputs = run_forward(self.stage, link=self.link, micro=micro)
             for out, target in zip(outputs, micro.targets or [], strict=True):
                 for name, value in self._metrics(out, target.to(out.device)).items():
@@ -334,7 +339,7 @@ class PipelineWorker:
 
     def epoch_steps(self) -> int:
         """Steps (global batches) in one epoch of the training split."""
-        return -(-len(self.train_y) // self.config.batch_size)
+        return -(-len(self.train) // self.config.batch_size)
 
     def restore(self, store_url: str, checkpoint: CommittedCheckpoint) -> None:
         """Load this stage's model and optimizer state from a pipeline checkpoint, whatever
@@ -348,6 +353,9 @@ class PipelineWorker:
         return self.stage.peak_in_flight
 
     def close(self) -> None:
+        for samples in (self.train, *self._evaluated.values()):
+            if hasattr(samples, "close"):  # a stream's reading thread
+                samples.close()
         if self.collective is not None:
             self.collective.close()
             self.collective = None
