@@ -32,7 +32,14 @@ import torch
 from ringflow.engine.errors import ModelError
 from ringflow.engine.jsonstate import from_json, to_json
 
-__all__ = ["CLIP_ALGORITHMS", "PRECISIONS", "Optimization", "Precision", "clip_gradients"]
+__all__ = [
+    "CLIP_ALGORITHMS",
+    "PRECISIONS",
+    "Optimization",
+    "Precision",
+    "clip_gradients",
+    "compile_in_place",
+]
 
 CLIP_ALGORITHMS = ("norm", "value")
 """``TrainConfig.gradient_clip_algorithm``, as Lightning names them."""
@@ -400,3 +407,28 @@ def clip_gradients(optimizer: torch.optim.Optimizer, value: float | None, algori
         torch.nn.utils.clip_grad_norm_(params, value)
     else:
         torch.nn.utils.clip_grad_value_(params, value)
+
+
+def compile_in_place(module: torch.nn.Module) -> int:
+    """Replace every ``torch.compile(submodule)`` wrapper in ``module`` by the submodule
+    itself, compiled in place (``nn.Module.compile``) with the wrapper's own compiler
+    settings; return how many were replaced.
+
+    A wrapper (``OptimizedModule``) inserts ``_orig_mod.`` into the names of its parameters
+    and state, so a checkpoint of a compiled run would not load into the same module
+    uncompiled (the driver's, a served model's), nor the other way round. Compiled in place,
+    a module keeps its eager names and the same compiled forward and backward, and its
+    parameters' gradient hooks still fire after each compiled piece's backward.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    replaced = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, OptimizedModule):
+                inner = child._orig_mod
+                # What nn.Module.compile does, with the wrapper's compiler (backend, mode...).
+                inner._compiled_call_impl = child.dynamo_ctx(inner._call_impl)
+                setattr(parent, name, inner)
+                replaced += 1
+    return replaced + compile_in_place(module) if replaced else 0

@@ -25,6 +25,7 @@ from ringflow.engine.module import (
     TrainerView,
     attach,
     call_hook,
+    compile_in_place,
     module_checkpoint,
 )
 from ringflow.storage.checkpoint import read_checkpoint
@@ -240,6 +241,7 @@ class RankWorker:
         attach(module, self.trainer, self.metric_log)
         call_hook(module, "setup", "fit")  # as Trainer: then configure_model, then the device
         call_hook(module, "configure_model")
+        compile_in_place(module)  # eager state names, whatever configure_model compiled
         self.module = self.precision.convert_module(module.to(self.device))
         self.optimization = Optimization(self.module, self.precision)
         self.optimizer = self.optimization.optimizer
