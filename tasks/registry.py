@@ -112,14 +112,19 @@ def promote(
 
 
 def _test_split_evaluator(registry: ModelRegistry, version: str):
-    """``uri -> test metrics`` on the held-out test split of ``version``'s dataset."""
+    """``uri -> test metrics`` on the held-out test split of ``version``'s dataset.
+
+    The split is streamed, whatever its size: evaluation is one pass in order, so reading it
+    a few row groups at a time (``storage.stream``) reads what reading it whole would, with
+    memory bounded by a few row groups and one batch, and gives the same batches, so the
+    same metrics."""
     from ringflow.engine import DataSpec
     from ringflow.engine import evaluate as evaluate_model
 
     dataset_url = registry.get(version).dataset_url
     if dataset_url is None:
         return None
-    data = DataSpec(dataset_url=dataset_url)
+    data = DataSpec(dataset_url=dataset_url, stream=True)
     return lambda uri: evaluate_model(uri, data, split="test")
 
 

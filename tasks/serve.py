@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 
 import httpx
+import numpy as np
 from prefect import task
 from prefect.logging import get_run_logger
 
 from ringflow.engine.cluster import connect
 from ringflow.engine.serving import serve_model, serve_registry
-from ringflow.storage.dataset import dataset_schema, read_split
+from ringflow.storage.dataset import DataError, TableSchema, dataset_schema
 from ringflow.storage.layout import Workspace
+from ringflow.storage.stream import ParquetSplit
 
 __all__ = ["serve", "serve_production"]
 
@@ -57,14 +59,32 @@ def serve_production(
     return _sample_answer(endpoint, dataset_url, served=f"{registry_url}/{model} (production)")
 
 
+def _first_test_row(dataset_url: str, schema: TableSchema) -> tuple[np.ndarray, np.generic]:
+    """``(features, label)`` of the test split's first row, read from the row group it lies
+    in (checked against the manifest), never the whole split.
+
+    Raises:
+        DataError: the test split has no rows.
+    """
+    split = ParquetSplit(dataset_url, "test", schema)
+    block = next((b for b, rows in enumerate(split.blocks) if rows), None)
+    if block is None:
+        raise DataError(
+            f"the test split of {dataset_url} has no rows to ask the served model about; "
+            "preprocess with a test fraction above 0"
+        )
+    features, labels = split.read(block)
+    return features[0], labels[0]
+
+
 def _sample_answer(endpoint: str, dataset_url: str, *, served: str) -> dict:
     """Ask the served model about the first test row, sent as a plain array in schema order
     (category values by name), which every served model accepts."""
     schema = dataset_schema(dataset_url)
-    features, labels = read_split(dataset_url, "test", schema)
+    features, label = _first_test_row(dataset_url, schema)
     instance = [
         column.categories[int(value)] if column.categories else value
-        for column, value in zip(schema.features, features[0].tolist(), strict=True)
+        for column, value in zip(schema.features, features.tolist(), strict=True)
     ]
     token = os.environ.get("RINGFLOW_SERVE_TOKEN", "").strip()
     reply = httpx.post(
@@ -78,7 +98,7 @@ def _sample_answer(endpoint: str, dataset_url: str, *, served: str) -> dict:
     answer = reply.json()
     prediction = answer["predictions"][0]
     version = answer.get("model", {}).get("version")
-    label = labels[0].item()
+    label = label.item()
     get_run_logger().info(
         "serving %s at %s/predict (version %s); a test row with %s %s was answered %s",
         served,
