@@ -1,8 +1,7 @@
 """The ring over NCCL, one process per GPU: same results as NCCL's own, and deadlines hold.
 
 Needs 2 CUDA devices (``-m gpu`` on the lent GPU machine); skipped elsewhere. With
-``RINGFLOW_GPU_WORLD=4`` (4 devices) the same tests run 4 ranks, where all-reduces below
-``RINGFLOW_SYMM_MESH_BELOW`` go over the mesh (two shots) rather than the ring.
+``RINGFLOW_GPU_WORLD=4`` (4 devices) the same tests run 4 ranks.
 """
 
 from __future__ import annotations
@@ -201,7 +200,7 @@ def _failure_main(rank: int, port: int, transport: str, numel: int, queue) -> No
     os._exit(0)  # NCCL teardown after an abort can block: the verdict is what matters
 
 
-# 256 MiB goes around the ring; 4 MiB over the mesh when there are more than two ranks.
+# A large collective (segments overlapped) and a small one (one segment a chunk).
 SIZES = {"ring": 64 << 20, "small": 1 << 20}
 
 

@@ -47,7 +47,6 @@ import collections
 import logging
 import os
 import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -67,9 +66,6 @@ _INITIAL_ELEMENTS = 16 << 20
 """Staging allocated when the ring connects (64 MiB of float32); larger collectives grow it."""
 _GRAPHS = 64
 """Recorded collectives kept (least recently used dropped first)."""
-_MESH_BELOW = 64 << 20
-"""All-reduces of fewer bytes than this (in the tensor's dtype) go over the mesh (two shots)
-instead of the ring when the ring has at least three ranks (``_enqueue_mesh``)."""
 _KERNEL_GRACE_S = 30.0
 """How long past the collective deadline a waiting kernel spins before it gives up: the
 watchdog must raise the typed error first."""
@@ -111,12 +107,6 @@ class SymmTransport(NcclTransport):
         if os.environ.get("RINGFLOW_SYMM_GRAPHS", "1") == "1":
             self._graphs = collections.OrderedDict()
         self.pipeline_depth = int(os.environ.get("RINGFLOW_SYMM_DEPTH", type(self).pipeline_depth))
-        self._rank, self._world_size = kwargs["rank"], kwargs["world_size"]
-        self._mesh_below = int(os.environ.get("RINGFLOW_SYMM_MESH_BELOW", _MESH_BELOW))
-        self._mesh_min_ranks = int(os.environ.get("RINGFLOW_SYMM_MESH_RANKS", 3))
-        self._fanout = os.environ.get("RINGFLOW_SYMM_FANOUT", "1") == "1"
-        self._fanouts: list[torch.cuda.Stream] = []
-        self._meshes: dict[torch.dtype, _Staging] = {}
         # Everything the release needs, made now: with CUDA's lazy module loading, loading a
         # kernel while another spins waiting can block until that one ends, which it won't.
         device = torch.device("cuda", torch.cuda.current_device())
@@ -131,49 +121,38 @@ class SymmTransport(NcclTransport):
         # than a collective's deadline: do it now, outside any deadline, at a size that
         # serves gradient buckets without growing.
         self._staging(torch.float32, _INITIAL_ELEMENTS)
-        if self._world_size >= self._mesh_min_ranks and self._mesh_below > 0:
-            self._staging(torch.float32, _INITIAL_ELEMENTS, mesh=True)
         self._timeout_ms = int((kwargs["timeout_s"] + _KERNEL_GRACE_S) * 1000)
 
     def _issue(self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None) -> None:
         """Replay the collective recorded for ``plan.key``, recording it the first time."""
-        key = None if self._graphs is None or plan.key is None else (*plan.key, wire)
-        graph = None if key is None else self._graphs.get(key)
-        if graph is not None:
-            self._graphs.move_to_end(key)
-            graph.replay()
+        if self._graphs is None or plan.key is None:
+            super()._issue(plan, wire=wire, finish=finish)
             return
-        # Staging is made (a collective rendezvous) before recording, never while.
-        chunks = self._mesh_chunks(plan, wire)
-        if chunks is not None:
-            self._prepare_mesh(chunks, wire)
-
-            def enqueue() -> None:
-                self._enqueue_mesh(chunks, wire=wire, finish=finish)
-        else:
-            self._prepare(*_sides(plan.schedule), wire)
-
-            def enqueue() -> None:
-                self._enqueue(plan.schedule, wire=wire, finish=finish)
-
-        graph = None if key is None else self._record(enqueue)
+        key = (*plan.key, wire)
+        graph = self._graphs.get(key)
         if graph is None:
-            enqueue()
-            return
-        self._graphs[key] = graph
-        while len(self._graphs) > _GRAPHS:
-            self._graphs.popitem(last=False)
+            graph = self._record(plan.schedule, wire=wire, finish=finish)
+            if graph is None:
+                super()._issue(plan, wire=wire, finish=finish)
+                return
+            self._graphs[key] = graph
+            while len(self._graphs) > _GRAPHS:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
         graph.replay()
 
-    def _record(self, enqueue: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
-        """What ``enqueue`` launches, as a CUDA graph of the current stream, or ``None`` if it
-        cannot be recorded here."""
+    def _record(
+        self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None
+    ) -> torch.cuda.CUDAGraph | None:
+        """The collective as a CUDA graph of the current stream, or ``None`` if it cannot be."""
+        self._prepare(*_sides(schedule), wire)  # may rendezvous: not while recording
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: backward keeps launching from autograd's threads meanwhile.
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                enqueue()
+                self._enqueue(schedule, wire=wire, finish=finish)
             finally:
                 graph.capture_end()
         except RuntimeError:
@@ -185,98 +164,6 @@ class SymmTransport(NcclTransport):
             self._graphs = None
             return None
         return graph
-
-    def _mesh_chunks(self, plan: Plan, wire: torch.dtype) -> list[torch.Tensor] | None:
-        """The all-reduce's chunks if it goes over the mesh (see ``_enqueue_mesh``), else
-        ``None``: the ring's schedule runs it."""
-        if plan.chunks is None or self._world_size < self._mesh_min_ranks:
-            return None
-        chunks = plan.chunks()
-        size = sum(chunk.numel() for chunk in chunks) * max(chunks[0].element_size(), 1)
-        return chunks if size < self._mesh_below else None
-
-    def _prepare_mesh(self, chunks: list[torch.Tensor], wire: torch.dtype) -> _Staging:
-        """The mesh's staging: a receive slot per rank for each of its two phases."""
-        longest = max(chunk.numel() for chunk in chunks)
-        staging = self._staging(wire, 2 * self._world_size * max(longest, 1), mesh=True)
-        for peer in range(self._world_size):
-            staging.peer(peer)
-        return staging
-
-    def _enqueue_mesh(
-        self, chunks: list[torch.Tensor], *, wire: torch.dtype, finish: Finisher | None
-    ) -> None:
-        """Reduce-scatter then all-gather with every rank at once: two shots, not 2(n-1) hops.
-
-        Phase one pushes chunk ``p`` into rank ``p``'s slot for this rank (NVLink stores), then
-        adds the ``n - 1`` chunks received into this rank's own; phase two pushes the finished
-        chunk into every rank's second slot for this rank and copies the others' finished
-        chunks into place. The same bytes cross NVLink as in the ring, but a collective waits
-        for two rounds of signals instead of ``2(n - 1)`` dependent hops, which is what small
-        collectives on more than two GPUs pay for (``RINGFLOW_SYMM_MESH_BELOW``).
-
-        No barrier at the end: a rank writes into another's phase-one slots only after that
-        rank signalled phase one of the *next* collective, i.e. after it finished reading this
-        one's, and likewise for phase two.
-        """
-        n, rank = self._world_size, self._rank
-        longest = max(max(chunk.numel() for chunk in chunks), 1)
-        staging = self._prepare_mesh(chunks, wire)
-        handle, timeout_ms = staging.handle, self._timeout_ms
-        peers = [(rank + k) % n for k in range(1, n)]
-
-        def slot(buffer: torch.Tensor, phase: int, owner: int, length: int) -> torch.Tensor:
-            start = (phase * n + owner) * longest
-            return buffer[start : start + length]
-
-        def push(phase: int, source_of) -> None:
-            def one(peer: int) -> None:
-                source = source_of(peer)
-                if source.numel():
-                    slot(staging.peer(peer), phase, rank, source.numel()).copy_(source.view(-1))
-                handle.put_signal(peer, phase, timeout_ms)
-
-            self._fan_out(peers, one)
-
-        mine = chunks[rank]
-        push(0, lambda peer: chunks[peer])
-        for peer in peers:
-            handle.wait_signal(peer, 0, timeout_ms)
-        for peer in sorted(peers):
-            if mine.numel():
-                mine.add_(slot(staging.mine, 0, peer, mine.numel()))
-        if finish is not None and mine.numel():
-            finish(mine)
-        outgoing = mine
-        if wire != mine.dtype and mine.numel():
-            # Every rank ends with the values that travelled, the owner included.
-            outgoing = mine.to(wire)
-            mine.copy_(outgoing)
-        push(1, lambda peer: outgoing)
-        for peer in peers:
-            handle.wait_signal(peer, 1, timeout_ms)
-            if chunks[peer].numel():
-                chunks[peer].copy_(slot(staging.mine, 1, peer, chunks[peer].numel()))
-
-    def _fan_out(self, peers: list[int], fn: Callable[[int], None]) -> None:
-        """``fn(peer)`` for every peer, on a stream per peer when they may run side by side."""
-        if not self._fanout:
-            for peer in peers:
-                fn(peer)
-            return
-        side = torch.cuda.current_stream()
-        streams = self._fanout_streams(len(peers), side.device)
-        for peer, stream in zip(peers, streams, strict=False):
-            stream.wait_stream(side)
-            with torch.cuda.stream(stream):
-                fn(peer)
-        for stream in streams[: len(peers)]:
-            side.wait_stream(stream)
-
-    def _fanout_streams(self, count: int, device: torch.device) -> list[torch.cuda.Stream]:
-        while len(self._fanouts) < count:
-            self._fanouts.append(torch.cuda.Stream(device=device, priority=-1))
-        return self._fanouts
 
     def _prepare(self, sends: list[Hop], recvs: list[Hop], wire: torch.dtype) -> _Staging:
         """The staging buffer these hops need, grown on every rank alike if needed."""
@@ -335,11 +222,9 @@ class SymmTransport(NcclTransport):
         else:
             slot.copy_(hop.send.view(-1))
 
-    def _staging(self, wire: torch.dtype, elements: int, *, mesh: bool = False) -> _Staging:
-        """The ring's (or the mesh's) staging buffer for ``wire``, grown (on every rank alike)
-        to ``elements``."""
-        buffers = self._meshes if mesh else self._buffers
-        current = buffers.get(wire)
+    def _staging(self, wire: torch.dtype, elements: int) -> _Staging:
+        """The staging buffer for ``wire``, grown (on every rank alike) to ``elements``."""
+        current = self._buffers.get(wire)
         if current is None or current.elements < elements:
             # Every rank runs the same collectives on the same sizes, so they all grow here
             # together: rendezvous is collective. Powers of two keep regrowth rare.
@@ -350,7 +235,7 @@ class SymmTransport(NcclTransport):
                 torch.cuda.current_stream().synchronize()
                 if self._graphs is not None:
                     self._graphs.clear()
-            buffers[wire] = current = _Staging(self._group, wire, size, right=self._right)
+            self._buffers[wire] = current = _Staging(self._group, wire, size, right=self._right)
         return current
 
     def _abort(self) -> None:
@@ -361,8 +246,7 @@ class SymmTransport(NcclTransport):
             _log.exception("could not release the ring's waiting kernels")
 
     def _release(self) -> None:
-        side = self._stream
-        buffers = [*self._buffers.values(), *self._meshes.values()]
+        side, buffers = self._stream, list(self._buffers.values())
         if side is None or not buffers:
             return
         with torch.cuda.device(side.device):
@@ -381,7 +265,6 @@ class SymmTransport(NcclTransport):
         if self._graphs is not None:
             self._graphs.clear()
         self._buffers.clear()
-        self._meshes.clear()
         super().close()
 
 
@@ -434,16 +317,6 @@ class _Staging:
         self.mine = symm_mem.empty(elements, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.mine, group.group_name)
         self.right = self.handle.get_buffer(right, (elements,), dtype)
-        self._peers: dict[int, torch.Tensor] = {right: self.right, self.handle.rank: self.mine}
-
-    def peer(self, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s buffer, mapped here."""
-        buffer = self._peers.get(rank)
-        if buffer is None:
-            buffer = self._peers[rank] = self.handle.get_buffer(
-                rank, (self.elements,), self.mine.dtype
-            )
-        return buffer
 
     def own_pad(self) -> torch.Tensor:
         """This rank's signal pad, as int32 words."""

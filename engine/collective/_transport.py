@@ -50,23 +50,15 @@ class Plan:
             and dtype, the reduction), so a transport may reuse what it prepared for an equal
             key instead of building the schedule again; ``None``: do not reuse.
         keep: what must stay alive until the device has finished the collective.
-        chunks: for an all-reduce, the tensor cut into ``world_size`` chunks (lengths differ
-            by at most one element; rank ``r`` finishes chunk ``r``): a transport that can
-            reach every rank at once may run the collective over them instead of the ring.
     """
 
-    __slots__ = ("_build", "_schedule", "chunks", "keep", "key")
+    __slots__ = ("_build", "_schedule", "keep", "key")
 
     def __init__(
-        self,
-        build: Callable[[], Schedule],
-        *,
-        key: tuple | None = None,
-        keep: object = None,
-        chunks: Callable[[], list[torch.Tensor]] | None = None,
+        self, build: Callable[[], Schedule], *, key: tuple | None = None, keep: object = None
     ) -> None:
         self._build, self._schedule = build, None
-        self.key, self.keep, self.chunks = key, keep, chunks
+        self.key, self.keep = key, keep
 
     @property
     def schedule(self) -> Schedule:

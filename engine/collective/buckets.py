@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ringflow.engine.collective.base import Collective, CollectiveWork
+
+if TYPE_CHECKING:
+    from ringflow.engine.timeline import WorkerTimeline
 
 __all__ = ["GradientBuckets"]
 
@@ -73,6 +77,8 @@ class GradientBuckets:
         self._active = False
         self._weight = 1.0
         self._works: list[CollectiveWork] = []
+        self.timeline: WorkerTimeline | None = None
+        """Set, each bucket's all-reduce is recorded there (``engine.timeline``)."""
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -99,6 +105,8 @@ class GradientBuckets:
                 self._launch(bucket)
             for work in self._works:
                 work.wait()
+            if self.timeline is not None:  # it may have waited on a stream of its own
+                self.timeline.join()
         finally:
             self._active = False
         for bucket in self._buckets:
@@ -132,7 +140,15 @@ class GradientBuckets:
         bucket.filled[slot] = True
 
     def _launch(self, bucket: _Bucket) -> None:
-        self._works.append(self._collective.allreduce_async_(bucket.buffer, op="sum"))
+        timeline = self.timeline
+        if timeline is None:
+            self._works.append(self._collective.allreduce_async_(bucket.buffer, op="sum"))
+            return
+        mark = timeline.mark()  # before the launch: on CPU the ring may start at once
+        work = self._collective.allreduce_async_(bucket.buffer, op="sum")
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        timeline.launched(len(self._works), nbytes, mark, work)
+        self._works.append(work)
 
 
 def _plan(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:

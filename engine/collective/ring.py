@@ -220,7 +220,6 @@ class RingCollective(Collective):
             ),
             key=("allreduce", *_shape_of(flat), wire, op),
             keep=flat,
-            chunks=lambda: list(torch.tensor_split(flat, self.world_size)),
         )
         finish = _finisher(op, self.world_size)
         completion = self._transport.run(plan, wire=wire, finish=finish, deadline=deadline)
