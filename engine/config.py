@@ -85,6 +85,14 @@ class TrainConfig:
     collective_timeout_s: float = 10.0
     """Every collective's deadline: a worker that died or stopped answering makes the others
     fail with ``PeerLostError`` within this time."""
+    timeline: bool = False
+    """Record each worker's forward, backward, bucket all-reduces, gradient wait, optimizer
+    step and data loading as a Chrome trace, with a summary of the communication hidden behind
+    backward (``engine.timeline``; docs/timeline.md)."""
+    timeline_warmup: int = 5
+    """Batches each worker trains before the timeline records (compilation, warm-up)."""
+    timeline_steps: int = 50
+    """Batches the timeline records per worker after the warm-up: the trace stays small."""
 
     def __post_init__(self) -> None:
         _positive_int("workers", self.workers)
@@ -137,6 +145,16 @@ class TrainConfig:
             raise ValueError(
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
             )
+        self._check_timeline()
+
+    def _check_timeline(self) -> None:
+        if not isinstance(self.timeline, bool):
+            raise ValueError(f"timeline must be True or False, got {self.timeline!r}")
+        if isinstance(self.timeline_warmup, bool) or not isinstance(self.timeline_warmup, int):
+            raise ValueError(f"timeline_warmup must be an integer, got {self.timeline_warmup!r}")
+        if self.timeline_warmup < 0:
+            raise ValueError(f"timeline_warmup must be 0 or more, got {self.timeline_warmup}")
+        _positive_int("timeline_steps", self.timeline_steps)
 
     def _check_transport(self) -> None:
         if self.ring_transport not in TRANSPORTS:

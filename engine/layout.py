@@ -215,6 +215,7 @@ class Pipeline(Layout):
         "accumulate_grad_batches": "pipeline stages step every batch; raise micro_batches "
         "and batch_size instead",
         "precision": "activations travel between stages in float32",
+        "timeline": "the timeline records data-parallel workers' steps",
     }
 
     def _clips_by_norm(self) -> bool:

@@ -23,8 +23,10 @@ from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged, logger_rows
 from ringflow.engine.module import CALLED_HOOKS, uncalled_hooks
 from ringflow.engine.spec import build_module, model_hparams
+from ringflow.engine.timeline import TimelineSummary, chrome_trace, summarize, trace_bytes
 from ringflow.engine.worker import evaluate_module
 from ringflow.storage.checkpoint import load_model, read_checkpoint, save_model
+from ringflow.storage.fs import atomic_write, join
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 if TYPE_CHECKING:
@@ -62,6 +64,8 @@ class FitResult:
     """The step this run resumed from, or ``None`` if it started afresh."""
     events: list[ElasticEvent] = field(default_factory=list)
     """Resumes, lost workers, rollbacks and joins, in order."""
+    timeline: TimelineSummary | None = None
+    """With ``config.timeline``: where the trace was written and what it says."""
 
 
 def fit(
@@ -80,6 +84,7 @@ def fit(
     pipeline: PipelineConfig | None = None,
     loggers: Any = None,
     callbacks: list[Any] | None = None,
+    timeline_url: str | None = None,
 ) -> FitResult:
     """Train ``module_cls(**hparams)`` on ``data`` with ``config.workers`` data-parallel workers.
 
@@ -119,6 +124,8 @@ def fit(
             the driver writes what the module logs to, with Trainer's names and steps.
         callbacks: Lightning ``Callback``s, as Trainer takes them (the module's
             ``configure_callbacks`` are added); ``engine.callbacks`` says where each runs.
+        timeline_url: where the Chrome trace of ``config.timeline`` is written; ``None``:
+            ``timeline/trace.json`` next to ``checkpoint_uri`` (in its parent folder).
 
     Returns:
         The checkpoint URL, the per-epoch metrics and the final weights.
@@ -169,6 +176,7 @@ def fit(
             group.call_rank0("add_callbacks", callbacks.in_workers, loggers=bool(writers.loggers))
         writers.start(hparams)
         history = _train(group, layout, config, resume, on_epoch, callbacks, writers)
+        timeline = _write_timeline(group, config, timeline_url or _trace_url(checkpoint_uri))
         state = layout.model_state(group)
         events = resume.events() + group.events
     except BaseException:
@@ -199,7 +207,36 @@ def fit(
         state_dict=state,
         resumed_from=resume.step if resume.checkpoint is not None else None,
         events=events,
+        timeline=timeline,
     )
+
+
+def _trace_url(checkpoint_uri: str) -> str:
+    """``timeline/trace.json`` beside the model: ``runs/{run key}/timeline`` in a workspace."""
+    parent = checkpoint_uri.rstrip("/").rsplit("/", 1)[0]
+    return join(parent, "timeline", "trace.json")
+
+
+def _write_timeline(group: WorkerGroup, config: TrainConfig, url: str) -> TimelineSummary | None:
+    """Merge the workers' timelines into one Chrome trace at ``url`` (written whole or not at
+    all); its summary. A trace that cannot be written costs a warning, not the run."""
+    if not config.timeline:
+        return None
+    clock = "cuda events" if config.gpus_per_worker else "wall clock"
+    trace = chrome_trace(group.call("timeline_spans"), clock=clock)
+    try:
+        atomic_write(url, trace_bytes(trace))
+    except OSError as err:
+        log.warning("the timeline could not be written to %s: %s", url, err)
+        return summarize(trace)
+    summary = summarize(trace, trace_url=url)
+    log.info(
+        "timeline of %d worker steps written to %s: %.0f%% of communication hidden behind backward",
+        summary.steps,
+        url,
+        100 * (summary.overlap or 0.0),
+    )
+    return summary
 
 
 def _warn_uncalled_hooks(module_cls: type, pipeline: PipelineConfig | None) -> None:

@@ -28,6 +28,7 @@ from ringflow.engine.module import (
     compile_in_place,
     module_checkpoint,
 )
+from ringflow.engine.timeline import UNTIMED, WorkerTimeline
 from ringflow.storage.checkpoint import read_checkpoint
 from ringflow.storage.checkpointer import AsyncCheckpointer
 from ringflow.storage.reshard import (
@@ -251,6 +252,16 @@ class RankWorker:
         self.buckets: GradientBuckets | None = None
         self.checkpointer: AsyncCheckpointer | None = None
         self._commits: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+        self.timeline = (  # None when off: a batch then costs one test, no allocation
+            WorkerTimeline(
+                device=self.device,
+                warmup=config.timeline_warmup,
+                steps=config.timeline_steps,
+                steps_per_epoch=self.steps_per_epoch,
+            )
+            if config.timeline
+            else None
+        )
 
     def epoch_steps(self) -> int:
         """Steps (global batches) in one epoch of the training split."""
@@ -301,6 +312,7 @@ class RankWorker:
         self.buckets = GradientBuckets(
             self.params, self.collective, bucket_bytes=int(self.config.bucket_mb * 2**20)
         )
+        self.buckets.timeline = self.timeline
 
     def reconfigure(self, rank: int, world_size: int, init_method: str = "") -> None:
         """Leave the old ring and join a new one as ``rank`` of ``world_size``, keeping state.
@@ -432,9 +444,12 @@ class RankWorker:
         # (LearningRateMonitor reads it); the module's values are taken at the stepping batch.
         self.trainer.logs_due = every > 0 and (self.trainer.global_step + 1) % every == 0
         log_step = self.trainer.global_step if steps and self.trainer.logs_due else None
+        timeline = UNTIMED if self.timeline is None else self.timeline.begin(epoch, step)
         batch = None
         if len(mine):
+            timeline.start("data")
             batch = to_device(self.train.batch(mine), self.device)
+            timeline.stop("data")
             self.metric_log.enter("on_train_batch_start", batch_size=len(mine), log_step=log_step)
             self._callbacks("on_train_batch_start", batch, step)
             call_hook(self.module, "on_train_batch_start", batch, step)
@@ -446,27 +461,36 @@ class RankWorker:
         out = None
         if batch is not None:
             self.metric_log.enter("training_step", batch_size=len(mine), log_step=log_step)
+            timeline.start("forward")
             with self.precision.forward_context():
                 out = self.module.training_step(self.precision.convert_input(batch), step)
+            timeline.stop("forward")
             loss = out["loss"] if isinstance(out, Mapping) else out
             call_hook(self.module, "on_before_backward", loss)
+            timeline.start("backward")
             self.precision.backward(loss if window == 1 else loss * (weight / window))
+            timeline.stop("backward")
             self.metric_log.record("train_loss", float(loss.detach()), len(mine))
         if steps:
+            timeline.start("gradient_wait")
             self.buckets.finish()
+            timeline.stop("gradient_wait")
         if batch is not None:
             call_hook(self.module, "on_after_backward")
         if steps:
+            timeline.start("optimizer")
             self.optimization.step(
                 step,
                 last=step == self.steps_per_epoch - 1,
                 clip_val=self.config.gradient_clip_val,
                 clip_algorithm=self.config.gradient_clip_algorithm,
             )
+            timeline.stop("optimizer")
             self.trainer.global_step += 1
         if batch is not None:
             self.metric_log.enter("on_train_batch_end", batch_size=len(mine), log_step=log_step)
             call_hook(self.module, "on_train_batch_end", out, batch, step)
+        timeline.end()
 
     def train_epoch_end(self, epoch: int) -> Logged:
         """Trainer's ``on_train_epoch_end`` (after the epoch's validation); what it logged."""
@@ -566,10 +590,16 @@ class RankWorker:
         """The model's weights as CPU tensors: the driver may have no GPU."""
         return _host_copy(self.module.state_dict())
 
+    def timeline_spans(self) -> list[dict[str, Any]]:
+        """The spans this worker recorded (``engine.timeline``); each is returned once."""
+        return [] if self.timeline is None else self.timeline.spans(self.rank)
+
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
             self.checkpointer = None
+        if self.timeline is not None:
+            self.timeline.close()
         self._leave_ring()
 
     def _leave_ring(self) -> None:

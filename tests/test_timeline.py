@@ -1,0 +1,203 @@
+"""The timeline: each worker's spans as a Chrome trace, and the overlap summary read from it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from ringflow.engine import TrainConfig, fit
+from ringflow.engine.collective.base import CompletedWork
+from ringflow.engine.pipeline import PipelineConfig
+from ringflow.engine.timeline import (
+    SPAN_KINDS,
+    UNTIMED,
+    WorkerTimeline,
+    chrome_trace,
+    summarize,
+)
+from ringflow.engine.trainer import check_layout
+from ringflow.models.digits import DigitsClassifier
+
+US = 1000  # nanoseconds
+
+
+def _span(kind: str, pid: int, begun_us: float, ended_us: float, step: int = 0) -> dict:
+    tid = {"allreduce": 1, "optimizer": 2, "data": 3}.get(kind, 0)
+    return {
+        "name": kind,
+        "cat": kind,
+        "pid": pid,
+        "tid": tid,
+        "ts_ns": int(begun_us * US),
+        "dur_ns": int((ended_us - begun_us) * US),
+        "args": {"step": step},
+    }
+
+
+def test_summary_of_a_hand_built_trace():
+    # Worker 0: backward 100-300 us; buckets 150-250 (inside) and 250-350 (half inside).
+    # Worker 1: backward 1000-1200 us; one bucket 1200-1300, after backward (all exposed).
+    worker0 = [
+        _span("step", 0, 0, 400),
+        _span("data", 0, 0, 10),
+        _span("forward", 0, 10, 100),
+        _span("backward", 0, 100, 300),
+        _span("allreduce", 0, 150, 250),
+        _span("allreduce", 0, 250, 350),
+        _span("gradient_wait", 0, 300, 350),
+        _span("optimizer", 0, 350, 400),
+    ]
+    worker1 = [
+        _span("step", 1, 900, 1400),
+        _span("backward", 1, 1000, 1200),
+        _span("allreduce", 1, 1200, 1300),
+        _span("gradient_wait", 1, 1200, 1300),
+    ]
+    trace = chrome_trace([worker0, worker1], clock="wall clock")
+    summary = summarize(trace, trace_url="memory://t/trace.json")
+    assert summary.workers == 2
+    assert summary.steps == 2
+    # Hidden: 100 + 50 of worker 0's 200 us, none of worker 1's 100 us.
+    assert summary.overlap == pytest.approx(150 / 300)
+    assert summary.communication_ms == pytest.approx(300 / 2 / 1000)
+    assert summary.exposed_communication_ms == pytest.approx(150 / 2 / 1000)
+    assert summary.step_ms["step"] == pytest.approx((400 + 500) / 2 / 1000)
+    assert summary.step_ms["backward"] == pytest.approx(400 / 2 / 1000)
+    assert summary.step_ms["gradient_wait"] == pytest.approx(150 / 2 / 1000)
+    assert summary.step_ms["optimizer"] == pytest.approx(50 / 2 / 1000)
+    assert summary.trace_url == "memory://t/trace.json"
+    # The trace starts at 0 and is in microseconds.
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert min(e["ts"] for e in spans) == 0
+    assert {e["dur"] for e in spans if e["cat"] == "step"} == {400.0, 500.0}
+
+
+def test_summary_without_communication_and_of_a_bad_trace():
+    summary = summarize(chrome_trace([[_span("step", 0, 0, 10), _span("forward", 0, 0, 5)]]))
+    assert summary.overlap is None
+    assert summary.exposed_communication_ms == 0
+    with pytest.raises(ValueError, match="traceEvents"):
+        summarize({"events": []})
+
+
+def test_a_worker_timeline_records_only_its_window():
+    timeline = WorkerTimeline(device=torch.device("cpu"), warmup=2, steps=3, steps_per_epoch=4)
+    recorded = []
+    for batch in range(8):
+        epoch, step = divmod(batch, 4)
+        marks = timeline.begin(epoch, step)
+        if marks is not UNTIMED:
+            recorded.append(batch)
+        marks.start("forward")
+        marks.stop("forward")
+        if marks is timeline:
+            mark = timeline.mark()
+            timeline.launched(0, 8, mark, CompletedWork(torch.zeros(2)))
+        marks.end()
+    assert recorded == [2, 3, 4]
+    spans = timeline.spans(rank=1)
+    timeline.close()
+    assert {s["args"]["step"] for s in spans} == {2, 3, 4}
+    assert {s["cat"] for s in spans} == {"step", "forward", "allreduce"}
+    assert {s["pid"] for s in spans} == {1}
+    assert timeline.spans(rank=1) == []  # each span is returned once
+
+
+def test_timeline_options_are_checked():
+    with pytest.raises(ValueError, match="timeline_steps"):
+        TrainConfig(timeline=True, timeline_steps=0)
+    with pytest.raises(ValueError, match="timeline_warmup"):
+        TrainConfig(timeline_warmup=-1)
+    with pytest.raises(ValueError, match="timeline must be"):
+        TrainConfig(timeline="yes")
+    with pytest.raises(ValueError, match="timeline"):
+        check_layout(TrainConfig(timeline=True), PipelineConfig(stages=2))
+
+
+def _fit(digits, tmp_path, **config):
+    return fit(
+        DigitsClassifier,
+        hparams={"hidden": 32, "lr": 0.01},
+        data=digits,
+        config=TrainConfig(epochs=1, batch_size=64, seed=3, **config),
+        checkpoint_uri=str(tmp_path / "model"),
+    )
+
+
+@pytest.mark.ray
+def test_off_by_default_writes_nothing(ray_session, digits, tmp_path):
+    result = _fit(digits, tmp_path, workers=2)
+    assert result.timeline is None
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+@pytest.mark.ray
+def test_two_workers_write_a_chrome_trace_of_their_steps(ray_session, digits, tmp_path):
+    # Small buckets: several all-reduces a step, launched from inside backward.
+    result = _fit(
+        digits,
+        tmp_path,
+        workers=2,
+        bucket_mb=0.001,
+        timeline=True,
+        timeline_warmup=2,
+        timeline_steps=4,
+    )
+    url = str(tmp_path / "timeline" / "trace.json")
+    assert result.timeline is not None
+    assert result.timeline.trace_url == url
+    assert not [n for n in os.listdir(tmp_path / "timeline") if n != "trace.json"]  # no temp
+    with open(url) as f:
+        trace = json.load(f)
+
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for event in spans:
+        assert {"name", "ph", "ts", "dur", "pid", "tid"} <= event.keys()
+        assert event["dur"] >= 0
+    names = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["name"] == "thread_name"
+    }
+    assert names[(0, 0)] == "compute"
+    assert names[(1, 1)] == "communication"
+
+    by_step: dict[tuple[int, int], dict[str, list[dict]]] = {}
+    for event in spans:
+        kinds = by_step.setdefault((event["pid"], event["args"]["step"]), {})
+        kinds.setdefault(event["cat"], []).append(event)
+    assert sorted(by_step) == [(pid, step) for pid in (0, 1) for step in (2, 3, 4, 5)]
+    buckets = {len(kinds["allreduce"]) for kinds in by_step.values()}
+    assert len(buckets) == 1
+    assert buckets.pop() >= 2
+    for kinds in by_step.values():
+        assert set(kinds) == set(SPAN_KINDS)
+        (step,) = kinds["step"]
+        backward, wait = kinds["backward"][0], kinds["gradient_wait"][0]
+        eps = 1e-3  # microseconds, for the float conversion
+        for kind in ("forward", "backward", "gradient_wait", "optimizer"):
+            (span,) = kinds[kind]
+            assert step["ts"] - eps <= span["ts"] <= _end(span) <= _end(step) + eps
+        assert _end(kinds["forward"][0]) <= backward["ts"] + eps
+        assert _end(backward) <= wait["ts"] + eps <= _end(wait) <= kinds["optimizer"][0]["ts"] + eps
+        allreduces = sorted(kinds["allreduce"], key=lambda e: e["args"]["bucket"])
+        assert [e["args"]["bucket"] for e in allreduces] == list(range(len(allreduces)))
+        for first, second in zip(allreduces, allreduces[1:], strict=False):
+            assert _end(first) <= second["ts"] + eps  # one at a time, in order
+        for span in allreduces:
+            assert backward["ts"] - eps <= span["ts"]  # launched from inside backward
+            assert _end(span) <= _end(wait) + eps  # the wait is over once all are done
+
+    summary = summarize(trace, trace_url=url)
+    assert summary == result.timeline
+    assert summary.workers == 2
+    assert summary.steps == 8
+    assert 0.0 <= summary.overlap <= 1.0
+    assert summary.communication_ms > 0
+
+
+def _end(event: dict) -> float:
+    return event["ts"] + event["dur"]
