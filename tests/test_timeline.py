@@ -20,6 +20,7 @@ from ringflow.engine.timeline import (
 )
 from ringflow.engine.trainer import check_layout
 from ringflow.models.digits import DigitsClassifier
+from tests.conftest import relative_difference
 
 US = 1000  # nanoseconds
 
@@ -117,79 +118,66 @@ def test_timeline_options_are_checked():
         check_layout(TrainConfig(timeline=True), PipelineConfig(stages=2))
 
 
-def _fit(digits, tmp_path, **config):
+def _fit(digits, tmp_path, *, in_process: bool = False, **config):
     return fit(
         DigitsClassifier,
         hparams={"hidden": 32, "lr": 0.01},
         data=digits,
         config=TrainConfig(epochs=1, batch_size=64, seed=3, **config),
         checkpoint_uri=str(tmp_path / "model"),
+        in_process=in_process,
     )
 
 
-@pytest.mark.ray
-def test_off_by_default_writes_nothing(ray_session, digits, tmp_path):
-    result = _fit(digits, tmp_path, workers=2)
+def test_off_by_default_writes_nothing(digits, tmp_path):
+    result = _fit(digits, tmp_path, workers=1, in_process=True)
     assert result.timeline is None
     assert sorted(os.listdir(tmp_path)) == ["model"]
 
 
 @pytest.mark.ray
 def test_two_workers_write_a_chrome_trace_of_their_steps(ray_session, digits, tmp_path):
-    # Small buckets: several all-reduces a step, launched from inside backward.
-    result = _fit(
-        digits,
-        tmp_path,
-        workers=2,
-        bucket_mb=0.001,
-        timeline=True,
-        timeline_warmup=2,
-        timeline_steps=4,
-    )
+    result = _fit(digits, tmp_path, workers=2, **TIMED)
+    trace = _check_trace(result, tmp_path, clock="wall clock")
+    assert trace["otherData"]["clock"] == "wall clock"
+
+
+TIMED = {"bucket_mb": 0.001, "timeline": True, "timeline_warmup": 2, "timeline_steps": 4}
+"""Small buckets (two all-reduces a step, launched from inside backward); batches 2-5."""
+
+
+def _check_trace(result, tmp_path, *, clock: str) -> dict:
+    """The trace of a :data:`TIMED` run of 2 workers: where it should be, valid, complete,
+    its spans nested as the step runs them, and summarised as ``result`` says."""
     url = str(tmp_path / "timeline" / "trace.json")
     assert result.timeline is not None
     assert result.timeline.trace_url == url
-    assert not [n for n in os.listdir(tmp_path / "timeline") if n != "trace.json"]  # no temp
+    assert os.listdir(tmp_path / "timeline") == ["trace.json"]  # no temporary left
     with open(url) as f:
         trace = json.load(f)
+    assert trace["otherData"]["clock"] == clock
 
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     for event in spans:
         assert {"name", "ph", "ts", "dur", "pid", "tid"} <= event.keys()
         assert event["dur"] >= 0
-    names = {
+    lanes = {
         (e["pid"], e["tid"]): e["args"]["name"]
         for e in trace["traceEvents"]
         if e["name"] == "thread_name"
     }
-    assert names[(0, 0)] == "compute"
-    assert names[(1, 1)] == "communication"
+    assert lanes[(0, 0)] == "compute"
+    assert lanes[(1, 1)] == "communication"
 
     by_step: dict[tuple[int, int], dict[str, list[dict]]] = {}
     for event in spans:
         kinds = by_step.setdefault((event["pid"], event["args"]["step"]), {})
         kinds.setdefault(event["cat"], []).append(event)
     assert sorted(by_step) == [(pid, step) for pid in (0, 1) for step in (2, 3, 4, 5)]
-    buckets = {len(kinds["allreduce"]) for kinds in by_step.values()}
-    assert len(buckets) == 1
-    assert buckets.pop() >= 2
+    assert {len(kinds["allreduce"]) for kinds in by_step.values()} == {2}
     for kinds in by_step.values():
         assert set(kinds) == set(SPAN_KINDS)
-        (step,) = kinds["step"]
-        backward, wait = kinds["backward"][0], kinds["gradient_wait"][0]
-        eps = 1e-3  # microseconds, for the float conversion
-        for kind in ("forward", "backward", "gradient_wait", "optimizer"):
-            (span,) = kinds[kind]
-            assert step["ts"] - eps <= span["ts"] <= _end(span) <= _end(step) + eps
-        assert _end(kinds["forward"][0]) <= backward["ts"] + eps
-        assert _end(backward) <= wait["ts"] + eps <= _end(wait) <= kinds["optimizer"][0]["ts"] + eps
-        allreduces = sorted(kinds["allreduce"], key=lambda e: e["args"]["bucket"])
-        assert [e["args"]["bucket"] for e in allreduces] == list(range(len(allreduces)))
-        for first, second in zip(allreduces, allreduces[1:], strict=False):
-            assert _end(first) <= second["ts"] + eps  # one at a time, in order
-        for span in allreduces:
-            assert backward["ts"] - eps <= span["ts"]  # launched from inside backward
-            assert _end(span) <= _end(wait) + eps  # the wait is over once all are done
+        _check_nesting(kinds, host_data=clock == "wall clock")
 
     summary = summarize(trace, trace_url=url)
     assert summary == result.timeline
@@ -197,7 +185,61 @@ def test_two_workers_write_a_chrome_trace_of_their_steps(ray_session, digits, tm
     assert summary.steps == 8
     assert 0.0 <= summary.overlap <= 1.0
     assert summary.communication_ms > 0
+    return trace
+
+
+def _check_nesting(kinds: dict[str, list[dict]], *, host_data: bool) -> None:
+    """One worker's spans of one step: each phase inside the step, in order; the buckets one
+    at a time, after backward started and before the gradient wait ended. On CUDA the data
+    span is on the host's clock, which runs ahead of the GPU's: it is not compared."""
+    eps = 1e-3  # microseconds, for the float conversion
+    (step,) = kinds["step"]
+    phases = ["forward", "backward", "gradient_wait", "optimizer"]
+    if host_data:
+        phases.insert(0, "data")
+    for before, after in zip(phases, phases[1:], strict=False):
+        assert _end(kinds[before][0]) <= kinds[after][0]["ts"] + eps
+    for kind in phases:
+        (span,) = kinds[kind]
+        assert step["ts"] - eps <= span["ts"] <= _end(span) <= _end(step) + eps
+    backward, wait = kinds["backward"][0], kinds["gradient_wait"][0]
+    allreduces = sorted(kinds["allreduce"], key=lambda e: e["args"]["bucket"])
+    assert [e["args"]["bucket"] for e in allreduces] == list(range(len(allreduces)))
+    for first, second in zip(allreduces, allreduces[1:], strict=False):
+        assert _end(first) <= second["ts"] + eps  # one at a time, in order
+    for span in allreduces:
+        assert backward["ts"] - eps <= span["ts"]  # launched from inside backward
+        assert _end(span) <= _end(wait) + eps  # the wait is over once all are done
 
 
 def _end(event: dict) -> float:
     return event["ts"] + event["dur"]
+
+
+# ---------------------------------------------------------------------------- GPUs
+
+
+@pytest.fixture(scope="module")
+def gpu_ray():
+    """Ray with 2 GPUs of its own (GPU runs select only the ``gpu`` tests)."""
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray instance without GPUs is running")
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpu_workers_time_their_steps_with_cuda_events(gpu_ray, digits, tmp_path):
+    timed = _fit(digits, tmp_path, workers=2, gpus_per_worker=1, **TIMED)
+    _check_trace(timed, tmp_path, clock="cuda events")
+    plain = _fit(digits, tmp_path / "off", workers=2, gpus_per_worker=1, bucket_mb=0.001)
+    # The sums the probe stream waited for reach .grad as they do without the timeline.
+    timed_state = {k: v.cpu() for k, v in timed.state_dict.items()}
+    plain_state = {k: v.cpu() for k, v in plain.state_dict.items()}
+    assert relative_difference(timed_state, plain_state) < 1e-6
