@@ -51,6 +51,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ringflow.engine.collective._fused import FusedAllReduce, fused_supported
 from ringflow.engine.collective._p2p import NcclTransport
 from ringflow.engine.collective._schedule import Hop, Schedule
 from ringflow.engine.collective._transport import Finisher, Plan, keep_wire_rounding, land
@@ -66,6 +67,9 @@ _INITIAL_ELEMENTS = 16 << 20
 """Staging allocated when the ring connects (64 MiB of float32); larger collectives grow it."""
 _GRAPHS = 64
 """Recorded collectives kept (least recently used dropped first)."""
+_FUSED_BELOW = 64 << 20
+"""All-reduces of fewer bytes than this run as one fused kernel (``_fused``) instead of the
+ring's schedule, where Triton is available and the wire is the tensor's dtype."""
 _KERNEL_GRACE_S = 30.0
 """How long past the collective deadline a waiting kernel spins before it gives up: the
 watchdog must raise the typed error first."""
@@ -122,37 +126,82 @@ class SymmTransport(NcclTransport):
         # serves gradient buckets without growing.
         self._staging(torch.float32, _INITIAL_ELEMENTS)
         self._timeout_ms = int((kwargs["timeout_s"] + _KERNEL_GRACE_S) * 1000)
+        self._world_size = kwargs["world_size"]
+        # The fused path's buffers, made (and its kernel compiled) now for the same reason.
+        self._fused: dict[torch.dtype, FusedAllReduce | None] = {}
+        self._fused_below = int(os.environ.get("RINGFLOW_SYMM_FUSED_BELOW", _FUSED_BELOW))
+        if self._fused_below > 0:
+            for dtype in (torch.float32, torch.bfloat16):
+                self._fused_buffer(dtype, _INITIAL_ELEMENTS)
 
     def _issue(self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None) -> None:
         """Replay the collective recorded for ``plan.key``, recording it the first time."""
-        if self._graphs is None or plan.key is None:
-            super()._issue(plan, wire=wire, finish=finish)
-            return
-        key = (*plan.key, wire)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._record(plan.schedule, wire=wire, finish=finish)
-            if graph is None:
-                super()._issue(plan, wire=wire, finish=finish)
-                return
-            self._graphs[key] = graph
-            while len(self._graphs) > _GRAPHS:
-                self._graphs.popitem(last=False)
-        else:
+        key = None if self._graphs is None or plan.key is None else (*plan.key, wire)
+        graph = None if key is None else self._graphs.get(key)
+        if graph is not None:
             self._graphs.move_to_end(key)
+            graph.replay()
+            return
+        fused = self._fused_for(plan, wire)
+        if fused is not None:
+            flat, op = plan.operand
+            timeout_s = self._timeout_ms / 1000
+
+            def enqueue() -> None:
+                fused.run(flat, average=op == "avg", timeout_s=timeout_s)
+        else:
+            self._prepare(*_sides(plan.schedule), wire)  # may rendezvous: not while recording
+
+            def enqueue() -> None:
+                self._enqueue(plan.schedule, wire=wire, finish=finish)
+
+        graph = None if key is None else self._record(enqueue)
+        if graph is None:
+            enqueue()
+            return
+        self._graphs[key] = graph
+        while len(self._graphs) > _GRAPHS:
+            self._graphs.popitem(last=False)
         graph.replay()
 
-    def _record(
-        self, schedule: Schedule, *, wire: torch.dtype, finish: Finisher | None
-    ) -> torch.cuda.CUDAGraph | None:
-        """The collective as a CUDA graph of the current stream, or ``None`` if it cannot be."""
-        self._prepare(*_sides(schedule), wire)  # may rendezvous: not while recording
+    def _fused_for(self, plan: Plan, wire: torch.dtype) -> FusedAllReduce | None:
+        """The fused kernel's buffer if ``plan`` runs as one kernel, else ``None``."""
+        if plan.operand is None:
+            return None
+        flat, _ = plan.operand
+        size = flat.numel() * flat.element_size()
+        if wire != flat.dtype or size >= self._fused_below:
+            return None
+        return self._fused_buffer(wire, flat.numel())
+
+    def _fused_buffer(self, dtype: torch.dtype, elements: int) -> FusedAllReduce | None:
+        """The fused path's buffer for ``dtype``, grown (on every rank alike) to ``elements``;
+        ``None`` where the fused kernel cannot run."""
+        current = self._fused.get(dtype, False)
+        if current is None:
+            return None
+        if current and current.elements >= elements:
+            return current
+        if not fused_supported(dtype, self._world_size):
+            self._fused[dtype] = None
+            return None
+        size = 1 << max(20, (elements - 1).bit_length())
+        if current:
+            torch.cuda.current_stream().synchronize()  # queued collectives use the old one
+            if self._graphs is not None:
+                self._graphs.clear()
+        self._fused[dtype] = current = FusedAllReduce(self._group, dtype, size)
+        return current
+
+    def _record(self, enqueue) -> torch.cuda.CUDAGraph | None:
+        """What ``enqueue`` launches as a CUDA graph of the current stream, or ``None`` if it
+        cannot be recorded here."""
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: backward keeps launching from autograd's threads meanwhile.
             graph.capture_begin(capture_error_mode="thread_local")
             try:
-                self._enqueue(schedule, wire=wire, finish=finish)
+                enqueue()
             finally:
                 graph.capture_end()
         except RuntimeError:
@@ -253,6 +302,7 @@ class SymmTransport(NcclTransport):
             releaser = self._releaser
             # Only this rank's own pads: a write into a dead peer's memory never completes.
             pads = [staging.own_pad() for staging in buffers]
+            pads += [fused.pad for fused in self._fused.values() if fused]
             give_up = time.monotonic() + _KERNEL_GRACE_S
             while not side.query() and time.monotonic() < give_up:
                 with torch.cuda.stream(releaser):
@@ -265,6 +315,7 @@ class SymmTransport(NcclTransport):
         if self._graphs is not None:
             self._graphs.clear()
         self._buffers.clear()
+        self._fused.clear()
         super().close()
 
 

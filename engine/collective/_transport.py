@@ -50,15 +50,23 @@ class Plan:
             and dtype, the reduction), so a transport may reuse what it prepared for an equal
             key instead of building the schedule again; ``None``: do not reuse.
         keep: what must stay alive until the device has finished the collective.
+        operand: for an all-reduce, the (flat, contiguous) tensor reduced in place and the
+            reduction, for a transport that can run the whole collective otherwise than by
+            the schedule.
     """
 
-    __slots__ = ("_build", "_schedule", "keep", "key")
+    __slots__ = ("_build", "_schedule", "keep", "key", "operand")
 
     def __init__(
-        self, build: Callable[[], Schedule], *, key: tuple | None = None, keep: object = None
+        self,
+        build: Callable[[], Schedule],
+        *,
+        key: tuple | None = None,
+        keep: object = None,
+        operand: tuple[torch.Tensor, str] | None = None,
     ) -> None:
         self._build, self._schedule = build, None
-        self.key, self.keep = key, keep
+        self.key, self.keep, self.operand = key, keep, operand
 
     @property
     def schedule(self) -> Schedule:

@@ -220,6 +220,7 @@ class RingCollective(Collective):
             ),
             key=("allreduce", *_shape_of(flat), wire, op),
             keep=flat,
+            operand=(flat, op),
         )
         finish = _finisher(op, self.world_size)
         completion = self._transport.run(plan, wire=wire, finish=finish, deadline=deadline)
