@@ -53,6 +53,8 @@ class Samples(Protocol):
     It may also have a ``layout`` (:class:`Layout`; none means one block) and a
     ``follow(position, plan)`` method, which ``engine.worker.epoch_batches`` calls with the
     ``(step, indices)`` it is about to ask :meth:`batch` for, so that a reader can prefetch.
+    A stream of rows per rank (a Ray Dataset's splits, ``engine.ray_data``) has an
+    ``epoch_order(config, epoch=, world_size=)`` instead of a layout.
     """
 
     def __len__(self) -> int: ...
@@ -268,16 +270,22 @@ class DataModuleData:
 
 def as_data(data: Any, *, batch_size: int | None = None) -> Any:
     """``data`` as the engine takes it: a table (``DataSpec``, ``TensorData``), a
-    ``LightningDataModule`` or a map-style ``Dataset`` (its ``train`` split)."""
+    ``LightningDataModule``, a map-style ``Dataset`` (its ``train`` split) or a
+    ``ray.data.Dataset`` (its ``train`` split, ``engine.ray_data.RayDatasetData``)."""
     if hasattr(data, "samples") or hasattr(data, "read"):
         return data
     if all(hasattr(data, hook) for hook in ("prepare_data", "setup", "train_dataloader")):
         return DataModuleData(datamodule=data, batch_size=batch_size)
     if isinstance(data, torch.utils.data.Dataset):
         return DatasetData(train=data)
+    from ringflow.engine.ray_data import RayDatasetData, is_ray_dataset
+
+    if is_ray_dataset(data):
+        return RayDatasetData(train=data)
     raise ValueError(
         f"data is a {type(data).__name__}; give a DataSpec (a preprocessed dataset), TensorData, "
-        "a LightningDataModule, or DatasetData(train=..., validation=...) of map-style datasets"
+        "a LightningDataModule, DatasetData(train=..., validation=...) of map-style datasets, "
+        "or a ray.data.Dataset (RayDatasetData(train=..., validation=...))"
     )
 
 

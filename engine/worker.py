@@ -89,12 +89,20 @@ def epoch_batches(
     reseeded at every step (:func:`step_seed`), so any worker count, layout or resume point
     sees the same global batches and the same random numbers. Samples that can ``follow``
     are told the parts this rank will ask for, to the epoch's end, so they can read ahead.
+    Samples with an ``epoch_order`` (a Ray Dataset read as one stream per rank,
+    ``engine.ray_data``) give the epoch's order and each rank's part of a batch themselves.
 
     Raises:
         ValueError: the steps are outside the epoch.
     """
     layout = Layout((samples,)) if isinstance(samples, int) else layout_of(samples)
-    order = EpochOrder(layout, seed=config.seed, epoch=epoch, batch_size=config.batch_size)
+    own_order = getattr(samples, "epoch_order", None)  # a stream per rank: engine.ray_data
+    order = (
+        own_order(config, epoch=epoch, world_size=world_size)
+        if own_order is not None
+        else EpochOrder(layout, seed=config.seed, epoch=epoch, batch_size=config.batch_size)
+    )
+    part = getattr(order, "part", split_global_batch)
     steps_per_epoch = order.steps
     if not 0 <= first < first + count <= steps_per_epoch:
         raise ValueError(
@@ -108,7 +116,7 @@ def epoch_batches(
     for step in range(first, first + count):
         _seed(step_seed(config.seed, epoch * steps_per_epoch + step, rank), device)
         batch = order.batch(step)
-        yield step, split_global_batch(batch, rank=rank, world_size=world_size), len(batch)
+        yield step, part(batch, rank=rank, world_size=world_size), len(batch)
 
 
 def _rank_parts(
