@@ -1,0 +1,554 @@
+"""GPT training throughput on 1 to N GPUs: ours (``engine.fit`` on Ray) against torch DDP and
+FSDP2, eager and compiled, in one call.
+
+Every runner trains ``ringflow.models.gpt.GPTModule`` (GPT-2 small by default) on the same
+tokens (the standard library's ``.py`` bytes, ``models/gpt.py``), in the same global order
+(``engine.data.EpochOrder``), with the same per-GPU batch (16 x 1024 tokens by default), bf16,
+AdamW and warm-up+cosine schedule:
+
+- ``ours``: ``engine.fit`` on Ray actors, one GPU each (``gpus_per_worker=1``), precision
+  ``bf16-mixed``, gradients summed by our ring in buckets of ``--bucket-mb`` during backward;
+- ``ddp``: ``DistributedDataParallel`` (NCCL, the same bucket size) in spawned processes,
+  under the same autocast;
+- ``fsdp``: FSDP2, ``fully_shard`` on each block and on the root, bf16 parameters and fp32
+  gradient reduction (``MixedPrecisionPolicy``), in spawned processes.
+
+``compiled`` compiles each transformer block (``GPTModule(compile=True)``), as torchtitan does.
+
+Timing is steady state. An epoch is ``--steps`` global batches; the first
+``ceil(warmup_steps / steps)`` epochs warm up (CUDA set-up, compilation) and the last epoch
+is timed: for ours from the end of the epoch before to the end of the last one as the
+driver sees them (``on_epoch``), which includes the epoch's end (a validation batch per worker
+and the in-memory commit of weights and optimizer state); for DDP and FSDP from a
+synchronised clock after the warm-up steps to the end of the last step. Every runner trains
+the same number of tokens.
+
+Prints one row per run (runner, mode, GPUs, tokens/s, MFU, ours/DDP, scaling efficiency
+``tokens/s(n) / (n x tokens/s(1))``) and, last, one JSON object: ``ours_vs_ddp_by_gpus``
+and ``ours_vs_fsdp_by_gpus`` (per mode, per GPU count), ``scaling_efficiency_4`` (per mode,
+per runner; ``null`` where 4 GPUs did not run), ``mfu`` (per mode, per runner, per GPU
+count; ``null`` on CPU), ``tokens`` and the raw ``results``. MFU counts
+``GPT.flops_per_token`` (6 N plus attention, as nanoGPT and PaLM do) against the GPU's dense
+bf16 peak (H100 and H200: 989 TFLOP/s).
+
+GPU counts above those present are skipped with a note, so the same command runs on 2, 4 or 8:
+
+    python -m bench.gpu_train --gpus 1,2,4 --compile eager,compiled
+    python -m bench.gpu_train --device cpu --preset tiny --gpus 1,2 --steps 4   # gloo, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+RUNNERS = ("ours", "ddp", "fsdp")
+MODES = ("eager", "compiled")
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+"""Dense bf16 tensor-core peaks (FLOP/s) by GPU name."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spec:
+    """What every runner trains at one GPU count and mode."""
+
+    device: str
+    preset: str
+    seq_len: int
+    per_gpu_batch: int
+    steps: int
+    """Global batches an epoch; the last epoch is timed."""
+    warmup_epochs: int
+    gpus: int = 1
+    mode: str = "eager"
+    compile_backend: str = "inductor"
+    bucket_mb: float = 25.0
+    precision: str = "bf16-mixed"
+    seed: int = 0
+    lr: float = 6e-4
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_gpu_batch * self.gpus
+
+    @property
+    def total_steps(self) -> int:
+        return (self.warmup_epochs + 1) * self.steps
+
+    def hparams(self) -> dict[str, Any]:
+        return {
+            "preset": self.preset,
+            "overrides": {"block_size": self.seq_len},
+            "lr": self.lr,
+            "warmup_steps": min(10, self.total_steps),
+            "decay_steps": self.total_steps,
+            "compile": self.mode == "compiled",
+            "compile_backend": self.compile_backend,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    runner: str
+    mode: str
+    gpus: int
+    tokens: int
+    """Tokens trained in the whole run, warm-up included."""
+    timed_tokens: int
+    timed_s: float
+    wall_s: float
+    """The whole run, start-up included."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.timed_tokens / self.timed_s
+
+
+def main(argv: list[str] | None = None) -> dict:
+    spec, gpu_counts, modes, runners = _parse(argv)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # NVLink multicast (NVLS) can wedge a shared host's GPUs: off unless the user says otherwise.
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    from ringflow.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig.preset(spec.preset, block_size=spec.seq_len)
+    model = GPT(config)
+    flops = model.flops_per_token(spec.seq_len)
+    peak = _peak(spec.device)
+    print(
+        f"# gpu_train: GPT {spec.preset} ({model.num_params() / 1e6:.2f} M params, "
+        f"{flops / 1e9:.3f} GFLOP/token), per-GPU batch {spec.per_gpu_batch} x {spec.seq_len} "
+        f"tokens, {spec.steps} timed steps after {spec.warmup_epochs * spec.steps} warm-up "
+        f"steps, {spec.precision}, bucket {spec.bucket_mb} MiB, device {_device_name(spec)}, "
+        f"torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
+        flush=True,
+    )
+    results: list[Result] = []
+    present = torch.cuda.device_count() if spec.device == "cuda" else None
+    for n in gpu_counts:
+        if present is not None and n > present:
+            print(f"# skipping {n} GPUs: only {present} present", flush=True)
+            continue
+        results += _run_count(replace(spec, gpus=n), modes, runners)
+    summary = _summary(results, flops=flops, peak=peak, gpu_counts=gpu_counts, modes=modes)
+    summary["spec"] = {**asdict(spec), "gpus": gpu_counts, "modes": modes, "runners": runners}
+    summary["device"] = _device_name(spec)
+    summary["date"] = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}"
+    _print_table(results, summary)
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def _run_count(spec: Spec, modes: list[str], runners: list[str]) -> list[Result]:
+    """Every runner and mode at ``spec.gpus`` GPUs; Ray starts once for the count."""
+    results = []
+    with _ray(spec) if "ours" in runners else contextlib.nullcontext():
+        for mode in modes:
+            spec_m = replace(spec, mode=mode)
+            for runner in runners:
+                result = _RUN[runner](spec_m)
+                print(
+                    f"{runner:<5} {mode:<8} gpus={spec.gpus} {result.tokens_per_s:12.0f} tokens/s "
+                    f"(timed {result.timed_s:6.2f} s, run {result.wall_s:6.1f} s)",
+                    flush=True,
+                )
+                results.append(result)
+    return results
+
+
+@contextlib.contextmanager
+def _ray(spec: Spec):
+    """A private local Ray for the count's runs, or the caller's if one is running."""
+    from ringflow.engine.cluster import quiet_environment
+
+    quiet_environment()  # before Ray starts: a local Ray stays on loopback, quiet
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    gpus = {"num_gpus": spec.gpus} if spec.device == "cuda" else {}
+    ray.init(
+        address="local",
+        num_cpus=max(2, 2 * spec.gpus),
+        include_dashboard=False,
+        log_to_driver=False,
+        **gpus,
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+# -- data -------------------------------------------------------------------------------------
+
+
+def _datasets(spec: Spec):
+    """An epoch of ``spec.steps`` global batches of windows, and one batch per GPU to
+    validate on; the corpus is repeated if it is shorter than that."""
+    from ringflow.models.gpt import TokenWindows, stdlib_tokens
+
+    train_windows, val_windows = spec.steps * spec.global_batch, spec.global_batch
+    needed = (train_windows + val_windows) * spec.seq_len + 2
+    tokens = stdlib_tokens(max_tokens=needed)
+    if len(tokens) < needed:
+        tokens = tokens.repeat(-(-needed // len(tokens)))[:needed]
+    cut = train_windows * spec.seq_len + 1
+    return (
+        TokenWindows(tokens[:cut], spec.seq_len),
+        TokenWindows(tokens[cut - 1 :], spec.seq_len),
+    )
+
+
+# -- ours -------------------------------------------------------------------------------------
+
+
+def _run_ours(spec: Spec) -> Result:
+    from ringflow.engine import DatasetData, TrainConfig, fit
+    from ringflow.models.gpt import GPTModule
+
+    train, validation = _datasets(spec)
+    ends: list[float] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ringflow-gpt-") as root:
+        fit(
+            GPTModule,
+            hparams=spec.hparams(),
+            data=DatasetData(train=train, validation=validation),
+            config=TrainConfig(
+                workers=spec.gpus,
+                epochs=spec.warmup_epochs + 1,
+                batch_size=spec.global_batch,
+                seed=spec.seed,
+                bucket_mb=spec.bucket_mb,
+                precision=spec.precision,
+                gpus_per_worker=1 if spec.device == "cuda" else 0,
+                cpus_per_worker=1.0,
+                commit_every=spec.steps,
+                timeout_s=600.0,
+            ),
+            checkpoint_uri=f"{root}/model",
+            on_epoch=lambda _: ends.append(time.perf_counter()),
+        )
+    wall = time.perf_counter() - started
+    tokens = spec.total_steps * spec.global_batch * spec.seq_len
+    return Result(
+        runner="ours",
+        mode=spec.mode,
+        gpus=spec.gpus,
+        tokens=tokens,
+        timed_tokens=spec.steps * spec.global_batch * spec.seq_len,
+        timed_s=ends[-1] - ends[-2],
+        wall_s=wall,
+    )
+
+
+# -- DDP and FSDP2, in spawned processes ---------------------------------------------------------
+
+
+def _run_ddp(spec: Spec) -> Result:
+    return _spawn("ddp", spec)
+
+
+def _run_fsdp(spec: Spec) -> Result:
+    return _spawn("fsdp", spec)
+
+
+def _spawn(runner: str, spec: Spec) -> Result:
+    queue = mp.get_context("spawn").SimpleQueue()
+    started = time.perf_counter()
+    mp.spawn(_rank, args=(runner, spec, _free_port(), queue), nprocs=spec.gpus, join=True)
+    wall = time.perf_counter() - started
+    timed_s = queue.get()
+    return Result(
+        runner=runner,
+        mode=spec.mode,
+        gpus=spec.gpus,
+        tokens=spec.total_steps * spec.global_batch * spec.seq_len,
+        timed_tokens=spec.steps * spec.global_batch * spec.seq_len,
+        timed_s=timed_s,
+        wall_s=wall,
+    )
+
+
+def _rank(rank: int, runner: str, spec: Spec, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    from ringflow.engine.module import compile_in_place
+
+    torch.set_num_threads(1)
+    cuda = spec.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=spec.gpus,
+        **({"device_id": device} if cuda else {}),
+    )
+    try:
+        module = _module(spec)
+        if runner == "ddp":
+            compile_in_place(module)  # as the engine's workers run it
+            model = torch.nn.parallel.DistributedDataParallel(
+                module.to(device),
+                device_ids=[rank] if cuda else None,
+                bucket_cap_mb=spec.bucket_mb,
+                gradient_as_bucket_view=True,
+            )
+            forward = _autocast(spec, device)
+        else:
+            model = _fully_shard(module.to(device), spec)
+            forward = contextlib.nullcontext  # the policy casts the parameters to bf16
+        timed_s = _train_loop(module, model, spec, rank=rank, device=device, forward=forward)
+        if rank == 0:
+            queue.put(timed_s)
+    finally:
+        dist.destroy_process_group()
+
+
+def _module(spec: Spec):
+    """The GPT module as the engine's workers build it: seeded, ``configure_model`` run."""
+    from ringflow.models.gpt import GPTModule
+
+    torch.manual_seed(spec.seed)
+    module = GPTModule(**spec.hparams())
+    module.configure_model()
+    return module
+
+
+def _fully_shard(module, spec: Spec):
+    """FSDP2 as torchtitan applies it: each block (compiled first, if it is), then the root;
+    bf16 parameters and fp32 gradient reduction where the precision is bf16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    bf16 = spec.precision.startswith("bf16") and spec.device == "cuda"
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
+    )
+    blocks = module.model.blocks
+    for i, block in enumerate(blocks):
+        # The last block's parameters are gathered again at once for backward: keep them.
+        fully_shard(block, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(module, mp_policy=policy)
+    return module
+
+
+def _autocast(spec: Spec, device: torch.device):
+    from ringflow.engine.module import Precision
+
+    return Precision(spec.precision, device).forward_context
+
+
+def _train_loop(module, model, spec: Spec, *, rank: int, device: torch.device, forward) -> float:
+    """The engine's step on this rank's part of each global batch, in the engine's order;
+    returns the seconds of the last epoch's steps (the timed ones)."""
+    from torch.utils.data import default_collate
+
+    from ringflow.engine.data import EpochOrder, Layout
+
+    train, _ = _datasets(spec)
+    optimization = module.configure_optimizers()
+    optimizer, schedule = optimization["optimizer"], optimization["lr_scheduler"]["scheduler"]
+    started = 0.0
+    for epoch in range(spec.warmup_epochs + 1):
+        order = EpochOrder(
+            Layout((len(train),)), seed=spec.seed, epoch=epoch, batch_size=spec.global_batch
+        )
+        if epoch == spec.warmup_epochs:
+            _sync(device)
+            started = time.perf_counter()
+        for step in range(order.steps):
+            mine = torch.tensor_split(order.batch(step), spec.gpus)[rank]
+            ids, targets = (t.to(device) for t in default_collate([train[i] for i in mine]))
+            optimizer.zero_grad(set_to_none=False)
+            with forward():
+                logits = model(ids)
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.reshape(-1)
+            )
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    _sync(device)
+    return time.perf_counter() - started
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+_RUN = {"ours": _run_ours, "ddp": _run_ddp, "fsdp": _run_fsdp}
+
+
+# -- summary ----------------------------------------------------------------------------------
+
+
+def _summary(
+    results: list[Result],
+    *,
+    flops: int,
+    peak: float | None,
+    gpu_counts: list[int],
+    modes: list[str],
+) -> dict:
+    rate = {(r.runner, r.mode, r.gpus): r.tokens_per_s for r in results}
+    runners = sorted({r.runner for r in results})
+
+    def ratio(a: str, b: str, mode: str) -> dict[int, float | None]:
+        return {n: _ratio(rate.get((a, mode, n)), rate.get((b, mode, n))) for n in gpu_counts}
+
+    def efficiency(runner: str, mode: str, n: int) -> float | None:
+        one, at_n = rate.get((runner, mode, 1)), rate.get((runner, mode, n))
+        return round(at_n / (n * one), 3) if one and at_n else None
+
+    def mfu(r: Result) -> float | None:
+        return round(r.tokens_per_s * flops / (r.gpus * peak), 4) if peak else None
+
+    return {
+        "ours_vs_ddp_by_gpus": {m: ratio("ours", "ddp", m) for m in modes},
+        "ours_vs_fsdp_by_gpus": {m: ratio("ours", "fsdp", m) for m in modes},
+        "scaling_efficiency_4": {
+            m: {runner: efficiency(runner, m, 4) for runner in runners} for m in modes
+        },
+        "scaling_efficiency": {
+            m: {runner: {n: efficiency(runner, m, n) for n in gpu_counts} for runner in runners}
+            for m in modes
+        },
+        "mfu": {
+            m: {
+                runner: {r.gpus: mfu(r) for r in results if r.runner == runner and r.mode == m}
+                for runner in runners
+            }
+            for m in modes
+        },
+        "tokens": {
+            m: {
+                runner: {r.gpus: r.tokens for r in results if r.runner == runner and r.mode == m}
+                for runner in runners
+            }
+            for m in modes
+        },
+        "flops_per_token": flops,
+        "peak_flops": peak,
+        "results": [
+            {**asdict(r), "tokens_per_s": round(r.tokens_per_s, 1), "mfu": mfu(r)} for r in results
+        ],
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def _print_table(results: list[Result], summary: dict) -> None:
+    print(
+        f"{'runner':<6} {'mode':<9} {'gpus':>4} {'tokens/s':>12} {'MFU':>6} {'ours/DDP':>9} "
+        f"{'scaling eff':>11}",
+        flush=True,
+    )
+    for r in results:
+        mfu = summary["mfu"][r.mode][r.runner][r.gpus]
+        versus = summary["ours_vs_ddp_by_gpus"][r.mode].get(r.gpus) if r.runner == "ours" else None
+        eff = summary["scaling_efficiency"][r.mode][r.runner].get(r.gpus)
+        print(
+            f"{r.runner:<6} {r.mode:<9} {r.gpus:>4} {r.tokens_per_s:>12.0f} {_cell(mfu, 6, '.3f')} "
+            f"{_cell(versus, 9, '.3f')} {_cell(eff, 11, '.3f')}",
+            flush=True,
+        )
+
+
+def _cell(value: float | None, width: int, fmt: str) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}"
+
+
+def _peak(device: str) -> float | None:
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((flops for key, flops in PEAK_BF16.items() if key in name), None)
+
+
+def _device_name(spec: Spec) -> str:
+    if spec.device == "cuda" and torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--preset", default="gpt2_small", help="a GPT preset: gpt2_small, tiny")
+    parser.add_argument("--gpus", default="1,2,4", help="GPU (worker) counts: 1,2,4,8")
+    parser.add_argument("--compile", default="eager,compiled", help="modes: eager,compiled")
+    parser.add_argument("--runners", default=",".join(RUNNERS), help="ours,ddp,fsdp")
+    parser.add_argument("--per-gpu-batch", type=int, default=16, help="sequences per GPU a step")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's block")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps (an epoch)")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="untimed steps first, rounded up to whole epochs of --steps; default --steps",
+    )
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--precision", default="bf16-mixed", help="as TrainConfig.precision")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    modes, runners = args.compile.split(","), args.runners.split(",")
+    if bad := [m for m in modes if m not in MODES]:
+        parser.error(f"--compile takes {','.join(MODES)}, got {bad}")
+    if bad := [r for r in runners if r not in RUNNERS]:
+        parser.error(f"--runners takes {','.join(RUNNERS)}, got {bad}")
+    counts = [int(n) for n in args.gpus.split(",")]
+    if any(n < 1 for n in counts) or args.steps < 1 or args.per_gpu_batch < 1:
+        parser.error("--gpus, --steps and --per-gpu-batch must be positive")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no GPU here; use --device cpu --preset tiny")
+    from ringflow.models.gpt import PRESETS
+
+    if args.preset not in PRESETS:
+        parser.error(f"--preset must be one of {sorted(PRESETS)}, got {args.preset!r}")
+    warmup = args.steps if args.warmup_steps is None else args.warmup_steps
+    spec = Spec(
+        device=args.device,
+        preset=args.preset,
+        seq_len=args.seq_len or PRESETS[args.preset].block_size,
+        per_gpu_batch=args.per_gpu_batch,
+        steps=args.steps,
+        warmup_epochs=max(1, math.ceil(warmup / args.steps)),
+        compile_backend=args.compile_backend,
+        bucket_mb=args.bucket_mb,
+        precision=args.precision,
+        seed=args.seed,
+    )
+    return spec, counts, modes, runners
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
