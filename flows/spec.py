@@ -87,6 +87,7 @@ class RunSpec:
             gradient_clip_val=p["gradient_clip_val"],
             gradient_clip_algorithm=p["gradient_clip_algorithm"],
             log_every_n_steps=p["log_every_n_steps"],
+            timeline=p["timeline"],
             placement=p["placement"],
             gpus_per_worker=p["gpus_per_worker"],
             **({"cpus_per_worker": p["cpus_per_worker"]} if p["cpus_per_worker"] else {}),

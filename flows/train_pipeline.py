@@ -64,6 +64,7 @@ def train_pipeline(
     promotion_tolerance: Annotated[float, Field(ge=0, le=1)] = 0.0,
     loggers: list[Literal["csv", "tensorboard", "mlflow"]] | None = None,
     log_every_n_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 50,
+    timeline: bool = False,
 ) -> dict:
     """Train a model end to end, promote it if it beats production, serve it.
 
@@ -134,6 +135,9 @@ def train_pipeline(
             storage_url's runs/<run key>/logs/, mlflow to MLFLOW_TRACKING_URI (needs mlflow).
         log_every_n_steps: values the model logs every step reach the loggers every this many
             optimizer steps (Lightning's log_every_n_steps).
+        timeline: record each worker's forward, backward, gradient all-reduces and optimizer
+            step as a Chrome trace under storage_url's runs/<run key>/timeline/, summarised
+            in the training-timeline artifact (docs/timeline.md).
     """
     attempt = flow_run.get_run_count() or 1
     if attempt > max_restarts + 1:

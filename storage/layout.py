@@ -7,6 +7,7 @@
     {storage_url}/checkpoints/{run key}/    training state, resumable (storage.store)
     {storage_url}/runs/{run key}/model      the model a run trained
     {storage_url}/runs/{run key}/logs/      what its loggers wrote (csv/, tensorboard/)
+    {storage_url}/runs/{run key}/timeline/  its Chrome trace, with TrainConfig.timeline
     {storage_url}/tune/{run key}/           a search's records (engine.tuning)
     {storage_url}/registry/{model name}/    versions and the production pointer (storage.registry)
 """
@@ -48,6 +49,10 @@ class Workspace:
     def logs(self, run_key: str) -> str:
         """Where a run's Lightning loggers write (one folder each)."""
         return join(self.url, "runs", run_key, "logs")
+
+    def timeline(self, run_key: str) -> str:
+        """Where a run's timeline is written (``engine.timeline``): a Chrome trace."""
+        return join(self.url, "runs", run_key, "timeline", "trace.json")
 
     def trial_model(self, run_key: str, trial_id: str) -> str:
         return join(self.url, "runs", run_key, "trials", trial_id, "model")

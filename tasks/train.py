@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from typing import NoReturn
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,6 +20,7 @@ from ringflow.engine import evaluate as evaluate_model
 from ringflow.engine.cluster import connect
 from ringflow.engine.pipeline import PipelineConfig
 from ringflow.engine.spec import ModelRef
+from ringflow.engine.timeline import TimelineSummary
 from ringflow.storage.fs import join
 from ringflow.storage.layout import Workspace
 from ringflow.storage.lease import LeaseError, LeaseHeldError, RunLease, read_lease
@@ -79,6 +80,7 @@ def train(
                 init_from=init_from,
                 pipeline=pipeline,
                 loggers=writers,
+                timeline_url=workspace.timeline(run_key),
             )
             lease.check()  # raises if another process took the run key meanwhile
         except Exception as err:
@@ -93,11 +95,39 @@ def train(
     _report_events(result.events)
     epoch_table(result.history, key="training-metrics")
     loss_curve(result.history, key="training-loss-curve")
+    if result.timeline is not None:
+        create_markdown_artifact(
+            key="training-timeline",
+            markdown=timeline_markdown(result.timeline),
+            description="Where the workers' step time went, and the communication hidden "
+            "behind backward",
+        )
     return {
         "checkpoint": result.checkpoint,
         "metrics": result.metrics,
         "resumed_from_step": result.resumed_from,
     }
+
+
+def timeline_markdown(summary: TimelineSummary) -> str:
+    """The timeline's summary for people: the overlap first, then the step split in ms."""
+    hidden = "no all-reduce" if summary.overlap is None else f"{summary.overlap:.0%}"
+    rows = "".join(
+        f"| {kind.replace('_', ' ')} | {ms:.3f} |\n" for kind, ms in summary.step_ms.items()
+    )
+    return (
+        f"**Communication hidden behind backward: {hidden}** "
+        f"({summary.communication_ms:.3f} ms of all-reduce per step, "
+        f"{summary.exposed_communication_ms:.3f} ms of it outside backward).\n\n"
+        f"{summary.steps} worker steps recorded over {summary.workers} workers; "
+        + (
+            f"the trace is at `{summary.trace_url}` (open it in https://ui.perfetto.dev)"
+            if summary.trace_url
+            else "the trace could not be written (the run's log says why)"
+        )
+        + ".\n\n"
+        f"| per step | ms |\n|---|---|\n{rows}"
+    )
 
 
 def run_loggers(

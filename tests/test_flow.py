@@ -56,6 +56,7 @@ PARAMETERS = [
     "promotion_tolerance",
     "loggers",
     "log_every_n_steps",
+    "timeline",
 ]
 
 
