@@ -20,6 +20,7 @@ import gzip
 import io
 import json
 import math
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -37,10 +38,13 @@ from ringflow.storage.fs import atomic_write, join, read_bytes, resolve, sha256
 __all__ = [
     "Column",
     "DataError",
+    "ENGINES",
+    "RAY_PREPROCESS_BYTES",
     "PreprocessResult",
     "SchemaError",
     "TableSchema",
     "commit_manifest",
+    "choose_engine",
     "dataset_schema",
     "infer_schema",
     "preprocess",
@@ -72,6 +76,14 @@ _MAX_INFERRED_CLASSES = 1000
 _PANDAS_INDEX = r"^__index_level_\d+__$"
 # Categories listed in full in a reason; longer lists are cut to this many.
 _SHOWN_CATEGORIES = 10
+
+ENGINES = ("auto", "local", "ray")
+"""How :func:`preprocess` runs: ``"local"`` in this process, ``"ray"`` as a Ray Data job
+(:mod:`ringflow.storage.ray_preprocess`), ``"auto"`` chooses (:func:`choose_engine`)."""
+
+RAY_PREPROCESS_BYTES = 1 << 30
+"""``engine="auto"`` runs a source of at least this many bytes (1 GiB, all files together)
+on Ray Data: below it, one process is done before a Ray Data job has started its tasks."""
 
 
 TASKS = ("classification", "regression")
@@ -241,6 +253,19 @@ class PreprocessResult:
 
 
 @dataclass(frozen=True, kw_only=True)
+class _Listing:
+    """The files of a source, in the order their rows are numbered; nothing read yet."""
+
+    url: str
+    kind: Literal["csv", "parquet"]
+    names: tuple[str, ...]
+    """File names relative to ``url``, sorted; ``("",)`` for a single file."""
+
+    def file_url(self, name: str) -> str:
+        return join(self.url, name) if name else self.url
+
+
+@dataclass(frozen=True, kw_only=True)
 class _Source:
     """The raw bytes of a source, read once so that fingerprint and parse see the same data."""
 
@@ -272,6 +297,7 @@ def preprocess(
     fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
     seed: int = 0,
     rows_per_shard: int = 100_000,
+    engine: str = "auto",
 ) -> PreprocessResult:
     """Validate, split and shard ``source_url`` into ``{output_url}/datasets/{fingerprint}``.
 
@@ -282,8 +308,9 @@ def preprocess(
     blank lines or multi-line values the row sits on line ``source_row + 1``. ``text`` holds the
     raw record of CSV rows whose fields could not be split out (wrong field count).
 
-    Calling again with the same source bytes, schema, fractions and seed returns the committed
-    result without writing anything.
+    Calling again with the same source bytes, schema, fractions, seed and ``rows_per_shard``
+    returns the committed result without writing anything. Both engines write the same
+    dataset: the same shards byte for byte, the same rejects, the same manifest.
 
     Args:
         source_url: fsspec URL or local path of a ``.csv``, ``.csv.gz`` or ``.parquet`` file,
@@ -294,16 +321,30 @@ def preprocess(
             they sum to 1.
         seed: seed of the shuffle that assigns rows to splits.
         rows_per_shard: most rows in one Parquet shard.
+        engine: ``"local"`` (this process), ``"ray"`` (a Ray Data job on the Ray this process
+            is connected to, else a local one) or ``"auto"`` (:func:`choose_engine`).
 
     Raises:
         ValueError: an argument is out of range.
         SchemaError: the source lacks a schema column.
         DataError: the source does not exist, has an unsupported format, or has no valid row.
     """
-    _check_arguments(fractions, seed, rows_per_shard)
+    _check_arguments(fractions, seed, rows_per_shard, engine)
     fractions = (float(fractions[0]), float(fractions[1]), float(fractions[2]))
+    if choose_engine(source_url, engine) == "ray":
+        from ringflow.storage.ray_preprocess import preprocess_with_ray
+
+        return preprocess_with_ray(
+            source_url,
+            output_url,
+            schema,
+            fractions=fractions,
+            seed=seed,
+            rows_per_shard=rows_per_shard,
+        )
     source = _load_source(source_url)
-    fingerprint = _fingerprint(source, schema, fractions, seed)
+    digests = [(name, sha256(data)) for name, data in source.files]
+    fingerprint = _fingerprint(source.kind, digests, schema, fractions, seed, rows_per_shard)
     dataset_url = join(output_url, "datasets", fingerprint)
     existing = _committed_result(dataset_url, fingerprint)
     if existing is not None:
@@ -317,7 +358,42 @@ def preprocess(
         seed=seed,
         rows_per_shard=rows_per_shard,
     )
-    # Last: until this file exists the directory is not a dataset, whatever else it holds.
+    return _commit(dataset_url, manifest)
+
+
+def choose_engine(source_url: str, engine: str = "auto") -> Literal["local", "ray"]:
+    """Where :func:`preprocess` runs for ``engine``: ``"auto"`` picks Ray Data when
+    ``RAY_ADDRESS`` names a Ray cluster (not ``local``) or the source holds at least
+    :data:`RAY_PREPROCESS_BYTES`, else this process.
+
+    Raises:
+        ValueError: ``engine`` is not one of :data:`ENGINES`.
+    """
+    _check_engine(engine)
+    if engine != "auto":
+        return "ray" if engine == "ray" else "local"
+    if os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local"):
+        return "ray"
+    try:
+        listing = _list_source(source_url)
+    except DataError:
+        return "local"  # which reports the missing or unsupported source
+    fs, _ = resolve(source_url)
+    size = sum(fs.size(resolve(listing.file_url(n))[1]) for n in listing.names)
+    return "ray" if size >= RAY_PREPROCESS_BYTES else "local"
+
+
+def _check_engine(engine: Any) -> None:
+    if engine not in ENGINES:
+        raise ValueError(
+            f"engine must be one of {', '.join(repr(e) for e in ENGINES)} (preprocess in this "
+            f"process, with Ray Data, or chosen by size and RAY_ADDRESS), got {engine!r}"
+        )
+
+
+def _commit(dataset_url: str, manifest: dict[str, Any]) -> PreprocessResult:
+    """Write the manifest, last: until it exists the directory is not a dataset, whatever
+    else it holds."""
     atomic_write(join(dataset_url, _MANIFEST), json.dumps(manifest, indent=2).encode())
     return _result(dataset_url, manifest)
 
@@ -335,24 +411,17 @@ def _build(
     """Write the rejects and every shard; return the manifest that commits them."""
     rows = _read_rows(source, [c.name for c in schema.columns])
     values, problems = _validate(rows.table, schema)
-    rejected = _rejects_table(rows, problems, schema)
+    rejected = _sorted_rejects([_rejects_table(rows, problems, schema)])
     files = _write_rejects(dataset_url, rejected)
     valid = np.setdiff1d(np.arange(rows.table.num_rows), np.fromiter(problems, np.int64))
-    if len(valid) == 0:
-        raise DataError(
-            f"all {rejected.num_rows} rows of {source.url} were rejected, nothing to train on; "
-            f"see the reasons in {join(dataset_url, _REJECTED)}"
-        )
-    if schema.task == "classification":
-        splits = _split(values[schema.label.name][valid], fractions, seed)
-    else:
-        splits = _shuffle_split(len(valid), fractions, seed)
+    _check_some_valid(source.url, dataset_url, len(valid), rejected.num_rows)
+    splits = _assign_splits(schema, values[schema.label.name][valid], fractions, seed)
     for split, order in splits.items():
         table = _typed_table(values, schema, valid[order])
         files += _write_split(dataset_url, split, table, rows_per_shard)
     _remove_leftovers(dataset_url, files)
     return _manifest(
-        source=source,
+        source_url=source.url,
         fingerprint=fingerprint,
         schema=schema,
         fractions=fractions,
@@ -363,7 +432,25 @@ def _build(
     )
 
 
-def _check_arguments(fractions: Any, seed: Any, rows_per_shard: Any) -> None:
+def _check_some_valid(source_url: str, dataset_url: str, valid: int, rejected: int) -> None:
+    if valid == 0:
+        raise DataError(
+            f"all {rejected} rows of {source_url} were rejected, nothing to train on; "
+            f"see the reasons in {join(dataset_url, _REJECTED)}"
+        )
+
+
+def _assign_splits(
+    schema: TableSchema, labels: np.ndarray, fractions: tuple[float, ...], seed: int
+) -> dict[str, np.ndarray]:
+    """Positions into the valid rows (in source order) for each split, in the split's row
+    order; ``labels`` are the valid rows' label values (category codes as numbers)."""
+    if schema.task == "classification":
+        return _split(labels, fractions, seed)
+    return _shuffle_split(len(labels), fractions, seed)
+
+
+def _check_arguments(fractions: Any, seed: Any, rows_per_shard: Any, engine: Any = "auto") -> None:
     try:
         shares = [float(f) for f in fractions]
     except (TypeError, ValueError):
@@ -387,18 +474,27 @@ def _check_arguments(fractions: Any, seed: Any, rows_per_shard: Any) -> None:
         or rows_per_shard < 1
     ):
         raise ValueError(f"rows_per_shard must be an integer of at least 1, got {rows_per_shard!r}")
+    _check_engine(engine)
 
 
 def _fingerprint(
-    source: _Source, schema: TableSchema, fractions: tuple[float, ...], seed: int
+    kind: str,
+    digests: Sequence[tuple[str, str]],
+    schema: TableSchema,
+    fractions: tuple[float, ...],
+    seed: int,
+    rows_per_shard: int,
 ) -> str:
+    """What the dataset is made of: the source files' SHA-256 (``(name, digest)`` in row
+    order), the schema, the split and the shard size (which changes the shards written)."""
     identity = {
         "format": _FORMAT,
-        "kind": source.kind,
-        "files": [[name, sha256(data)] for name, data in source.files],
+        "kind": kind,
+        "files": [[name, digest] for name, digest in digests],
         "schema": _schema_json(schema),
         "fractions": list(fractions),
         "seed": seed,
+        "rows_per_shard": rows_per_shard,
     }
     return sha256(json.dumps(identity, sort_keys=True).encode())
 
@@ -435,7 +531,7 @@ def _result(dataset_url: str, manifest: dict[str, Any]) -> PreprocessResult:
 
 def _manifest(
     *,
-    source: _Source,
+    source_url: str,
     fingerprint: str,
     schema: TableSchema,
     fractions: tuple[float, ...],
@@ -448,7 +544,7 @@ def _manifest(
     return {
         "format": _FORMAT,
         "fingerprint": fingerprint,
-        "source_url": source.url,
+        "source_url": source_url,
         "schema": _schema_json(schema),
         "fractions": list(fractions),
         "seed": seed,
@@ -734,6 +830,12 @@ def _inferred_task(profile: _Profile) -> Literal["classification", "regression"]
 
 
 def _load_source(url: str) -> _Source:
+    listing = _list_source(url)
+    files = tuple((n, read_bytes(listing.file_url(n))) for n in listing.names)
+    return _Source(url=url, kind=listing.kind, files=files)
+
+
+def _list_source(url: str) -> _Listing:
     fs, path = resolve(url)
     if not fs.exists(path):
         raise DataError(f"source {url} does not exist; expected {_ACCEPTED}")
@@ -746,19 +848,17 @@ def _load_source(url: str) -> _Source:
         kind = "parquet"
     else:
         raise DataError(f"source {url} has an unsupported format; expected {_ACCEPTED}")
-    return _Source(url=url, kind=kind, files=(("", fs.cat_file(path)),))
+    return _Listing(url=url, kind=kind, names=("",))
 
 
-def _parquet_directory(url: str, fs: Any, path: str) -> _Source:
+def _parquet_directory(url: str, fs: Any, path: str) -> _Listing:
     prefix = path.rstrip("/") + "/"
     names = sorted(p[len(prefix) :] for p in fs.find(path) if p.endswith(".parquet"))
     # Names starting with _ or . are metadata or in-progress files of other writers.
     names = [n for n in names if not any(part[:1] in "_." for part in n.split("/"))]
     if not names:
         raise DataError(f"source directory {url} holds no .parquet files; expected {_ACCEPTED}")
-    return _Source(
-        url=url, kind="parquet", files=tuple((n, fs.cat_file(prefix + n)) for n in names)
-    )
+    return _Listing(url=url, kind="parquet", names=tuple(names))
 
 
 def _read_rows(source: _Source, names: list[str]) -> _Rows:
@@ -769,6 +869,14 @@ def _read_rows(source: _Source, names: list[str]) -> _Rows:
         _read_parquet(join(source.url, n) if n else source.url, d, names) for n, d in source.files
     ]
     table = pa.concat_tables(tables)
+    return _Rows(table=table, source_row=np.arange(1, table.num_rows + 1), unsplit=[])
+
+
+def _file_rows(url: str, kind: str, data: bytes, names: list[str]) -> _Rows:
+    """The rows of one file of a source, numbered from 1 within the file."""
+    if kind == "csv":
+        return _read_csv(url, data, names)
+    table = _read_parquet(url, data, names)
     return _Rows(table=table, source_row=np.arange(1, table.num_rows + 1), unsplit=[])
 
 
@@ -959,7 +1067,8 @@ def _number(value: float | None) -> str:
 
 
 def _rejects_table(rows: _Rows, problems: dict[int, str], schema: TableSchema) -> pa.Table:
-    """All rejected rows in source order, with the raw strings of their schema columns."""
+    """The rejected rows, with the raw strings of their schema columns (for
+    :func:`_sorted_rejects`)."""
     index = np.fromiter(problems, dtype=np.int64, count=len(problems))
     bad = rows.table.take(pa.array(index, type=pa.int64()))
     names = [c.name for c in schema.columns]
@@ -979,7 +1088,12 @@ def _rejects_table(rows: _Rows, problems: dict[int, str], schema: TableSchema) -
             **{n: bad[n] for n in names},
         }
     )
-    return pa.concat_tables([unsplit, failed]).sort_by("source_row")
+    return pa.concat_tables([unsplit, failed])
+
+
+def _sorted_rejects(parts: Sequence[pa.Table]) -> pa.Table:
+    """Rejected rows of every part in ``source_row`` order, as one chunk: what is written."""
+    return pa.concat_tables(parts).sort_by("source_row").combine_chunks()
 
 
 # --------------------------------------------------------------------------- split and write
