@@ -1,5 +1,6 @@
-"""bench/gpu_train.py runs on CPU (gloo, the tiny GPT) with every runner, and its last line's
-JSON holds what the GPU runs are judged by; ours, DDP and FSDP train the same tokens."""
+"""bench/gpu_train.py runs on CPU (gloo, the tiny GPT), and its last line's JSON holds what the
+GPU runs are judged by; ours and DDP train the same tokens. (FSDP2 takes the DDP runner's
+spawned-process path; it is left out to keep the test short.)"""
 
 from __future__ import annotations
 
@@ -10,15 +11,15 @@ from bench import gpu_train
 
 def test_the_gpu_benchmark_runs_on_cpu(ray_session, capsys):
     argv = "--device cpu --preset tiny --gpus 1,2 --compile eager --steps 2 --warmup-steps 1"
-    summary = gpu_train.main([*argv.split(), "--per-gpu-batch", "4", "--seq-len", "32"])
+    options = ["--per-gpu-batch", "4", "--seq-len", "32", "--runners", "ours,ddp"]
+    summary = gpu_train.main([*argv.split(), *options])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == json.loads(json.dumps(summary))
     assert {"ours_vs_ddp_by_gpus", "scaling_efficiency_4", "mfu"} <= summary.keys()
     assert set(summary["ours_vs_ddp_by_gpus"]["eager"]) == {1, 2}
     assert all(v > 0 for v in summary["ours_vs_ddp_by_gpus"]["eager"].values())
-    assert summary["scaling_efficiency_4"] == {"eager": {"ddp": None, "fsdp": None, "ours": None}}
+    assert summary["scaling_efficiency_4"] == {"eager": {"ddp": None, "ours": None}}
     assert summary["mfu"]["eager"]["ours"] == {1: None, 2: None}  # no peak on CPU
     tokens = summary["tokens"]["eager"]
-    assert (
-        tokens["ours"] == tokens["ddp"] == tokens["fsdp"] == {1: 2 * 2 * 4 * 32, 2: 2 * 2 * 8 * 32}
-    )
+    two_epochs = {n: 2 * 2 * (4 * n) * 32 for n in (1, 2)}  # epochs x steps x batch x tokens
+    assert tokens["ours"] == tokens["ddp"] == two_epochs
