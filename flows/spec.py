@@ -51,6 +51,8 @@ class RunSpec:
     serve_port: int
     loggers: tuple[str, ...] = ()
     """Lightning loggers by name (``tasks.train.run_loggers``)."""
+    preprocess_engine: str = "auto"
+    """Where preprocessing runs (``storage.dataset.ENGINES``)."""
 
     @property
     def storage_url(self) -> str:
@@ -122,6 +124,7 @@ class RunSpec:
             serve=p["serve"],
             serve_port=p["serve_port"],
             loggers=_loggers(p["loggers"]),
+            preprocess_engine=p["preprocess_engine"],
         )
 
     def check_data(self) -> None:

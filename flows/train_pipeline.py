@@ -31,6 +31,7 @@ def train_pipeline(
     bounds: dict | None = None,
     classes: Annotated[int | None, Field(ge=1)] = None,
     categorical: list[str] | None = None,
+    preprocess_engine: Literal["auto", "local", "ray"] = "auto",
     storage_url: str = ".ringflow/storage",
     workers: Annotated[int, Field(ge=1, le=1024)] = 2,
     epochs: Annotated[int, Field(ge=1, le=100_000)] = 20,
@@ -83,6 +84,9 @@ def train_pipeline(
         bounds: accepted ranges by column, {"x1": [0, 1]}; rows outside are rejected.
         classes: classification: the number of classes (labels 0..classes-1).
         categorical: columns whose values are categories (strings) rather than numbers.
+        preprocess_engine: where preprocessing runs: local (one process), ray (a Ray Data
+            job on the cluster) or auto (Ray Data when RAY_ADDRESS names a cluster or the
+            data is 1 GiB or more). Both write the same dataset.
         storage_url: where datasets, checkpoints and the model registry go (any fsspec URL).
         workers: data-parallel Ray workers for training (pipeline replicas with stages).
         epochs: training epochs.
@@ -248,7 +252,13 @@ def publish_summary(result: dict[str, Any]) -> None:
 def _run(spec: RunSpec, attempt: int) -> dict:
     """The pipeline itself: every task in order, each given the typed parts it needs."""
     source = spec.data_url or example_data(spec.model, spec.storage_url)
-    dataset = preprocess(source, spec.storage_url, **spec.data, seed=spec.config.seed)
+    dataset = preprocess(
+        source,
+        spec.storage_url,
+        **spec.data,
+        seed=spec.config.seed,
+        engine=spec.preprocess_engine,
+    )
     model, config, best = spec.model, spec.config, None
     if spec.tune:
         best = tune(

@@ -9,9 +9,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import INPUTS, RUN_ID, TASK_SOURCE
 from prefect.logging import get_run_logger
 
+from ringflow.engine.cluster import connect
 from ringflow.engine.errors import ModelError
 from ringflow.engine.spec import ModelRef
-from ringflow.storage.dataset import infer_schema
+from ringflow.storage.dataset import choose_engine, infer_schema
 from ringflow.storage.dataset import preprocess as preprocess_table
 from ringflow.storage.layout import Workspace
 
@@ -37,13 +38,17 @@ def preprocess(
     classes: int | None = None,
     categorical: list[str] | None = None,
     seed: int = 0,
+    engine: str = "auto",
 ) -> dict:
     """Validate the rows at ``data_url`` and write the dataset under ``storage_url``.
 
     The schema is read from the file: ``label`` names the target column, ``features`` the
     inputs (default: every other column); ``task`` (classification or regression), ``bounds``
     ({column: [min, max]}), ``classes`` and ``categorical`` columns are inferred unless given.
-    Rows that fail it are kept aside with their reasons.
+    Rows that fail it are kept aside with their reasons. ``engine`` says where the work runs:
+    ``"local"`` in this process, ``"ray"`` as a Ray Data job on the cluster ``RAY_ADDRESS``
+    names (else a private local Ray), ``"auto"`` by the data's size and ``RAY_ADDRESS``
+    (``storage.dataset.choose_engine``); both write the same dataset.
 
     Returns:
         ``dataset_url``, ``rows`` per split, ``rejected_rows``, ``rejected_url``, ``task``.
@@ -58,13 +63,19 @@ def preprocess(
         classes=classes,
         categorical=categorical,
     )
-    result = preprocess_table(data_url, Workspace(storage_url).datasets, schema, seed=seed)
+    where = choose_engine(data_url, engine)
+    if where == "ray":
+        connect()
+    result = preprocess_table(
+        data_url, Workspace(storage_url).datasets, schema, seed=seed, engine=where
+    )
     logger.info(
-        "dataset %s (%s of %s on %d features): %s rows kept, %d rejected",
+        "dataset %s (%s of %s on %d features, preprocessed %s): %s rows kept, %d rejected",
         result.dataset_url,
         schema.task,
         label,
         schema.input_dim,
+        "with Ray Data" if where == "ray" else "in one process",
         result.rows,
         result.rejected_rows,
     )
