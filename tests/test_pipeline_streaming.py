@@ -11,8 +11,9 @@ from torch.nn import functional as F
 
 from ringflow.engine import DataSpec, TrainConfig
 from ringflow.engine.data import layout_of
-from ringflow.engine.pipeline import PipelineConfig, fit_pipeline
+from ringflow.engine.pipeline import PipelineConfig, PipelineWorker, check_pipeline, fit_pipeline
 from ringflow.engine.pipeline.data import SplitShape, first_rows, stage_split
+from ringflow.engine.worker import epoch_batches
 from ringflow.models.digits import SCHEMA, write_digits_csv
 from ringflow.storage import CheckpointStore, dataset
 from ringflow.storage.dataset import preprocess
@@ -162,3 +163,57 @@ def test_a_streamed_pipeline_resumed_mid_epoch_ends_as_the_whole_split_run(
     assert resumed.resumed_from == latest.step
     for name, tensor in reference.state_dict.items():
         assert torch.equal(resumed.state_dict[name], tensor), name
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_each_replica_streams_its_part_of_every_batch_into_its_micro_batches(
+    sharded_digits, replica
+):
+    """Replica ``replica`` of 2: its first and last stages build, streamed, the micro-batches
+    they build from the whole split, in chunks of steps and after a rollback."""
+    config = TrainConfig(workers=2, batch_size=64, seed=2)
+    pipeline = PipelineConfig(stages=3, micro_batches=3, balance=(2, 4))
+    data = _digits(sharded_digits, False)
+    partition = check_pipeline(DigitsPipe, hparams={}, data=data, config=config, pipeline=pipeline)
+
+    def worker(stream: bool, stage: int) -> PipelineWorker:
+        return PipelineWorker(
+            DigitsPipe,
+            hparams={},
+            data=_digits(sharded_digits, stream),
+            config=config,
+            pipeline=pipeline,
+            partition=partition,
+            replica=replica,
+            stage=stage,
+        )
+
+    for stage in (0, 2):
+        streamed, whole = worker(True, stage), worker(False, stage)
+        assert isinstance(streamed.train, SplitStream)
+        steps = streamed.epoch_steps()
+        for epoch, first, count in [(0, 0, 9), (0, 9, steps - 9), (1, 0, 12), (1, 5, 4)]:
+            for _, mine, size in epoch_batches(
+                streamed.train,
+                config,
+                epoch=epoch,
+                first=first,
+                count=count,
+                rank=replica,
+                world_size=2,
+                device=torch.device("cpu"),
+            ):
+                got = streamed._micro_batches(streamed.train, mine, size)
+                expected = whole._micro_batches(whole.train, mine, size)
+                assert streamed.train._plans, "read outside the reader's plan"
+                assert got.sizes == expected.sizes
+                assert len(got.sizes) == 3
+                if stage == 0:  # the first stage's inputs, the last one's targets
+                    ours, theirs = got.inputs, expected.inputs
+                else:
+                    ours, theirs = got.targets, expected.targets
+                assert all(map(torch.equal, ours, theirs))
+        streamed.close()
+    middle = worker(True, 1)
+    assert isinstance(middle.train, SplitShape)
+    assert middle.epoch_steps() == steps
