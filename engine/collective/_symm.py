@@ -67,7 +67,7 @@ _INITIAL_ELEMENTS = 16 << 20
 """Staging allocated when the ring connects (64 MiB of float32); larger collectives grow it."""
 _GRAPHS = 64
 """Recorded collectives kept (least recently used dropped first)."""
-_FUSED_BELOW = 64 << 20
+_FUSED_BELOW = 32 << 20
 """All-reduces of fewer bytes than this run as one fused kernel (``_fused``) instead of the
 ring's schedule, where Triton is available and the wire is the tensor's dtype."""
 _KERNEL_GRACE_S = 30.0
