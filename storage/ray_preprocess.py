@@ -17,7 +17,7 @@ path lists them):
    written by one task with the single-process path's writer; the driver writes the rejects,
    the empty splits' shards and, last, the manifest.
 
-The driver holds about 30 bytes per source row (row numbers, labels and destinations), the
+The driver holds about 50 bytes per source row (row numbers, labels and destinations), the
 workers one file (reading) or one shard (writing) each. A single CSV file is read by one task,
 as Ray Data reads any one CSV file; a directory of Parquet files is read in parallel.
 """
