@@ -331,7 +331,7 @@ def preprocess(
     """
     _check_arguments(fractions, seed, rows_per_shard, engine)
     fractions = (float(fractions[0]), float(fractions[1]), float(fractions[2]))
-    if choose_engine(source_url, engine) == "ray":
+    if choose_engine(source_url, engine, output_url) == "ray":
         from ringflow.storage.ray_preprocess import preprocess_with_ray
 
         return preprocess_with_ray(
@@ -361,16 +361,26 @@ def preprocess(
     return _commit(dataset_url, manifest)
 
 
-def choose_engine(source_url: str, engine: str = "auto") -> Literal["local", "ray"]:
+def choose_engine(
+    source_url: str, engine: str = "auto", output_url: str | None = None
+) -> Literal["local", "ray"]:
     """Where :func:`preprocess` runs for ``engine``: ``"auto"`` picks Ray Data when
     ``RAY_ADDRESS`` names a Ray cluster (not ``local``) or the source holds at least
-    :data:`RAY_PREPROCESS_BYTES`, else this process.
+    :data:`RAY_PREPROCESS_BYTES`, else this process; ``memory://`` URLs, which only this
+    process sees, always run here.
 
     Raises:
-        ValueError: ``engine`` is not one of :data:`ENGINES`.
+        ValueError: ``engine`` is not one of :data:`ENGINES`, or is ``"ray"`` for a
+            ``memory://`` URL.
     """
     _check_engine(engine)
-    if engine != "auto":
+    in_memory = [u for u in (source_url, output_url) if u and u.startswith("memory://")]
+    if engine == "ray" and in_memory:
+        raise ValueError(
+            f"engine='ray' cannot preprocess {in_memory[0]}: memory:// lives in this process "
+            "only, out of reach of Ray's workers; use engine='local' or a shared URL"
+        )
+    if engine != "auto" or in_memory:
         return "ray" if engine == "ray" else "local"
     if os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local"):
         return "ray"

@@ -272,12 +272,23 @@ def _row_keys(parsed: Any, schema: TableSchema) -> _RowKeys:
         )
         for b in parsed.iter_batches(batch_size=None, batch_format="pyarrow")
     ]
-    table = pa.concat_tables(blocks)
+    table = pa.concat_tables(blocks) if blocks else _empty_keys()
     return _RowKeys(
         table["file"].to_numpy(),
         table["row"].to_numpy(),
         table["valid"].to_numpy(),
         table["label"].to_numpy(),
+    )
+
+
+def _empty_keys() -> pa.Table:
+    return pa.table(
+        {
+            "file": pa.array([], pa.int32()),
+            "row": pa.array([], pa.int64()),
+            "valid": pa.array([], pa.bool_()),
+            "label": pa.array([], pa.float64()),
+        }
     )
 
 

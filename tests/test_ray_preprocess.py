@@ -169,6 +169,10 @@ def test_bad_sources_fail_with_the_single_process_errors(ray_session, tmp_path):
     all_bad.write_text("x,n,colour,label\nq,1,red,0\n")
     with pytest.raises(DataError, match="all 1 rows of .* were rejected"):
         preprocess(str(all_bad), str(tmp_path / "out"), CLASSES, engine="ray")
+    header_only = tmp_path / "empty.csv"
+    header_only.write_text("x,n,colour,label\n")
+    with pytest.raises(DataError, match="all 0 rows of .* were rejected"):
+        preprocess(str(header_only), str(tmp_path / "out"), CLASSES, engine="ray")
 
 
 def test_the_engine_is_checked_and_chosen_before_any_work(tmp_path, monkeypatch):
@@ -187,6 +191,20 @@ def test_the_engine_is_checked_and_chosen_before_any_work(tmp_path, monkeypatch)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
     assert choose_engine(source) == "ray"
     assert choose_engine(str(tmp_path / "missing.csv"), "local") == "local"
+    assert choose_engine(source, "auto", "memory://datasets") == "local"  # workers can't see it
+    with pytest.raises(ValueError, match="memory:// lives in this process only"):
+        preprocess(source, "memory://datasets", CLASSES, engine="ray")
+
+
+def test_the_flow_refuses_an_unknown_engine_naming_the_parameter():
+    from ringflow.flows.preflight import PreflightError, check_parameters
+    from ringflow.flows.train_pipeline import train_pipeline
+
+    assert check_parameters(train_pipeline, {"preprocess_engine": "ray"})["preprocess_engine"] == (
+        "ray"
+    )
+    with pytest.raises(PreflightError, match="preprocess_engine"):
+        check_parameters(train_pipeline, {"preprocess_engine": "spark"})
 
 
 def test_the_shard_size_is_part_of_the_fingerprint(tmp_path):
