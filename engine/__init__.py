@@ -15,6 +15,7 @@ from ringflow.engine.errors import (
     PeerLostError,
     WorkerFailedError,
 )
+from ringflow.engine.ray_data import RayDatasetData
 from ringflow.engine.spec import ModelRef
 from ringflow.engine.trainer import EpochMetrics, FitResult, evaluate, fit
 
@@ -29,6 +30,7 @@ __all__ = [
     "ModelError",
     "ModelRef",
     "PeerLostError",
+    "RayDatasetData",
     "TensorData",
     "TrainConfig",
     "WorkerFailedError",
