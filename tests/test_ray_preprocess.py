@@ -215,29 +215,32 @@ def test_the_shard_size_is_part_of_the_fingerprint(tmp_path):
     assert first.dataset_url != second.dataset_url
 
 
-# The driver on the cluster: the Ray Data path, then the SHA-256 of every file it wrote.
+# The driver on the cluster: the Ray Data path (chosen by auto: RAY_ADDRESS names the cluster)
+# on a CSV and on a Parquet directory, then the SHA-256 of every file each wrote.
 DRIVER = textwrap.dedent(
     """
     import hashlib, json, pathlib, sys
     import ray
-    from ringflow.storage.dataset import preprocess
-    from tests.test_ray_preprocess import CLASSES
+    from ringflow.storage.dataset import choose_engine, preprocess
+    from tests.test_ray_preprocess import CLASSES, NUMBERS
 
-    source, out = sys.argv[1:3]
+    csv, directory, out = sys.argv[1:4]
     ray.init(log_to_driver=False)
-    nodes = sum(1 for n in ray.nodes() if n["Alive"])
-    result = preprocess(source, out, CLASSES, engine="ray", seed=3, rows_per_shard=64)
-    root = pathlib.Path(result.dataset_url)
-    files = {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in root.rglob("*") if p.is_file()}
-    print(json.dumps({"nodes": nodes, "fingerprint": result.fingerprint, "files": files}))
+    found = {"nodes": sum(1 for n in ray.nodes() if n["Alive"]), "engine": choose_engine(csv)}
+    for name, source, schema in (("csv", csv, CLASSES), ("parquet", directory, NUMBERS)):
+        result = preprocess(source, out, schema, seed=3, rows_per_shard=64)
+        root = pathlib.Path(result.dataset_url)
+        found[name] = {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+                       for p in root.rglob("*") if p.is_file()}
+    print(json.dumps(found))
     """
 )
 
 
 @pytest.mark.e2e
 def test_on_a_two_node_cluster_the_ray_data_path_writes_the_same_dataset(tmp_path):
-    source = _csv_with_rejects(tmp_path / "rows.csv", rows=3_000)
+    csv = _csv_with_rejects(tmp_path / "rows.csv", rows=3_000)
+    directory = _parquet_directory(tmp_path / "drop")
     port = free_port(20)
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RINGFLOW_"))},
@@ -254,7 +257,7 @@ def test_on_a_two_node_cluster_the_ray_data_path_writes_the_same_dataset(tmp_pat
         _cluster(env, "head", "1")
         _cluster(env, "node", "b", "1", str(port + 10))
         driver = subprocess.run(
-            [sys.executable, "-c", DRIVER, source, str(tmp_path / "ray")],
+            [sys.executable, "-c", DRIVER, csv, directory, str(tmp_path / "ray")],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -265,13 +268,14 @@ def test_on_a_two_node_cluster_the_ray_data_path_writes_the_same_dataset(tmp_pat
         _cluster(env, "stop")
     assert driver.returncode == 0, driver.stdout[-4000:] + driver.stderr[-4000:]
     found = json.loads(driver.stdout.strip().splitlines()[-1])
-    assert found["nodes"] == 2
-    local = preprocess(source, str(tmp_path / "local"), CLASSES, seed=3, rows_per_shard=64)
-    assert found["fingerprint"] == local.fingerprint
-    expected = {
-        name: hashlib.sha256(data).hexdigest() for name, data in _files(local.dataset_url).items()
-    }
-    assert found["files"] == expected
+    assert (found["nodes"], found["engine"]) == (2, "ray")
+    for name, source, schema in (("csv", csv, CLASSES), ("parquet", directory, NUMBERS)):
+        local = preprocess(
+            source, str(tmp_path / "local"), schema, seed=3, rows_per_shard=64, engine="local"
+        )
+        files = _files(local.dataset_url)
+        assert found[name] == {n: hashlib.sha256(data).hexdigest() for n, data in files.items()}
+        assert {"_manifest.json", "rejected.parquet"} <= set(found[name])
 
 
 def _cluster(env: dict, *args: str) -> None:
