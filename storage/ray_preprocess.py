@@ -126,9 +126,12 @@ def _data_errors() -> Iterator[None]:
         yield
     except Exception as err:
         found = _data_error_in(err)
-        if found is None or found is err:
+        if found is None:
             raise
-        raise type(found)(str(found).split(_RAY_ADVICE, 1)[0]) from err
+        message = str(found).split(_RAY_ADVICE, 1)[0]
+        if found is err and message == str(err):
+            raise  # raised here, not in a task
+        raise type(found)(message) from err
 
 
 def _data_error_in(err: BaseException) -> DataError | None:
