@@ -5,6 +5,7 @@ from a checkpoint; the digits train as well as from Parquet."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from pathlib import Path
 
@@ -181,3 +182,38 @@ def test_what_is_not_supported_is_refused_before_training(ray_session, digit_row
     renamed = dataset.rename_columns({"p3": "pixel3"})
     with pytest.raises(ValueError, match=r"train has no column \['p3'\] of the schema"):
         _fit(RayDatasetData(train=renamed, schema=SCHEMA), tmp_path, "renamed")
+
+
+class DyingDigits(DigitsClassifier):
+    """Rank 1's process exits at the step that ``CRASH_AT`` names, once (it removes the file)."""
+
+    def training_step(self, batch, batch_idx):
+        dies = self.trainer.global_rank == 1 and CRASH_AT.exists()
+        if dies and self.trainer.global_step == int(CRASH_AT.read_text()):
+            CRASH_AT.unlink()
+            os._exit(1)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_lost_worker_rolls_back_and_the_rest_of_the_epoch_is_split_again(
+    ray_session, digit_rows, tmp_path
+):
+    """Not bit for bit (the survivor's split differs): a worker lost mid-epoch rolls the
+    survivor back to the commit there, and the rest of the epoch is split again for one worker,
+    whose reader skips what the steps before the commit took; the run goes on and learns."""
+    steps = -(-len(digit_rows["train"]) // CONFIG.batch_size)
+    commit = (steps // CONFIG.commit_every + 1) * CONFIG.commit_every  # mid-epoch 1
+    CRASH_AT.write_text(str(commit + 2))
+    config = dataclasses.replace(CONFIG, min_workers=1, collective_timeout_s=3.0)
+    try:
+        result = _fit(
+            _data(ray_session, digit_rows), tmp_path, "elastic", DyingDigits, config=config
+        )
+    finally:
+        CRASH_AT.unlink(missing_ok=True)
+    kinds = [e.kind for e in result.events]
+    assert kinds[:3] == ["lost", "rollback", "recovered"], result.events
+    assert result.events[1].step == commit
+    assert steps < commit < 2 * steps
+    assert len(result.history) == CONFIG.epochs
+    assert result.metrics["val_accuracy"] > 0.9
