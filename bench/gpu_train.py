@@ -17,11 +17,12 @@ AdamW and warm-up+cosine schedule:
 
 Timing is steady state. An epoch is ``--steps`` global batches; the first
 ``ceil(warmup_steps / steps)`` epochs warm up (CUDA set-up, compilation) and the last epoch
-is timed: for ours from the end of the epoch before to the end of the last one as the
-driver sees them (``on_epoch``), which includes the epoch's end (a validation batch per worker
-and the in-memory commit of weights and optimizer state); for DDP and FSDP from a
-synchronised clock after the warm-up steps to the end of the last step. Every runner trains
-the same number of tokens.
+is timed, every runner from the end of its first step to the end of its last on a
+synchronised clock (for ours inside each worker, by :class:`TimedGPT`, the slowest worker
+counting), so ``steps - 1`` steps. For ours the whole last epoch as its driver sees it
+(``on_epoch``) is reported too (``ours_epoch``): it adds the epoch's end, one validation
+batch per worker and the in-memory commit of the weights and optimizer state. Every runner
+trains the same number of tokens.
 
 Prints one row per run (runner, mode, GPUs, tokens/s, MFU, ours/DDP, scaling efficiency
 ``tokens/s(n) / (n x tokens/s(1))``) and, last, one JSON object: ``ours_vs_ddp_by_gpus``
@@ -45,7 +46,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+from ringflow.models.gpt import GPTModule
 
 RUNNERS = ("ours", "ddp", "fsdp")
 MODES = ("eager", "compiled")
@@ -112,9 +114,29 @@ class Result:
     wall_s: float
     """The whole run, start-up included."""
 
+    epoch_tokens_per_s: float | None = None
+    """Ours: over the whole timed epoch as the driver sees it, its end included."""
+
     @property
     def tokens_per_s(self) -> float:
         return self.timed_tokens / self.timed_s
+
+
+class TimedGPT(GPTModule):
+    """``GPTModule`` timing, in each worker, the last epoch's steps after its first: from the
+    end of its first batch to the end of its last, the GPU synchronised at both, logged as
+    ``timed_s`` (the epoch's maximum over the workers)."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.current_epoch != self.trainer.max_epochs - 1:
+            return
+        if batch_idx == 0:
+            _sync(self.device)
+            self._timed_from = time.perf_counter()
+        elif batch_idx == self.trainer.num_training_batches - 1:
+            _sync(self.device)
+            elapsed = time.perf_counter() - self._timed_from
+            self.log("timed_s", elapsed, on_step=False, on_epoch=True, reduce_fx="max")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -161,9 +183,11 @@ def _run_count(spec: Spec, modes: list[str], runners: list[str]) -> list[Result]
             spec_m = replace(spec, mode=mode)
             for runner in runners:
                 result = _RUN[runner](spec_m)
+                epoch = result.epoch_tokens_per_s
+                epoch = f", the whole epoch {epoch:.0f} tokens/s" if epoch else ""
                 print(
                     f"{runner:<5} {mode:<8} gpus={spec.gpus} {result.tokens_per_s:12.0f} tokens/s "
-                    f"(timed {result.timed_s:6.2f} s, run {result.wall_s:6.1f} s)",
+                    f"(timed {result.timed_s:6.2f} s, run {result.wall_s:6.1f} s{epoch})",
                     flush=True,
                 )
                 results.append(result)
@@ -219,15 +243,18 @@ def _datasets(spec: Spec):
 
 
 def _run_ours(spec: Spec) -> Result:
-    from ringflow.engine import DatasetData, TrainConfig, fit
-    from ringflow.models.gpt import GPTModule
+    import ray.cloudpickle
 
+    from ringflow.engine import DatasetData, TrainConfig, fit
+
+    if __name__ != "__main__":  # workers need not import bench (the GPU host has no such link)
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     train, validation = _datasets(spec)
     ends: list[float] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ringflow-gpt-") as root:
-        fit(
-            GPTModule,
+        result = fit(
+            TimedGPT,
             hparams=spec.hparams(),
             data=DatasetData(train=train, validation=validation),
             config=TrainConfig(
@@ -241,20 +268,22 @@ def _run_ours(spec: Spec) -> Result:
                 cpus_per_worker=1.0,
                 commit_every=spec.steps,
                 timeout_s=600.0,
+                # No worker is lost here; one may wait minutes for another's first compile.
+                collective_timeout_s=600.0,
             ),
             checkpoint_uri=f"{root}/model",
             on_epoch=lambda _: ends.append(time.perf_counter()),
         )
     wall = time.perf_counter() - started
-    tokens = spec.total_steps * spec.global_batch * spec.seq_len
     return Result(
         runner="ours",
         mode=spec.mode,
         gpus=spec.gpus,
-        tokens=tokens,
-        timed_tokens=spec.steps * spec.global_batch * spec.seq_len,
-        timed_s=ends[-1] - ends[-2],
+        tokens=spec.total_steps * spec.global_batch * spec.seq_len,
+        timed_tokens=(spec.steps - 1) * spec.global_batch * spec.seq_len,
+        timed_s=result.metrics["timed_s"],
         wall_s=wall,
+        epoch_tokens_per_s=spec.steps * spec.global_batch * spec.seq_len / (ends[-1] - ends[-2]),
     )
 
 
@@ -272,7 +301,10 @@ def _run_fsdp(spec: Spec) -> Result:
 def _spawn(runner: str, spec: Spec) -> Result:
     queue = mp.get_context("spawn").SimpleQueue()
     started = time.perf_counter()
-    mp.spawn(_rank, args=(runner, spec, _free_port(), queue), nprocs=spec.gpus, join=True)
+    # A file rendezvous: no port to race Ray's processes for.
+    with tempfile.TemporaryDirectory(prefix="ringflow-gpt-") as root:
+        init_method = f"file://{root}/rendezvous"
+        mp.spawn(_rank, args=(runner, spec, init_method, queue), nprocs=spec.gpus, join=True)
     wall = time.perf_counter() - started
     timed_s = queue.get()
     return Result(
@@ -280,13 +312,13 @@ def _spawn(runner: str, spec: Spec) -> Result:
         mode=spec.mode,
         gpus=spec.gpus,
         tokens=spec.total_steps * spec.global_batch * spec.seq_len,
-        timed_tokens=spec.steps * spec.global_batch * spec.seq_len,
+        timed_tokens=(spec.steps - 1) * spec.global_batch * spec.seq_len,
         timed_s=timed_s,
         wall_s=wall,
     )
 
 
-def _rank(rank: int, runner: str, spec: Spec, port: int, queue) -> None:
+def _rank(rank: int, runner: str, spec: Spec, init_method: str, queue) -> None:
     import torch.distributed as dist
 
     from ringflow.engine.module import compile_in_place
@@ -298,7 +330,7 @@ def _rank(rank: int, runner: str, spec: Spec, port: int, queue) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=init_method,
         rank=rank,
         world_size=spec.gpus,
         **({"device_id": device} if cuda else {}),
@@ -326,8 +358,6 @@ def _rank(rank: int, runner: str, spec: Spec, port: int, queue) -> None:
 
 def _module(spec: Spec):
     """The GPT module as the engine's workers build it: seeded, ``configure_model`` run."""
-    from ringflow.models.gpt import GPTModule
-
     torch.manual_seed(spec.seed)
     module = GPTModule(**spec.hparams())
     module.configure_model()
@@ -337,7 +367,10 @@ def _module(spec: Spec):
 def _fully_shard(module, spec: Spec):
     """FSDP2 as torchtitan applies it: each block (compiled first, if it is), then the root;
     bf16 parameters and fp32 gradient reduction where the precision is bf16."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch before 2.6
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
     bf16 = spec.precision.startswith("bf16") and spec.device == "cuda"
     policy = MixedPrecisionPolicy(
@@ -359,7 +392,7 @@ def _autocast(spec: Spec, device: torch.device):
 
 def _train_loop(module, model, spec: Spec, *, rank: int, device: torch.device, forward) -> float:
     """The engine's step on this rank's part of each global batch, in the engine's order;
-    returns the seconds of the last epoch's steps (the timed ones)."""
+    returns the seconds from the end of the last epoch's first step to the end of its last."""
     from torch.utils.data import default_collate
 
     from ringflow.engine.data import EpochOrder, Layout
@@ -372,10 +405,10 @@ def _train_loop(module, model, spec: Spec, *, rank: int, device: torch.device, f
         order = EpochOrder(
             Layout((len(train),)), seed=spec.seed, epoch=epoch, batch_size=spec.global_batch
         )
-        if epoch == spec.warmup_epochs:
-            _sync(device)
-            started = time.perf_counter()
         for step in range(order.steps):
+            if epoch == spec.warmup_epochs and step == 1:
+                _sync(device)
+                started = time.perf_counter()
             mine = torch.tensor_split(order.batch(step), spec.gpus)[rank]
             ids, targets = (t.to(device) for t in default_collate([train[i] for i in mine]))
             optimizer.zero_grad(set_to_none=False)
@@ -426,6 +459,14 @@ def _summary(
     return {
         "ours_vs_ddp_by_gpus": {m: ratio("ours", "ddp", m) for m in modes},
         "ours_vs_fsdp_by_gpus": {m: ratio("ours", "fsdp", m) for m in modes},
+        "ours_epoch_vs_ddp_by_gpus": {
+            m: {
+                r.gpus: _ratio(r.epoch_tokens_per_s, rate.get(("ddp", m, r.gpus)))
+                for r in results
+                if r.runner == "ours" and r.mode == m
+            }
+            for m in modes
+        },
         "scaling_efficiency_4": {
             m: {runner: efficiency(runner, m, 4) for runner in runners} for m in modes
         },
@@ -493,12 +534,6 @@ def _device_name(spec: Spec) -> str:
     return f"CPU ({os.cpu_count()} cores)"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -526,8 +561,8 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
     if bad := [r for r in runners if r not in RUNNERS]:
         parser.error(f"--runners takes {','.join(RUNNERS)}, got {bad}")
     counts = [int(n) for n in args.gpus.split(",")]
-    if any(n < 1 for n in counts) or args.steps < 1 or args.per_gpu_batch < 1:
-        parser.error("--gpus, --steps and --per-gpu-batch must be positive")
+    if any(n < 1 for n in counts) or args.steps < 2 or args.per_gpu_batch < 1:
+        parser.error("--gpus and --per-gpu-batch must be positive, --steps at least 2")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no GPU here; use --device cpu --preset tiny")
     from ringflow.models.gpt import PRESETS
