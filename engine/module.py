@@ -419,6 +419,10 @@ def compile_in_place(module: torch.nn.Module) -> int:
     uncompiled (the driver's, a served model's), nor the other way round. Compiled in place,
     a module keeps its eager names and the same compiled forward and backward, and its
     parameters' gradient hooks still fire after each compiled piece's backward.
+
+    It reads the wrapper's ``_orig_mod`` and ``dynamo_ctx`` and sets what ``nn.Module.compile``
+    sets (checked with torch 2.13); a wrapper without ``dynamo_ctx`` is compiled in place
+    with ``compile()``'s defaults.
     """
     from torch._dynamo.eval_frame import OptimizedModule
 
@@ -427,8 +431,25 @@ def compile_in_place(module: torch.nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, OptimizedModule):
                 inner = child._orig_mod
-                # What nn.Module.compile does, with the wrapper's compiler (backend, mode...).
-                inner._compiled_call_impl = child.dynamo_ctx(inner._call_impl)
+                compiler = getattr(child, "dynamo_ctx", None)
+                if compiler is None:
+                    inner.compile()
+                else:  # nn.Module.compile, with the wrapper's compiler (backend, mode...)
+                    inner._compiled_call_impl = compiler(_traced_call(inner))
                 setattr(parent, name, inner)
                 replaced += 1
     return replaced + compile_in_place(module) if replaced else 0
+
+
+def _traced_call(module: torch.nn.Module) -> Any:
+    """What a ``torch.compile`` wrapper hands its compiler, with ``_call_impl`` for
+    ``__call__`` (which would come back to the compiled call): dynamo starts tracing at the
+    module's own ``forward``, or, where that is torch's (``nn.Sequential``), which dynamo
+    would not start at, at a frame that calls ``_call_impl``."""
+    try:
+        from torch._dynamo import external_utils, trace_rules
+    except ImportError:
+        return module._call_impl
+    if trace_rules.check(module.forward):
+        return external_utils.wrap_inline(module._call_impl)
+    return module._call_impl

@@ -251,7 +251,7 @@ class GPTModule(L.LightningModule):
             return
         blocks = self.model.blocks
         for i, block in enumerate(blocks):
-            if not isinstance(block, torch._dynamo.eval_frame.OptimizedModule):
+            if not hasattr(block, "_orig_mod"):  # not compiled yet
                 blocks[i] = torch.compile(block, backend=self.hparams.compile_backend)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

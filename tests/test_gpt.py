@@ -129,3 +129,26 @@ def test_a_compiled_blocks_gradients_arrive_before_the_previous_blocks_backward_
     for index in (2, 1):
         last_gradient = max(n for n, event in enumerate(events) if event == ("p", index))
         assert last_gradient < events.index(("input of", index - 1))
+
+
+def test_compile_in_place_keeps_the_wrappers_compiler_and_the_eager_names():
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(graph, inputs):  # a compiler of one's own: records what it is given
+        graphs.append(graph)
+        return graph.forward
+
+    torch.manual_seed(0)
+    block = GPT(GPTConfig.preset("tiny", n_layer=1)).blocks[0]  # a forward of one's own
+    head = torch.nn.Sequential(torch.nn.Linear(64, 2))  # torch's forward
+    eager = torch.nn.Sequential(block, head)
+    x = torch.randn(2, 8, 64)
+    expected = eager(x)
+    wrapped = torch.nn.Sequential(
+        torch.compile(block, backend=backend), torch.compile(head, backend=backend)
+    )
+    assert "1._orig_mod.0.weight" in wrapped.state_dict()
+    assert compile_in_place(wrapped) == 2
+    assert list(wrapped.state_dict()) == list(eager.state_dict())
+    assert torch.allclose(wrapped(x), expected, atol=1e-6)
+    assert len(graphs) == 2  # each ran through the wrapper's own compiler
