@@ -154,8 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"# gpu_train: GPT {spec.preset} ({model.num_params() / 1e6:.2f} M params, "
         f"{flops / 1e9:.3f} GFLOP/token), per-GPU batch {spec.per_gpu_batch} x {spec.seq_len} "
-        f"tokens, {spec.steps} timed steps after {spec.warmup_epochs * spec.steps} warm-up "
-        f"steps, {spec.precision}, bucket {spec.bucket_mb} MiB, device {_device_name(spec)}, "
+        f"tokens, {spec.warmup_epochs * spec.steps} warm-up steps, then {spec.steps} of which "
+        f"the last {spec.steps - 1} are timed, {spec.precision}, bucket {spec.bucket_mb} MiB, "
+        f"device {_device_name(spec)}, "
         f"torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         flush=True,
     )
