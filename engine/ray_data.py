@@ -125,33 +125,37 @@ class _SplitService:
 
 
 class _Columns:
-    """Rows of a stream of numpy column batches, taken ``count`` at a time."""
+    """Rows of a stream of numpy column batches, taken ``count`` at a time (views into the
+    batches where a take lies in one, so a large block is never copied whole per take)."""
 
     def __init__(self, batches: Iterator[dict[str, np.ndarray]], what: str) -> None:
         self._batches, self._what = iter(batches), what
-        self._held: list[dict[str, np.ndarray]] = []
-        self._rows = 0
+        self._batch: dict[str, np.ndarray] = {}
+        self._size = self._offset = 0
         self.taken = 0
 
     def take(self, count: int) -> dict[str, np.ndarray]:
-        while self._rows < count:
-            batch = next(self._batches, None)
-            if batch is None:
-                raise ValueError(
-                    f"{self._what} ended after {self.taken + self._rows} rows, "
-                    f"{count - self._rows} short of the epoch's: the dataset's row count changed "
-                    "since fit counted it (is it deterministic?)"
-                )
-            self._held.append(batch)
-            self._rows += len(next(iter(batch.values())))
-        names = self._held[0].keys()
-        joined = {k: np.concatenate([b[k] for b in self._held]) for k in names}
-        taken = {k: v[:count] for k, v in joined.items()}
-        rest = {k: v[count:] for k, v in joined.items()}
-        self._rows -= count
-        self._held = [rest] if self._rows else []
+        pieces, needed = [], count
+        while needed:
+            if self._offset == self._size:
+                self._next(needed)
+            n = min(needed, self._size - self._offset)
+            pieces.append({k: v[self._offset : self._offset + n] for k, v in self._batch.items()})
+            self._offset += n
+            needed -= n
         self.taken += count
-        return taken
+        if len(pieces) == 1:
+            return pieces[0]
+        return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+
+    def _next(self, needed: int) -> None:
+        batch = next(self._batches, None)
+        if batch is None:
+            raise ValueError(
+                f"{self._what} ended after {self.taken} rows, {needed} short of the epoch's: "
+                "the dataset's row count changed since fit counted it (is it deterministic?)"
+            )
+        self._batch, self._size, self._offset = batch, len(next(iter(batch.values()))), 0
 
     def skip(self, count: int, chunk: int = 4096) -> None:
         while count > 0:
@@ -172,7 +176,7 @@ def _tensors(columns: dict[str, np.ndarray], schema: TableSchema | None, collate
         return torch.from_numpy(features), torch.from_numpy(labels)
     if collate_fn is not None:
         return collate_fn(columns)
-    return {name: torch.as_tensor(values) for name, values in columns.items()}
+    return {name: torch.tensor(values) for name, values in columns.items()}
 
 
 class _SplitRows:
@@ -217,9 +221,7 @@ class _SplitRows:
                 seed=seed, epoch=epoch, world_size=world_size, first=first, rank=rank
             )
         )
-        batches = iterator.iter_batches(
-            batch_size=max(1, batch_size // world_size), batch_format="numpy"
-        )
+        batches = iterator.iter_batches(batch_size=None, batch_format="numpy")
         self._columns = _Columns(batches, f"split {rank} of {world_size} of epoch {epoch}")
         self._columns.skip(order.before(first, rank))
         self._order, self._position = order, where
