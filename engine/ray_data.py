@@ -255,7 +255,6 @@ class _DatasetRows:
         if not torch.equal(indices, torch.arange(start, start + len(indices))):
             raise RuntimeError(f"a Ray Dataset's {self._split} rows are read in ranges")
         if self._columns is None or start < self._columns.taken:
-            self._dataset.context.execution_options.preserve_order = True
             self._columns = _Columns(
                 self._dataset.iter_batches(batch_format="numpy"), f"the {self._split} dataset"
             )
@@ -284,8 +283,9 @@ class RayDatasetData:
     ``iter_batches(batch_format="numpy")`` gives them); without either, that dict with each
     column as a tensor.
 
-    ``preserve_order`` is set on the datasets' ``DataContext`` (it is what makes the split
-    deterministic).
+    ``preserve_order`` is set on the training dataset's ``DataContext`` (it is what makes
+    the split deterministic); validation and test datasets are always read in order, each
+    worker taking its contiguous range.
 
     Raises:
         ValueError: a split is not a Ray Dataset, or an option has no allowed value.
@@ -301,7 +301,8 @@ class RayDatasetData:
     shuffle: str = "none"
     """One of :data:`SHUFFLES`, applied to the training dataset every epoch."""
     preserve_order: bool = True
-    """Ray Data's ``execution_options.preserve_order``: ``False`` is faster and not repeatable."""
+    """Ray Data's ``execution_options.preserve_order`` for ``train``: ``False`` is faster and
+    not repeatable."""
     rows: int = field(default=0, init=False)
     """Rows of the training dataset, counted by :meth:`prepare`."""
     splits: Any = field(default=None, init=False, repr=False)
@@ -315,8 +316,9 @@ class RayDatasetData:
                     f"RayDatasetData.{split} is a {type(dataset).__name__}, not a "
                     "ray.data.Dataset; map-style torch datasets go in DatasetData"
                 )
-            if dataset is not None:
-                dataset.context.execution_options.preserve_order = self.preserve_order
+            if dataset is not None:  # each worker reads its range of validation and test
+                order = self.preserve_order if split == "train" else True
+                dataset.context.execution_options.preserve_order = order
         if self.train is None:
             raise ValueError("RayDatasetData needs a train dataset")
         if self.shuffle not in SHUFFLES:
