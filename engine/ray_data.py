@@ -226,6 +226,12 @@ class _SplitRows:
         self._columns.skip(order.before(first, rank))
         self._order, self._position = order, where
 
+    def restart(self) -> None:
+        """The members changed (``RankWorker.reconfigure``): every member asks for new splits
+        at its next step, even one whose own position did not move (a loss while rank 0
+        checkpoints), so that all read the same ``streaming_split``."""
+        self._columns = None
+
     def batch(self, indices: torch.Tensor) -> Any:
         assert self._order is not None, "follow() comes first"
         assert self._columns is not None

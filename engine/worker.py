@@ -329,6 +329,9 @@ class RankWorker:
         rolls back to (or adopts) the same commit, so no weights need to be broadcast.
         """
         self._leave_ring()
+        restart = getattr(self.train, "restart", None)
+        if restart is not None:  # a stream per rank is split again among the new members
+            restart()
         self.rank, self.world_size = rank, world_size
         self.trainer.global_rank, self.trainer.world_size = rank, world_size
         self.trainer.is_global_zero = rank == 0
