@@ -165,6 +165,21 @@ def test_a_bare_dataset_trains_with_its_columns_as_a_dict_and_no_validation(ray_
         seen.append(batch["data"])
     assert torch.equal(torch.cat(seen), torch.from_numpy(x))  # Ray's order, preserved
     assert len(data.samples("validation")) == 0
+    one_row = RayDatasetData(train=ray_session.data.from_numpy(x[:1]))
+    one_row.prepare()
+    with pytest.raises(ValueError, match="has 1 rows, fewer than the 2 workers"):
+        next(
+            epoch_batches(
+                one_row.samples("train"),
+                TrainConfig(workers=2, batch_size=8),
+                epoch=0,
+                first=0,
+                count=1,
+                rank=0,
+                world_size=2,
+                device=torch.device("cpu"),
+            )
+        )
 
 
 def test_what_is_not_supported_is_refused_before_training(ray_session, digit_rows, tmp_path):
