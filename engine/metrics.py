@@ -29,7 +29,7 @@ import torch
 from ringflow.engine.errors import ModelError
 from ringflow.engine.jsonstate import from_json, to_json
 
-__all__ = ["Logged", "MetricLog", "Value", "logger_rows"]
+__all__ = ["Logged", "MetricLog", "Value", "logged_number", "logger_rows"]
 
 _REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 _TORCH_REDUCTIONS = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
@@ -90,6 +90,12 @@ class Value:
             merged.total = min(self.total, other.total)
         merged.weight += other.weight
         return merged
+
+    def settle(self) -> None:
+        """Bring a total kept on the GPU (see :func:`_number`) to the host: one wait, when the
+        logged values leave the worker, instead of one every step."""
+        if isinstance(self.total, torch.Tensor):
+            self.total = float(self.total)
 
     def result(self) -> float:
         if self.reduce == "mean":
@@ -303,6 +309,8 @@ class MetricLog:
                     return
             value = value._forward_cache if value._forward_cache is not None else value.compute()
         number = _number(name, value)
+        if reduce in ("max", "min"):
+            number = float(number)  # compared with the running value at once
         weight = float(batch_size if batch_size is not None else self._batch_size or 1)
         options = {
             "on_step": bool(on_step),
@@ -357,12 +365,28 @@ class MetricLog:
         """What was logged since the last call; each Metric's state goes with it (a copy on
         the CPU) and the module's metric starts afresh."""
         logged, self.logged = self.logged, Logged()
+        for value in logged.epoch.values():
+            value.settle()
+        for values in logged.steps.values():
+            for value in values.values():
+                value.settle()
         for name, metric in self._live.items():
             if metric._update_count:
                 logged.metrics[name] = copy.deepcopy(metric).cpu()
                 logged.options[name] = self._options[name]
             metric.reset()
         return logged
+
+
+def logged_number(value: torch.Tensor) -> float | torch.Tensor:
+    """A one-element tensor as a number: a float on the CPU; on a GPU a float64 tensor that
+    stays there until the values are taken (``Value.settle``), so that logging a loss every
+    step does not make the host wait for the GPU every step (the next steps' kernels could
+    not be queued meanwhile)."""
+    value = value.detach()
+    if value.is_cuda:
+        return value.reshape(()).double()
+    return float(value.float())
 
 
 def _number(name: str, value: Any) -> float:
@@ -375,7 +399,7 @@ def _number(name: str, value: Any) -> float:
                 f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; "
                 "log one number (a tensor with a single element)"
             )
-        return float(value.detach().float())
+        return logged_number(value)
     try:
         return float(value)
     except (TypeError, ValueError):

@@ -18,7 +18,7 @@ from ringflow.engine.collective import Collective, GradientBuckets, create_colle
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of, samples_of
 from ringflow.engine.errors import EngineError
-from ringflow.engine.metrics import Logged, MetricLog
+from ringflow.engine.metrics import Logged, MetricLog, logged_number
 from ringflow.engine.module import (
     Optimization,
     Precision,
@@ -481,7 +481,7 @@ class RankWorker:
             timeline.start("backward")
             self.precision.backward(loss if window == 1 else loss * (weight / window))
             timeline.stop("backward")
-            self.metric_log.record("train_loss", float(loss.detach()), len(mine))
+            self.metric_log.record("train_loss", logged_number(loss), len(mine))
         if steps:
             timeline.start("gradient_wait")
             self.buckets.finish()
