@@ -232,3 +232,24 @@ def test_a_lost_worker_rolls_back_and_the_rest_of_the_epoch_is_split_again(
     assert steps < commit < 2 * steps
     assert len(result.history) == CONFIG.epochs
     assert result.metrics["val_accuracy"] > 0.9
+
+
+def test_a_worker_lost_mid_epoch_and_replaced_ends_with_the_weights_of_no_loss(
+    ray_session, ray_run, digit_rows, tmp_path
+):
+    """Replaced before training goes on (``min_workers=None``), the members split the epoch
+    again for the same worker count and read the rows they would have read."""
+    steps = -(-len(digit_rows["train"]) // CONFIG.batch_size)
+    commit = (steps // CONFIG.commit_every + 1) * CONFIG.commit_every  # mid-epoch 1
+    CRASH_AT.write_text(str(commit + 2))
+    config = dataclasses.replace(CONFIG, collective_timeout_s=3.0)
+    try:
+        result = _fit(
+            _data(ray_session, digit_rows), tmp_path, "replaced", DyingDigits, config=config
+        )
+    finally:
+        CRASH_AT.unlink(missing_ok=True)
+    assert [e.kind for e in result.events][:2] == ["lost", "rollback"], result.events
+    assert result.events[1].step == commit
+    for name, tensor in ray_run.state_dict.items():
+        assert torch.equal(result.state_dict[name], tensor), name
