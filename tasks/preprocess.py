@@ -12,7 +12,7 @@ from prefect.logging import get_run_logger
 from ringflow.engine.cluster import connect
 from ringflow.engine.errors import ModelError
 from ringflow.engine.spec import ModelRef
-from ringflow.storage.dataset import choose_engine, infer_schema
+from ringflow.storage.dataset import TableSchema, choose_engine, infer_schema
 from ringflow.storage.dataset import preprocess as preprocess_table
 from ringflow.storage.layout import Workspace
 
@@ -64,11 +64,7 @@ def preprocess(
         categorical=categorical,
     )
     where = choose_engine(data_url, engine)
-    if where == "ray":
-        connect()
-    result = preprocess_table(
-        data_url, Workspace(storage_url).datasets, schema, seed=seed, engine=where
-    )
+    result = _run(data_url, storage_url, schema, seed=seed, engine=where)
     logger.info(
         "dataset %s (%s of %s on %d features, preprocessed %s): %s rows kept, %d rejected",
         result.dataset_url,
@@ -112,3 +108,22 @@ def example_data(model: ModelRef, storage_url: str) -> str:
     url = hook(Workspace(storage_url).raw, dict(model.hparams))
     get_run_logger().info("example data of %s: %s", model.path, url)
     return url
+
+
+def _run(data_url: str, storage_url: str, schema: TableSchema, *, seed: int, engine: str):
+    """``storage.dataset.preprocess`` where ``engine`` says. A connection to Ray opened here
+    for Ray Data is closed again afterwards: training and serving connect with the model's
+    code for the workers (``engine.cluster.connect(model=...)``), which a connection left
+    open without it would keep out of their jobs."""
+    datasets = Workspace(storage_url).datasets
+    if engine != "ray":
+        return preprocess_table(data_url, datasets, schema, seed=seed, engine=engine)
+    import ray
+
+    opened = not ray.is_initialized()
+    connect()
+    try:
+        return preprocess_table(data_url, datasets, schema, seed=seed, engine=engine)
+    finally:
+        if opened:
+            ray.shutdown()

@@ -23,6 +23,7 @@ PARAMETERS = [
     "bounds",
     "classes",
     "categorical",
+    "preprocess_engine",
     "storage_url",
     "workers",
     "epochs",
