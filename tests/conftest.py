@@ -64,3 +64,20 @@ def _is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def prefect_api(method: str, url: str, **kwargs):
+    """An HTTP call to the Prefect server, repeated while it answers 503: the server says so
+    when its SQLite database is busy, and nothing was done (Prefect's own client retries
+    these too)."""
+    import time
+
+    import httpx
+
+    kwargs.setdefault("timeout", 60)
+    for _ in range(10):
+        reply = httpx.request(method, url, **kwargs)
+        if reply.status_code != 503:
+            break
+        time.sleep(1.0)
+    return reply.raise_for_status()

@@ -17,11 +17,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
-from tests.conftest import free_port
+from tests.conftest import free_port, prefect_api
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,17 +70,17 @@ class _Stack:
 
     def submit(self, deployment_id: str, **params) -> str:
         body = {"parameters": {**PARAMS, **params}}
-        reply = httpx.post(
-            f"{self.api}/deployments/{deployment_id}/create_flow_run", json=body, timeout=60
+        reply = prefect_api(
+            "POST", f"{self.api}/deployments/{deployment_id}/create_flow_run", json=body
         )
-        return reply.raise_for_status().json()["id"]
+        return reply.json()["id"]
 
     def get(self, path: str) -> dict:
-        return httpx.get(f"{self.api}/{path}", timeout=30).raise_for_status().json()
+        return prefect_api("GET", f"{self.api}/{path}").json()
 
     def states(self, run_id: str) -> list[dict]:
-        reply = httpx.get(f"{self.api}/flow_run_states/", params={"flow_run_id": run_id})
-        return sorted(reply.raise_for_status().json(), key=lambda s: s["timestamp"])
+        reply = prefect_api("GET", f"{self.api}/flow_run_states/", params={"flow_run_id": run_id})
+        return sorted(reply.json(), key=lambda s: s["timestamp"])
 
     def logs(self) -> str:
         return "".join(

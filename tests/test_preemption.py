@@ -27,7 +27,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests.conftest import free_port, prefect_api
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,11 +98,11 @@ class Stack:
         return re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
 
     def flow_run(self, run_id: str) -> dict:
-        return httpx.get(f"{self.api}/flow_runs/{run_id}", timeout=30).raise_for_status().json()
+        return prefect_api("GET", f"{self.api}/flow_runs/{run_id}").json()
 
     def states(self, run_id: str) -> list[dict]:
-        reply = httpx.get(f"{self.api}/flow_run_states/", params={"flow_run_id": run_id})
-        return sorted(reply.raise_for_status().json(), key=lambda s: s["timestamp"])
+        reply = prefect_api("GET", f"{self.api}/flow_run_states/", params={"flow_run_id": run_id})
+        return sorted(reply.json(), key=lambda s: s["timestamp"])
 
     def artifact(self, run_id: str, key: str) -> str:
         body = {"artifacts": {"flow_run_id": {"any_": [run_id]}, "key": {"any_": [key]}}}
