@@ -92,7 +92,7 @@ class Value:
         return merged
 
     def settle(self) -> None:
-        """Bring a total kept on the GPU (see :func:`_number`) to the host: one wait, when the
+        """Bring a total kept on the GPU (see :func:`logged_number`) to the host: one wait, when the
         logged values leave the worker, instead of one every step."""
         if isinstance(self.total, torch.Tensor):
             self.total = float(self.total)
