@@ -81,6 +81,8 @@ class Spec:
     precision: str = "bf16-mixed"
     seed: int = 0
     lr: float = 6e-4
+    timeline_url: str | None = None
+    """Ours only: record the timeline (``TrainConfig.timeline``) and write its trace here."""
 
     @property
     def global_batch(self) -> int:
@@ -116,6 +118,8 @@ class Result:
 
     epoch_tokens_per_s: float | None = None
     """Ours: over the whole timed epoch as the driver sees it, its end included."""
+    timeline: dict[str, Any] | None = None
+    """Ours with ``Spec.timeline_url``: the timeline's summary (``TimelineSummary``)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -140,7 +144,7 @@ class TimedGPT(GPTModule):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    spec, gpu_counts, modes, runners = _parse(argv)
+    spec, gpu_counts, modes, runners, timeline = _parse(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # NVLink multicast (NVLS) can wedge a shared host's GPUs: off unless the user says otherwise.
@@ -162,12 +166,18 @@ def main(argv: list[str] | None = None) -> dict:
     )
     results: list[Result] = []
     present = torch.cuda.device_count() if spec.device == "cuda" else None
-    for n in gpu_counts:
-        if present is not None and n > present:
-            print(f"# skipping {n} GPUs: only {present} present", flush=True)
-            continue
-        results += _run_count(replace(spec, gpus=n), modes, runners)
+    counts = [n for n in gpu_counts if present is None or n <= present]
+    for n in sorted(set(gpu_counts) - set(counts)):
+        print(f"# skipping {n} GPUs: only {present} present", flush=True)
+    traced = None
+    for n in counts:
+        at_most = timeline if n == max(counts) else None
+        ran, traced_n = _run_count(replace(spec, gpus=n), modes, runners, timeline=at_most)
+        results += ran
+        traced = traced_n or traced
     summary = _summary(results, flops=flops, peak=peak, gpu_counts=gpu_counts, modes=modes)
+    if traced is not None:
+        summary["timeline"] = {"gpus": traced.gpus, "mode": traced.mode, **traced.timeline}
     summary["spec"] = {**asdict(spec), "gpus": gpu_counts, "modes": modes, "runners": runners}
     summary["device"] = _device_name(spec)
     summary["date"] = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}"
@@ -176,9 +186,13 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def _run_count(spec: Spec, modes: list[str], runners: list[str]) -> list[Result]:
-    """Every runner and mode at ``spec.gpus`` GPUs; Ray starts once for the count."""
-    results = []
+def _run_count(
+    spec: Spec, modes: list[str], runners: list[str], *, timeline: str | None = None
+) -> tuple[list[Result], Result | None]:
+    """Every runner and mode at ``spec.gpus`` GPUs; Ray starts once for the count. With
+    ``timeline`` (a folder), ours runs once more in the first mode with the timeline on, its
+    trace written there (a run of its own: the timed ones record nothing)."""
+    results, traced = [], None
     with _ray(spec) if "ours" in runners else contextlib.nullcontext():
         for mode in modes:
             spec_m = replace(spec, mode=mode)
@@ -192,7 +206,11 @@ def _run_count(spec: Spec, modes: list[str], runners: list[str]) -> list[Result]
                     flush=True,
                 )
                 results.append(result)
-    return results
+        if timeline is not None and "ours" in runners:
+            url = os.path.join(timeline, f"gpt-{spec.gpus}gpus-{modes[0]}.json")
+            traced = _run_ours(replace(spec, mode=modes[0], timeline_url=url))
+            print(f"# timeline, {spec.gpus} GPUs, {modes[0]}: {json.dumps(traced.timeline)}")
+    return results, traced
 
 
 @contextlib.contextmanager
@@ -271,9 +289,13 @@ def _run_ours(spec: Spec) -> Result:
                 timeout_s=600.0,
                 # No worker is lost here; one may wait minutes for another's first compile.
                 collective_timeout_s=600.0,
+                timeline=spec.timeline_url is not None,
+                timeline_warmup=min(5, spec.steps),
+                timeline_steps=spec.steps,
             ),
             checkpoint_uri=f"{root}/model",
             on_epoch=lambda _: ends.append(time.perf_counter()),
+            timeline_url=spec.timeline_url,
         )
     wall = time.perf_counter() - started
     return Result(
@@ -285,6 +307,7 @@ def _run_ours(spec: Spec) -> Result:
         timed_s=result.metrics["timed_s"],
         wall_s=wall,
         epoch_tokens_per_s=spec.steps * spec.global_batch * spec.seq_len / (ends[-1] - ends[-2]),
+        timeline=None if result.timeline is None else result.timeline.to_json(),
     )
 
 
@@ -535,7 +558,7 @@ def _device_name(spec: Spec) -> str:
     return f"CPU ({os.cpu_count()} cores)"
 
 
-def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str]]:
+def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str], str | None]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--preset", default="gpt2_small", help="a GPT preset: gpt2_small, tiny")
@@ -555,6 +578,12 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--precision", default="bf16-mixed", help="as TrainConfig.precision")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--timeline",
+        default=None,
+        metavar="DIR",
+        help="also run ours once at the largest GPU count with the timeline on; trace into DIR",
+    )
     args = parser.parse_args(argv)
     modes, runners = args.compile.split(","), args.runners.split(",")
     if bad := [m for m in modes if m not in MODES]:
@@ -583,7 +612,7 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
         precision=args.precision,
         seed=args.seed,
     )
-    return spec, counts, modes, runners
+    return spec, counts, modes, runners, args.timeline
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ import json
 from bench import gpu_train
 
 
-def test_the_gpu_benchmark_runs_on_cpu(ray_session, capsys):
+def test_the_gpu_benchmark_runs_on_cpu(ray_session, capsys, tmp_path):
     argv = "--device cpu --preset tiny --gpus 1,2 --compile eager --steps 2 --warmup-steps 1"
     options = ["--per-gpu-batch", "4", "--seq-len", "32", "--runners", "ours,ddp"]
+    options += ["--timeline", str(tmp_path)]
     summary = gpu_train.main([*argv.split(), *options])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == json.loads(json.dumps(summary))
@@ -23,3 +24,9 @@ def test_the_gpu_benchmark_runs_on_cpu(ray_session, capsys):
     tokens = summary["tokens"]["eager"]
     two_epochs = {n: 2 * 2 * (4 * n) * 32 for n in (1, 2)}  # epochs x steps x batch x tokens
     assert tokens["ours"] == tokens["ddp"] == two_epochs
+    # The timeline's run: at the largest count, its trace beside the summary it gave.
+    timeline = summary["timeline"]
+    assert (timeline["gpus"], timeline["workers"], timeline["mode"]) == (2, 2, "eager")
+    assert timeline["trace_url"].endswith("gpt-2gpus-eager.json")
+    trace = json.loads((tmp_path / "gpt-2gpus-eager.json").read_text())
+    assert {e["name"] for e in trace["traceEvents"]} >= {"forward", "backward", "optimizer step"}

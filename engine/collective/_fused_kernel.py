@@ -1,4 +1,4 @@
-"""The Triton kernel of ``_fused``: a two-shot all-reduce over symmetric memory.
+"""The Triton kernel of ``_fused``: a two-shot all-reduce that pushes over symmetric memory.
 
 Imported only where Triton is (CUDA hosts), and only when a fused collective first runs.
 """
@@ -27,18 +27,28 @@ def _sync_block():
 
 
 @triton.jit
-def _barrier(pad_ptrs, which, give_up, RANK: tl.constexpr, WORLD: tl.constexpr):
+def _aborted(abort):
+    """Whether this rank's watchdog gave up on the collective (its own memory, read fresh)."""
+    return tl.load(abort, volatile=True) != 0
+
+
+@triton.jit
+def _barrier(pad_ptrs, abort, which, give_up, RANK: tl.constexpr, WORLD: tl.constexpr):
     """Block ``program_id`` of every rank meets here, and what each wrote before is visible
     to all after. Slot ``(which, block, sender)`` of the receiver's pad carries the signal, so
-    a signal never lands in a slot that still holds one; a wait gives up at ``give_up``."""
+    a signal never lands in a slot that still holds one. Every wait ends when this rank's
+    ``abort`` word is set (the watchdog's release) or at ``give_up``: a dead peer never takes
+    the signal it was sent, nor sends its own."""
     block = tl.program_id(0)
     slot = (which * tl.num_programs(0) + block) * WORLD
-    ranks = tl.arange(0, WORLD)
+    ranks = tl.arange(0, 8)  # a power of two; ranks past WORLD do nothing
     pad_ptrs = pad_ptrs.to(tl.pointer_type(tl.uint64))
-    theirs = tl.load(pad_ptrs + ranks).to(tl.pointer_type(tl.uint32)) + slot + RANK
+    pads = tl.load(pad_ptrs + ranks, mask=ranks < WORLD, other=0)
+    theirs = pads.to(tl.pointer_type(tl.uint32)) + slot + RANK
     own = tl.load(pad_ptrs + RANK).to(tl.pointer_type(tl.uint32)) + slot
     waits = own + ranks
-    limit = give_up + tl.zeros([WORLD], dtype=tl.uint64)
+    limit = give_up + tl.zeros([8], dtype=tl.uint64)
+    stop = abort.to(tl.pointer_type(tl.uint32)) + tl.zeros([8], dtype=tl.int32)
     _sync_block()
     if _thread() < WORLD:
         # Thread q signals rank q, then waits for rank q's signal (its own included).
@@ -53,12 +63,18 @@ def _barrier(pad_ptrs, which, give_up, RANK: tl.constexpr, WORLD: tl.constexpr):
                 atom.global.release.sys.cas.b32 %old, [$1], 0, 1;
                 setp.eq.u32 %ok, %old, 0;
                 @%ok bra sent;
+                ld.volatile.global.u32 %old, [$4];
+                setp.ne.u32 %ok, %old, 0;
+                @%ok bra done;
                 mov.u64 %t, %globaltimer;
                 setp.lt.u64 %ok, %t, $3;
                 @%ok bra send;
             sent:
                 atom.global.sys.cas.b32 %old, [$2], 1, 0;
                 setp.eq.u32 %ok, %old, 1;
+                @%ok bra done;
+                ld.volatile.global.u32 %old, [$4];
+                setp.ne.u32 %ok, %old, 0;
                 @%ok bra done;
                 mov.u64 %t, %globaltimer;
                 setp.lt.u64 %ok, %t, $3;
@@ -67,8 +83,8 @@ def _barrier(pad_ptrs, which, give_up, RANK: tl.constexpr, WORLD: tl.constexpr):
                 mov.u32 $0, 0;
             }
             """,
-            "=r,l,l,l",
-            [theirs, waits, limit],
+            "=r,l,l,l,l",
+            [theirs, waits, limit, stop],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
@@ -106,126 +122,165 @@ def _pick(p: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
 
 
 @triton.jit
-def _reduce(
-    b0,
-    b1,
-    b2,
-    b3,
-    b4,
-    b5,
-    b6,
-    b7,
-    own,
-    out,
-    index,
-    keep,
-    MASKED: tl.constexpr,
+def _sum_slots(own, o, keep, chunk, MASKED: tl.constexpr, WORLD: tl.constexpr):
+    """The sum in float32, in rank order, of the ``WORLD`` slots of ``own`` at ``o``."""
+    total = tl.zeros(o.shape, dtype=tl.float32)
+    for q in tl.static_range(WORLD):
+        if MASKED:
+            total += tl.load(own + q * chunk + o, mask=keep).to(tl.float32)
+        else:
+            total += tl.load(own + q * chunk + o).to(tl.float32)
+    return total
+
+
+@triton.jit
+def _push_slots(
+    s0,
+    s1,
+    s2,
+    s3,
+    s4,
+    s5,
+    s6,
+    s7,
+    flat,
+    n,
+    chunk,
+    whole,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Phase 1: chunk p of the tensor into slot RANK of rank p's stage, every p in one step."""
+    block = tl.program_id(0)
+    stride = tl.num_programs(0) * BLOCK
+    lanes = tl.arange(0, BLOCK)
+    for off in range(block * BLOCK, whole, stride):
+        o = tl.multiple_of(off, 16) + lanes
+        for k in tl.static_range(WORLD):
+            p = (RANK + k) % WORLD
+            value = tl.load(flat + p * chunk + o)
+            peer = _pick(p, s0, s1, s2, s3, s4, s5, s6, s7)
+            # Whole vectors: a picked pointer loses that in Triton, and stores go word by word.
+            tl.store(tl.multiple_of(peer + RANK * chunk + o, 16), value)
+    for off in range(whole + block * BLOCK, chunk, stride):
+        o = off + lanes
+        for k in tl.static_range(WORLD):
+            p = (RANK + k) % WORLD
+            keep = (o < chunk) & (p * chunk + o < n)
+            value = tl.load(flat + p * chunk + o, mask=keep)
+            peer = _pick(p, s0, s1, s2, s3, s4, s5, s6, s7)
+            tl.store(peer + RANK * chunk + o, value, mask=keep)
+
+
+@triton.jit
+def _reduce_chunk(
+    s0,
+    s1,
+    s2,
+    s3,
+    s4,
+    s5,
+    s6,
+    s7,
+    flat,
+    n,
+    chunk,
+    cap,
+    whole,
+    RANK: tl.constexpr,
     WORLD: tl.constexpr,
     AVERAGE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for p in tl.static_range(WORLD):
-        source = _pick(p, b0, b1, b2, b3, b4, b5, b6, b7)
-        if MASKED:
-            total += tl.load(source + index, mask=keep).to(tl.float32)
-        else:
-            total += tl.load(source + index).to(tl.float32)
-    if AVERAGE:
-        total = total / WORLD
-    value = total.to(out.dtype.element_ty)
-    if MASKED:
-        tl.store(own + index, value, mask=keep)
-        tl.store(out + index, value, mask=keep)
-    else:
-        tl.store(own + index, value)
-        tl.store(out + index, value)
+    """Phase 2: the sum of chunk RANK's slots, into the tensor and every peer's stage."""
+    block = tl.program_id(0)
+    stride = tl.num_programs(0) * BLOCK
+    lanes = tl.arange(0, BLOCK)
+    own = _pick(RANK, s0, s1, s2, s3, s4, s5, s6, s7)
+    start = RANK * chunk
+    for off in range(block * BLOCK, whole, stride):
+        o = tl.multiple_of(off, 16) + lanes
+        total = _sum_slots(own, o, o < chunk, chunk, False, WORLD)
+        if AVERAGE:
+            total = total / WORLD
+        value = total.to(flat.dtype.element_ty)
+        tl.store(flat + start + o, value)
+        for k in tl.static_range(1, WORLD):
+            peer = _pick((RANK + k) % WORLD, s0, s1, s2, s3, s4, s5, s6, s7)
+            tl.store(tl.multiple_of(peer + cap + start + o, 16), value)
+    for off in range(whole + block * BLOCK, chunk, stride):
+        o = off + lanes
+        keep = (o < chunk) & (start + o < n)
+        total = _sum_slots(own, o, keep, chunk, True, WORLD)
+        if AVERAGE:
+            total = total / WORLD
+        value = total.to(flat.dtype.element_ty)
+        tl.store(flat + start + o, value, mask=keep)
+        for k in tl.static_range(1, WORLD):
+            peer = _pick((RANK + k) % WORLD, s0, s1, s2, s3, s4, s5, s6, s7)
+            tl.store(peer + cap + start + o, value, mask=keep)
+
+
+@triton.jit
+def _copy_sums(
+    own, flat, n, chunk, cap, whole, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Phase 3: the other ranks' sums, pushed into this rank's stage, into the tensor."""
+    block = tl.program_id(0)
+    stride = tl.num_programs(0) * BLOCK
+    lanes = tl.arange(0, BLOCK)
+    for off in range(block * BLOCK, whole, stride):
+        o = tl.multiple_of(off, 16) + lanes
+        for k in tl.static_range(1, WORLD):
+            i = ((RANK + k) % WORLD) * chunk + o
+            tl.store(flat + i, tl.load(own + cap + i))
+    for off in range(whole + block * BLOCK, chunk, stride):
+        o = off + lanes
+        for k in tl.static_range(1, WORLD):
+            i = ((RANK + k) % WORLD) * chunk + o
+            keep = (o < chunk) & (i < n)
+            tl.store(flat + i, tl.load(own + cap + i, mask=keep), mask=keep)
 
 
 @triton.jit(do_not_specialize=["n", "timeout_ns"])
-def two_shot(
-    b0,
-    b1,
-    b2,
-    b3,
-    b4,
-    b5,
-    b6,
-    b7,
+def push_all_reduce(
+    s0,
+    s1,
+    s2,
+    s3,
+    s4,
+    s5,
+    s6,
+    s7,
     pad_ptrs,
-    out,
+    abort,
+    flat,
     n,
     chunk,
+    cap,
     timeout_ns,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     AVERAGE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """All-reduce ``n`` elements: rank ``r`` sums chunk ``r`` (``chunk`` elements, a multiple
-    of 16) of every rank's buffer ``b<p>`` into its own buffer and ``out``, then copies the
-    other chunks from their owners' buffers into ``out``."""
+    """All-reduce the ``n`` elements of ``flat`` in place. Stage ``s<p>`` of rank ``p``: slots
+    ``[q * chunk, (q + 1) * chunk)`` take rank ``q``'s chunk ``p``; ``[cap, cap + n)`` takes the
+    finished sums. Chunks are ``chunk`` elements (a multiple of 16), the last one shorter.
+
+    Offsets below ``whole`` lie in every rank's chunk and in whole blocks: no masks there, so
+    loads and stores go 16 bytes at a time.
+    """
     give_up = _now_ns() + timeout_ns.to(tl.uint64)
-    block = tl.program_id(0)
-    stride = tl.num_programs(0) * BLOCK
-    lanes = tl.arange(0, BLOCK)
-    _barrier(pad_ptrs, 0, give_up, RANK, WORLD)
-    own = _pick(RANK, b0, b1, b2, b3, b4, b5, b6, b7)
-    start = RANK * chunk
-    end = tl.minimum(start + chunk, n)
-    whole = start + tl.maximum(end - start, 0) // BLOCK * BLOCK
-    for at in range(start + block * BLOCK, whole, stride):
-        index = tl.multiple_of(at, 16) + lanes
-        _reduce(
-            b0,
-            b1,
-            b2,
-            b3,
-            b4,
-            b5,
-            b6,
-            b7,
-            own,
-            out,
-            index,
-            index < end,
-            False,
-            WORLD,
-            AVERAGE,
-            BLOCK,
+    whole = tl.maximum(n - (WORLD - 1) * chunk, 0) // BLOCK * BLOCK
+    _push_slots(s0, s1, s2, s3, s4, s5, s6, s7, flat, n, chunk, whole, RANK, WORLD, BLOCK)
+    _barrier(pad_ptrs, abort, 0, give_up, RANK, WORLD)
+    if not _aborted(abort):
+        _reduce_chunk(
+            s0, s1, s2, s3, s4, s5, s6, s7, flat, n, chunk, cap, whole, RANK, WORLD, AVERAGE, BLOCK
         )
-    for at in range(whole + block * BLOCK, end, stride):
-        index = at + lanes
-        _reduce(
-            b0,
-            b1,
-            b2,
-            b3,
-            b4,
-            b5,
-            b6,
-            b7,
-            own,
-            out,
-            index,
-            index < end,
-            True,
-            WORLD,
-            AVERAGE,
-            BLOCK,
-        )
-    _barrier(pad_ptrs, 1, give_up, RANK, WORLD)
-    for p in tl.static_range(WORLD):
-        if p != RANK:
-            source = _pick(p, b0, b1, b2, b3, b4, b5, b6, b7)
-            first = p * chunk
-            last = tl.minimum(first + chunk, n)
-            full = first + tl.maximum(last - first, 0) // BLOCK * BLOCK
-            for at in range(first + block * BLOCK, full, stride):
-                index = tl.multiple_of(at, 16) + lanes
-                tl.store(out + index, tl.load(source + index))
-            for at in range(full + block * BLOCK, last, stride):
-                index = at + lanes
-                keep = index < last
-                tl.store(out + index, tl.load(source + index, mask=keep), mask=keep)
-    _barrier(pad_ptrs, 2, give_up, RANK, WORLD)
+    _barrier(pad_ptrs, abort, 1, give_up, RANK, WORLD)
+    if not _aborted(abort):
+        own = _pick(RANK, s0, s1, s2, s3, s4, s5, s6, s7)
+        _copy_sums(own, flat, n, chunk, cap, whole, RANK, WORLD, BLOCK)

@@ -89,11 +89,16 @@ class _StoreArbiter:
         return self._decide(suspect)
 
     def _missing(self, *, until: float) -> list[int] | None:
-        """Ranks that have not said they are alive by ``until``; ``None`` if a verdict came."""
+        """Ranks that have not said they are alive by ``until``; ``None`` if a verdict came.
+
+        Returns as soon as at most one is missing: with one peer lost, that is the one. Until
+        then a survivor that reached its deadline later than this rank may still be missing,
+        and blaming it (a neighbour waits on its left one, alive or not) would be wrong.
+        """
         others = [q for q in range(self._n) if q != self._rank]
         while True:
             missing = [q for q in others if not self._store.check([f"alive/{q}"])]
-            if not missing or time.monotonic() >= until:
+            if len(missing) <= 1 or time.monotonic() >= until:
                 return missing
             if self._store.check([_VERDICT_KEY]):
                 return None
@@ -279,6 +284,7 @@ class NcclTransport(Transport):
             if group is None:
                 self._group = dist.new_group(backend="nccl", timeout=timeout)
         self._arbiter = _StoreArbiter(store, rank=rank, world_size=world_size, timeout_s=timeout_s)
+        self._aborting = threading.Lock()
         self._stream: torch.cuda.Stream | None = None
         self._watchdog = _NcclWatchdog(self)
 
@@ -378,15 +384,28 @@ class NcclTransport(Transport):
 
     def _abort(self) -> None:
         # Hung NCCL kernels would block every later CUDA call: abort them, best effort.
-        with contextlib.suppress(Exception):  # nothing better to do while already failing
-            dist.distributed_c10d._abort_process_group(self._group)
+        self._abort_group()
+
+    def _abort_group(self) -> None:
+        with self._aborting, contextlib.suppress(Exception):  # already failing: best effort
+            if self._group in dist.distributed_c10d._world.pg_map:
+                dist.distributed_c10d._abort_process_group(self._group)
 
     def close(self) -> None:
+        failed = self._watchdog.failure is not None
         self._watchdog.stop()
         if self._owns_group and self._group is not None and dist.is_initialized():
-            dist.destroy_process_group(self._group)
-            if self._owns_default_group:
-                dist.destroy_process_group()
+            if failed:
+                # A graceful teardown waits for the lost peer, forever: abort instead, after
+                # the watchdog's own abort has finished.
+                self._abort_group()
+                if self._owns_default_group:
+                    with contextlib.suppress(Exception):
+                        dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group(self._group)
+                if self._owns_default_group:
+                    dist.destroy_process_group()
         self._group = None
 
 
