@@ -420,6 +420,7 @@ def _train_loop(module, model, spec: Spec, *, rank: int, device: torch.device, f
     from torch.utils.data import default_collate
 
     from ringflow.engine.data import EpochOrder, Layout
+    from ringflow.engine.worker import to_device
 
     train, _ = _datasets(spec)
     optimization = module.configure_optimizers()
@@ -434,7 +435,8 @@ def _train_loop(module, model, spec: Spec, *, rank: int, device: torch.device, f
                 _sync(device)
                 started = time.perf_counter()
             mine = torch.tensor_split(order.batch(step), spec.gpus)[rank]
-            ids, targets = (t.to(device) for t in default_collate([train[i] for i in mine]))
+            ids, targets = default_collate([train[i] for i in mine])
+            ids, targets = to_device((ids, targets), device)  # as the engine's workers do
             optimizer.zero_grad(set_to_none=False)
             with forward():
                 logits = model(ids)

@@ -673,8 +673,15 @@ def evaluate_module(
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:
-    """``batch`` (tensors, or tuples, lists and dicts of them) on ``device``."""
+    """``batch`` (tensors, or tuples, lists and dicts of them) on ``device``.
+
+    Host tensors bound for a GPU go through pinned memory without blocking: a copy from
+    pageable memory first waits for everything the GPU has queued, so the host would stop
+    launching the next step until the last one finished, and the GPU would then wait for it.
+    """
     if isinstance(batch, torch.Tensor):
+        if batch.device.type == "cpu" and torch.device(device).type == "cuda":
+            return batch.pin_memory().to(device, non_blocking=True)
         return batch.to(device)
     if isinstance(batch, Mapping):
         return type(batch)({k: to_device(v, device) for k, v in batch.items()})

@@ -9,6 +9,7 @@ ring's symmetric-memory transport, whose deadlines turn the dead peer into an er
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 import torch
@@ -39,6 +40,15 @@ def ray4():
         ray.shutdown()
 
 
+class SlowDigits(PacedDigits):
+    """Steps slow enough that a replacement GPU worker (a process importing torch and making
+    a CUDA context) is up before the survivors finish."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.04)
+        return super().training_step(batch, batch_idx)
+
+
 def _fit(digits, tmp_path, name, *, on_epoch=None, **config):
     config = {
         "workers": 4,
@@ -52,7 +62,7 @@ def _fit(digits, tmp_path, name, *, on_epoch=None, **config):
         **config,
     }
     result = fit(
-        PacedDigits,
+        SlowDigits,
         hparams=HPARAMS,
         data=digits,
         config=TrainConfig(**config),

@@ -18,8 +18,10 @@ collective only once its blocks all passed the last barrier, that is once every 
 reading its slots: two barriers per collective suffice, and the tensor is read where it lies
 (no copy in). Collectives larger than the stage go through it piece by piece.
 
-Measured against NCCL's all-reduce on 4 H100s (docs/benchmarks.md): 1.3x as fast at 1-4 MiB,
-1.0x at 16-32 MiB, 0.96-0.98 at 64 MiB; the ring's 25 launches reached 0.46 and 0.72 there.
+Measured against NCCL's all-reduce on 4 H100s (docs/benchmarks.md): the kernel alone, launched
+back to back, 1.2x as fast at 1-4 MiB, 1.0x at 16-32 MiB, 0.96 at 64 MiB; through the ring's
+Python path 0.82 at 16 MiB and 0.97 at 64 MiB, where the ring's 25 launches reached 0.46 and
+0.72.
 
 Failures. A wait gives up when this rank's ``abort`` word is set, which the watchdog does at
 the collective's deadline, or ``timeout`` after the kernel started. A dead peer never takes
@@ -31,6 +33,8 @@ same on every rank: one rank computes each chunk, and everybody copies it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -41,6 +45,11 @@ _BARRIERS = 2
 _MAX_WORLD = 8
 _WARPS = 16
 _MAX_BLOCKS = 256
+_BLOCKS = 64
+"""Blocks of the kernel at most (``RINGFLOW_SYMM_FUSED_BLOCKS``), each of 16 warps moving two
+16-byte vectors a thread a step: on 4 H100s as fast alone as one block per SM (132) with one
+vector, and half the SMs taken from the backward pass it overlaps with."""
+_VECTORS = 2
 _PIECE_BYTES = 64 << 20
 """The largest piece of a collective the stage takes at once (its stage: twice that)."""
 
@@ -93,9 +102,10 @@ class FusedAllReduce:
         """Set by the watchdog's release: every wait of the kernel ends, and it drains."""
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         fits = words // (_BARRIERS * self.world_size)
-        self.max_blocks = max(1, min(_MAX_BLOCKS, sms, fits))
-        # Elements a block handles per step: 16 bytes a thread, one vector load.
-        self.block = _WARPS * 32 * (16 // self.mine.element_size())
+        wanted = int(os.environ.get("RINGFLOW_SYMM_FUSED_BLOCKS", _BLOCKS))
+        self.max_blocks = max(1, min(wanted, _MAX_BLOCKS, sms, fits))
+        # Elements a block handles per step: _VECTORS 16-byte vectors a thread.
+        self.block = _WARPS * 32 * _VECTORS * (16 // self.mine.element_size())
         for average in (False, True):  # compiled now, not inside a collective's deadline
             probe = torch.zeros(16, dtype=dtype, device=device)
             self._launch(probe, 16, 1 << 40, average=average, blocks=1, warmup=True)

@@ -71,9 +71,10 @@ _GRAPHS = 64
 _FUSED_BELOW = 1 << 62
 """All-reduces of fewer bytes than this run as one fused kernel (``_fused``) instead of the
 ring's schedule, where Triton is available and the wire is the tensor's dtype: all of them by
-default, since the fused kernel is the faster at every size measured (4 H100s: 1.3x NCCL at
-1-4 MiB, 0.96-0.98 at 64 MiB, where the ring's schedule reached 0.72). The ring's schedule
-still carries what travels in another dtype than the tensor's (``compression``)."""
+default, since the fused kernel was the faster at every size measured (4 H100s, through the
+ring: 0.82 of NCCL at 16 MiB and 0.97 at 64 MiB, where the ring's schedule reached 0.46 and
+0.72). The ring's schedule still carries what travels in another dtype than the tensor's
+(``compression``)."""
 _KERNEL_GRACE_S = 30.0
 """How long past the collective deadline a waiting kernel spins before it gives up: the
 watchdog must raise the typed error first."""
