@@ -101,3 +101,23 @@ def test_hooks_are_ignored_outside_a_step_and_removed_on_close():
     buckets.start()
     model(torch.randn(2, 8)).sum().backward()
     assert collective.calls == []  # no hooks left: nothing started during backward
+
+
+def test_grads_become_views_of_their_buckets_so_later_steps_copy_nothing():
+    model, reference = _model(), _model()
+    collective = _RecordingCollective(model, copies=2)
+    buckets = GradientBuckets(list(model.parameters()), collective, bucket_bytes=200)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    storages = set()
+    for _ in range(2):  # the first step re-points .grad; the second accumulates in place
+        model.zero_grad(set_to_none=False)
+        buckets.start(weight=0.5)
+        model(x).square().sum().backward()
+        buckets.finish()
+        storages.add(frozenset(p.grad.untyped_storage().data_ptr() for p in model.parameters()))
+        reference.zero_grad()
+        reference(x).square().sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad * 0.5 * 2)
+    buffers = {b.buffer.untyped_storage().data_ptr() for b in buckets._buckets}
+    assert storages == {frozenset(buffers)}  # the same bucket storage both steps
