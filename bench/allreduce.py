@@ -11,6 +11,11 @@ and ``bf16_speedup_64mib_up`` (the worst native-float32/ours-bfloat16 ratio from
     python -m bench.allreduce                                 # CPU, gloo, 2 and 4 processes
     python -m bench.allreduce --backend nccl --procs 2        # one process per GPU
     python -m bench.allreduce --backend nccl --procs 2,4,8    # one host, 2 to 8 GPUs
+    python -m bench.allreduce --backend nccl --procs 4 --transport symm --ring-buffers
+
+``--ring-buffers`` also times the ring on tensors it allocated itself (``ring_own``), as
+gradient buckets are: on the ``symm`` transport symmetric memory (``RINGFLOW_SYMM_BUCKETS=1``),
+whose sums the kernel writes straight into every rank's copy.
 
 A process count larger than the GPUs present is skipped with a note, so the same command
 runs unchanged on a 4-GPU and an 8-GPU host.
@@ -45,12 +50,17 @@ class Options:
     target_s: float
     transport: str
     segment_bytes: int | None
+    ring_buffers: bool = False
+    """Also time the ring on a tensor it allocated (``Collective.empty``, what gradient buckets
+    reduce): on ``symm`` with ``RINGFLOW_SYMM_BUCKETS=1`` that is symmetric memory."""
 
 
 def main(argv: list[str] | None = None) -> dict:
     options = _parse(argv)
     # NVLink multicast (NVLS) can wedge a shared host's GPUs: off unless the user says otherwise.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if options.ring_buffers:  # the ranks inherit it: the symm ring allocates symmetric memory
+        os.environ.setdefault("RINGFLOW_SYMM_BUCKETS", "1")
     print(
         f"# all-reduce, backend={options.backend}, transport={options.transport}, "
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, "
@@ -76,6 +86,11 @@ def _parse(argv: list[str] | None) -> Options:
         "--transport", default="auto", help="the ring's: auto, shm, gloo, nccl, symm"
     )
     parser.add_argument("--segment-bytes", default=None, help="the ring's segment, e.g. 1M")
+    parser.add_argument(
+        "--ring-buffers",
+        action="store_true",
+        help="also time the ring on tensors it allocated, as gradient buckets are (ring_own)",
+    )
     args = parser.parse_args(argv)
     return Options(
         backend=args.backend,
@@ -85,6 +100,7 @@ def _parse(argv: list[str] | None) -> Options:
         target_s=args.target_s,
         transport=args.transport,
         segment_bytes=_bytes(args.segment_bytes) if args.segment_bytes else None,
+        ring_buffers=args.ring_buffers,
     )
 
 
@@ -132,6 +148,11 @@ def _rank_main(rank: int, n: int, ports: list[int], options: Options, queue) -> 
     rows = []
     for size in options.sizes:
         times = _time_size(collectives, size, options, device, native)
+        if options.ring_buffers:
+            own = rings["ring"].empty(max(1, size // 4), torch.float32, device)
+            times["ring_own"] = _time_size(
+                {"native": native, "ring": rings["ring"]}, size, options, device, native, tensor=own
+            )["ring"]
         if rank == 0:
             rows.append(_row(n, size, times, rings["ring"].transport))
     for c in collectives.values():
@@ -150,8 +171,11 @@ def _check(native, rings, n: int, rank: int, device: torch.device) -> None:
             raise AssertionError(f"{name} disagrees with the native all-reduce on rank {rank}")
 
 
-def _time_size(collectives, size: int, options: Options, device, native) -> dict[str, float]:
-    tensor = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
+def _time_size(
+    collectives, size: int, options: Options, device, native, *, tensor: torch.Tensor | None = None
+) -> dict[str, float]:
+    if tensor is None:
+        tensor = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
     for c in collectives.values():  # warm up: buffers, connections, page faults
         c.allreduce_(tensor)
     iters = _iterations(collectives["native"], tensor, options.target_s, native, device)
@@ -196,11 +220,18 @@ def _row(n: int, size: int, times: dict[str, float], transport: str) -> dict:
         "ratio": times["native"] / times["ring"],
         "bf16_speedup": times["native"] / times["ring_bf16"],
     }
+    if "ring_own" in times:
+        row["ratio_own"] = times["native"] / times["ring_own"]
     print(
         f"n={n} {_human(size):>6} native {row['native_ms']:9.3f} ms "
         f"{row['native_busbw_gibs']:6.2f} GiB/s | ring {row['ring_ms']:9.3f} ms "
         f"{row['ring_busbw_gibs']:6.2f} GiB/s ratio {row['ratio']:5.2f} | ring bf16 "
-        f"{row['ring_bf16_ms']:9.3f} ms speedup {row['bf16_speedup']:5.2f}",
+        f"{row['ring_bf16_ms']:9.3f} ms speedup {row['bf16_speedup']:5.2f}"
+        + (
+            f" | own {row['ring_own_ms']:9.3f} ms ratio {row['ratio_own']:5.2f}"
+            if "ratio_own" in row
+            else ""
+        ),
         flush=True,
     )
     return row
@@ -214,6 +245,7 @@ def _summary(rows: list[dict]) -> dict:
         "min_ratio_16mib_up": round(min(from_16), 3) if from_16 else None,
         "min_ratio_128mib_up": round(min(from_128), 3) if from_128 else None,
         "bf16_speedup_64mib_up": round(min(from_64), 3) if from_64 else None,
+        "min_ratio_own_16mib_up": _least(rows, "ratio_own", 16 * MIB),
         "min_ratio_16mib_up_by_procs": {
             n: round(min(r["ratio"] for r in rows if r["procs"] == n and r["bytes"] >= 16 * MIB), 3)
             for n in sorted({r["procs"] for r in rows if r["bytes"] >= 16 * MIB})
@@ -222,6 +254,11 @@ def _summary(rows: list[dict]) -> dict:
             {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows
         ],
     }
+
+
+def _least(rows: list[dict], key: str, from_bytes: int) -> float | None:
+    values = [r[key] for r in rows if key in r and r["bytes"] >= from_bytes]
+    return round(min(values), 3) if values else None
 
 
 def _bytes(text: str) -> int:

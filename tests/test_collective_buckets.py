@@ -121,3 +121,18 @@ def test_grads_become_views_of_their_buckets_so_later_steps_copy_nothing():
             assert torch.equal(p.grad, q.grad * 0.5 * 2)
     buffers = {b.buffer.untyped_storage().data_ptr() for b in buckets._buckets}
     assert storages == {frozenset(buffers)}  # the same bucket storage both steps
+
+
+def test_buckets_are_allocated_by_the_collective():
+    """So a transport can place them where it reduces fastest (symmetric memory on GPUs)."""
+    model = _model()
+    collective = _RecordingCollective(model)
+    allocated = []
+
+    def empty(numel, dtype, device):
+        allocated.append(numel)
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    collective.empty = empty
+    buckets = GradientBuckets(list(model.parameters()), collective, bucket_bytes=300 * 4)
+    assert allocated == buckets.bucket_sizes == [340, 144]

@@ -114,6 +114,37 @@ def _correctness_main(rank: int, port: int, transport: str, queue) -> None:
         queue.put((rank, [traceback.format_exc()]))
 
 
+def _own_buffers_main(rank: int, port: int, queue) -> None:
+    """Buffers the ring allocated (symmetric memory with RINGFLOW_SYMM_BUCKETS=1), reduced in
+    place again and again as gradient buckets are, against NCCL's all-reduce."""
+    try:
+        dist, _, rings = _setup(rank, port, "symm")
+        ring, failures = rings["none"], []
+        for numel in (1000, (3 << 20) + 5, (20 << 20) + 3):  # the last: two pieces
+            for dtype in (torch.float32, torch.bfloat16):
+                own = ring.empty(numel, dtype, torch.device("cuda", rank))
+                if ring._transport._symmetric.peers(own) is None:
+                    failures.append(f"{numel} {dtype}: not in symmetric memory")
+                for round_ in range(3):
+                    own.copy_(_input(round_, rank, numel, dtype))
+                    want = own.clone()
+                    dist.all_reduce(want)
+                    if not torch.equal(ring.allreduce_(own), want):
+                        failures.append(f"{numel} {dtype} round {round_}")
+        for r in rings.values():
+            r.close()
+        dist.destroy_process_group()
+        queue.put((rank, failures))
+    except Exception:  # noqa: BLE001 - the test reports it
+        queue.put((rank, [traceback.format_exc()]))
+
+
+def test_gpu_ring_reduces_buffers_it_allocated_in_place(monkeypatch):
+    monkeypatch.setenv("RINGFLOW_SYMM_BUCKETS", "1")  # the spawned ranks inherit it
+    replies = dict(_spawn(_own_buffers_main, free_port()))
+    assert replies == dict.fromkeys(range(WORLD), [])
+
+
 def _reused_buffer_failures(dist, ring, rank: int, transport: str) -> list[str]:
     """The same buffer again and again, as gradient buckets are: the symm transport (unless
     RINGFLOW_SYMM_GRAPHS=0) replays what it recorded the first time, and each replay must sum the

@@ -38,7 +38,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["FusedAllReduce", "fused_supported"]
+__all__ = ["FusedAllReduce", "SymmetricTensors", "fused_supported", "piece_elements"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BARRIERS = 2
@@ -75,10 +75,13 @@ def piece_elements(dtype: torch.dtype, elements: int) -> int:
 class FusedAllReduce:
     """A symmetric stage for pieces of ``piece`` ``dtype`` values, and the kernel over it.
 
-    Made on every rank alike (the stage's rendezvous is collective).
+    Made on every rank alike (the stage's rendezvous is collective). ``in_place``: tensors in
+    symmetric memory (:class:`SymmetricTensors`) will be reduced too.
     """
 
-    def __init__(self, group: dist.ProcessGroup, dtype: torch.dtype, piece: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, dtype: torch.dtype, piece: int, *, in_place: bool = False
+    ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         device = torch.device("cuda", torch.cuda.current_device())
@@ -106,17 +109,31 @@ class FusedAllReduce:
         self.max_blocks = max(1, min(wanted, _MAX_BLOCKS, sms, fits))
         # Elements a block handles per step: _VECTORS 16-byte vectors a thread.
         self.block = _WARPS * 32 * _VECTORS * (16 // self.mine.element_size())
-        for average in (False, True):  # compiled now, not inside a collective's deadline
-            probe = torch.zeros(16, dtype=dtype, device=device)
-            self._launch(probe, 16, 1 << 40, average=average, blocks=1, warmup=True)
+        # Compiled now, not inside a collective's deadline (``in_place``: that variant too).
+        probe = torch.zeros(16, dtype=dtype, device=device)
+        variants = (None, [probe] * self.world_size) if in_place else (None,)
+        for average in (False, True):
+            for peers in variants:
+                kwargs = {"average": average, "peers": peers, "blocks": 1, "warmup": True}
+                self._launch(probe, 16, 1 << 40, **kwargs)
 
-    def run(self, flat: torch.Tensor, *, average: bool, timeout_s: float) -> None:
+    def run(
+        self,
+        flat: torch.Tensor,
+        *,
+        average: bool,
+        timeout_s: float,
+        peers: list[torch.Tensor] | None = None,
+    ) -> None:
         """All-reduce ``flat`` (contiguous, this stage's dtype) in place, on the current
-        stream, a piece at a time."""
+        stream, a piece at a time. ``peers``: ``flat`` is symmetric memory and these are every
+        rank's tensor at the same place (``flat`` among them); the sums then go straight into
+        them, not through the stage."""
         timeout_ns = int(timeout_s * 1e9)
         for start in range(0, flat.numel(), self.piece):
             piece = flat[start : start + self.piece]
-            self._launch(piece, piece.numel(), timeout_ns, average=average)
+            theirs = None if peers is None else [p[start : start + self.piece] for p in peers]
+            self._launch(piece, piece.numel(), timeout_ns, average=average, peers=theirs)
 
     def _launch(
         self,
@@ -125,6 +142,7 @@ class FusedAllReduce:
         timeout_ns: int,
         *,
         average: bool,
+        peers: list[torch.Tensor] | None = None,
         blocks: int | None = None,
         warmup: bool = False,
     ) -> None:
@@ -133,12 +151,15 @@ class FusedAllReduce:
         if blocks is None:
             blocks = max(1, min(self.max_blocks, -(-chunk // self.block)))
         kernel = _kernel()
-        stages = self.stages + [self.mine] * (_MAX_WORLD - self.world_size)
-        args = (*stages, self.pad_ptrs, self.abort, flat, n, chunk, self.cap, timeout_ns)
+        pad = _MAX_WORLD - self.world_size
+        stages = self.stages + [self.mine] * pad
+        outs = [flat] * _MAX_WORLD if peers is None else peers + [flat] * pad
+        args = (*stages, *outs, self.pad_ptrs, self.abort, flat, n, chunk, self.cap, timeout_ns)
         options = {
             "RANK": self.rank,
             "WORLD": self.world_size,
             "AVERAGE": average,
+            "IN_PLACE": peers is not None,
             "BLOCK": self.block,
             "num_warps": _WARPS,
         }
@@ -146,6 +167,40 @@ class FusedAllReduce:
             kernel.warmup(*args, grid=(blocks,), **options)
         else:
             kernel[(blocks,)](*args, **options)
+
+
+class SymmetricTensors:
+    """Tensors the ring allocated in symmetric memory (gradient buckets): an all-reduce of one
+    of them, whole, writes its sums straight into every rank's copy."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+        self._peers: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+        self._handles: list[object] = []  # the mappings live as long as these
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed tensor of ``numel`` ``dtype`` values in symmetric memory (collective: every
+        rank allocates the same tensors in the same order)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        # Rounded up to whole 16-byte vectors: the kernel's unmasked steps stay in bounds.
+        mine = symm_mem.empty(-(-numel // 16) * 16, dtype=dtype, device=device).zero_()
+        handle = symm_mem.rendezvous(mine, self._group.group_name)
+        size = (mine.numel(),)
+        peers = [handle.get_buffer(p, size, dtype)[:numel] for p in range(handle.world_size)]
+        peers[handle.rank] = tensor = mine[:numel]
+        self._handles.append(handle)
+        self._peers[(tensor.data_ptr(), numel, dtype)] = peers
+        return tensor
+
+    def peers(self, flat: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's copy of ``flat`` if the ring allocated it, else ``None``."""
+        return self._peers.get((flat.data_ptr(), flat.numel(), flat.dtype))
+
+    def clear(self) -> None:
+        self._peers.clear()
+        self._handles.clear()
 
 
 def _pad_words(handle) -> int:

@@ -183,6 +183,14 @@ def _reduce_chunk(
     s5,
     s6,
     s7,
+    f0,
+    f1,
+    f2,
+    f3,
+    f4,
+    f5,
+    f6,
+    f7,
     flat,
     n,
     chunk,
@@ -191,9 +199,11 @@ def _reduce_chunk(
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     AVERAGE: tl.constexpr,
+    IN_PLACE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Phase 2: the sum of chunk RANK's slots, into the tensor and every peer's stage."""
+    """Phase 2: the sum of chunk RANK's slots, into the tensor and every peer's stage (or,
+    ``IN_PLACE``, straight into every peer's tensor ``f<p>``)."""
     block = tl.program_id(0)
     stride = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
@@ -207,8 +217,12 @@ def _reduce_chunk(
         value = total.to(flat.dtype.element_ty)
         tl.store(flat + start + o, value)
         for k in tl.static_range(1, WORLD):
-            peer = _pick((RANK + k) % WORLD, s0, s1, s2, s3, s4, s5, s6, s7)
-            tl.store(tl.multiple_of(peer + cap + start + o, 16), value)
+            if IN_PLACE:
+                peer = _pick((RANK + k) % WORLD, f0, f1, f2, f3, f4, f5, f6, f7)
+                tl.store(tl.multiple_of(peer + start + o, 16), value)
+            else:
+                peer = _pick((RANK + k) % WORLD, s0, s1, s2, s3, s4, s5, s6, s7)
+                tl.store(tl.multiple_of(peer + cap + start + o, 16), value)
     for off in range(whole + block * BLOCK, chunk, stride):
         o = off + lanes
         keep = (o < chunk) & (start + o < n)
@@ -218,8 +232,12 @@ def _reduce_chunk(
         value = total.to(flat.dtype.element_ty)
         tl.store(flat + start + o, value, mask=keep)
         for k in tl.static_range(1, WORLD):
-            peer = _pick((RANK + k) % WORLD, s0, s1, s2, s3, s4, s5, s6, s7)
-            tl.store(peer + cap + start + o, value, mask=keep)
+            if IN_PLACE:
+                peer = _pick((RANK + k) % WORLD, f0, f1, f2, f3, f4, f5, f6, f7)
+                tl.store(peer + start + o, value, mask=keep)
+            else:
+                peer = _pick((RANK + k) % WORLD, s0, s1, s2, s3, s4, s5, s6, s7)
+                tl.store(peer + cap + start + o, value, mask=keep)
 
 
 @triton.jit
@@ -253,6 +271,14 @@ def push_all_reduce(
     s5,
     s6,
     s7,
+    f0,
+    f1,
+    f2,
+    f3,
+    f4,
+    f5,
+    f6,
+    f7,
     pad_ptrs,
     abort,
     flat,
@@ -263,11 +289,15 @@ def push_all_reduce(
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     AVERAGE: tl.constexpr,
+    IN_PLACE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """All-reduce the ``n`` elements of ``flat`` in place. Stage ``s<p>`` of rank ``p``: slots
     ``[q * chunk, (q + 1) * chunk)`` take rank ``q``'s chunk ``p``; ``[cap, cap + n)`` takes the
     finished sums. Chunks are ``chunk`` elements (a multiple of 16), the last one shorter.
+
+    ``IN_PLACE``: ``flat`` is symmetric itself, ``f<p>`` rank ``p``'s: the sums go straight
+    into every rank's tensor, and the third phase (copying them out of the stage) is not run.
 
     Offsets below ``whole`` lie in every rank's chunk and in whole blocks: no masks there, so
     loads and stores go 16 bytes at a time.
@@ -278,9 +308,35 @@ def push_all_reduce(
     _barrier(pad_ptrs, abort, 0, give_up, RANK, WORLD)
     if not _aborted(abort):
         _reduce_chunk(
-            s0, s1, s2, s3, s4, s5, s6, s7, flat, n, chunk, cap, whole, RANK, WORLD, AVERAGE, BLOCK
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
+            s6,
+            s7,
+            f0,
+            f1,
+            f2,
+            f3,
+            f4,
+            f5,
+            f6,
+            f7,
+            flat,
+            n,
+            chunk,
+            cap,
+            whole,
+            RANK,
+            WORLD,
+            AVERAGE,
+            IN_PLACE,
+            BLOCK,
         )
     _barrier(pad_ptrs, abort, 1, give_up, RANK, WORLD)
-    if not _aborted(abort):
-        own = _pick(RANK, s0, s1, s2, s3, s4, s5, s6, s7)
-        _copy_sums(own, flat, n, chunk, cap, whole, RANK, WORLD, BLOCK)
+    if not IN_PLACE:  # noqa: SIM102 - Triton: a constexpr test, then a runtime one
+        if not _aborted(abort):
+            own = _pick(RANK, s0, s1, s2, s3, s4, s5, s6, s7)
+            _copy_sums(own, flat, n, chunk, cap, whole, RANK, WORLD, BLOCK)

@@ -52,7 +52,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from ringflow.engine.collective._fused import FusedAllReduce, fused_supported, piece_elements
+from ringflow.engine.collective._fused import (
+    FusedAllReduce,
+    SymmetricTensors,
+    fused_supported,
+    piece_elements,
+)
 from ringflow.engine.collective._p2p import NcclTransport
 from ringflow.engine.collective._schedule import Hop, Schedule
 from ringflow.engine.collective._transport import Finisher, Plan, keep_wire_rounding, land
@@ -134,6 +139,8 @@ class SymmTransport(NcclTransport):
         self._world_size = kwargs["world_size"]
         # The fused path's buffers, made (and its kernel compiled) now for the same reason.
         self._fused: dict[torch.dtype, FusedAllReduce | None] = {}
+        self._symmetric = SymmetricTensors(self._group)
+        self._symmetric_buckets = os.environ.get("RINGFLOW_SYMM_BUCKETS", "0") == "1"
         self._fused_below = int(os.environ.get("RINGFLOW_SYMM_FUSED_BELOW", _FUSED_BELOW))
         if self._fused_below > 0:
             for dtype in (torch.float32, torch.bfloat16):
@@ -150,10 +157,10 @@ class SymmTransport(NcclTransport):
         fused = self._fused_for(plan, wire)
         if fused is not None:
             flat, op = plan.operand
-            timeout_s = self._timeout_ms / 1000
+            timeout_s, peers = self._timeout_ms / 1000, self._symmetric.peers(flat)
 
             def enqueue() -> None:
-                fused.run(flat, average=op == "avg", timeout_s=timeout_s)
+                fused.run(flat, average=op == "avg", timeout_s=timeout_s, peers=peers)
         else:
             self._prepare(*_sides(plan.schedule), wire)  # may rendezvous: not while recording
 
@@ -168,6 +175,19 @@ class SymmTransport(NcclTransport):
         while len(self._graphs) > _GRAPHS:
             self._graphs.popitem(last=False)
         graph.replay()
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed tensor for all-reducing again and again (gradient buckets): with
+        ``RINGFLOW_SYMM_BUCKETS=1`` in symmetric memory, so that the fused kernel writes the
+        sums straight into every rank's copy (collective: every rank allocates alike)."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        if (
+            not self._symmetric_buckets
+            or self._fused_below <= 0
+            or not fused_supported(dtype, self._world_size)
+        ):
+            return torch.zeros(numel, dtype=dtype, device=device)
+        return self._symmetric.empty(numel, dtype)
 
     def _fused_for(self, plan: Plan, wire: torch.dtype) -> FusedAllReduce | None:
         """The fused kernel's buffer if ``plan`` runs as one kernel, else ``None``."""
@@ -197,7 +217,8 @@ class SymmTransport(NcclTransport):
             torch.cuda.current_stream().synchronize()  # queued collectives use the old one
             if self._graphs is not None:
                 self._graphs.clear()
-        self._fused[dtype] = current = FusedAllReduce(self._group, dtype, piece)
+        in_place = self._symmetric_buckets
+        self._fused[dtype] = current = FusedAllReduce(self._group, dtype, piece, in_place=in_place)
         return current
 
     def _record(self, enqueue) -> torch.cuda.CUDAGraph | None:
@@ -332,6 +353,7 @@ class SymmTransport(NcclTransport):
             self._graphs.clear()
         self._buffers.clear()
         self._fused.clear()
+        self._symmetric.clear()
         super().close()
 
 

@@ -90,6 +90,12 @@ class Collective(abc.ABC):
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype on all ranks), in rank order."""
 
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed flat tensor this collective all-reduces again and again (a gradient
+        bucket); an implementation may place it where it reduces fastest. Collective: every
+        rank asks for the same tensors in the same order."""
+        return torch.zeros(numel, dtype=dtype, device=device)
+
     def allreduce_(self, tensor: torch.Tensor, *, op: ReduceOp = "sum") -> torch.Tensor:
         """Replace ``tensor`` on every rank by its sum (or mean) over all ranks; return it."""
         return self.allreduce_async_(tensor, op=op).wait()

@@ -73,7 +73,7 @@ class GradientBuckets:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self._collective = collective
-        self._buckets = _plan(list(params), bucket_bytes)
+        self._buckets = _plan(list(params), bucket_bytes, collective)
         self._slots = {
             param: (index, slot)
             for index, bucket in enumerate(self._buckets)
@@ -155,7 +155,7 @@ class GradientBuckets:
         self._works.append(work)
 
 
-def _plan(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
+def _plan(params: list[torch.Tensor], bucket_bytes: int, collective: Collective) -> list[_Bucket]:
     """Group the parameters, last first, into buckets of one dtype and device each."""
     groups: list[list[torch.Tensor]] = []
     size = 0
@@ -166,15 +166,15 @@ def _plan(params: list[torch.Tensor], bucket_bytes: int) -> list[_Bucket]:
             size = 0
         groups[-1].append(param)
         size += param.numel() * param.element_size()
-    return [_bucket(group) for group in groups]
+    return [_bucket(group, collective) for group in groups]
 
 
-def _bucket(params: list[torch.Tensor]) -> _Bucket:
+def _bucket(params: list[torch.Tensor], collective: Collective) -> _Bucket:
     offsets, total = [], 0
     for param in params:
         offsets.append(total)
         total += param.numel()
-    buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+    buffer = collective.empty(total, params[0].dtype, params[0].device)
     return _Bucket(params=params, offsets=offsets, buffer=buffer)
 
 

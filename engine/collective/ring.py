@@ -141,6 +141,13 @@ class RingCollective(Collective):
             "allreduce", tensor, lambda deadline: self._allreduce(tensor, op, deadline)
         )
 
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        transport_empty = getattr(self._transport, "empty", None)
+        if transport_empty is None or torch.device(device).type != "cuda":
+            return super().empty(numel, dtype, device)
+        with torch.cuda.device(device):
+            return transport_empty(numel, dtype)
+
     def broadcast_(self, tensor: torch.Tensor, *, src: int = 0) -> torch.Tensor:
         if not 0 <= src < self.world_size:
             raise ValueError(f"src must be in [0, {self.world_size}), got {src}")
