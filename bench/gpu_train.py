@@ -376,8 +376,13 @@ def _rank(rank: int, runner: str, spec: Spec, init_method: str, queue) -> None:
         timed_s = _train_loop(module, model, spec, rank=rank, device=device, forward=forward)
         if rank == 0:
             queue.put(timed_s)
-    finally:
+        dist.barrier()  # every rank is done communicating
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Tearing down a process group that DDP's reducer holds can deadlock (gloo's thread waits
+    # for the GIL its destructor holds, seen on CPU): the result is out, leave without it.
+    os._exit(0)
 
 
 def _module(spec: Spec):
