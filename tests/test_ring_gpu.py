@@ -106,12 +106,16 @@ def _correctness_main(rank: int, port: int, transport: str, queue) -> None:
             failures.append("async")
         failures += _reused_buffer_failures(dist, ring, rank, transport)
         failures += _side_stream_failures(ring, rank)
-        for r in rings.values():
-            r.close()
-        dist.destroy_process_group()
+        _close(dist, rings)
         queue.put((rank, failures))
     except Exception:  # noqa: BLE001 - the test reports it
         queue.put((rank, [traceback.format_exc()]))
+
+
+def _close(dist, rings) -> None:
+    for ring in rings.values():
+        ring.close()
+    dist.destroy_process_group()
 
 
 def _own_buffers_main(rank: int, port: int, queue) -> None:
@@ -125,15 +129,8 @@ def _own_buffers_main(rank: int, port: int, queue) -> None:
                 own = ring.empty(numel, dtype, torch.device("cuda", rank))
                 if ring._transport._symmetric.peers(own) is None:
                     failures.append(f"{numel} {dtype}: not in symmetric memory")
-                for round_ in range(3):
-                    own.copy_(_input(round_, rank, numel, dtype))
-                    want = own.clone()
-                    dist.all_reduce(want)
-                    if not torch.equal(ring.allreduce_(own), want):
-                        failures.append(f"{numel} {dtype} round {round_}")
-        for r in rings.values():
-            r.close()
-        dist.destroy_process_group()
+                failures += _rounds_failures(dist, ring, rank, own, f"{numel} {dtype}", seed=0)
+        _close(dist, rings)
         queue.put((rank, failures))
     except Exception:  # noqa: BLE001 - the test reports it
         queue.put((rank, [traceback.format_exc()]))
@@ -149,17 +146,23 @@ def _reused_buffer_failures(dist, ring, rank: int, transport: str) -> list[str]:
     """The same buffer again and again, as gradient buckets are: the symm transport (unless
     RINGFLOW_SYMM_GRAPHS=0) replays what it recorded the first time, and each replay must sum the
     buffer's new values."""
-    failures = []
     bucket = torch.empty((3 << 20) + 5, device="cuda")
-    for round_ in range(3):
-        bucket.copy_(_input(100 + round_, rank, bucket.numel(), torch.float32))
-        want = bucket.clone()
-        dist.all_reduce(want)
-        if not torch.equal(ring.allreduce_(bucket), want):
-            failures.append(f"reused buffer, round {round_}")
+    failures = _rounds_failures(dist, ring, rank, bucket, "reused buffer", seed=100)
     graphs = os.environ.get("RINGFLOW_SYMM_GRAPHS", "1") == "1"
     if transport == "symm" and graphs and not ring._transport._graphs:
         failures.append("no collective was recorded as a CUDA graph")
+    return failures
+
+
+def _rounds_failures(dist, ring, rank: int, buffer, label: str, *, seed: int) -> list[str]:
+    """``buffer`` filled anew and all-reduced in place three times, each against NCCL's."""
+    failures = []
+    for round_ in range(3):
+        buffer.copy_(_input(seed + round_, rank, buffer.numel(), buffer.dtype))
+        want = buffer.clone()
+        dist.all_reduce(want)
+        if not torch.equal(ring.allreduce_(buffer), want):
+            failures.append(f"{label}, round {round_}")
     return failures
 
 

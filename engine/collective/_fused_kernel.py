@@ -122,14 +122,29 @@ def _pick(p: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
 
 
 @triton.jit
+def _get(pointers, keep, MASKED: tl.constexpr):
+    """Load at ``pointers``: masked by ``keep``, or else whole."""
+    if MASKED:
+        return tl.load(pointers, mask=keep)
+    return tl.load(pointers)
+
+
+@triton.jit
+def _put(pointers, value, keep, MASKED: tl.constexpr):
+    """Store ``value``: masked by ``keep``, or else as whole 16-byte vectors (a picked pointer
+    loses that in Triton's analysis, and stores would go word by word)."""
+    if MASKED:
+        tl.store(pointers, value, mask=keep)
+    else:
+        tl.store(tl.multiple_of(pointers, 16), value)
+
+
+@triton.jit
 def _sum_slots(own, o, keep, chunk, MASKED: tl.constexpr, WORLD: tl.constexpr):
     """The sum in float32, in rank order, of the ``WORLD`` slots of ``own`` at ``o``."""
     total = tl.zeros(o.shape, dtype=tl.float32)
     for q in tl.static_range(WORLD):
-        if MASKED:
-            total += tl.load(own + q * chunk + o, mask=keep).to(tl.float32)
-        else:
-            total += tl.load(own + q * chunk + o).to(tl.float32)
+        total += _get(own + q * chunk + o, keep, MASKED).to(tl.float32)
     return total
 
 
@@ -151,26 +166,91 @@ def _push_slots(
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Phase 1: chunk p of the tensor into slot RANK of rank p's stage, every p in one step."""
+    """Phase 1: chunk p of the tensor into slot RANK of rank p's stage, every p in one step;
+    whole blocks unmasked, then the tail masked."""
     block = tl.program_id(0)
     stride = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
     for off in range(block * BLOCK, whole, stride):
         o = tl.multiple_of(off, 16) + lanes
-        for k in tl.static_range(WORLD):
-            p = (RANK + k) % WORLD
-            value = tl.load(flat + p * chunk + o)
-            peer = _pick(p, s0, s1, s2, s3, s4, s5, s6, s7)
-            # Whole vectors: a picked pointer loses that in Triton, and stores go word by word.
-            tl.store(tl.multiple_of(peer + RANK * chunk + o, 16), value)
+        _push_step(s0, s1, s2, s3, s4, s5, s6, s7, flat, o, n, chunk, RANK, WORLD, False)
     for off in range(whole + block * BLOCK, chunk, stride):
         o = off + lanes
-        for k in tl.static_range(WORLD):
-            p = (RANK + k) % WORLD
-            keep = (o < chunk) & (p * chunk + o < n)
-            value = tl.load(flat + p * chunk + o, mask=keep)
-            peer = _pick(p, s0, s1, s2, s3, s4, s5, s6, s7)
-            tl.store(peer + RANK * chunk + o, value, mask=keep)
+        _push_step(s0, s1, s2, s3, s4, s5, s6, s7, flat, o, n, chunk, RANK, WORLD, True)
+
+
+@triton.jit
+def _push_step(
+    s0,
+    s1,
+    s2,
+    s3,
+    s4,
+    s5,
+    s6,
+    s7,
+    flat,
+    o,
+    n,
+    chunk,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    for k in tl.static_range(WORLD):
+        p = (RANK + k) % WORLD
+        keep = (o < chunk) & (p * chunk + o < n)
+        value = _get(flat + p * chunk + o, keep, MASKED)
+        peer = _pick(p, s0, s1, s2, s3, s4, s5, s6, s7)
+        _put(peer + RANK * chunk + o, value, keep, MASKED)
+
+
+@triton.jit
+def _reduce_step(
+    s0,
+    s1,
+    s2,
+    s3,
+    s4,
+    s5,
+    s6,
+    s7,
+    f0,
+    f1,
+    f2,
+    f3,
+    f4,
+    f5,
+    f6,
+    f7,
+    flat,
+    o,
+    n,
+    chunk,
+    cap,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    AVERAGE: tl.constexpr,
+    IN_PLACE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Phase 2 at offsets ``o`` of chunk RANK: the slots' sum into the tensor and every peer's
+    stage (or, ``IN_PLACE``, straight into every peer's tensor ``f<p>``)."""
+    own = _pick(RANK, s0, s1, s2, s3, s4, s5, s6, s7)
+    start = RANK * chunk
+    keep = (o < chunk) & (start + o < n)
+    total = _sum_slots(own, o, keep, chunk, MASKED, WORLD)
+    if AVERAGE:
+        total = total / WORLD
+    value = total.to(flat.dtype.element_ty)
+    _put(flat + start + o, value, keep, MASKED)
+    for k in tl.static_range(1, WORLD):
+        if IN_PLACE:
+            peer = _pick((RANK + k) % WORLD, f0, f1, f2, f3, f4, f5, f6, f7)
+            _put(peer + start + o, value, keep, MASKED)
+        else:
+            peer = _pick((RANK + k) % WORLD, s0, s1, s2, s3, s4, s5, s6, s7)
+            _put(peer + cap + start + o, value, keep, MASKED)
 
 
 @triton.jit
@@ -202,42 +282,70 @@ def _reduce_chunk(
     IN_PLACE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Phase 2: the sum of chunk RANK's slots, into the tensor and every peer's stage (or,
-    ``IN_PLACE``, straight into every peer's tensor ``f<p>``)."""
+    """Phase 2: whole blocks unmasked, then the tail masked."""
     block = tl.program_id(0)
     stride = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
-    own = _pick(RANK, s0, s1, s2, s3, s4, s5, s6, s7)
-    start = RANK * chunk
     for off in range(block * BLOCK, whole, stride):
         o = tl.multiple_of(off, 16) + lanes
-        total = _sum_slots(own, o, o < chunk, chunk, False, WORLD)
-        if AVERAGE:
-            total = total / WORLD
-        value = total.to(flat.dtype.element_ty)
-        tl.store(flat + start + o, value)
-        for k in tl.static_range(1, WORLD):
-            if IN_PLACE:
-                peer = _pick((RANK + k) % WORLD, f0, f1, f2, f3, f4, f5, f6, f7)
-                tl.store(tl.multiple_of(peer + start + o, 16), value)
-            else:
-                peer = _pick((RANK + k) % WORLD, s0, s1, s2, s3, s4, s5, s6, s7)
-                tl.store(tl.multiple_of(peer + cap + start + o, 16), value)
+        _reduce_step(
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
+            s6,
+            s7,
+            f0,
+            f1,
+            f2,
+            f3,
+            f4,
+            f5,
+            f6,
+            f7,
+            flat,
+            o,
+            n,
+            chunk,
+            cap,
+            RANK,
+            WORLD,
+            AVERAGE,
+            IN_PLACE,
+            False,
+        )
     for off in range(whole + block * BLOCK, chunk, stride):
         o = off + lanes
-        keep = (o < chunk) & (start + o < n)
-        total = _sum_slots(own, o, keep, chunk, True, WORLD)
-        if AVERAGE:
-            total = total / WORLD
-        value = total.to(flat.dtype.element_ty)
-        tl.store(flat + start + o, value, mask=keep)
-        for k in tl.static_range(1, WORLD):
-            if IN_PLACE:
-                peer = _pick((RANK + k) % WORLD, f0, f1, f2, f3, f4, f5, f6, f7)
-                tl.store(peer + start + o, value, mask=keep)
-            else:
-                peer = _pick((RANK + k) % WORLD, s0, s1, s2, s3, s4, s5, s6, s7)
-                tl.store(peer + cap + start + o, value, mask=keep)
+        _reduce_step(
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
+            s6,
+            s7,
+            f0,
+            f1,
+            f2,
+            f3,
+            f4,
+            f5,
+            f6,
+            f7,
+            flat,
+            o,
+            n,
+            chunk,
+            cap,
+            RANK,
+            WORLD,
+            AVERAGE,
+            IN_PLACE,
+            True,
+        )
 
 
 @triton.jit
@@ -249,16 +357,19 @@ def _copy_sums(
     stride = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
     for off in range(block * BLOCK, whole, stride):
-        o = tl.multiple_of(off, 16) + lanes
-        for k in tl.static_range(1, WORLD):
-            i = ((RANK + k) % WORLD) * chunk + o
-            tl.store(flat + i, tl.load(own + cap + i))
+        _copy_step(own, flat, tl.multiple_of(off, 16) + lanes, n, chunk, cap, RANK, WORLD, False)
     for off in range(whole + block * BLOCK, chunk, stride):
-        o = off + lanes
-        for k in tl.static_range(1, WORLD):
-            i = ((RANK + k) % WORLD) * chunk + o
-            keep = (o < chunk) & (i < n)
-            tl.store(flat + i, tl.load(own + cap + i, mask=keep), mask=keep)
+        _copy_step(own, flat, off + lanes, n, chunk, cap, RANK, WORLD, True)
+
+
+@triton.jit
+def _copy_step(
+    own, flat, o, n, chunk, cap, RANK: tl.constexpr, WORLD: tl.constexpr, MASKED: tl.constexpr
+):
+    for k in tl.static_range(1, WORLD):
+        i = ((RANK + k) % WORLD) * chunk + o
+        keep = (o < chunk) & (i < n)
+        _put(flat + i, _get(own + cap + i, keep, MASKED), keep, MASKED)
 
 
 @triton.jit(do_not_specialize=["n", "timeout_ns"])
