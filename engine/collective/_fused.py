@@ -93,11 +93,10 @@ class FusedAllReduce:
         # Slots: ``world_size`` chunks of ``ceil(piece / (16 world_size)) * 16``, at most
         # ``piece + 16 world_size`` elements; then the finished sums, ``piece`` more.
         self.cap = piece + 16 * _MAX_WORLD
-        self.mine = symm_mem.empty(2 * self.cap, dtype=dtype, device=device)
-        self.handle = handle = symm_mem.rendezvous(self.mine, group.group_name)
+        handle, self.stages = _allocate(group, 2 * self.cap, dtype)
+        self.handle = handle  # the mappings live as long as it
         self.rank, self.world_size = handle.rank, handle.world_size
-        size = 2 * self.cap
-        self.stages = [handle.get_buffer(p, (size,), dtype) for p in range(self.world_size)]
+        self.mine = self.stages[self.rank]
         words = _pad_words(handle)
         pads = [handle.get_signal_pad(p, (words,), torch.int32) for p in range(self.world_size)]
         self.pad_ptrs = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=device)
@@ -181,15 +180,10 @@ class SymmetricTensors:
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed tensor of ``numel`` ``dtype`` values in symmetric memory (collective: every
         rank allocates the same tensors in the same order)."""
-        import torch.distributed._symmetric_memory as symm_mem
-
-        device = torch.device("cuda", torch.cuda.current_device())
         # Rounded up to whole 16-byte vectors: the kernel's unmasked steps stay in bounds.
-        mine = symm_mem.empty(-(-numel // 16) * 16, dtype=dtype, device=device).zero_()
-        handle = symm_mem.rendezvous(mine, self._group.group_name)
-        size = (mine.numel(),)
-        peers = [handle.get_buffer(p, size, dtype)[:numel] for p in range(handle.world_size)]
-        peers[handle.rank] = tensor = mine[:numel]
+        handle, whole = _allocate(self._group, -(-numel // 16) * 16, dtype)
+        peers = [t[:numel] for t in whole]
+        tensor = peers[handle.rank].zero_()
         self._handles.append(handle)
         self._peers[(tensor.data_ptr(), numel, dtype)] = peers
         return tensor
@@ -201,6 +195,21 @@ class SymmetricTensors:
     def clear(self) -> None:
         self._peers.clear()
         self._handles.clear()
+
+
+def _allocate(
+    group: dist.ProcessGroup, numel: int, dtype: torch.dtype
+) -> tuple[object, list[torch.Tensor]]:
+    """``numel`` ``dtype`` values in symmetric memory (collective: every rank allocates alike):
+    the allocation's handle, and every rank's tensor of it, by rank (this rank's its own)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    mine = symm_mem.empty(numel, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(mine, group.group_name)
+    tensors = [handle.get_buffer(p, (numel,), dtype) for p in range(handle.world_size)]
+    tensors[handle.rank] = mine
+    return handle, tensors
 
 
 def _pad_words(handle) -> int:

@@ -205,14 +205,12 @@ class SymmTransport(NcclTransport):
         current = self._fused.get(dtype, False)
         if current is None:
             return None
-        if current and current.piece >= elements:
-            return current
+        piece = piece_elements(dtype, elements)
+        if current and current.piece >= piece:
+            return current  # large enough, or the largest: larger collectives go in pieces
         if not fused_supported(dtype, self._world_size):
             self._fused[dtype] = None
             return None
-        piece = piece_elements(dtype, elements)
-        if current and current.piece >= piece:
-            return current  # the largest stage: larger collectives go through it in pieces
         if current:
             torch.cuda.current_stream().synchronize()  # queued collectives use the old one
             if self._graphs is not None:
