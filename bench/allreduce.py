@@ -14,8 +14,8 @@ and ``bf16_speedup_64mib_up`` (the worst native-float32/ours-bfloat16 ratio from
     python -m bench.allreduce --backend nccl --procs 4 --transport symm --ring-buffers
 
 ``--ring-buffers`` also times the ring on tensors it allocated itself (``ring_own``), as
-gradient buckets are: on the ``symm`` transport symmetric memory (``RINGFLOW_SYMM_BUCKETS=1``),
-whose sums the kernel writes straight into every rank's copy.
+gradient buckets are: on the ``symm`` transport symmetric memory (unless
+``RINGFLOW_SYMM_BUCKETS=0``), whose sums the kernel writes straight into every rank's copy.
 
 A process count larger than the GPUs present is skipped with a note, so the same command
 runs unchanged on a 4-GPU and an 8-GPU host.
@@ -52,15 +52,13 @@ class Options:
     segment_bytes: int | None
     ring_buffers: bool = False
     """Also time the ring on a tensor it allocated (``Collective.empty``, what gradient buckets
-    reduce): on ``symm`` with ``RINGFLOW_SYMM_BUCKETS=1`` that is symmetric memory."""
+    reduce): on ``symm`` that is symmetric memory (unless ``RINGFLOW_SYMM_BUCKETS=0``)."""
 
 
 def main(argv: list[str] | None = None) -> dict:
     options = _parse(argv)
     # NVLink multicast (NVLS) can wedge a shared host's GPUs: off unless the user says otherwise.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if options.ring_buffers:  # the ranks inherit it: the symm ring allocates symmetric memory
-        os.environ.setdefault("RINGFLOW_SYMM_BUCKETS", "1")
     print(
         f"# all-reduce, backend={options.backend}, transport={options.transport}, "
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, "

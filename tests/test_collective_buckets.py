@@ -123,6 +123,19 @@ def test_grads_become_views_of_their_buckets_so_later_steps_copy_nothing():
     assert storages == {frozenset(buffers)}  # the same bucket storage both steps
 
 
+def test_closing_gives_each_gradient_its_own_memory_and_keeps_its_values():
+    """A ring that is left (a peer lost) may free its buckets' memory: the sums stay."""
+    model = _model()
+    buckets = GradientBuckets(list(model.parameters()), _RecordingCollective(model))
+    _backward(model, buckets)
+    buffers = {b.buffer.untyped_storage().data_ptr() for b in buckets._buckets}
+    sums = [p.grad.clone() for p in model.parameters()]
+    buckets.close()
+    for p, want in zip(model.parameters(), sums, strict=True):
+        assert p.grad.untyped_storage().data_ptr() not in buffers
+        assert torch.equal(p.grad, want)
+
+
 def test_buckets_are_allocated_by_the_collective():
     """So a transport can place them where it reduces fastest (symmetric memory on GPUs)."""
     model = _model()

@@ -119,7 +119,7 @@ def _close(dist, rings) -> None:
 
 
 def _own_buffers_main(rank: int, port: int, queue) -> None:
-    """Buffers the ring allocated (symmetric memory with RINGFLOW_SYMM_BUCKETS=1), reduced in
+    """Buffers the ring allocated (symmetric memory), reduced in
     place again and again as gradient buckets are, against NCCL's all-reduce."""
     try:
         dist, _, rings = _setup(rank, port, "symm")
@@ -136,8 +136,7 @@ def _own_buffers_main(rank: int, port: int, queue) -> None:
         queue.put((rank, [traceback.format_exc()]))
 
 
-def test_gpu_ring_reduces_buffers_it_allocated_in_place(monkeypatch):
-    monkeypatch.setenv("RINGFLOW_SYMM_BUCKETS", "1")  # the spawned ranks inherit it
+def test_gpu_ring_reduces_buffers_it_allocated_in_place():
     replies = dict(_spawn(_own_buffers_main, free_port()))
     assert replies == dict.fromkeys(range(WORLD), [])
 

@@ -271,7 +271,7 @@ class NcclTransport(Transport):
             elif self._owns_default_group:
                 dist.init_process_group(
                     "nccl",
-                    store=dist.PrefixStore("nccl", store),
+                    store=dist.PrefixStore("nccl", self._group_store(store)),
                     rank=rank,
                     world_size=world_size,
                     timeout=timeout,
@@ -287,6 +287,10 @@ class NcclTransport(Transport):
         self._aborting = threading.Lock()
         self._stream: torch.cuda.Stream | None = None
         self._watchdog = _NcclWatchdog(self)
+
+    def _group_store(self, store: dist.Store) -> dist.Store:
+        """The store this transport's process groups rendezvous through."""
+        return store
 
     def run(
         self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None, deadline: Deadline

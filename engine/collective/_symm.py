@@ -60,6 +60,7 @@ from ringflow.engine.collective._fused import (
 )
 from ringflow.engine.collective._p2p import NcclTransport
 from ringflow.engine.collective._schedule import Hop, Schedule
+from ringflow.engine.collective._symm_store import GroupSequenceStore
 from ringflow.engine.collective._transport import Finisher, Plan, keep_wire_rounding, land
 
 __all__ = ["SymmTransport", "symm_available", "symm_unusable"]
@@ -140,11 +141,15 @@ class SymmTransport(NcclTransport):
         # The fused path's buffers, made (and its kernel compiled) now for the same reason.
         self._fused: dict[torch.dtype, FusedAllReduce | None] = {}
         self._symmetric = SymmetricTensors(self._group)
-        self._symmetric_buckets = os.environ.get("RINGFLOW_SYMM_BUCKETS", "0") == "1"
+        self._symmetric_buckets = os.environ.get("RINGFLOW_SYMM_BUCKETS", "1") == "1"
         self._fused_below = int(os.environ.get("RINGFLOW_SYMM_FUSED_BELOW", _FUSED_BELOW))
         if self._fused_below > 0:
             for dtype in (torch.float32, torch.bfloat16):
                 self._fused_buffer(dtype, _INITIAL_ELEMENTS)
+
+    def _group_store(self, store: dist.Store) -> dist.Store:
+        # A worker that joins a ring later must meet the others' symmetric-memory handles.
+        return GroupSequenceStore(store)
 
     def _issue(self, plan: Plan, *, wire: torch.dtype, finish: Finisher | None) -> None:
         """Replay the collective recorded for ``plan.key``, recording it the first time."""
@@ -177,9 +182,9 @@ class SymmTransport(NcclTransport):
         graph.replay()
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed tensor for all-reducing again and again (gradient buckets): with
-        ``RINGFLOW_SYMM_BUCKETS=1`` in symmetric memory, so that the fused kernel writes the
-        sums straight into every rank's copy (collective: every rank allocates alike)."""
+        """A zeroed tensor for all-reducing again and again (gradient buckets): in symmetric
+        memory (unless ``RINGFLOW_SYMM_BUCKETS=0``), so that the fused kernel writes the sums
+        straight into every rank's copy (collective: every rank allocates alike)."""
         device = torch.device("cuda", torch.cuda.current_device())
         if (
             not self._symmetric_buckets

@@ -117,9 +117,16 @@ class GradientBuckets:
             self._active = False
 
     def close(self) -> None:
+        """Stop reducing; gradients that are bucket views become tensors of their own, so
+        the buckets (symmetric memory of a ring that may be gone) are freed now."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for bucket in self._buckets:
+            for slot, param in enumerate(bucket.params):
+                if param.grad is not None and param.grad.data_ptr() == bucket.view(slot).data_ptr():
+                    param.grad = param.grad.clone()
+        self._buckets = []
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._active:

@@ -1,0 +1,90 @@
+"""The store symmetric memory rendezvous through: a worker that joins a ring later meets the
+others, although torch numbers each handle exchange by a count of the whole process.
+
+Each rank runs the exchange as torch's ``StoreExchange::all_gather`` does (set its own key
+under its count, wait for and read the peers' under the same count), from a thread of its own
+with a TCP store client of its own, through the prefixes a process group adds.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from ringflow.engine.collective._symm_store import GroupSequenceStore
+from tests.conftest import free_port
+
+GROUP = "nccl/0//1//"
+"""The prefix the ring's process group adds to its store's keys."""
+
+
+def _all_gather(store: dist.Store, count: int, rank: int, world: int, value: bytes) -> list:
+    store.set(f"CUDASymmetricMemory/{count}/{rank}", value)
+    keys = [f"CUDASymmetricMemory/{count}/{r}" for r in range(world)]
+    store.wait(keys, dt.timedelta(seconds=5))
+    return [store.get(k) for k in keys]
+
+
+def _exchanges(port: int, wrap: bool, counts: list[int], exchanges: int) -> dict:
+    """Each rank's results: ``counts[r]`` exchanges already made by rank ``r``'s process."""
+    results: dict[int, object] = {}
+    world = len(counts)
+
+    def run(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", port, world, False, timeout=dt.timedelta(seconds=10))
+        store = GroupSequenceStore(client) if wrap else client
+        group = dist.PrefixStore(GROUP, dist.PrefixStore("nccl", store))
+        try:
+            results[rank] = [
+                _all_gather(group, counts[rank] + i, rank, world, b"%d-%d" % (rank, i))
+                for i in range(exchanges)
+            ]
+        except Exception as err:  # noqa: BLE001 - the test reports it
+            results[rank] = err
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+@pytest.fixture
+def server():
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, True, wait_for_workers=False)
+    yield port
+    del store
+
+
+def test_a_member_that_joined_later_meets_the_others_in_every_exchange(server):
+    # Ranks 0 and 2 have made 12 exchanges in earlier rings; rank 1 is new.
+    results = _exchanges(server, wrap=True, counts=[12, 0, 12], exchanges=3)
+    want = [[b"%d-%d" % (r, i) for r in range(3)] for i in range(3)]
+    assert results == {0: want, 1: want, 2: want}
+
+
+def test_without_it_the_new_member_waits_for_keys_nobody_writes(server):
+    """What the store prevents: the exchange of torch's own numbering never meets."""
+    results = _exchanges(server, wrap=False, counts=[12, 0], exchanges=1)
+    assert all(isinstance(r, dist.DistStoreError) for r in results.values()), results
+
+
+def test_other_keys_and_other_groups_pass_through_as_they_are():
+    inner = dist.HashStore()
+    store = GroupSequenceStore(inner)
+    store.set("nccl/0//cpu//0/0", b"id")
+    store.set("a//CUDASymmetricMemory/40/0", b"x")
+    store.set("b//CUDASymmetricMemory/41/0", b"y")  # another group: its own first exchange
+    store.set("a//CUDASymmetricMemory/42/0", b"z")
+    assert inner.get("nccl/0//cpu//0/0") == b"id"
+    assert [inner.get(f"a//CUDASymmetricMemory/{n}/0") for n in (0, 1)] == [b"x", b"z"]
+    assert inner.get("b//CUDASymmetricMemory/0/0") == b"y"
+    assert store.get("a//CUDASymmetricMemory/42/0") == b"z"
+    assert store.add("counter", 2) == 2
+    assert store.check(["a//CUDASymmetricMemory/40/0"])
+    assert not store.check(["a//CUDASymmetricMemory/43/0"])
