@@ -88,3 +88,15 @@ def test_other_keys_and_other_groups_pass_through_as_they_are():
     assert store.add("counter", 2) == 2
     assert store.check(["a//CUDASymmetricMemory/40/0"])
     assert not store.check(["a//CUDASymmetricMemory/43/0"])
+
+
+def test_a_clone_numbers_the_exchanges_as_its_original_does(server):
+    """torch may clone a group's store for a connection of its own."""
+    inner = dist.TCPStore("127.0.0.1", server, 1, False)
+    store = GroupSequenceStore(inner)
+    twin = dist.PrefixStore("p", store).clone()  # through torch, as a group's store is
+    twin.set("g//CUDASymmetricMemory/31/0", b"a")  # the group "p/g//", its first exchange
+    store.set("p/g//CUDASymmetricMemory/32/1", b"b")  # the same group, its second
+    want = {"p/g//CUDASymmetricMemory/0/0": b"a", "p/g//CUDASymmetricMemory/1/1": b"b"}
+    assert inner.check(list(want))
+    assert {key: inner.get(key) for key in want} == want

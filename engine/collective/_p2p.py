@@ -269,9 +269,12 @@ class NcclTransport(Transport):
                     )
                 self._group = group
             elif self._owns_default_group:
+                # Kept here: a store written in Python is held by torch on the C++ side only,
+                # which does not keep its Python methods alive.
+                self._rendezvous_store = self._group_store(store)
                 dist.init_process_group(
                     "nccl",
-                    store=dist.PrefixStore("nccl", self._group_store(store)),
+                    store=dist.PrefixStore("nccl", self._rendezvous_store),
                     rank=rank,
                     world_size=world_size,
                     timeout=timeout,

@@ -37,6 +37,7 @@ class GroupSequenceStore(dist.Store):
         self._lock = threading.Lock()
         self._counts: dict[str, dict[str, int]] = {}
         """Per group prefix: the process-wide count -> the group's own, in order of use."""
+        self._clones: list[GroupSequenceStore] = []
 
     def _key(self, key: str) -> str:
         match = _EXCHANGE.match(key)
@@ -47,6 +48,15 @@ class GroupSequenceStore(dist.Store):
             counts = self._counts.setdefault(head, {})
             own = counts.setdefault(count, len(counts))
         return f"{head}{own}{rank}"
+
+    def clone(self) -> GroupSequenceStore:
+        """A connection of its own that numbers the exchanges with this one's counts."""
+        twin = GroupSequenceStore(self._inner.clone())
+        twin._lock, twin._counts = self._lock, self._counts
+        # torch holds the clone on the C++ side only, which does not keep its Python half
+        # (the methods) alive: this store does.
+        self._clones.append(twin)
+        return twin
 
     def set(self, key: str, value) -> None:
         self._inner.set(self._key(key), value)
