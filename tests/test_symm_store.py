@@ -1,9 +1,10 @@
-"""The store symmetric memory rendezvous through: a worker that joins a ring later meets the
-others, although torch numbers each handle exchange by a count of the whole process.
+"""The symm transport's parts that run without a GPU.
 
-Each rank runs the exchange as torch's ``StoreExchange::all_gather`` does (set its own key
-under its count, wait for and read the peers' under the same count), from a thread of its own
-with a TCP store client of its own, through the prefixes a process group adds.
+The store symmetric memory rendezvous through: a worker that joins a ring later meets the
+others, although torch numbers each handle exchange by a count of the whole process. Each
+rank runs the exchange as torch's ``StoreExchange::all_gather`` does (set its own key under
+its count, wait for and read the peers' under the same count), from a thread of its own with a
+TCP store client of its own, through the prefixes a process group adds.
 """
 
 from __future__ import annotations
@@ -100,3 +101,17 @@ def test_a_clone_numbers_the_exchanges_as_its_original_does(server):
     want = {"p/g//CUDASymmetricMemory/0/0": b"a", "p/g//CUDASymmetricMemory/1/1": b"b"}
     assert inner.check(list(want))
     assert {key: inner.get(key) for key in want} == want
+
+
+def test_the_kernel_piece_size_is_a_power_of_two_the_user_may_set(monkeypatch):
+    import torch
+
+    from ringflow.engine.collective._fused import piece_elements
+
+    assert piece_elements(torch.float32, 1000) == 1 << 16  # small collectives: a small stage
+    assert piece_elements(torch.float32, 1 << 30) == 16 << 20  # 64 MiB of float32
+    monkeypatch.setenv("RINGFLOW_SYMM_PIECE_MB", "256")
+    assert piece_elements(torch.bfloat16, 1 << 30) == 128 << 20
+    monkeypatch.setenv("RINGFLOW_SYMM_PIECE_MB", "100")
+    with pytest.raises(ValueError, match="RINGFLOW_SYMM_PIECE_MB must be a power of two"):
+        piece_elements(torch.float32, 1 << 30)

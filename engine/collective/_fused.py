@@ -50,8 +50,10 @@ _BLOCKS = 64
 16-byte vectors a thread a step: on 4 H100s as fast alone as one block per SM (132) with one
 vector, and half the SMs taken from the backward pass it overlaps with."""
 _VECTORS = 2
-_PIECE_BYTES = 64 << 20
-"""The largest piece of a collective the stage takes at once (its stage: twice that)."""
+_PIECE_MB = 64
+"""The largest piece of a collective the stage takes at once (its stage: twice that), unless
+``RINGFLOW_SYMM_PIECE_MB`` says otherwise; larger collectives run as one launch per piece,
+each with its two barriers."""
 
 
 def fused_supported(dtype: torch.dtype, world_size: int) -> bool:
@@ -67,9 +69,17 @@ def fused_supported(dtype: torch.dtype, world_size: int) -> bool:
 
 def piece_elements(dtype: torch.dtype, elements: int) -> int:
     """The piece a stage for collectives of ``elements`` takes: a power of two, at most
-    ``_PIECE_BYTES``."""
-    largest = _PIECE_BYTES // torch.empty(0, dtype=dtype).element_size()
+    ``RINGFLOW_SYMM_PIECE_MB``."""
+    largest = (_piece_mb() << 20) // torch.empty(0, dtype=dtype).element_size()
     return min(1 << max(16, (elements - 1).bit_length()), largest)
+
+
+def _piece_mb() -> int:
+    value = os.environ.get("RINGFLOW_SYMM_PIECE_MB", str(_PIECE_MB))
+    mb = int(value) if value.isdigit() else 0
+    if mb < 1 or mb & (mb - 1):
+        raise ValueError(f"RINGFLOW_SYMM_PIECE_MB must be a power of two (MiB), got {value!r}")
+    return mb
 
 
 class FusedAllReduce:
