@@ -108,3 +108,42 @@ def _check(reports: dict, survivors: list[int], signals: dict, signalled_at: flo
         assert peer in signals, f"rank {rank} blamed {peer}: {message}"
         assert op == "allreduce"
         assert raised_at - signalled_at < DEADLINE_S + SLACK_S, f"rank {rank} raised late"
+
+
+def test_survivors_that_time_out_together_blame_the_dead_rank_not_a_late_store_host():
+    """Ranks 2 and 3 of 4 time out while rank 1 is dead and rank 0, whose process holds the
+    store (so it runs), is slow to say it is alive: the verdict is rank 1, whichever rank's
+    left neighbour each survivor waited on (a fused kernel waits on every rank alike)."""
+    import datetime as dt
+    import threading
+
+    import torch.distributed as dist
+
+    from ringflow.engine.collective._p2p import _StoreArbiter
+    from ringflow.engine.collective._transport import Deadline
+    from ringflow.engine.errors import CollectiveTimeoutError
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, 1, True, wait_for_workers=False)
+    verdicts: dict[int, object] = {}
+
+    def survivor(rank: int, suspect: int) -> None:
+        store = dist.TCPStore("127.0.0.1", port, 1, False, timeout=dt.timedelta(seconds=5))
+        arbiter = _StoreArbiter(store, rank=rank, world_size=4, timeout_s=3.0)
+        try:
+            arbiter.fail(
+                timed_out=True,
+                suspect=suspect,
+                deadline=Deadline.after(0.6, op="allreduce"),
+                cause="a hop hung",
+            )
+        except CollectiveTimeoutError as err:
+            verdicts[rank] = err.peer
+
+    threads = [threading.Thread(target=survivor, args=(r, (r + 1) % 4)) for r in (2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    host.set("alive/0", b"1")  # rank 0 arrives once they decided
+    assert verdicts == {2: 1, 3: 1}

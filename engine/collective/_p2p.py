@@ -11,7 +11,8 @@ When a hop fails, the survivors agree through the rendezvous store on which peer
 the first verdict written there wins (``compare_set``). A rank whose left neighbour died sees
 the closed connection at once and writes the verdict; a rank that timed out first waits a
 short grace period for the other survivors to say they are alive, and blames one that did
-not. The store lives in rank 0: when it cannot be reached, rank 0 is the one lost.
+not. The store lives in rank 0: when it cannot be reached, rank 0 is the one lost; when it
+answers, rank 0 runs, and is blamed only if no other rank is silent.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ class _StoreArbiter:
             missing = self._missing(until=time.monotonic() + self.reserve_s * 0.8)
             if missing is None:
                 return self._verdict()
+            if len(missing) > 1 and 0 in missing:
+                # The store lives in rank 0 and just answered: its process runs, and of
+                # several ranks still silent, another one is the lost (rank 0 is late).
+                missing.remove(0)
             if missing and suspect not in missing:
                 suspect = missing[0]
         return self._decide(suspect)
