@@ -119,8 +119,8 @@ def _close(dist, rings) -> None:
 
 
 def _own_buffers_main(rank: int, port: int, queue) -> None:
-    """Buffers the ring allocated (symmetric memory), reduced in
-    place again and again as gradient buckets are, against NCCL's all-reduce."""
+    """Buffers the ring allocated (symmetric memory), reduced in place again and again as
+    gradient buckets are, against NCCL's all-reduce."""
     try:
         dist, _, rings = _setup(rank, port, "symm")
         ring, failures = rings["none"], []

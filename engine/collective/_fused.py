@@ -38,7 +38,14 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["FusedAllReduce", "SymmetricTensors", "fused_supported", "piece_elements"]
+__all__ = [
+    "FusedAllReduce",
+    "SymmetricTensors",
+    "allocate",
+    "fused_supported",
+    "piece_elements",
+    "signal_pads",
+]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BARRIERS = 2
@@ -103,12 +110,12 @@ class FusedAllReduce:
         # Slots: ``world_size`` chunks of ``ceil(piece / (16 world_size)) * 16``, at most
         # ``piece + 16 world_size`` elements; then the finished sums, ``piece`` more.
         self.cap = piece + 16 * _MAX_WORLD
-        handle, self.stages = _allocate(group, 2 * self.cap, dtype)
+        handle, self.stages = allocate(group, 2 * self.cap, dtype)
         self.handle = handle  # the mappings live as long as it
         self.rank, self.world_size = handle.rank, handle.world_size
         self.mine = self.stages[self.rank]
         words = _pad_words(handle)
-        pads = [handle.get_signal_pad(p, (words,), torch.int32) for p in range(self.world_size)]
+        pads = signal_pads(handle)
         self.pad_ptrs = torch.tensor([p.data_ptr() for p in pads], dtype=torch.int64, device=device)
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         """Set by the watchdog's release: every wait of the kernel ends, and it drains."""
@@ -191,7 +198,7 @@ class SymmetricTensors:
         """A zeroed tensor of ``numel`` ``dtype`` values in symmetric memory (collective: every
         rank allocates the same tensors in the same order)."""
         # Rounded up to whole 16-byte vectors: the kernel's unmasked steps stay in bounds.
-        handle, whole = _allocate(self._group, -(-numel // 16) * 16, dtype)
+        handle, whole = allocate(self._group, -(-numel // 16) * 16, dtype)
         peers = [t[:numel] for t in whole]
         tensor = peers[handle.rank].zero_()
         self._handles.append(handle)
@@ -207,7 +214,7 @@ class SymmetricTensors:
         self._handles.clear()
 
 
-def _allocate(
+def allocate(
     group: dist.ProcessGroup, numel: int, dtype: torch.dtype
 ) -> tuple[object, list[torch.Tensor]]:
     """``numel`` ``dtype`` values in symmetric memory (collective: every rank allocates alike):
@@ -220,6 +227,12 @@ def _allocate(
     tensors = [handle.get_buffer(p, (numel,), dtype) for p in range(handle.world_size)]
     tensors[handle.rank] = mine
     return handle, tensors
+
+
+def signal_pads(handle) -> list[torch.Tensor]:
+    """Every rank's signal pad of ``handle``'s allocation, as int32 words, by rank."""
+    words = _pad_words(handle)
+    return [handle.get_signal_pad(p, (words,), torch.int32) for p in range(handle.world_size)]
 
 
 def _pad_words(handle) -> int:

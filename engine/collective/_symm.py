@@ -55,8 +55,10 @@ import torch.distributed as dist
 from ringflow.engine.collective._fused import (
     FusedAllReduce,
     SymmetricTensors,
+    allocate,
     fused_supported,
     piece_elements,
+    signal_pads,
 )
 from ringflow.engine.collective._p2p import NcclTransport
 from ringflow.engine.collective._schedule import Hop, Schedule
@@ -402,28 +404,13 @@ class _Staging:
     def __init__(
         self, group: dist.ProcessGroup, dtype: torch.dtype, elements: int, *, right: int
     ) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        device = torch.device("cuda", torch.cuda.current_device())
         self.elements = elements
-        self.mine = symm_mem.empty(elements, dtype=dtype, device=device)
-        self.handle = symm_mem.rendezvous(self.mine, group.group_name)
-        self.right = self.handle.get_buffer(right, (elements,), dtype)
+        self.handle, stages = allocate(group, elements, dtype)
+        self.mine, self.right = stages[self.handle.rank], stages[right]
 
     def pads(self) -> list[torch.Tensor]:
         """Every rank's signal pad, as int32 words."""
-        words = _signal_pad_bytes(self.handle) // 4
-        ranks = range(self.handle.world_size)
-        return [self.handle.get_signal_pad(p, (words,), torch.int32) for p in ranks]
-
-
-def _signal_pad_bytes(handle) -> int:
-    size = getattr(handle, "signal_pad_size", None)
-    if isinstance(size, int):
-        return size
-    import torch.distributed._symmetric_memory as symm_mem
-
-    return symm_mem.get_signal_pad_size()
+        return signal_pads(self.handle)
 
 
 def _sides(schedule: Schedule) -> tuple[list[Hop], list[Hop]]:
