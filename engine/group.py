@@ -416,10 +416,15 @@ class RayWorkerGroup(WorkerGroup):
 
 def _why_gone(err: Exception) -> str:
     """Why a worker's actor is gone: the error its start raised (no GPU, a bad dataset URL:
-    the last line of Ray's traceback names it), or that its process died."""
+    the last line of Ray's traceback names it), that Ray cannot reach it (a stopped or hung
+    process: Ray's ``ActorUnavailableError``), or that its process died."""
+    import ray
+
     if getattr(err, "actor_init_failed", False):
         lines = str(err).strip().splitlines()
         return f"it failed to start: {lines[-1].strip() if lines else type(err).__name__}"
+    if isinstance(err, ray.exceptions.ActorUnavailableError):
+        return f"it stopped answering ({type(err).__name__})"
     return f"its process died ({type(err).__name__})"
 
 

@@ -244,3 +244,14 @@ def test_losing_more_workers_than_the_budget_fails_with_the_reason(ray_session, 
     on_epoch, _ = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.0)
     with pytest.raises(EngineError, match="max_failures=0"):
         _fit(digits, tmp_path, "budget", workers=2, max_failures=0, on_epoch=on_epoch)
+
+
+def test_a_worker_ray_cannot_reach_is_reported_as_stopped_not_dead():
+    """A SIGSTOPped actor's calls fail with ActorUnavailableError: its process runs."""
+    import ray.exceptions
+
+    from ringflow.engine.group import _why_gone
+
+    unreachable = ray.exceptions.ActorUnavailableError("unreachable", None)
+    assert _why_gone(unreachable) == "it stopped answering (ActorUnavailableError)"
+    assert _why_gone(ray.exceptions.ActorDiedError()) == "its process died (ActorDiedError)"
