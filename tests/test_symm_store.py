@@ -109,9 +109,10 @@ def test_the_kernel_piece_size_is_a_power_of_two_the_user_may_set(monkeypatch):
     from ringflow.engine.collective._fused import piece_elements
 
     assert piece_elements(torch.float32, 1000) == 1 << 16  # small collectives: a small stage
-    assert piece_elements(torch.float32, 1 << 30) == 16 << 20  # 64 MiB of float32
-    monkeypatch.setenv("RINGFLOW_SYMM_PIECE_MB", "256")
-    assert piece_elements(torch.bfloat16, 1 << 30) == 128 << 20
+    assert piece_elements(torch.float32, 1 << 30) == 64 << 20  # 256 MiB of float32
+    assert piece_elements(torch.float32, 6 << 20) == 8 << 20  # a 25 MiB bucket: 32 MiB
+    monkeypatch.setenv("RINGFLOW_SYMM_PIECE_MB", "64")
+    assert piece_elements(torch.bfloat16, 1 << 30) == 32 << 20
     monkeypatch.setenv("RINGFLOW_SYMM_PIECE_MB", "100")
     with pytest.raises(ValueError, match="RINGFLOW_SYMM_PIECE_MB must be a power of two"):
         piece_elements(torch.float32, 1 << 30)

@@ -57,10 +57,11 @@ _BLOCKS = 64
 16-byte vectors a thread a step: on 4 H100s as fast alone as one block per SM (132) with one
 vector, and half the SMs taken from the backward pass it overlaps with."""
 _VECTORS = 2
-_PIECE_MB = 64
+_PIECE_MB = 256
 """The largest piece of a collective the stage takes at once (its stage: twice that), unless
 ``RINGFLOW_SYMM_PIECE_MB`` says otherwise; larger collectives run as one launch per piece,
-each with its two barriers."""
+each with its two barriers. A stage is sized to the largest collective so far: 25 MiB
+gradient buckets take 64 MiB. On 4 H100s, 256 against 64: 0.97 of NCCL at 1 GiB, not 0.94."""
 
 
 def fused_supported(dtype: torch.dtype, world_size: int) -> bool:
