@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,7 +83,9 @@ class Spec:
     seed: int = 0
     lr: float = 6e-4
     timeline_url: str | None = None
-    """Ours only: record the timeline (``TrainConfig.timeline``) and write its trace here."""
+    """Record a timeline and write its trace here: ours through ``TrainConfig.timeline``; DDP
+    the same spans (data, forward, backward with its own wait for the last buckets,
+    optimizer) from its loop, on the same clock, for a step split to set beside ours."""
 
     @property
     def global_batch(self) -> int:
@@ -119,7 +122,7 @@ class Result:
     epoch_tokens_per_s: float | None = None
     """Ours: over the whole timed epoch as the driver sees it, its end included."""
     timeline: dict[str, Any] | None = None
-    """Ours with ``Spec.timeline_url``: the timeline's summary (``TimelineSummary``)."""
+    """With ``Spec.timeline_url``: the timeline's summary (``TimelineSummary``)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -169,15 +172,16 @@ def main(argv: list[str] | None = None) -> dict:
     counts = [n for n in gpu_counts if present is None or n <= present]
     for n in sorted(set(gpu_counts) - set(counts)):
         print(f"# skipping {n} GPUs: only {present} present", flush=True)
-    traced = None
+    traced: dict[str, Result] = {}
     for n in counts:
         at_most = timeline if n == max(counts) else None
         ran, traced_n = _run_count(replace(spec, gpus=n), modes, runners, timeline=at_most)
         results += ran
-        traced = traced_n or traced
+        traced.update(traced_n)
     summary = _summary(results, flops=flops, peak=peak, gpu_counts=gpu_counts, modes=modes)
-    if traced is not None:
-        summary["timeline"] = {"gpus": traced.gpus, "mode": traced.mode, **traced.timeline}
+    for runner, run in traced.items():
+        key = "timeline" if runner == "ours" else f"{runner}_timeline"
+        summary[key] = {"gpus": run.gpus, "mode": run.mode, **run.timeline}
     summary["spec"] = {**asdict(spec), "gpus": gpu_counts, "modes": modes, "runners": runners}
     summary["device"] = _device_name(spec)
     summary["date"] = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}"
@@ -188,11 +192,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _run_count(
     spec: Spec, modes: list[str], runners: list[str], *, timeline: str | None = None
-) -> tuple[list[Result], Result | None]:
+) -> tuple[list[Result], dict[str, Result]]:
     """Every runner and mode at ``spec.gpus`` GPUs; Ray starts once for the count. With
-    ``timeline`` (a folder), ours runs once more in the first mode with the timeline on, its
-    trace written there (a run of its own: the timed ones record nothing)."""
-    results, traced = [], None
+    ``timeline`` (a folder), ours and DDP run once more in the first mode with the timeline
+    on, their traces written there (runs of their own: the timed ones record nothing)."""
+    results, traced = [], {}
     with _ray(spec) if "ours" in runners else contextlib.nullcontext():
         for mode in modes:
             spec_m = replace(spec, mode=mode)
@@ -206,10 +210,11 @@ def _run_count(
                     flush=True,
                 )
                 results.append(result)
-        if timeline is not None and "ours" in runners:
-            url = os.path.join(timeline, f"gpt-{spec.gpus}gpus-{modes[0]}.json")
-            traced = _run_ours(replace(spec, mode=modes[0], timeline_url=url))
-            print(f"# timeline, {spec.gpus} GPUs, {modes[0]}: {json.dumps(traced.timeline)}")
+        for runner in [r for r in ("ours", "ddp") if r in runners and timeline is not None]:
+            name = "" if runner == "ours" else f"-{runner}"
+            url = os.path.join(timeline, f"gpt-{spec.gpus}gpus-{modes[0]}{name}.json")
+            traced[runner] = run = _RUN[runner](replace(spec, mode=modes[0], timeline_url=url))
+            print(f"# {runner} timeline, {spec.gpus} GPUs, {modes[0]}: {json.dumps(run.timeline)}")
     return results, traced
 
 
@@ -325,12 +330,11 @@ def _run_fsdp(spec: Spec) -> Result:
 def _spawn(runner: str, spec: Spec) -> Result:
     queue = mp.get_context("spawn").SimpleQueue()
     started = time.perf_counter()
-    # A file rendezvous: no port to race Ray's processes for.
-    with tempfile.TemporaryDirectory(prefix="ringflow-gpt-") as root:
-        init_method = f"file://{root}/rendezvous"
-        mp.spawn(_rank, args=(runner, spec, init_method, queue), nprocs=spec.gpus, join=True)
-    wall = time.perf_counter() - started
-    timed_s = queue.get()
+    with tempfile.TemporaryDirectory(prefix="ringflow-gpt-") as root:  # rendezvous, spans
+        mp.spawn(_rank, args=(runner, spec, root, queue), nprocs=spec.gpus, join=True)
+        wall = time.perf_counter() - started
+        timed_s = queue.get()
+        timeline = None if spec.timeline_url is None else _write_timeline(spec, root)
     return Result(
         runner=runner,
         mode=spec.mode,
@@ -339,10 +343,27 @@ def _spawn(runner: str, spec: Spec) -> Result:
         timed_tokens=(spec.steps - 1) * spec.global_batch * spec.seq_len,
         timed_s=timed_s,
         wall_s=wall,
+        timeline=timeline,
     )
 
 
-def _rank(rank: int, runner: str, spec: Spec, init_method: str, queue) -> None:
+def _write_timeline(spec: Spec, root: str) -> dict[str, Any]:
+    """The ranks' spans (files under ``root``: a queue's pipe would block a rank until the
+    parent reads, which it does after they exit) as one trace at ``spec.timeline_url``;
+    its summary."""
+    import fsspec
+
+    from ringflow.engine.timeline import chrome_trace, summarize, trace_bytes
+
+    parts = [json.loads(Path(root, f"spans-{rank}.json").read_text()) for rank in range(spec.gpus)]
+    clock = "cuda events" if spec.device == "cuda" else "wall clock"
+    trace = chrome_trace(parts, clock=clock)
+    with fsspec.open(spec.timeline_url, "wb") as out:
+        out.write(trace_bytes(trace))
+    return summarize(trace, trace_url=spec.timeline_url).to_json()
+
+
+def _rank(rank: int, runner: str, spec: Spec, root: str, queue) -> None:
     import torch.distributed as dist
 
     from ringflow.engine.module import compile_in_place
@@ -354,7 +375,7 @@ def _rank(rank: int, runner: str, spec: Spec, init_method: str, queue) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
-        init_method=init_method,
+        init_method=f"file://{root}/rendezvous",  # no port to race Ray's processes for
         rank=rank,
         world_size=spec.gpus,
         **({"device_id": device} if cuda else {}),
@@ -373,7 +394,9 @@ def _rank(rank: int, runner: str, spec: Spec, init_method: str, queue) -> None:
         else:
             model = _fully_shard(module.to(device), spec)
             forward = contextlib.nullcontext  # the policy casts the parameters to bf16
-        timed_s = _train_loop(module, model, spec, rank=rank, device=device, forward=forward)
+        timed_s, spans = _train_loop(module, model, spec, rank=rank, device=device, forward=forward)
+        if spans is not None:
+            Path(root, f"spans-{rank}.json").write_text(json.dumps(spans))
         if rank == 0:
             queue.put(timed_s)
         dist.barrier()  # every rank is done communicating
@@ -419,17 +442,25 @@ def _autocast(spec: Spec, device: torch.device):
     return Precision(spec.precision, device).forward_context
 
 
-def _train_loop(module, model, spec: Spec, *, rank: int, device: torch.device, forward) -> float:
+def _train_loop(
+    module, model, spec: Spec, *, rank: int, device: torch.device, forward
+) -> tuple[float, list[dict[str, Any]] | None]:
     """The engine's step on this rank's part of each global batch, in the engine's order;
-    returns the seconds from the end of the last epoch's first step to the end of its last."""
+    returns the seconds from the end of the last epoch's first step to the end of its last,
+    and with ``spec.timeline_url`` the spans the engine's workers record (same window)."""
     from torch.utils.data import default_collate
 
     from ringflow.engine.data import EpochOrder, Layout
+    from ringflow.engine.timeline import UNTIMED, WorkerTimeline
     from ringflow.engine.worker import to_device
 
     train, _ = _datasets(spec)
     optimization = module.configure_optimizers()
     optimizer, schedule = optimization["optimizer"], optimization["lr_scheduler"]["scheduler"]
+    recorder = None
+    if spec.timeline_url is not None:  # the window TrainConfig's timeline defaults give ours
+        window = {"warmup": min(5, spec.steps), "steps": spec.steps}
+        recorder = WorkerTimeline(device=device, steps_per_epoch=spec.steps, **window)
     started = 0.0
     for epoch in range(spec.warmup_epochs + 1):
         order = EpochOrder(
@@ -439,20 +470,35 @@ def _train_loop(module, model, spec: Spec, *, rank: int, device: torch.device, f
             if epoch == spec.warmup_epochs and step == 1:
                 _sync(device)
                 started = time.perf_counter()
+            timeline = UNTIMED if recorder is None else recorder.begin(epoch, step)
+            timeline.start("data")
             mine = torch.tensor_split(order.batch(step), spec.gpus)[rank]
             ids, targets = default_collate([train[i] for i in mine])
             ids, targets = to_device((ids, targets), device)  # as the engine's workers do
+            timeline.stop("data")
             optimizer.zero_grad(set_to_none=False)
+            timeline.start("forward")
             with forward():
                 logits = model(ids)
             loss = torch.nn.functional.cross_entropy(
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1)
             )
+            timeline.stop("forward")
+            timeline.start("backward")  # DDP waits for its last buckets inside backward
             loss.backward()
+            timeline.stop("backward")
+            timeline.start("optimizer")
             optimizer.step()
             schedule.step()
+            timeline.stop("optimizer")
+            timeline.end()
     _sync(device)
-    return time.perf_counter() - started
+    timed_s = time.perf_counter() - started
+    if recorder is None:
+        return timed_s, None
+    spans = recorder.spans(rank)
+    recorder.close()
+    return timed_s, spans
 
 
 def _sync(device: torch.device) -> None:
@@ -589,7 +635,8 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
         "--timeline",
         default=None,
         metavar="DIR",
-        help="also run ours once at the largest GPU count with the timeline on; trace into DIR",
+        help="also run ours and DDP once at the largest GPU count with the timeline on; "
+        "traces into DIR",
     )
     args = parser.parse_args(argv)
     modes, runners = args.compile.split(","), args.runners.split(",")

@@ -30,3 +30,11 @@ def test_the_gpu_benchmark_runs_on_cpu(ray_session, capsys, tmp_path):
     assert timeline["trace_url"].endswith("gpt-2gpus-eager.json")
     trace = json.loads((tmp_path / "gpt-2gpus-eager.json").read_text())
     assert {e["name"] for e in trace["traceEvents"]} >= {"forward", "backward", "optimizer step"}
+    # DDP's run with the same spans from its loop, its step split beside ours.
+    ddp = summary["ddp_timeline"]
+    assert (ddp["gpus"], ddp["workers"], ddp["mode"]) == (2, 2, "eager")
+    assert ddp["steps"] == 2 * 2  # 2 workers x the last epoch's 2 steps (the first 2 skipped)
+    assert ddp["overlap"] is None  # DDP's all-reduces are not spans: they sit in backward
+    assert all(ddp["step_ms"][kind] > 0 for kind in ("step", "forward", "backward", "optimizer"))
+    trace = json.loads((tmp_path / "gpt-2gpus-eager-ddp.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
