@@ -13,7 +13,10 @@ AdamW and warm-up+cosine schedule:
 - ``fsdp``: FSDP2, ``fully_shard`` on each block and on the root, bf16 parameters and fp32
   gradient reduction (``MixedPrecisionPolicy``), in spawned processes.
 
-``compiled`` compiles each transformer block (``GPTModule(compile=True)``), as torchtitan does.
+``compiled`` compiles each transformer block (``GPTModule(compile=True)``), as torchtitan does;
+``whole`` compiles the whole model at once (``compile="model"``), as most users write
+``torch.compile(model)``: DDP splits its graph at its buckets (dynamo's ``DDPOptimizer``), and
+so do our workers (``engine.module.compiled_in_buckets``).
 
 Timing is steady state. An epoch is ``--steps`` global batches; the first
 ``ceil(warmup_steps / steps)`` epochs warm up (CUDA set-up, compilation) and the last epoch
@@ -59,7 +62,7 @@ import torch.multiprocessing as mp
 from ringflow.models.gpt import GPTModule
 
 RUNNERS = ("ours", "ddp", "fsdp")
-MODES = ("eager", "compiled")
+MODES = ("eager", "compiled", "whole")
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 """Dense bf16 tensor-core peaks (FLOP/s) by GPU name."""
 
@@ -102,7 +105,7 @@ class Spec:
             "lr": self.lr,
             "warmup_steps": min(10, self.total_steps),
             "decay_steps": self.total_steps,
-            "compile": self.mode == "compiled",
+            "compile": {"eager": False, "compiled": True, "whole": "model"}[self.mode],
             "compile_backend": self.compile_backend,
         }
 
@@ -616,7 +619,7 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--preset", default="gpt2_small", help="a GPT preset: gpt2_small, tiny")
     parser.add_argument("--gpus", default="1,2,4", help="GPU (worker) counts: 1,2,4,8")
-    parser.add_argument("--compile", default="eager,compiled", help="modes: eager,compiled")
+    parser.add_argument("--compile", default="eager,compiled", help="modes: eager,compiled,whole")
     parser.add_argument("--runners", default=",".join(RUNNERS), help="ours,ddp,fsdp")
     parser.add_argument("--per-gpu-batch", type=int, default=16, help="sequences per GPU a step")
     parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's block")

@@ -39,6 +39,7 @@ __all__ = [
     "Precision",
     "clip_gradients",
     "compile_in_place",
+    "compiled_in_buckets",
 ]
 
 CLIP_ALGORITHMS = ("norm", "value")
@@ -439,6 +440,45 @@ def compile_in_place(module: torch.nn.Module) -> int:
                 setattr(parent, name, inner)
                 replaced += 1
     return replaced + compile_in_place(module) if replaced else 0
+
+
+@contextlib.contextmanager
+def compiled_in_buckets(bucket_bytes: int) -> Iterator[None]:
+    """While active, each graph ``torch.compile`` captures is split where a gradient bucket
+    of ``bucket_bytes`` would end, as dynamo splits graphs under DDP (its ``DDPOptimizer``).
+
+    A module compiled whole has one backward: every gradient appears when it ends, so no
+    bucket's all-reduce could start before and none would overlap backward. Split, each
+    piece's backward is an autograd node of its own: the last layers' buckets start while the
+    first layers' backward runs. Only graphs compiled while this is active are split (dynamo
+    compiles a frame the first time it runs, and again when a guard fails); a module compiled
+    block by block gets the same split inside blocks larger than a bucket, as under DDP.
+
+    Dynamo splits while ``DistributedDataParallel._get_active_ddp_module()`` names a module;
+    this names a stand-in that carries only the bucket size, as torch's own ``replicate``
+    names its DDP. Where torch has no such hook, or ``torch._dynamo.config.optimize_ddp`` is
+    off, graphs are compiled whole.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not hasattr(DistributedDataParallel, "_active_ddp_module"):
+        yield
+        return
+    # Dynamo's first piece holds at most DDP's first bucket (1 MiB); no bucket may be smaller.
+    first = getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)
+    before = DistributedDataParallel._active_ddp_module
+    DistributedDataParallel._active_ddp_module = _Buckets(max(bucket_bytes, first))
+    try:
+        yield
+    finally:
+        DistributedDataParallel._active_ddp_module = before
+
+
+@dataclass(frozen=True)
+class _Buckets:
+    """What dynamo reads of the active DDP module to split a graph: its bucket size."""
+
+    bucket_bytes_cap: int
 
 
 def _traced_call(module: torch.nn.Module) -> Any:

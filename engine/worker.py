@@ -26,6 +26,7 @@ from ringflow.engine.module import (
     attach,
     call_hook,
     compile_in_place,
+    compiled_in_buckets,
     module_checkpoint,
 )
 from ringflow.engine.timeline import UNTIMED, WorkerTimeline
@@ -256,6 +257,7 @@ class RankWorker:
         self.optimizer = self.optimization.optimizer
         self.trainer.adopt(self.optimization)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.bucket_bytes = int(config.bucket_mb * 2**20)
         self.collective: Collective | None = None
         self.buckets: GradientBuckets | None = None
         self.checkpointer: AsyncCheckpointer | None = None
@@ -317,9 +319,7 @@ class RankWorker:
             compression=self.config.compression,
             **backend,
         )
-        self.buckets = GradientBuckets(
-            self.params, self.collective, bucket_bytes=int(self.config.bucket_mb * 2**20)
-        )
+        self.buckets = GradientBuckets(self.params, self.collective, bucket_bytes=self.bucket_bytes)
         self.buckets.timeline = self.timeline
 
     def reconfigure(self, rank: int, world_size: int, init_method: str = "") -> None:
@@ -473,7 +473,8 @@ class RankWorker:
         if batch is not None:
             self.metric_log.enter("training_step", batch_size=len(mine), log_step=log_step)
             timeline.start("forward")
-            with self.precision.forward_context():
+            # What the step compiles is split at buckets: a module compiled whole overlaps too.
+            with self.precision.forward_context(), compiled_in_buckets(self.bucket_bytes):
                 out = self.module.training_step(self.precision.convert_input(batch), step)
             timeline.stop("forward")
             loss = out["loss"] if isinstance(out, Mapping) else out

@@ -20,6 +20,9 @@ non-overlapping windows: sample ``i`` is ``(tokens[i*T : i*T+T], tokens[i*T+1 : 
 ``GPTModule(compile=True)`` compiles each transformer block on its own in ``configure_model``
 (as torchtitan does): the gradients of a block are ready, and their buckets can start their
 all-reduces, as soon as that block's backward has run, not after the whole model's.
+``compile="model"`` compiles the whole model at once, as most users write it
+(``torch.compile(model)``); the engine's workers then split its graph at the gradient
+buckets (``engine.module.compiled_in_buckets``), so its backward overlaps too.
 """
 
 from __future__ import annotations
@@ -215,7 +218,8 @@ class GPTModule(L.LightningModule):
         decay_steps: optimizer steps of the cosine decay's end; ``None`` for the run's
             (``trainer.estimated_stepping_batches``).
         min_lr_ratio: the learning rate at the end of the decay, as a share of ``lr``.
-        compile: ``torch.compile`` each transformer block in ``configure_model``.
+        compile: ``torch.compile`` in ``configure_model``: ``True`` (or ``"blocks"``) each
+            transformer block, ``"model"`` the whole model at once.
         compile_backend: the backend for ``compile`` (``"inductor"``; ``"aot_eager"`` compiles
             quickly for tests).
     """
@@ -230,10 +234,14 @@ class GPTModule(L.LightningModule):
         warmup_steps: int = 10,
         decay_steps: int | None = None,
         min_lr_ratio: float = 0.1,
-        compile: bool = False,  # noqa: A002 - the hparam's name
+        compile: bool | str = False,  # noqa: A002 - the hparam's name
         compile_backend: str = "inductor",
     ) -> None:
         super().__init__()
+        if compile not in (False, True, "blocks", "model"):
+            raise ValueError(
+                f'GPTModule compile must be False, True, "blocks" or "model"; got {compile!r}'
+            )
         if lr <= 0 or weight_decay < 0 or warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
             raise ValueError(
                 f"GPTModule needs lr > 0, weight_decay >= 0, warmup_steps >= 0 and "
@@ -246,8 +254,13 @@ class GPTModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """With ``compile``: compile each block on its own (its backward is one graph, after
-        which its parameters' gradient hooks fire), leaving embeddings and head eager."""
+        which its parameters' gradient hooks fire), leaving embeddings and head eager; with
+        ``compile="model"``, the whole model."""
         if not self.hparams.compile:
+            return
+        if self.hparams.compile == "model":
+            if not hasattr(self.model, "_orig_mod"):  # not compiled yet
+                self.model = torch.compile(self.model, backend=self.hparams.compile_backend)
             return
         blocks = self.model.blocks
         for i, block in enumerate(blocks):

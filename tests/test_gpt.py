@@ -4,11 +4,14 @@ names (``compile_in_place``), loadable either way."""
 
 from __future__ import annotations
 
+import contextlib
+from typing import ClassVar
+
 import pytest
 import torch
 
 from ringflow.engine import DatasetData, TrainConfig, fit
-from ringflow.engine.module import compile_in_place
+from ringflow.engine.module import compile_in_place, compiled_in_buckets
 from ringflow.models.gpt import (
     GPT,
     GPTConfig,
@@ -62,6 +65,8 @@ def test_bad_configs_are_refused_by_name():
         GPTConfig.preset("tiny", n_head=3)
     with pytest.raises(ValueError, match="block_size"):
         GPT(GPTConfig.preset("tiny", block_size=8))(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match='compile must be False, True, "blocks" or "model"'):
+        GPTModule(compile="all")
 
 
 def test_windows_are_the_next_tokens_of_the_sorted_stdlib():
@@ -152,3 +157,89 @@ def test_compile_in_place_keeps_the_wrappers_compiler_and_the_eager_names():
     assert list(wrapped.state_dict()) == list(eager.state_dict())
     assert torch.allclose(wrapped(x), expected, atol=1e-6)
     assert len(graphs) == 2  # each ran through the wrapper's own compiler
+
+
+def _backward_in_pieces(*, split: bool) -> tuple[int, list[str]]:
+    """A GPT compiled whole (as ``engine.fit``'s workers hold it), run forward with or
+    without ``compiled_in_buckets``: how many compiled backward nodes its loss has, and in
+    what order its last block's gradients and those nodes' starts come during backward."""
+    torch._dynamo.reset()  # a new module of the same class would reuse the last graphs
+    module = GPTModule(
+        "tiny",
+        {"n_layer": 3, "n_embd": 256, "n_head": 4, "block_size": 16},
+        compile="model",
+        compile_backend="aot_eager",
+    )
+    module.configure_model()
+    compile_in_place(module)
+    events: list[str] = []
+    for param in module.model.blocks[-1].parameters():
+        param.register_post_accumulate_grad_hook(lambda _: events.append("last block's gradient"))
+    ids = torch.randint(0, 256, (2, 16))
+    # A block is 3 MiB of float32 weights: buckets of 2 MiB end inside every block.
+    with compiled_in_buckets(2 << 20) if split else contextlib.nullcontext():
+        loss = module.model(ids).float().square().mean()
+    nodes, seen, todo = [], set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CompiledFunction" in type(node).__name__:
+            nodes.append(node)
+            node.register_prehook(lambda *_: events.append("a compiled backward starts"))
+        todo += [child for child, _ in node.next_functions]
+    loss.backward()
+    return len(nodes), events
+
+
+def test_a_model_compiled_whole_gives_its_last_gradients_before_its_first_layers_backward():
+    """Compiled whole, a model's backward is one node: every gradient appears at its end and
+    no bucket could start before. In a worker's step (``compiled_in_buckets``) the graph is
+    split where buckets end, as dynamo splits it for DDP: the last block's gradients are
+    accumulated (its buckets start) before the backward of the model's first piece begins."""
+    pieces, events = _backward_in_pieces(split=False)
+    assert pieces == 1
+    assert events[0] == "a compiled backward starts"
+    pieces, events = _backward_in_pieces(split=True)
+    assert pieces > 2
+    last_start = max(i for i, event in enumerate(events) if event == "a compiled backward starts")
+    assert events.count("last block's gradient") == 6  # 2 LayerNorms, 4 matrices, no biases
+    assert max(i for i, e in enumerate(events) if e == "last block's gradient") < last_start
+
+
+class SplitWatchingGPT(GPTModule):
+    """Records, at each training step, the bucket size dynamo would split compiled graphs at."""
+
+    caps: ClassVar[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.caps.append(DistributedDataParallel._get_active_ddp_module().bucket_bytes_cap)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_model_compiled_whole_trains_as_eager_with_eager_names(corpus, tmp_path):
+    """Through ``engine.fit``, split at its 1 MiB buckets: the same weights as eager, eager
+    names."""
+    hparams = {**HPARAMS, "overrides": {"block_size": BLOCK, "n_embd": 128, "n_head": 4}}
+    config = TrainConfig(workers=1, epochs=EPOCHS, batch_size=BATCH, seed=5, bucket_mb=1.0)
+    runs = {
+        name: fit(
+            module,
+            hparams={**hparams, **extra},
+            data=corpus,
+            config=config,
+            checkpoint_uri=str(tmp_path / name),
+            in_process=True,  # the steps run here: SplitWatchingGPT.caps fills
+        )
+        for name, module, extra in (
+            ("eager", GPTModule, {}),
+            ("whole", SplitWatchingGPT, {"compile": "model", "compile_backend": "aot_eager"}),
+        )
+    }
+    assert set(SplitWatchingGPT.caps) == {1 << 20}
+    assert relative_difference(runs["whole"].state_dict, runs["eager"].state_dict) < 1e-4
+    saved = read_checkpoint(runs["whole"].checkpoint).state_dict
+    GPTModule(**hparams).load_state_dict(saved, strict=True)  # into an eager module
