@@ -440,8 +440,9 @@ class RankWorker:
         Each rank's loss is a mean over its part; weighting it by the part's share of the
         global batch (and by 1/``accumulate_grad_batches``, as Lightning scales the loss)
         makes the sum over ranks and batches the gradient Trainer computes on one process.
-        Without accumulation the weight is applied to each gradient on its way into a bucket;
-        with it, to the loss, and the buckets reduce the window's summed gradients once.
+        Without accumulation the weight is applied to each gradient on its way into a bucket
+        (where every share is alike, the buckets' all-reduces average instead); with it, to
+        the loss, and the buckets reduce the window's summed gradients once.
         The module's hooks run where Trainer runs them (``on_after_backward`` sees the
         averaged gradients of a window's last batch).
         """
@@ -467,8 +468,12 @@ class RankWorker:
         if step % window == 0:
             call_hook(self.module, "on_before_zero_grad", self.optimizer)
             self.optimizer.zero_grad(set_to_none=False)
-        if steps:  # buckets start their all-reduces from inside backward
-            self.buckets.start(weight=weight if window == 1 else 1.0)
+        if steps and window > 1:  # buckets start their all-reduces from inside backward
+            self.buckets.start()  # the loss carried the weight
+        elif steps and global_size % self.world_size == 0:
+            self.buckets.start(average=True)  # every rank's share alike: the mean of the sums
+        elif steps:
+            self.buckets.start(weight=weight)
         out = None
         if batch is not None:
             self.metric_log.enter("training_step", batch_size=len(mine), log_step=log_step)

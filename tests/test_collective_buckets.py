@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -16,11 +17,13 @@ class _RecordingCollective(Collective):
         super().__init__(rank=0, world_size=1)
         self.model, self.copies = model, copies
         self.calls: list[tuple[int, bool]] = []  # (bucket length, first layer still waiting)
+        self.ops: list[str] = []
 
     def allreduce_async_(self, tensor: torch.Tensor, *, op: str = "sum") -> CollectiveWork:
         first_layer_waiting = self.model[0].weight.grad is None
         self.calls.append((tensor.numel(), first_layer_waiting))
-        return CompletedWork(tensor.mul_(self.copies))
+        self.ops.append(op)
+        return CompletedWork(tensor.mul_(self.copies) if op == "sum" else tensor)
 
     def broadcast_(self, tensor: torch.Tensor, *, src: int = 0) -> torch.Tensor:
         return tensor
@@ -34,9 +37,9 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
 
 
-def _backward(model: nn.Module, buckets: GradientBuckets, *, weight: float = 1.0) -> None:
+def _backward(model: nn.Module, buckets: GradientBuckets, **start) -> None:
     model.zero_grad(set_to_none=True)
-    buckets.start(weight=weight)
+    buckets.start(**start)
     model(torch.randn(5, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
     buckets.finish()
 
@@ -78,6 +81,21 @@ def test_sums_are_weighted_and_written_back_into_grad():
     ).square().sum().backward()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad * 0.25 * 2)
+
+
+def test_where_every_share_is_alike_the_collective_averages_and_nothing_is_weighted():
+    model, reference = _model(), _model()
+    collective = _RecordingCollective(model, copies=2)  # the mean of 2 equal copies: itself
+    buckets = GradientBuckets(list(model.parameters()), collective, bucket_bytes=200)
+    _backward(model, buckets, average=True)
+    reference(
+        torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    ).square().sum().backward()
+    assert set(collective.ops) == {"avg"}
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)  # not multiplied on the way in
+    with pytest.raises(ValueError, match="a weight or average, not both"):
+        buckets.start(weight=0.5, average=True)
 
 
 def test_a_parameter_without_gradient_still_takes_part():

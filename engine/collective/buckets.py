@@ -55,7 +55,7 @@ class GradientBuckets:
     (``register_post_accumulate_grad_hook``) and every bucket before it has started, so all
     ranks start them in the same order even when a parameter gets no gradient on some rank.
 
-    Call ``start(weight=...)`` before ``backward()`` and ``finish()`` after it.
+    Call ``start(...)`` before ``backward()`` and ``finish()`` after it.
 
     Args:
         params: the trainable parameters, in module order.
@@ -81,7 +81,7 @@ class GradientBuckets:
         }
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slots]
         self._active = False
-        self._weight = 1.0
+        self._weight, self._op = 1.0, "sum"
         self._works: list[CollectiveWork] = []
         self.timeline: WorkerTimeline | None = None
         """Set, each bucket's all-reduce is recorded there (``engine.timeline``)."""
@@ -91,13 +91,20 @@ class GradientBuckets:
         """Elements per bucket, in the order they are reduced."""
         return [b.buffer.numel() for b in self._buckets]
 
-    def start(self, *, weight: float = 1.0) -> None:
-        """Get ready for one backward pass; each gradient is multiplied by ``weight``.
+    def start(self, *, weight: float = 1.0, average: bool = False) -> None:
+        """Get ready for one backward pass; each gradient is multiplied by ``weight``, or with
+        ``average`` the sums are divided by the number of ranks.
 
-        The engine passes this rank's share of the global batch: the sum over the ranks is
-        then the gradient of the global-batch mean, however unevenly the batch was split.
+        The engine passes this rank's share of the global batch as ``weight``: the sum over
+        the ranks is then the gradient of the global-batch mean, however unevenly the batch
+        was split. Where every rank's share is the same it asks for ``average`` instead, the
+        same result (bit for bit on 2, 4 or 8 ranks, whose division is exact) without a pass
+        over each bucket: the collective divides as it reduces (on GPUs, inside the kernel).
         """
-        self._weight, self._works, self._active = weight, [], True
+        if average and weight != 1.0:
+            raise ValueError("start() takes a weight or average, not both")
+        self._weight, self._op = weight, "avg" if average else "sum"
+        self._works, self._active = [], True
         for bucket in self._buckets:
             bucket.filled = [False] * len(bucket.params)
 
@@ -153,10 +160,10 @@ class GradientBuckets:
             bucket.buffer.mul_(self._weight)
         timeline = self.timeline
         if timeline is None:
-            self._works.append(self._collective.allreduce_async_(bucket.buffer, op="sum"))
+            self._works.append(self._collective.allreduce_async_(bucket.buffer, op=self._op))
             return
         mark = timeline.mark()  # before the launch: on CPU the ring may start at once
-        work = self._collective.allreduce_async_(bucket.buffer, op="sum")
+        work = self._collective.allreduce_async_(bucket.buffer, op=self._op)
         nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
         timeline.launched(len(self._works), nbytes, mark, work)
         self._works.append(work)
