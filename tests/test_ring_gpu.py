@@ -121,15 +121,18 @@ def _close(dist, rings) -> None:
 def _own_buffers_main(rank: int, port: int, queue) -> None:
     """Buffers the ring allocated (symmetric memory), reduced in place again and again as
     gradient buckets are, against NCCL's all-reduce."""
+    os.environ["RINGFLOW_SYMM_PIECE_MB"] = "16"  # the last size goes in 3 and in 5 pieces
     try:
         dist, _, rings = _setup(rank, port, "symm")
         ring, failures = rings["none"], []
-        for numel in (1000, (3 << 20) + 5, (20 << 20) + 3):  # the last: two pieces
+        for numel in (1000, (3 << 20) + 5, (20 << 20) + 3):
             for dtype in (torch.float32, torch.bfloat16):
                 own = ring.empty(numel, dtype, torch.device("cuda", rank))
                 if ring._transport._symmetric.peers(own) is None:
                     failures.append(f"{numel} {dtype}: not in symmetric memory")
-                failures += _rounds_failures(dist, ring, rank, own, f"{numel} {dtype}", seed=0)
+                for op in ("sum", "avg"):  # avg: the gradient buckets' mean, in the kernel
+                    label = f"{numel} {dtype} {op}"
+                    failures += _rounds_failures(dist, ring, rank, own, label, seed=0, op=op)
         _close(dist, rings)
         queue.put((rank, failures))
     except Exception:  # noqa: BLE001 - the test reports it
@@ -153,14 +156,18 @@ def _reused_buffer_failures(dist, ring, rank: int, transport: str) -> list[str]:
     return failures
 
 
-def _rounds_failures(dist, ring, rank: int, buffer, label: str, *, seed: int) -> list[str]:
+def _rounds_failures(
+    dist, ring, rank: int, buffer, label: str, *, seed: int, op: str = "sum"
+) -> list[str]:
     """``buffer`` filled anew and all-reduced in place three times, each against NCCL's."""
     failures = []
     for round_ in range(3):
         buffer.copy_(_input(seed + round_, rank, buffer.numel(), buffer.dtype))
         want = buffer.clone()
         dist.all_reduce(want)
-        if not torch.equal(ring.allreduce_(buffer), want):
+        if op == "avg":
+            want /= WORLD
+        if not torch.equal(ring.allreduce_(buffer, op=op), want):
             failures.append(f"{label}, round {round_}")
     return failures
 
