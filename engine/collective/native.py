@@ -52,6 +52,10 @@ class NativeCollective(Collective):
     ) -> None:
         super().__init__(rank=rank, world_size=world_size)
         self._wire = wire_dtype(compression)
+        # NCCL averages as it reduces; gloo has no average, so its sums are divided after.
+        self._averages = (group is not None and dist.get_backend(group) == "nccl") or (
+            group is None and backend == "nccl"
+        )
         self._group, self._owns_group = group, group is None
         if group is None and world_size > 1:
             dist.init_process_group(
@@ -71,10 +75,11 @@ class NativeCollective(Collective):
             return CompletedWork(tensor)
         wire = self._wire if tensor.dtype == torch.float32 else None
         buffer = tensor if wire is None else tensor.to(wire)
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
-        return _NativeWork(
-            work, tensor=tensor, buffer=buffer, divisor=self.world_size if op == "avg" else 1
-        )
+        average = op == "avg" and self._averages
+        reduce = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        work = dist.all_reduce(buffer, op=reduce, group=self._group, async_op=True)
+        divisor = self.world_size if op == "avg" and not average else 1
+        return _NativeWork(work, tensor=tensor, buffer=buffer, divisor=divisor)
 
     def broadcast_(self, tensor: torch.Tensor, *, src: int = 0) -> torch.Tensor:
         if self._group is not None:
