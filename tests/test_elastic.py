@@ -255,3 +255,38 @@ def test_a_worker_ray_cannot_reach_is_reported_as_stopped_not_dead():
     unreachable = ray.exceptions.ActorUnavailableError("unreachable", None)
     assert _why_gone(unreachable) == "it stopped answering (ActorUnavailableError)"
     assert _why_gone(ray.exceptions.ActorDiedError()) == "its process died (ActorDiedError)"
+
+
+class _FailedOnTheDevice:
+    """A ring whose collectives all returned, one of which then failed on the device (its
+    deadline passed after the host went on, as on a GPU)."""
+
+    def __init__(self, ring) -> None:
+        self._ring = ring
+
+    def __getattr__(self, name):
+        return getattr(self._ring, name)
+
+    def check(self) -> None:
+        from ringflow.engine.errors import CollectiveTimeoutError
+
+        raise CollectiveTimeoutError("rank 1 stopped answering", peer=1, op="allreduce", rank=0)
+
+
+def test_steps_whose_collective_failed_after_its_wait_fail_and_are_never_committed(digits):
+    """The steps raise the collective's error, and no commit holds what they left: the
+    survivors then roll back to the commit before, not to weights stepped with garbage."""
+    from ringflow.engine.errors import PeerLostError
+    from ringflow.engine.worker import RankWorker
+
+    config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
+    worker = RankWorker(DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0)
+    worker.connect()
+    worker.commit(0)
+    worker.collective = _FailedOnTheDevice(worker.collective)
+    with pytest.raises(PeerLostError, match="rank 1 stopped answering"):
+        worker.train_steps(0, 0, 2)
+    with pytest.raises(PeerLostError):
+        worker.commit(2)
+    assert sorted(worker._commits) == [0]
+    worker.close()

@@ -147,3 +147,29 @@ def test_survivors_that_time_out_together_blame_the_dead_rank_not_a_late_store_h
         t.join(10)
     host.set("alive/0", b"1")  # rank 0 arrives once they decided
     assert verdicts == {2: 1, 3: 1}
+
+
+def test_a_failure_the_device_found_after_wait_is_raised_by_check_and_kept():
+    """``check`` raises what a transport's device work found after its collective's wait
+    returned, and the ring stays failed: every later collective raises it too."""
+    from ringflow.engine.collective import RingCollective
+    from ringflow.engine.collective._transport import Transport
+    from ringflow.engine.errors import PeerLostError
+
+    class Aborted(Transport):  # its last collective's kernels were aborted at the deadline
+        name, wavefront, inline = "aborted", False, True
+
+        def run(self, plan, *, wire, finish, deadline):
+            raise AssertionError("no collective may start on a failed ring")
+
+        def check(self) -> None:
+            raise PeerLostError("rank 1 is lost", peer=1, op="allreduce", rank=0)
+
+    ring = RingCollective(rank=0, world_size=1)
+    ring.check()  # nothing failed: nothing raised
+    ring._transport = Aborted()
+    with pytest.raises(PeerLostError, match="rank 1 is lost"):
+        ring.check()
+    with pytest.raises(PeerLostError, match="rank 1 is lost"):
+        ring.allreduce_(torch.ones(4))
+    ring._transport = None

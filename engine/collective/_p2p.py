@@ -377,6 +377,9 @@ class NcclTransport(Transport):
         if received is not None:
             land(hop, received, finish)
 
+    def check(self) -> None:
+        self._watchdog.raise_failure()
+
     def fail(self, deadline: Deadline) -> None:
         """Agree on the lost peer, then abort the communicator so hung kernels return.
 

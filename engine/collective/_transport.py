@@ -112,6 +112,11 @@ class Transport(abc.ABC):
     ) -> Completion | None:
         """Issue every hop of ``plan.schedule``; segments travel as ``wire``."""
 
+    def check(self) -> None:
+        """Raise the failure of device work whose completion was already waited for (see
+        ``Collective.check``); transports that wait on the host have none."""
+        return None
+
     def close(self) -> None:
         return None
 

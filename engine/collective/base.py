@@ -104,6 +104,16 @@ class Collective(abc.ABC):
         """Replace ``tensor`` on every rank by the sum over all ranks; return it."""
         return self.allreduce_(tensor, op="sum")
 
+    def check(self) -> None:
+        """Raise the failure of a collective whose ``wait`` already returned.
+
+        On GPUs ``wait`` only orders the caller's stream after the collective: the host goes
+        on, and a collective may pass its deadline (its kernels then aborted, its sums
+        meaningless) afterwards. Called once the device finished everything waited for, this
+        raises what such a collective found (``PeerLostError``); nothing otherwise.
+        """
+        return None
+
     def close(self) -> None:
         """Release the group's resources. Safe to call twice."""
         return None

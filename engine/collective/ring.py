@@ -165,6 +165,15 @@ class RingCollective(Collective):
         self._start("all_gather", out, lambda deadline: self._all_gather(out, deadline)).wait()
         return list(out.unbind(0))
 
+    def check(self) -> None:
+        if self._failure is None and self._transport is not None:
+            try:
+                self._transport.check()
+            except CollectiveError as err:
+                self._failure = err
+        if self._failure is not None:
+            raise self._failure
+
     def close(self) -> None:
         if self._thread is not None:
             self._thread.stop()
