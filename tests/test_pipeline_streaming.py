@@ -217,3 +217,32 @@ def test_each_replica_streams_its_part_of_every_batch_into_its_micro_batches(
     middle = worker(True, 1)
     assert isinstance(middle.train, SplitShape)
     assert middle.epoch_steps() == steps
+
+
+def test_a_stages_steps_fail_when_its_replicas_all_reduce_failed_after_its_wait(sharded_digits):
+    """On GPUs a replica all-reduce may fail on the device after its wait returned: the steps
+    then raise its error, so no checkpoint is taken of what it left."""
+    from ringflow.engine.errors import PeerLostError
+
+    config = TrainConfig(workers=2, batch_size=64, seed=2)
+    data = _digits(sharded_digits, False)
+    partition = check_pipeline(DigitsPipe, hparams={}, data=data, config=config, pipeline=PIPELINE)
+    worker = PipelineWorker(
+        DigitsPipe,
+        hparams={},
+        data=data,
+        config=config,
+        pipeline=PIPELINE,
+        partition=partition,
+        replica=0,
+        stage=2,
+    )
+
+    class FailedOnTheDevice:
+        def check(self) -> None:
+            raise PeerLostError("replica 1 is lost", peer=1, op="allreduce", rank=0)
+
+    worker.train_step = lambda mine, *, global_size: 0.0  # the schedule itself ran
+    worker.collective = FailedOnTheDevice()
+    with pytest.raises(PeerLostError, match="replica 1 is lost"):
+        worker.train_steps(0, 0, 2)

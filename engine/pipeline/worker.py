@@ -216,6 +216,10 @@ class PipelineWorker:
                 clip_algorithm=self.config.gradient_clip_algorithm,
             )
             samples += len(mine)
+        if self.collective is not None:  # a replicas' all-reduce the GPU aborted after its wait
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            self.collective.check()
         if not self.stage.is_last:
             return Logged()
         return Logged.means({"train_loss": total}, samples)
