@@ -23,7 +23,7 @@ optimizers, manual optimisation, and a ``ReduceLROnPlateau`` stepped every batch
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,6 +171,44 @@ class Optimization:
             self.optimizer.step()
         self.after_batch(batch_idx, last=last)
 
+    def step_in_two(
+        self, batch_idx: int, *, last: bool, ready: list[torch.Tensor], wait: Callable[[], None]
+    ) -> None:
+        """The optimizer step of batch ``batch_idx`` in two parts: the parameters whose
+        averaged gradients are ``ready`` first, while the others' still reduce; then
+        ``wait()`` for those and step the rest. Only where nothing reads every gradient
+        before the step (:meth:`steps_in_two`); the same result, bit for bit, as :meth:`step`:
+        torch's optimizers update each parameter from its own gradient and state alone."""
+        call_hook(self.module, "on_before_optimizer_step", self.optimizer)
+        first = {id(p) for p in ready}
+        _step_only(self.optimizer, lambda p: id(p) in first)
+        wait()
+        _step_only(self.optimizer, lambda p: id(p) not in first)
+        self.after_batch(batch_idx, last=last)
+
+    def steps_in_two(self, *, clip_val: float | None) -> bool:
+        """Whether :meth:`step_in_two` may replace :meth:`step`: one of torch's optimizers
+        that update each parameter alone, no step hooks, no clipping or gradient scaler,
+        and no hook of the module's own between backward and the step."""
+        from lightning.pytorch import LightningModule
+
+        overridden = [
+            name
+            for name in ("on_after_backward", "on_before_optimizer_step")
+            if getattr(type(self.module), name, None) is not getattr(LightningModule, name)
+            and hasattr(self.module, name)
+        ]
+        hooks = getattr(self.optimizer, "_optimizer_step_pre_hooks", None) or getattr(
+            self.optimizer, "_optimizer_step_post_hooks", None
+        )
+        return (
+            type(self.optimizer) in _PER_PARAMETER
+            and not hooks
+            and not clip_val
+            and self.precision.scaler is None
+            and not overridden
+        )
+
     def after_batch(self, batch_idx: int, *, last: bool) -> None:
         """Step the schedulers due after the optimizer step of batch ``batch_idx`` of an epoch
         (``last``: the epoch's last batch, where epoch-interval schedulers step)."""
@@ -285,6 +323,34 @@ def uncalled_hooks(module_cls: type, *, called: frozenset[str] = CALLED_HOOKS) -
         for name in hooks - called
         if getattr(module_cls, name, None) is not getattr(L.LightningModule, name, None)
     )
+
+
+_PER_PARAMETER = {
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+}
+"""torch's optimizers whose step updates each parameter from its own gradient and state."""
+
+
+def _step_only(optimizer: torch.optim.Optimizer, chosen: Callable[[torch.Tensor], bool]) -> None:
+    """``optimizer.step()`` over the parameters ``chosen`` picks, each group keeping its
+    settings (its parameter list is narrowed for the call, then given back)."""
+    groups = optimizer.param_groups
+    everyone = [group["params"] for group in groups]
+    try:
+        for group, params in zip(groups, everyone, strict=True):
+            group["params"] = [p for p in params if chosen(p)]
+        optimizer.step()
+    finally:
+        for group, params in zip(groups, everyone, strict=True):
+            group["params"] = params
 
 
 def call_hook(module: torch.nn.Module, name: str, *args: Any) -> Any:

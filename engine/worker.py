@@ -319,8 +319,22 @@ class RankWorker:
             compression=self.config.compression,
             **backend,
         )
+        self._prepare_buckets()
+
+    def _prepare_buckets(self) -> None:
         self.buckets = GradientBuckets(self.params, self.collective, bucket_bytes=self.bucket_bytes)
         self.buckets.timeline = self.timeline
+        # While the last bucket (the first layers') reduces, step the parameters whose sums
+        # are in: the optimizer then hides the all-reduce that backward could not.
+        last = {id(p) for p in self.buckets.last_params}
+        self._ready_first = [p for p in self.params if id(p) not in last]
+        self._steps_in_two = (
+            self.world_size > 1
+            and self.config.accumulate_grad_batches == 1
+            and bool(last)
+            and bool(self._ready_first)
+            and self.optimization.steps_in_two(clip_val=self.config.gradient_clip_val)
+        )
 
     def reconfigure(self, rank: int, world_size: int, init_method: str = "") -> None:
         """Leave the old ring and join a new one as ``rank`` of ``world_size``, keeping state.
@@ -460,7 +474,9 @@ class RankWorker:
         (where every share is alike, the buckets' all-reduces average instead); with it, to
         the loss, and the buckets reduce the window's summed gradients once.
         The module's hooks run where Trainer runs them (``on_after_backward`` sees the
-        averaged gradients of a window's last batch).
+        averaged gradients of a window's last batch). Where nothing reads every gradient
+        before the step, the optimizer steps the parameters whose buckets are reduced while
+        the last bucket still reduces, then the rest (``Optimization.step_in_two``).
         """
         self.module.train()
         window = self.config.accumulate_grad_batches
@@ -484,12 +500,8 @@ class RankWorker:
         if step % window == 0:
             call_hook(self.module, "on_before_zero_grad", self.optimizer)
             self.optimizer.zero_grad(set_to_none=False)
-        if steps and window > 1:  # buckets start their all-reduces from inside backward
-            self.buckets.start()  # the loss carried the weight
-        elif steps and global_size % self.world_size == 0:
-            self.buckets.start(average=True)  # every rank's share alike: the mean of the sums
-        elif steps:
-            self.buckets.start(weight=weight)
+        if steps:  # buckets start their all-reduces from inside backward
+            self._start_buckets(window=window, weight=weight, global_size=global_size)
         out = None
         if batch is not None:
             self.metric_log.enter("training_step", batch_size=len(mine), log_step=log_step)
@@ -504,26 +516,45 @@ class RankWorker:
             self.precision.backward(loss if window == 1 else loss * (weight / window))
             timeline.stop("backward")
             self.metric_log.record("train_loss", logged_number(loss), len(mine))
+        # (Not while the timeline records: its probe stream joins every bucket at once.)
+        in_two = steps and self._steps_in_two and timeline is UNTIMED
         if steps:
             timeline.start("gradient_wait")
-            self.buckets.finish()
+            self.buckets.finish(leave_last=in_two)
             timeline.stop("gradient_wait")
         if batch is not None:
             call_hook(self.module, "on_after_backward")
         if steps:
-            timeline.start("optimizer")
-            self.optimization.step(
-                step,
-                last=step == self.steps_per_epoch - 1,
-                clip_val=self.config.gradient_clip_val,
-                clip_algorithm=self.config.gradient_clip_algorithm,
-            )
-            timeline.stop("optimizer")
-            self.trainer.global_step += 1
+            self._optimizer_step(step, in_two=in_two, timeline=timeline)
         if batch is not None:
             self.metric_log.enter("on_train_batch_end", batch_size=len(mine), log_step=log_step)
             call_hook(self.module, "on_train_batch_end", out, batch, step)
         timeline.end()
+
+    def _start_buckets(self, *, window: int, weight: float, global_size: int) -> None:
+        if window > 1:
+            self.buckets.start()  # the loss carried the weight
+        elif global_size % self.world_size == 0:
+            self.buckets.start(average=True)  # every rank's share alike: the mean of the sums
+        else:
+            self.buckets.start(weight=weight)
+
+    def _optimizer_step(self, step: int, *, in_two: bool, timeline: Any) -> None:
+        last = step == self.steps_per_epoch - 1
+        if in_two:
+            self.optimization.step_in_two(
+                step, last=last, ready=self._ready_first, wait=self.buckets.finish_last
+            )
+        else:
+            timeline.start("optimizer")
+            self.optimization.step(
+                step,
+                last=last,
+                clip_val=self.config.gradient_clip_val,
+                clip_algorithm=self.config.gradient_clip_algorithm,
+            )
+            timeline.stop("optimizer")
+        self.trainer.global_step += 1
 
     def train_epoch_end(self, epoch: int) -> Logged:
         """Trainer's ``on_train_epoch_end`` (after the epoch's validation); what it logged."""

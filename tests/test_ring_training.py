@@ -30,3 +30,33 @@ def test_ring_training_ends_with_the_weights_of_native_training(ray_session, dig
     assert relative_difference(ring, native) < 1e-5
     initial = DigitsClassifier(hidden=32).state_dict()
     assert relative_difference(native, initial) > 1e-2  # training really moved the weights
+
+
+class _HookedDigits(DigitsClassifier):
+    """Reads every gradient before the step (as a user's clipping or logging would): its
+    workers step the optimizer once, after every bucket is reduced."""
+
+    def on_after_backward(self) -> None:
+        return None
+
+
+@pytest.mark.ray
+def test_stepping_while_the_last_bucket_reduces_ends_bit_for_bit_as_one_step(
+    ray_session, digits, tmp_path
+):
+    """With several buckets, the parameters whose sums are in step while the last bucket's
+    all-reduce runs, then the rest: the same weights, bit for bit, as one step after all."""
+    # 1 KiB buckets: the output layer's, then the hidden layer's (reduced last).
+    config = TrainConfig(workers=2, epochs=1, batch_size=64, seed=3, bucket_mb=0.001)
+    runs = {
+        module.__name__: fit(
+            module,
+            hparams={"hidden": 32, "lr": 0.01},
+            data=digits,
+            config=config,
+            checkpoint_uri=str(tmp_path / module.__name__),
+        ).state_dict
+        for module in (DigitsClassifier, _HookedDigits)
+    }
+    two, one = runs["DigitsClassifier"], runs["_HookedDigits"]
+    assert all(torch.equal(two[k], one[k]) for k in one)

@@ -108,20 +108,39 @@ class GradientBuckets:
         for bucket in self._buckets:
             bucket.filled = [False] * len(bucket.params)
 
-    def finish(self) -> None:
-        """Start the buckets backward left, wait for all: the sums are in ``.grad``."""
+    @property
+    def last_params(self) -> list[torch.Tensor]:
+        """The parameters of the bucket reduced last (the first layers')."""
+        return list(self._buckets[-1].params) if self._buckets else []
+
+    def finish(self, *, leave_last: bool = False) -> None:
+        """Start the buckets backward left, wait for all: the sums are in ``.grad``.
+
+        With ``leave_last``, wait for all but the last bucket, whose all-reduce goes on (the
+        caller may use the others' sums meanwhile); :meth:`finish_last` waits for it.
+        """
         try:
             for bucket in self._buckets[len(self._works) :]:
                 for slot, param in enumerate(bucket.params):
                     if not bucket.filled[slot]:
                         self._fill(bucket, slot, param)
                 self._launch(bucket)
-            for work in self._works:
+            for work in self._works[:-1] if leave_last else self._works:
                 work.wait()
-            if self.timeline is not None:  # it may have waited on a stream of its own
-                self.timeline.join()
+            if not leave_last:
+                self._joined()
         finally:
             self._active = False
+
+    def finish_last(self) -> None:
+        """Wait for the last bucket after ``finish(leave_last=True)``."""
+        if self._works:
+            self._works[-1].wait()
+        self._joined()
+
+    def _joined(self) -> None:
+        if self.timeline is not None:  # it may have waited on a stream of its own
+            self.timeline.join()
 
     def close(self) -> None:
         """Stop reducing; gradients that are bucket views become tensors of their own, so
