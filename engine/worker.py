@@ -516,8 +516,7 @@ class RankWorker:
             self.precision.backward(loss if window == 1 else loss * (weight / window))
             timeline.stop("backward")
             self.metric_log.record("train_loss", logged_number(loss), len(mine))
-        # (Not while the timeline records: its probe stream joins every bucket at once.)
-        in_two = steps and self._steps_in_two and timeline is UNTIMED
+        in_two = steps and self._steps_in_two
         if steps:
             timeline.start("gradient_wait")
             self.buckets.finish(leave_last=in_two)
@@ -541,19 +540,19 @@ class RankWorker:
 
     def _optimizer_step(self, step: int, *, in_two: bool, timeline: Any) -> None:
         last = step == self.steps_per_epoch - 1
+        timeline.start("optimizer")  # with the last bucket's wait, when in two
         if in_two:
             self.optimization.step_in_two(
                 step, last=last, ready=self._ready_first, wait=self.buckets.finish_last
             )
         else:
-            timeline.start("optimizer")
             self.optimization.step(
                 step,
                 last=last,
                 clip_val=self.config.gradient_clip_val,
                 clip_algorithm=self.config.gradient_clip_algorithm,
             )
-            timeline.stop("optimizer")
+        timeline.stop("optimizer")
         self.trainer.global_step += 1
 
     def train_epoch_end(self, epoch: int) -> Logged:

@@ -117,7 +117,9 @@ class GradientBuckets:
         """Start the buckets backward left, wait for all: the sums are in ``.grad``.
 
         With ``leave_last``, wait for all but the last bucket, whose all-reduce goes on (the
-        caller may use the others' sums meanwhile); :meth:`finish_last` waits for it.
+        caller may use the others' sums meanwhile); :meth:`finish_last` waits for it. (A
+        timeline's probe stream may have waited for every bucket already: it is joined only
+        then, the compute stream having waited for each of the others itself.)
         """
         try:
             for bucket in self._buckets[len(self._works) :]:

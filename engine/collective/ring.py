@@ -318,14 +318,17 @@ class _DeviceWork(CollectiveWork):
         self, result: torch.Tensor, completion: Completion | None, *, ring: RingCollective
     ) -> None:
         self._result, self._completion, self._ring = result, completion, ring
+        self._waited = False
 
     def wait(self) -> torch.Tensor:
+        """Order the calling stream after the collective, on every call: a timeline's probe
+        stream may wait for it first, the compute stream later."""
         self._ring._settle(self._completion)
-        self._completion = None
+        self._waited = True
         return self._result
 
     def is_completed(self) -> bool:
-        return self._completion is None
+        return self._waited
 
 
 class _CommThread:
