@@ -215,9 +215,11 @@ def test_a_killed_worker_leaves_two_that_go_on_and_a_third_rejoins(ray_session, 
 
 @pytest.mark.ray
 def test_a_worker_replaced_at_once_ends_bit_for_bit(ray_session, digits, tmp_path):
-    reference = _fit(digits, tmp_path, "reference", workers=2)
+    # Two buckets: the optimizer steps the first while the second reduces (step_in_two).
+    two = {"workers": 2, "bucket_mb": 0.001}
+    reference = _fit(digits, tmp_path, "reference", **two)
     on_epoch, struck = _strike(signal.SIGKILL, after_epoch=1, delay_s=0.0)
-    result = _fit(digits, tmp_path, "replaced", workers=2, on_epoch=on_epoch)
+    result = _fit(digits, tmp_path, "replaced", on_epoch=on_epoch, **two)
     assert struck
     assert [e.kind for e in result.events] == ["lost", "rollback", "joined", "recovered"]
     assert result.events[-1].workers == 2
