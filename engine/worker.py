@@ -361,24 +361,11 @@ class RankWorker:
         """
         model = _host_copy(self.module.state_dict())
         optimizer = _host_copy(self.optimizer.state_dict())
-        self._collectives_succeeded()  # never a commit of what an aborted collective left
+        # Never a commit of what an aborted collective left.
+        collectives_succeeded(self.collective, self.device)
         self._commits[step] = (model, optimizer, self.optimization.state_dict())
         for old in sorted(self._commits)[:-2]:
             del self._commits[old]
-
-    def _collectives_succeeded(self) -> None:
-        """Raise ``PeerLostError`` if a collective of the steps so far failed on the device.
-
-        On a GPU the host queues steps ahead and a gradient all-reduce may pass its deadline
-        after its ``wait`` returned (a peer lost, or later than the deadline): its kernels are
-        aborted and the weights stepped with meaningless sums. Waiting for the device first,
-        the failure is known by then, and the steps fail as if the collective had raised.
-        """
-        if self.collective is None:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.collective.check()
 
     def rollback(self, step: int) -> None:
         """Return to the commit of ``step`` (model, optimizer and schedulers, bit for bit).
@@ -458,7 +445,7 @@ class RankWorker:
         ):
             self._train_step(mine, global_size, epoch, step)
             samples += len(mine)
-        self._collectives_succeeded()
+        collectives_succeeded(self.collective, self.device)
         logged = self.metric_log.take()
         logged.samples = samples
         logged.rows = self.trainer.recorder.take()
@@ -722,6 +709,21 @@ def evaluate_module(
     logged = log.take()
     logged.samples = len(indices)
     return logged
+
+
+def collectives_succeeded(collective: Collective | None, device: torch.device) -> None:
+    """Raise ``PeerLostError`` if a collective of the steps so far failed on the device.
+
+    On a GPU the host queues steps ahead and a gradient all-reduce may pass its deadline
+    after its ``wait`` returned (a peer lost, or later than the deadline): its kernels are
+    aborted and the weights stepped with meaningless sums. Waiting for the device first, the
+    failure is known by then, and the steps fail as if the collective had raised.
+    """
+    if collective is None:
+        return
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    collective.check()
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:

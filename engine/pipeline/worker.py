@@ -27,6 +27,7 @@ from ringflow.engine.pipeline.partition import Partition
 from ringflow.engine.pipeline.schedule import stage_actions
 from ringflow.engine.pipeline.stage import PipelineStage
 from ringflow.engine.worker import (
+    collectives_succeeded,
     epoch_batches,
     free_address,
     split_global_batch,
@@ -216,10 +217,7 @@ class PipelineWorker:
                 clip_algorithm=self.config.gradient_clip_algorithm,
             )
             samples += len(mine)
-        if self.collective is not None:  # a replicas' all-reduce the GPU aborted after its wait
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            self.collective.check()
+        collectives_succeeded(self.collective, self.device)  # none aborted after its wait
         if not self.stage.is_last:
             return Logged()
         return Logged.means({"train_loss": total}, samples)
