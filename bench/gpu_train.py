@@ -82,6 +82,9 @@ class Spec:
     mode: str = "eager"
     compile_backend: str = "inductor"
     bucket_mb: float = 25.0
+    collective: str = "ring"
+    """Ours' collective (``TrainConfig.collective``): ``ring``, or ``native`` to set the engine
+    beside DDP on NCCL's all-reduce, everything else ours."""
     precision: str = "bf16-mixed"
     seed: int = 0
     lr: float = 6e-4
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{flops / 1e9:.3f} GFLOP/token), per-GPU batch {spec.per_gpu_batch} x {spec.seq_len} "
         f"tokens, {spec.warmup_epochs * spec.steps} warm-up steps, then {spec.steps} of which "
         f"the last {spec.steps - 1} are timed, {spec.precision}, bucket {spec.bucket_mb} MiB, "
-        f"device {_device_name(spec)}, "
+        f"ours' collective {spec.collective}, device {_device_name(spec)}, "
         f"torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         flush=True,
     )
@@ -290,6 +293,7 @@ def _run_ours(spec: Spec) -> Result:
                 batch_size=spec.global_batch,
                 seed=spec.seed,
                 bucket_mb=spec.bucket_mb,
+                collective=spec.collective,
                 precision=spec.precision,
                 gpus_per_worker=1 if spec.device == "cuda" else 0,
                 cpus_per_worker=1.0,
@@ -631,6 +635,12 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
         help="untimed steps first, rounded up to whole epochs of --steps; default --steps",
     )
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument(
+        "--collective",
+        choices=("ring", "native"),
+        default="ring",
+        help="ours' collective: our ring, or torch.distributed's all-reduce (the engine alone)",
+    )
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--precision", default="bf16-mixed", help="as TrainConfig.precision")
     parser.add_argument("--seed", type=int, default=0)
@@ -666,6 +676,7 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
         warmup_epochs=max(1, math.ceil(warmup / args.steps)),
         compile_backend=args.compile_backend,
         bucket_mb=args.bucket_mb,
+        collective=args.collective,
         precision=args.precision,
         seed=args.seed,
     )
