@@ -37,7 +37,7 @@ from ringflow.storage.store import (
     _metrics,
 )
 
-__all__ = ["AsyncCheckpointer", "SaveFailure"]
+__all__ = ["AsyncCheckpointer", "SaveFailure", "copy_to_host", "host_buffer"]
 
 _log = logging.getLogger(__name__)
 
@@ -434,8 +434,8 @@ class _StagingBuffers:
         """
         named = [(s, n, t) for s, tensors in shards.items() for n, t in tensors.items()]
         signature = tuple((s, n, t.dtype, tuple(t.shape), t.device.type) for s, n, t in named)
-        targets = self._take(signature, reuse) or [_host_buffer(t) for _, _, t in named]
-        _copy_all(targets, [t for _, _, t in named])
+        targets = self._take(signature, reuse) or [host_buffer(t) for _, _, t in named]
+        copy_to_host(targets, [t for _, _, t in named])
         copied: _Shards = {shard: {} for shard in shards}
         for (shard, name, _), target in zip(named, targets, strict=True):
             copied[shard][name] = target
@@ -453,7 +453,12 @@ class _StagingBuffers:
         return free[1] if free is not None and free[0] == signature else None
 
 
-def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+def copy_to_host(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each of ``sources`` into its host tensor in ``targets``; returns once all landed.
+
+    A GPU's tensors go as asynchronous copies into pinned memory (:func:`host_buffer`), all
+    queued before one wait, at the bus's rate; host tensors in one call.
+    """
     with torch.no_grad():
         if all(source.device.type == "cpu" for source in sources):
             # One call for all tensors: a Python loop of copy_ costs more than the copies
@@ -466,6 +471,8 @@ def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
             torch.cuda.synchronize()  # the non-blocking copies must land before we return
 
 
-def _host_buffer(source: torch.Tensor) -> torch.Tensor:
-    pinned = source.device.type == "cuda"  # pinned memory makes device-to-host copies async
+def host_buffer(source: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor for a copy of ``source``, pinned if ``source`` is on a GPU (the
+    copy is then asynchronous, and several times faster than into pageable memory)."""
+    pinned = source.device.type == "cuda"
     return torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pinned)

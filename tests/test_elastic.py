@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -292,3 +293,56 @@ def test_steps_whose_collective_failed_after_its_wait_fail_and_are_never_committ
         worker.commit(2)
     assert sorted(worker._commits) == [0]
     worker.close()
+
+
+def test_commits_reuse_the_host_tensors_of_those_dropped_and_keep_the_one_to_roll_back_to(digits):
+    """A commit copies into the host tensors of a commit no longer needed (fresh pages cost
+    more than the copy), never into the one a rollback may still need: after rolling back
+    to step 4 and training again, the new commit of step 6 replaces the undone one, and 4
+    stays. Every commit holds its own step's state, bit for bit."""
+    from ringflow.engine.worker import RankWorker
+
+    config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
+    worker = RankWorker(DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0)
+    worker.connect()
+
+    def train_and_commit(first: int) -> dict[str, torch.Tensor]:
+        worker.train_steps(0, first, 2)
+        worker.commit(first + 2)
+        return {k: v.detach().clone() for k, v in worker.module.state_dict().items()}
+
+    def holds(step: int, weights: dict[str, torch.Tensor]) -> bool:
+        model = worker._commits[step][0]
+        return all(torch.equal(model[k], v) for k, v in weights.items())
+
+    worker.commit(0)  # before the first step: no optimizer state yet, another layout
+    train_and_commit(0)
+    reused = worker._commit_tensors[2]
+    at_4 = train_and_commit(2)
+    at_6 = train_and_commit(4)
+    assert sorted(worker._commits) == [4, 6]
+    assert worker._commit_tensors[6] is reused  # commit 2's tensors took commit 6
+    assert holds(4, at_4)
+    assert holds(6, at_6)
+    worker.rollback(4)
+    assert all(torch.equal(v, at_4[k]) for k, v in worker.module.state_dict().items())
+    again = train_and_commit(4)  # the undone commit of 6 goes; the one of 4 stays
+    assert sorted(worker._commits) == [4, 6]
+    assert all(torch.equal(v, at_6[k]) for k, v in again.items())  # the same steps, bit for bit
+    assert holds(4, at_4)
+    assert holds(6, at_6)
+    worker.close()
+
+
+def test_the_commit_benchmark_copies_the_whole_state(capsys):
+    """bench/commit.py times the three copies of the same state; its last line is its JSON."""
+    from bench import commit
+    from ringflow.models.gpt import GPT, GPTConfig
+
+    summary = commit.main(["--device", "cpu", "--preset", "tiny", "--rounds", "2"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+    params = GPT(GPTConfig.preset("tiny")).state_dict().values()
+    weights = sum(t.numel() * t.element_size() for t in params)
+    assert summary["bytes"] >= 3 * weights  # the weights and AdamW's two moments
+    assert summary["commit_s"] > 0
+    assert summary["per_tensor_s"] > 0

@@ -97,9 +97,9 @@ def test_a_newer_save_replaces_the_waiting_one(
     s3: S3Endpoint, faults: Faults, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     allocated = []
-    original = checkpointer_module._host_buffer
+    original = checkpointer_module.host_buffer
     monkeypatch.setattr(
-        checkpointer_module, "_host_buffer", lambda t: allocated.append(t) or original(t)
+        checkpointer_module, "host_buffer", lambda t: allocated.append(t) or original(t)
     )
     store = s3_store(s3)
     faults.methods, faults.slow_rate, faults.slow_s = frozenset({"PUT"}), 1.0, 0.3
