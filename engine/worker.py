@@ -788,8 +788,8 @@ def _host_copy(
         return item
 
     skeleton = strip(value)
-    layout = [(t.shape, t.dtype, t.is_cuda) for t in sources]
-    fits = reuse is not None and [(t.shape, t.dtype, t.is_pinned()) for t in reuse] == layout
+    layout = [(t.shape, t.dtype) for t in sources]  # a worker's tensors stay on their device
+    fits = reuse is not None and [(t.shape, t.dtype) for t in reuse] == layout
     targets = reuse if fits else [host_buffer(t) for t in sources]
     copy_to_host(targets, sources)
     return fill(skeleton), targets
