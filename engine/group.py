@@ -373,7 +373,10 @@ class RayWorkerGroup(WorkerGroup):
         A worker whose actor died is lost. A worker whose call failed with a collective
         error survived but saw a peer go; once one call has failed, the others get the
         collective deadline plus a margin to finish, and a worker still busy then is lost
-        too (it stopped answering: SIGSTOP, a hung host).
+        too (it stopped answering: SIGSTOP, a hung host). In calls every member runs alike
+        (:data:`_ALIKE`) the others get that much once one call has *returned*, too: a host
+        stopped outside any collective (in a commit) would otherwise hang the run until Ray
+        gives up on it, minutes later.
         """
         import ray
 
@@ -401,7 +404,7 @@ class RayWorkerGroup(WorkerGroup):
                         rank=rank,
                     ) from err.cause
                 blamed.append((worker, err.cause))
-            if (lost or blamed) and grace_until is None:
+            if (lost or blamed or method in _ALIKE) and grace_until is None:
                 grace_until = time.monotonic() + self._config.collective_timeout_s + 2.0
         for worker in pending.values():
             lost[worker] = "it stopped answering"
@@ -412,6 +415,12 @@ class RayWorkerGroup(WorkerGroup):
         if blamed:
             raise blamed[0][1]
         return [results[w] for w in refs]
+
+
+_ALIKE = frozenset({"train_steps", "commit"})
+"""Calls in which every member does the same work, in step with the others (the same steps
+and collectives; the same state copied): one member still busy long after another returned
+has stopped answering."""
 
 
 def _why_gone(err: Exception) -> str:

@@ -242,6 +242,48 @@ def test_a_stopped_worker_is_dropped_at_the_deadline(ray_session, digits, tmp_pa
     assert time.monotonic() - started < 120
 
 
+class HangsInACommit(DigitsClassifier):
+    """Rank 1's host hangs in its first commit after a step (its state never comes), once: a
+    worker stopped outside any collective, which no survivor's deadline sees."""
+
+    def __init__(self, marker: str, **hparams) -> None:
+        super().__init__(**hparams)
+        self.marker = marker
+
+    def state_dict(self, *args, **kwargs):
+        if self.global_rank == 1 and self.global_step > 0 and not os.path.exists(self.marker):
+            with open(self.marker, "w") as hung:
+                hung.write(str(time.time()))
+            time.sleep(600)
+        return super().state_dict(*args, **kwargs)
+
+
+@pytest.mark.ray
+def test_a_worker_hung_in_a_commit_is_dropped_at_the_deadline(ray_session, digits, tmp_path):
+    marker = tmp_path / "hung"
+    started = time.monotonic()
+    result = fit(
+        HangsInACommit,
+        hparams={**HPARAMS, "marker": str(marker)},
+        data=digits,
+        config=TrainConfig(
+            workers=3,
+            min_workers=2,
+            epochs=2,
+            batch_size=64,
+            seed=2,
+            cpus_per_worker=0.5,
+            collective_timeout_s=3.0,
+        ),
+        checkpoint_uri=str(tmp_path / "hung-run"),
+    )
+    lost = next(e for e in result.events if e.kind == "lost")
+    assert "lost during commit: it stopped answering" in lost.cause
+    assert lost.at - float(marker.read_text()) < 3.0 + 2.0 + 5.0  # deadline + margin + slack
+    assert [e.kind for e in result.events][:3] == ["lost", "rollback", "recovered"]
+    assert time.monotonic() - started < 120
+
+
 @pytest.mark.ray
 def test_losing_more_workers_than_the_budget_fails_with_the_reason(ray_session, digits, tmp_path):
     on_epoch, _ = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.0)
