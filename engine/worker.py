@@ -10,7 +10,6 @@ import copy
 import os
 import socket
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -763,38 +762,27 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
 def _host_copy(
     value: Any, *, reuse: list[torch.Tensor] | None = None
 ) -> tuple[Any, list[torch.Tensor]]:
-    """A deep copy of ``value`` (state dicts) with every tensor copied to host memory, into
-    ``reuse``'s tensors where they have the same shapes and dtypes in the same order; returns
-    the copy and its tensors (``reuse`` for the next copy)."""
+    """A deep copy of ``value`` (state dicts) with every tensor copied to host memory, the
+    ``i``-th into ``reuse[i]`` where that has its shape and dtype; returns the copy and its
+    tensors (``reuse`` for the next copy)."""
+    spare = reuse or []
     sources: list[torch.Tensor] = []
+    targets: list[torch.Tensor] = []
 
-    def strip(item: Any) -> Any:  # the structure, each tensor replaced by its index
+    def walk(item: Any) -> Any:
         if isinstance(item, torch.Tensor):
+            i = len(sources)
             sources.append(item.detach())
-            return _Slot(len(sources) - 1)
+            old = spare[i] if i < len(spare) else None
+            fits = old is not None and (old.shape, old.dtype) == (item.shape, item.dtype)
+            targets.append(old if fits else host_buffer(item))
+            return targets[-1]
         if isinstance(item, Mapping):
-            return {k: strip(v) for k, v in item.items()}
+            return {k: walk(v) for k, v in item.items()}
         if isinstance(item, list | tuple) and not hasattr(item, "_fields"):
-            return type(item)(strip(v) for v in item)
+            return type(item)(walk(v) for v in item)
         return copy.deepcopy(item)
 
-    def fill(item: Any) -> Any:
-        if isinstance(item, _Slot):
-            return targets[item.index]
-        if isinstance(item, Mapping):
-            return {k: fill(v) for k, v in item.items()}
-        if isinstance(item, list | tuple) and not hasattr(item, "_fields"):
-            return type(item)(fill(v) for v in item)
-        return item
-
-    skeleton = strip(value)
-    layout = [(t.shape, t.dtype) for t in sources]  # a worker's tensors stay on their device
-    fits = reuse is not None and [(t.shape, t.dtype) for t in reuse] == layout
-    targets = reuse if fits else [host_buffer(t) for t in sources]
+    copied = walk(value)
     copy_to_host(targets, sources)
-    return fill(skeleton), targets
-
-
-@dataclass(frozen=True)
-class _Slot:
-    index: int
+    return copied, targets

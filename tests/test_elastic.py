@@ -155,10 +155,12 @@ def _worker_pids() -> list[int]:
     return sorted(pids)
 
 
-def _fit(digits, tmp_path, name, *, on_epoch=None, module=DigitsClassifier, **config):
+def _fit(
+    digits, tmp_path, name, *, on_epoch=None, module=DigitsClassifier, hparams=HPARAMS, **config
+):
     return fit(
         module,
-        hparams=HPARAMS,
+        hparams=hparams,
         data=digits,
         config=TrainConfig(
             **{
@@ -262,21 +264,8 @@ class HangsInACommit(DigitsClassifier):
 def test_a_worker_hung_in_a_commit_is_dropped_at_the_deadline(ray_session, digits, tmp_path):
     marker = tmp_path / "hung"
     started = time.monotonic()
-    result = fit(
-        HangsInACommit,
-        hparams={**HPARAMS, "marker": str(marker)},
-        data=digits,
-        config=TrainConfig(
-            workers=3,
-            min_workers=2,
-            epochs=2,
-            batch_size=64,
-            seed=2,
-            cpus_per_worker=0.5,
-            collective_timeout_s=3.0,
-        ),
-        checkpoint_uri=str(tmp_path / "hung-run"),
-    )
+    hung = {"module": HangsInACommit, "hparams": {**HPARAMS, "marker": str(marker)}}
+    result = _fit(digits, tmp_path, "run", min_workers=2, epochs=2, **hung)
     lost = next(e for e in result.events if e.kind == "lost")
     assert "lost during commit: it stopped answering" in lost.cause
     assert lost.at - float(marker.read_text()) < 3.0 + 2.0 + 5.0  # deadline + margin + slack
@@ -363,7 +352,8 @@ def test_commits_reuse_the_host_tensors_of_those_dropped_and_keep_the_one_to_rol
     at_4 = train_and_commit(2)
     at_6 = train_and_commit(4)
     assert sorted(worker._commits) == [4, 6]
-    assert worker._commit_tensors[6] is reused  # commit 2's tensors took commit 6
+    # Commit 2's tensors took commit 6.
+    assert all(a is b for a, b in zip(worker._commit_tensors[6], reused, strict=True))
     assert holds(4, at_4)
     assert holds(6, at_6)
     worker.rollback(4)
