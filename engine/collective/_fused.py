@@ -7,9 +7,11 @@ one kernel. So does this path, a two-shot all-reduce in which every rank *pushes
 stores are posted, and go at nearly the link's rate; loads wait a round trip each):
 
 1. reduce-scatter: rank ``r`` stores chunk ``p`` of its tensor into slot ``r`` of rank ``p``'s
-   stage, for every ``p`` at once;
-2. a barrier; rank ``r`` sums the slots of its own chunk in float32, in rank order, and stores
-   the sum into its tensor and into every other rank's stage;
+   stage, for every other ``p`` at once (its own chunk ``r`` stays in its tensor: a local
+   copy would only take memory bandwidth from the backward pass the collective overlaps);
+2. a barrier; rank ``r`` sums its chunk ``r``, the others' from its slots and its own from
+   its tensor, in float32, in rank order, and stores the sum into its tensor and into every
+   other rank's stage;
 3. a barrier; rank ``r`` copies the sums the others pushed into its stage into its tensor.
 
 Each of the kernel's blocks handles the same offsets on every rank and synchronises only with

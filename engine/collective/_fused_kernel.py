@@ -140,11 +140,17 @@ def _put(pointers, value, keep, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _sum_slots(own, o, keep, chunk, MASKED: tl.constexpr, WORLD: tl.constexpr):
-    """The sum in float32, in rank order, of the ``WORLD`` slots of ``own`` at ``o``."""
+def _sum_slots(
+    own, mine, o, keep, chunk, RANK: tl.constexpr, MASKED: tl.constexpr, WORLD: tl.constexpr
+):
+    """The sum in float32, in rank order, at ``o``: of the other ranks' slots of ``own``, and
+    of this rank's own chunk ``mine`` where it lies (it never went through the stage)."""
     total = tl.zeros(o.shape, dtype=tl.float32)
     for q in tl.static_range(WORLD):
-        total += _get(own + q * chunk + o, keep, MASKED).to(tl.float32)
+        if q == RANK:
+            total += _get(mine + o, keep, MASKED).to(tl.float32)
+        else:
+            total += _get(own + q * chunk + o, keep, MASKED).to(tl.float32)
     return total
 
 
@@ -166,8 +172,9 @@ def _push_slots(
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Phase 1: chunk p of the tensor into slot RANK of rank p's stage, every p in one step;
-    whole blocks unmasked, then the tail masked."""
+    """Phase 1: chunk p of the tensor into slot RANK of rank p's stage, every other p in one
+    step (this rank's own chunk stays where it is); whole blocks unmasked, then the tail
+    masked."""
     block = tl.program_id(0)
     stride = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
@@ -197,7 +204,7 @@ def _push_step(
     WORLD: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    for k in tl.static_range(WORLD):
+    for k in tl.static_range(1, WORLD):
         p = (RANK + k) % WORLD
         keep = (o < chunk) & (p * chunk + o < n)
         value = _get(flat + p * chunk + o, keep, MASKED)
@@ -234,12 +241,14 @@ def _reduce_step(
     IN_PLACE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """Phase 2 at offsets ``o`` of chunk RANK: the slots' sum into the tensor and every peer's
-    stage (or, ``IN_PLACE``, straight into every peer's tensor ``f<p>``)."""
+    """Phase 2 at offsets ``o`` of chunk RANK: the sum of the slots and of the tensor's own
+    chunk into the tensor and every peer's stage (or, ``IN_PLACE``, straight into every
+    peer's tensor ``f<p>``). No peer writes this chunk of the tensor: each block reads its
+    offsets before it writes them."""
     own = _pick(RANK, s0, s1, s2, s3, s4, s5, s6, s7)
     start = RANK * chunk
     keep = (o < chunk) & (start + o < n)
-    total = _sum_slots(own, o, keep, chunk, MASKED, WORLD)
+    total = _sum_slots(own, flat + start, o, keep, chunk, RANK, MASKED, WORLD)
     if AVERAGE:
         total = total / WORLD
     value = total.to(flat.dtype.element_ty)
