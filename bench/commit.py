@@ -10,10 +10,13 @@ same state (``ringflow.models.gpt``, one AdamW step taken so its state exists):
 - ``ours, fresh``: the commit's copy into new host tensors (pinned on a GPU: all copies
   queued, one wait);
 - ``ours, reused``: into the host tensors of a commit already dropped, as every commit after
-  the first two does.
+  the first two does;
+- ``ours, queued`` (GPU only): the same, queued on a copy stream as a worker's commit is,
+  timed until the commit returns; the copies then land while the next steps' forward and
+  backward passes run, and only the next optimizer step waits for them, on the GPU.
 
-The last line is one JSON object: ``commit_s`` (ours, reused), ``per_tensor_s``, ``speedup``
-and ``bytes`` (of the state).
+The last line is one JSON object: ``commit_s`` (ours, reused), ``per_tensor_s``, ``fresh_s``,
+``queued_s`` (GPU), ``speedup`` and ``bytes`` (of the state).
 
     python -m bench.commit                        # GPU if there is one
     python -m bench.commit --device cpu --preset gpt2_small
@@ -53,12 +56,14 @@ def _per_tensor(value: Any) -> Any:
     return value
 
 
-def _timed(copy: Callable[[], Any], rounds: int) -> float:
+def _timed(copy: Callable[[], Any], rounds: int, settle: Callable[[], Any] = lambda: None) -> float:
     """The median of ``rounds`` copies, each kept until two newer ones exist (a worker keeps
-    two commits), so fresh copies get fresh pages as in training."""
+    two commits), so fresh copies get fresh pages as in training; ``settle`` runs untimed
+    before each."""
     kept: list[Any] = []
     times = []
     for _ in range(rounds):
+        settle()
         started = time.perf_counter()
         kept = [*kept[-1:], copy()]
         times.append(time.perf_counter() - started)
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def states() -> tuple[dict[str, Any], dict[str, Any]]:
         return model.state_dict(), optimizer.state_dict()
 
-    _, tensors = _host_copy(states())
+    _, tensors, _ = _host_copy(states())
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     gigabytes = nbytes / 1e9
     reused = {"tensors": tensors}
@@ -92,6 +97,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ours, fresh": _timed(lambda: _host_copy(states()), args.rounds),
         "ours, reused": _timed(into_reused, args.rounds),
     }
+    if args.device == "cuda":
+        stream = torch.cuda.Stream()
+
+        def queued() -> None:
+            reused["tensors"] = _host_copy(states(), reuse=reused["tensors"], stream=stream)[1]
+
+        # Each round starts once the last one's copies landed.
+        rows["ours, queued"] = _timed(queued, args.rounds, settle=stream.synchronize)
+        stream.synchronize()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"# commit: GPT {args.preset} + AdamW state, {gigabytes:.2f} GB, {name}")
     print(f"{'copy':<14} {'seconds':>8} {'GB/s':>7}")
@@ -101,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "commit_s": round(rows["ours, reused"], 4),
         "per_tensor_s": round(rows["per tensor"], 4),
         "fresh_s": round(rows["ours, fresh"], 4),
+        "queued_s": round(rows["ours, queued"], 4) if "ours, queued" in rows else None,
         "speedup": round(rows["per tensor"] / rows["ours, reused"], 2),
         "bytes": nbytes,
         "device": name,
