@@ -386,17 +386,20 @@ class RankWorker:
             del self._commits[old]
             self._landed.pop(old, None)  # the copy stream writes in order: no wait to reuse
             reuse = self._commit_tensors.pop(old, None) or reuse
-        # Never a commit of what an aborted collective left.
-        collectives_succeeded(self.collective, self.device)
+        # On a GPU the copies are queued behind the steps before the host waits for them.
         (model, optimizer), tensors, landed = _host_copy(
             (self.module.state_dict(), self.optimizer.state_dict()),
             reuse=reuse,
             stream=self._copy_stream,
         )
+        if landed is not None:
+            self._copying = landed
+        # Never a commit of what an aborted collective left.
+        collectives_succeeded(self.collective, self.device)
         self._commits[step] = (model, optimizer, self.optimization.state_dict())
         self._commit_tensors[step] = tensors
         if landed is not None:
-            self._landed[step] = self._copying = landed
+            self._landed[step] = landed
 
     def _after_commit(self) -> None:
         """Order what the compute stream queues next after the newest commit's copies."""
@@ -468,8 +471,11 @@ class RankWorker:
         call_hook(self.module, "on_fit_end")
         call_hook(self.module, "teardown", "fit")
 
-    def train_steps(self, epoch: int, first: int, count: int) -> Logged:
-        """Run steps ``first .. first + count - 1`` of ``epoch``.
+    def train_steps(
+        self, epoch: int, first: int, count: int, commit_at: int | None = None
+    ) -> Logged:
+        """Run steps ``first .. first + count - 1`` of ``epoch``; then, given ``commit_at``
+        (the run's step reached), :meth:`commit` it.
 
         Returns:
             What the module logged (``engine.metrics``), and how many samples this rank saw.
@@ -493,7 +499,10 @@ class RankWorker:
         ):
             self._train_step(mine, global_size, epoch, step)
             samples += len(mine)
-        collectives_succeeded(self.collective, self.device)
+        if commit_at is None:
+            collectives_succeeded(self.collective, self.device)
+        else:
+            self.commit(commit_at)  # which checks the collectives too
         logged = self.metric_log.take()
         logged.samples = samples
         logged.rows = self.trainer.recorder.take()
