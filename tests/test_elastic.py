@@ -372,10 +372,14 @@ def test_the_commit_benchmark_copies_the_whole_state(capsys):
     from bench import commit
     from ringflow.models.gpt import GPT, GPTConfig
 
-    summary = commit.main(["--device", "cpu", "--preset", "tiny", "--rounds", "2"])
+    argv = ["--device", "cpu", "--preset", "tiny", "--rounds", "2"]
+    summary = commit.main([*argv, "--train-steps", "4", "--every", "2", "--batch", "2"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
     params = GPT(GPTConfig.preset("tiny")).state_dict().values()
     weights = sum(t.numel() * t.element_size() for t in params)
     assert summary["bytes"] >= 3 * weights  # the weights and AdamW's two moments
     assert summary["commit_s"] > 0
     assert summary["per_tensor_s"] > 0
+    # Inside training: steps timed, a commit's cost by how it waits (queued only on a GPU).
+    assert summary["step_ms"] > 0
+    assert set(summary["in_training_ms"]) == {"waited"}
