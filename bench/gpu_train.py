@@ -85,6 +85,9 @@ class Spec:
     collective: str = "ring"
     """Ours' collective (``TrainConfig.collective``): ``ring``, or ``native`` to set the engine
     beside DDP on NCCL's all-reduce, everything else ours."""
+    commit_every: int | None = None
+    """Ours' in-memory commits (``TrainConfig.commit_every``): every this many steps, inside
+    the timed epoch too; ``None``: once an epoch, at its end (outside the timed steps)."""
     precision: str = "bf16-mixed"
     seed: int = 0
     lr: float = 6e-4
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"{flops / 1e9:.3f} GFLOP/token), per-GPU batch {spec.per_gpu_batch} x {spec.seq_len} "
         f"tokens, {spec.warmup_epochs * spec.steps} warm-up steps, then {spec.steps} of which "
         f"the last {spec.steps - 1} are timed, {spec.precision}, bucket {spec.bucket_mb} MiB, "
-        f"ours' collective {spec.collective}, device {_device_name(spec)}, "
+        f"ours' collective {spec.collective}, ours' commits every "
+        f"{spec.commit_every or spec.steps} steps, device {_device_name(spec)}, "
         f"torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC",
         flush=True,
     )
@@ -297,7 +301,7 @@ def _run_ours(spec: Spec) -> Result:
                 precision=spec.precision,
                 gpus_per_worker=1 if spec.device == "cuda" else 0,
                 cpus_per_worker=1.0,
-                commit_every=spec.steps,
+                commit_every=spec.commit_every or spec.steps,
                 timeout_s=600.0,
                 # No worker is lost here; one may wait minutes for another's first compile.
                 collective_timeout_s=600.0,
@@ -641,6 +645,13 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
         default="ring",
         help="ours' collective: our ring, or torch.distributed's all-reduce (the engine alone)",
     )
+    parser.add_argument(
+        "--commit-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ours' in-memory commits every N steps, timed (default: once an epoch, untimed)",
+    )
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--precision", default="bf16-mixed", help="as TrainConfig.precision")
     parser.add_argument("--seed", type=int, default=0)
@@ -660,6 +671,8 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
     counts = [int(n) for n in args.gpus.split(",")]
     if any(n < 1 for n in counts) or args.steps < 2 or args.per_gpu_batch < 1:
         parser.error("--gpus and --per-gpu-batch must be positive, --steps at least 2")
+    if args.commit_every is not None and args.commit_every < 1:
+        parser.error(f"--commit-every must be positive, got {args.commit_every}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no GPU here; use --device cpu --preset tiny")
     from ringflow.models.gpt import PRESETS
@@ -677,6 +690,7 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
         compile_backend=args.compile_backend,
         bucket_mb=args.bucket_mb,
         collective=args.collective,
+        commit_every=args.commit_every,
         precision=args.precision,
         seed=args.seed,
     )

@@ -46,6 +46,16 @@ class WorkerGroup:
     def commit(self, step: int) -> None:
         """Every worker keeps its state at ``step`` in memory, to roll back to."""
 
+    def train_steps(
+        self, epoch: int, first: int, count: int, *, commit_at: int | None = None
+    ) -> list[Any]:
+        """Every worker runs steps ``first .. first + count - 1`` of ``epoch``; then, given
+        ``commit_at`` (the run's step reached), commits it (:meth:`commit`)."""
+        results = self.call("train_steps", epoch, first, count)
+        if commit_at is not None:
+            self.commit(commit_at)
+        return results
+
     def recover(self, lost: MembershipLost, *, at_step: int) -> int:
         raise lost
 
@@ -224,6 +234,21 @@ class RayWorkerGroup(WorkerGroup):
         if not self._layout.elastic:
             return
         self.call("commit", step)
+        self._committed(step)
+
+    def train_steps(
+        self, epoch: int, first: int, count: int, *, commit_at: int | None = None
+    ) -> list[Any]:
+        """As :meth:`WorkerGroup.train_steps`, each worker committing at the end of its own
+        call: no second round trip, and on a GPU the copies are queued behind the last step
+        before the worker waits for the GPU (``RankWorker.train_steps``)."""
+        if commit_at is None or not self._layout.elastic:
+            return super().train_steps(epoch, first, count, commit_at=commit_at)
+        results = self.call("train_steps", epoch, first, count, commit_at=commit_at)
+        self._committed(commit_at)
+        return results
+
+    def _committed(self, step: int) -> None:
         self.coordinator.committed(step)
         self._admit_ready(step)
 

@@ -356,8 +356,12 @@ def _train(
             callbacks.epoch_start(epoch)
         started = time.perf_counter()
         try:
-            chunk = _merged(group.call("train_steps", epoch, first, count))
             ended = (step + count) % steps_per_epoch == 0
+            # Mid-epoch, each worker commits at the end of its steps; at an epoch's end, after
+            # its validation and the schedulers' epoch step.
+            chunk = _merged(
+                group.train_steps(epoch, first, count, commit_at=None if ended else step + count)
+            )
             # The epoch so far; the chunk's step rows and callbacks' rows go to the loggers now.
             so_far = logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
             if ended:
@@ -365,7 +369,7 @@ def _train(
                 so_far = so_far.merge(_merged(group.call("train_epoch_end", epoch)))
                 metrics = {**so_far.results(), **validation.results()}
                 group.call("end_epoch", epoch, metrics)  # schedulers waiting for the metrics
-            group.commit(step + count)
+                group.commit(step + count)
         except MembershipLost as lost:
             # Nothing of this chunk was kept: the members are back at the commit of ``step``.
             step = group.recover(lost, at_step=step + count)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import json
 import logging
 import threading
@@ -453,22 +454,42 @@ class _StagingBuffers:
         return free[1] if free is not None and free[0] == signature else None
 
 
-def copy_to_host(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Copy each of ``sources`` into its host tensor in ``targets``; returns once all landed.
+def copy_to_host(
+    targets: list[torch.Tensor],
+    sources: list[torch.Tensor],
+    *,
+    stream: torch.cuda.Stream | None = None,
+) -> torch.cuda.Event | None:
+    """Copy each of ``sources`` into its host tensor in ``targets``.
 
     A GPU's tensors go as asynchronous copies into pinned memory (:func:`host_buffer`), all
-    queued before one wait, at the bus's rate; host tensors in one call.
+    queued before one wait, at the bus's rate; host tensors in one call. Without ``stream``
+    it returns once all landed. With one, the GPU's copies are queued on it after what the
+    current stream queued so far, and nothing waits: the returned event marks their landing
+    (``None`` where no source is on a GPU). Until then the caller must neither change the
+    sources (make its stream wait for the event) nor read the targets (synchronize it).
     """
     with torch.no_grad():
         if all(source.device.type == "cpu" for source in sources):
             # One call for all tensors: a Python loop of copy_ costs more than the copies
             # themselves for a small model, and this is time the training step waits.
             torch._foreach_copy_(targets, sources)
-            return
-        for target, source in zip(targets, sources, strict=True):
-            target.copy_(source, non_blocking=source.device.type == "cuda")
-        if any(source.device.type == "cuda" for source in sources):
+            return None
+        side = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with side:
+            for target, source in zip(targets, sources, strict=True):
+                on_gpu = source.device.type == "cuda"
+                target.copy_(source, non_blocking=on_gpu)
+                if on_gpu and stream is not None:
+                    source.record_stream(stream)  # not freed for reuse before it is read
+        if stream is None:
             torch.cuda.synchronize()  # the non-blocking copies must land before we return
+            return None
+        landed = torch.cuda.Event()
+        landed.record(stream)
+        return landed
 
 
 def host_buffer(source: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from bench import gpu_train
 def test_the_gpu_benchmark_runs_on_cpu(ray_session, capsys, tmp_path):
     argv = "--device cpu --preset tiny --gpus 1,2 --compile eager --steps 2 --warmup-steps 1"
     options = ["--per-gpu-batch", "4", "--seq-len", "32", "--runners", "ours,ddp"]
+    options += ["--commit-every", "1"]  # commits inside the timed steps too
     options += ["--timeline", str(tmp_path)]
     summary = gpu_train.main([*argv.split(), *options])
     last = capsys.readouterr().out.strip().splitlines()[-1]
