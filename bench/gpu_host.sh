@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make Ray and the test tools importable on an offline GPU host that has torch but not Ray
-# (see the device notes): source it from the repository root on that host.
+# (see the device notes): source it from the repository root on that host. The wheels come
+# from bench/gpu_wheels.sh, run where a package index is reachable.
 #   . bench/gpu_host.sh .gpu/dl && python -m pytest -m gpu tests/test_gpu_workers.py
 # Wheels (and a Ray wheel without ray/jars, zipped) are unpacked into $RINGFLOW_GPU_SITE, skipping
 # packages the host already has; ringflow's folders are linked in as the `ringflow` package.
