@@ -240,8 +240,8 @@ class RayWorkerGroup(WorkerGroup):
         self, epoch: int, first: int, count: int, *, commit_at: int | None = None
     ) -> list[Any]:
         """As :meth:`WorkerGroup.train_steps`, each worker committing at the end of its own
-        call: no second round trip, and on a GPU the copies are queued behind the last step
-        before the worker waits for the GPU (``RankWorker.train_steps``)."""
+        call: no second round trip, and on a GPU the copies run while the driver's round trip
+        and the next steps' forward and backward passes do (``RankWorker.train_steps``)."""
         if commit_at is None or not self._layout.elastic:
             return super().train_steps(epoch, first, count, commit_at=commit_at)
         results = self.call("train_steps", epoch, first, count, commit_at=commit_at)

@@ -386,7 +386,7 @@ class RankWorker:
             del self._commits[old]
             self._landed.pop(old, None)  # the copy stream writes in order: no wait to reuse
             reuse = self._commit_tensors.pop(old, None) or reuse
-        # On a GPU the copies are queued behind the steps before the host waits for them.
+        # On a GPU the copies are queued behind the steps, before the host waits for them.
         (model, optimizer), tensors, landed = _host_copy(
             (self.module.state_dict(), self.optimizer.state_dict()),
             reuse=reuse,
@@ -499,13 +499,14 @@ class RankWorker:
         ):
             self._train_step(mine, global_size, epoch, step)
             samples += len(mine)
-        if commit_at is None:
-            collectives_succeeded(self.collective, self.device)
-        else:
-            self.commit(commit_at)  # which checks the collectives too
+        collectives_succeeded(self.collective, self.device)
         logged = self.metric_log.take()
         logged.samples = samples
         logged.rows = self.trainer.recorder.take()
+        if commit_at is not None:
+            # Last: what was logged is read back from the GPU first, since a read queued after
+            # the commit's copies would wait for them (GPU-to-host copies run in turn).
+            self.commit(commit_at)
         return logged
 
     def _train_step(self, mine: torch.Tensor, global_size: int, epoch: int, step: int) -> None:
