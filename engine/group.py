@@ -7,7 +7,7 @@ import functools
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from ringflow.engine.config import PLACEMENTS, TrainConfig
 from ringflow.engine.elastic.coordinator import (
@@ -21,9 +21,18 @@ from ringflow.engine.errors import CollectiveError, EngineError, PeerLostError, 
 from ringflow.engine.layout import DataParallel, Layout
 from ringflow.engine.worker import NOSET_VISIBLE_DEVICES
 
-__all__ = ["LocalGroup", "MembershipLost", "RayWorkerGroup", "WorkerGroup"]
+__all__ = ["LocalGroup", "MembershipLost", "RayWorkerGroup", "Steps", "WorkerGroup"]
 
 log = logging.getLogger("ringflow.engine")
+
+
+class Steps(NamedTuple):
+    """A call of steps: ``count`` steps of ``epoch`` from ``first``, committing ``commit_at``."""
+
+    epoch: int
+    first: int
+    count: int
+    commit_at: int | None = None
 
 
 class WorkerGroup:
@@ -47,10 +56,20 @@ class WorkerGroup:
         """Every worker keeps its state at ``step`` in memory, to roll back to."""
 
     def train_steps(
-        self, epoch: int, first: int, count: int, *, commit_at: int | None = None
+        self,
+        epoch: int,
+        first: int,
+        count: int,
+        *,
+        commit_at: int | None = None,
+        then: Steps | None = None,
     ) -> list[Any]:
         """Every worker runs steps ``first .. first + count - 1`` of ``epoch``; then, given
-        ``commit_at`` (the run's step reached), commits it (:meth:`commit`)."""
+        ``commit_at`` (the run's step reached), commits it (:meth:`commit`).
+
+        ``then`` names the steps the driver asks for next, unless this call fails: a group may
+        send them ahead, so the workers start them as soon as these end (the next call with
+        those arguments then only collects them)."""
         results = self.call("train_steps", epoch, first, count)
         if commit_at is not None:
             self.commit(commit_at)
@@ -188,6 +207,8 @@ class RayWorkerGroup(WorkerGroup):
         self._bundles: dict[str, int] = {}
         self._starting: dict[str, tuple[Any, Any]] = {}
         """Replacements being started: worker id -> (actor, ref of a call that ends when up)."""
+        self._ahead: tuple[Steps, dict[str, Any]] | None = None
+        """Steps sent before the driver asked for them (``train_steps``'s ``then``)."""
         ids = [self._spawn(bundle, index=bundle) for bundle in range(layout.size)]
         self.coordinator = Coordinator(
             ids,
@@ -237,16 +258,49 @@ class RayWorkerGroup(WorkerGroup):
         self._committed(step)
 
     def train_steps(
-        self, epoch: int, first: int, count: int, *, commit_at: int | None = None
+        self,
+        epoch: int,
+        first: int,
+        count: int,
+        *,
+        commit_at: int | None = None,
+        then: Steps | None = None,
     ) -> list[Any]:
         """As :meth:`WorkerGroup.train_steps`, each worker committing at the end of its own
-        call: no second round trip, and on a GPU the copies run while the driver's round trip
-        and the next steps' forward and backward passes do (``RankWorker.train_steps``)."""
-        if commit_at is None or not self._layout.elastic:
-            return super().train_steps(epoch, first, count, commit_at=commit_at)
-        results = self.call("train_steps", epoch, first, count, commit_at=commit_at)
-        self._committed(commit_at)
+        call (``RankWorker.train_steps``), and the steps ``then`` sent before these return.
+
+        A worker runs its calls in turn, so it starts the next steps the moment these end:
+        its GPU does not wait for a round trip through the driver between calls. They are
+        sent only while every place is filled: a replacement adopts the commit these steps
+        end at, and the next ones must start from the same membership. If these steps fail,
+        the next ones fail too (a member is gone from their ring) or the run ends; whatever
+        the driver asks next queues behind them.
+        """
+        steps = Steps(epoch, first, count, commit_at)
+        if self._ahead is not None:
+            (sent, refs), self._ahead = self._ahead, None
+            if sent != steps:
+                raise RuntimeError(f"steps {steps} asked for while {sent} were sent ahead")
+        else:
+            refs = self._send(steps)
+        if then is not None and not self._starting and not self.coordinator.vacancies():
+            self._ahead = (then, self._send(then))
+        try:
+            results = self._gather("train_steps", refs)
+        except BaseException:
+            self._ahead = None
+            raise
+        if commit_at is not None and self._layout.elastic:
+            self._committed(commit_at)
         return results
+
+    def _send(self, steps: Steps) -> dict[str, Any]:
+        """Ask every member for ``steps``; the refs of their calls, by member."""
+        kwargs = {}
+        if steps.commit_at is not None and self._layout.elastic:
+            kwargs["commit_at"] = steps.commit_at
+        args = (steps.epoch, steps.first, steps.count)
+        return {w: self._actors[w].train_steps.remote(*args, **kwargs) for w in self.members}
 
     def _committed(self, step: int) -> None:
         self.coordinator.committed(step)

@@ -18,7 +18,7 @@ from ringflow.engine.config import DataSpec, TrainConfig
 from ringflow.engine.data import as_data, samples_of
 from ringflow.engine.elastic.coordinator import ElasticEvent
 from ringflow.engine.errors import EngineError, WorkerFailedError
-from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, WorkerGroup
+from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, Steps, WorkerGroup
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged, logger_rows
 from ringflow.engine.module import CALLED_HOOKS, uncalled_hooks
@@ -350,17 +350,19 @@ def _train(
     callbacks.fit_start()
     probe = False  # after a loss, commit after one step: the new ring is proven at once
     while step < total and not callbacks.should_stop:
-        epoch, first = divmod(step, steps_per_epoch)
-        count = chunks.size(step, probe=probe)
+        steps = chunks.at(step, probe=probe)
+        epoch, first, count = steps.epoch, steps.first, steps.count
         if first == 0:
             callbacks.epoch_start(epoch)
         started = time.perf_counter()
         try:
-            ended = (step + count) % steps_per_epoch == 0
-            # Mid-epoch, each worker commits at the end of its steps; at an epoch's end, after
-            # its validation and the schedulers' epoch step.
+            ended = steps.commit_at is None
+            # Within an epoch the next steps follow at once, unless a checkpoint is taken
+            # between (of these steps' state) or these are a probe of a new ring.
+            due = resume.store_url and chunks.checkpoint_due(step + count)
+            then = None if ended or probe or due else chunks.at(step + count, probe=False)
             chunk = _merged(
-                group.train_steps(epoch, first, count, commit_at=None if ended else step + count)
+                group.train_steps(epoch, first, count, commit_at=steps.commit_at, then=then)
             )
             # The epoch so far; the chunk's step rows and callbacks' rows go to the loggers now.
             so_far = logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
@@ -475,6 +477,15 @@ class _Chunks:
         since = self._since(step)
         bounds = [self.config.commit_every, self.config.checkpoint_every or self.per_epoch]
         return min([b - since % b for b in bounds] + [rest])
+
+    def at(self, step: int, *, probe: bool) -> Steps:
+        """The chunk starting at ``step``. Mid-epoch its workers commit where it ends; at an
+        epoch's end the commit comes after the epoch's validation and schedulers' epoch step
+        (``commit_at`` is ``None``)."""
+        count = self.size(step, probe=probe)
+        end = step + count
+        commit_at = None if end % self.per_epoch == 0 else end
+        return Steps(*divmod(step, self.per_epoch), count, commit_at)
 
     def checkpoint_due(self, step: int) -> bool:
         every = self.config.checkpoint_every or self.per_epoch

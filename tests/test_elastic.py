@@ -281,6 +281,33 @@ def test_losing_more_workers_than_the_budget_fails_with_the_reason(ray_session, 
         _fit(digits, tmp_path, "budget", workers=2, max_failures=0, on_epoch=on_epoch)
 
 
+@pytest.mark.ray
+def test_the_next_steps_start_without_a_round_trip_and_run_once(ray_session, digits):
+    """Sent with ``then``, the next call of steps runs (and commits) as soon as this one
+    ends, before the driver asks for it; asking for it then collects it, running nothing
+    twice."""
+    from ringflow.engine.group import RayWorkerGroup, Steps
+
+    config = TrainConfig(workers=2, epochs=1, batch_size=64, seed=2, cpus_per_worker=0.5)
+    group = RayWorkerGroup(DigitsClassifier, hparams=HPARAMS, data=digits, config=config)
+    try:
+        group.commit(0)
+        group.train_steps(0, 0, 2, commit_at=2, then=Steps(0, 2, 3, 5))
+        # Asked for nothing more, each worker has run steps 2 to 4 and committed step 5.
+        model, _, _ = group.call_rank0("committed_state", 5)
+        weights = group.call("state_dict")
+        assert all(torch.equal(model[k], weights[0][k].cpu()) for k in model)
+        steps = group.train_steps(0, 2, 3, commit_at=5)
+        assert sum(part.samples for part in steps) == 3 * 64
+        again = group.call("state_dict")
+        assert all(torch.equal(again[1][k], weights[1][k]) for k in weights[1])
+        group.train_steps(0, 5, 2, commit_at=7, then=Steps(0, 7, 2, 9))
+        with pytest.raises(RuntimeError, match="were sent ahead"):
+            group.train_steps(0, 8, 1, commit_at=9)
+    finally:
+        group.shutdown()
+
+
 def test_a_worker_ray_cannot_reach_is_reported_as_stopped_not_dead():
     """A SIGSTOPped actor's calls fail with ActorUnavailableError: its process runs."""
     import ray.exceptions
