@@ -21,13 +21,15 @@ import pytest
 import yaml
 
 from tests.conftest import free_port, prefect_api
+from tests.test_preemption import _training_paused
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The first run trains for about half a minute after its first checkpoint (the digits take
-# about 0.07 s an epoch here), long enough for the server to turn the others away; the queued
-# runs train briefly.
-FIRST = {"epochs": 400, "checkpoint_every": 5}
+# The first run's training is paused (its Ray workers SIGSTOPped, its flow process alive and
+# Running) from its first checkpoint until the server has turned the others away, so it needs
+# only a few seconds of training left after that checkpoint, however slow the machine; the
+# queued runs train briefly.
+FIRST = {"epochs": 60, "checkpoint_every": 5}
 QUEUED = {"epochs": 1}
 PARAMS = {"tune_trials": 0, "serve": False, "hparams": {"hidden": 16}, "workers": 1}
 _FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
@@ -93,7 +95,7 @@ def _wait(what: str, check, stack: _Stack, seconds: float = 240) -> None:
     deadline = time.monotonic() + seconds
     while not check():
         assert time.monotonic() < deadline, f"{what} within {seconds} s" + stack.logs()
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def _running_spans(stack: _Stack, run_id: str) -> list[tuple[datetime, datetime]]:
@@ -195,16 +197,18 @@ def test_nightly_triggered_twice_while_it_trains_queues_both(tmp_path):
         first = stack.submit(deployment["id"], **FIRST)
         store = CheckpointStore(str(tmp_path / "state" / "storage" / "checkpoints"))
         _wait("the first run's first checkpoint", lambda: store.checkpoints(first), stack)
-        later = [stack.submit(deployment["id"], **QUEUED) for _ in range(2)]
-        for run_id in later:  # queued by the server while the first one trains
-            _wait(
-                f"{run_id} waiting for the deployment's slot",
-                lambda run_id=run_id: any(
-                    s["name"] == "AwaitingConcurrencySlot" for s in stack.states(run_id)
-                ),
-                stack,
-            )
-        assert stack.get(f"flow_runs/{first}")["state"]["type"] == "RUNNING"
+        # Held mid-training (not finished) while the others are triggered and turned away.
+        with _training_paused(stack):
+            later = [stack.submit(deployment["id"], **QUEUED) for _ in range(2)]
+            for run_id in later:  # queued by the server while the first one trains
+                _wait(
+                    f"{run_id} waiting for the deployment's slot",
+                    lambda run_id=run_id: any(
+                        s["name"] == "AwaitingConcurrencySlot" for s in stack.states(run_id)
+                    ),
+                    stack,
+                )
+            assert stack.get(f"flow_runs/{first}")["state"]["type"] == "RUNNING"
         runs = [first, *later]
         _wait(
             "every run's end",
