@@ -21,6 +21,7 @@ pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_KEY = "flaky"
+TRIALS = 3
 
 
 @pytest.fixture
@@ -44,7 +45,9 @@ def _flow(s3: S3Endpoint, prefect_home: Path) -> subprocess.Popen:
     args = {
         "storage-url": s3.url("store"),
         "run-key": RUN_KEY,
-        "tune-trials": 4,
+        # One trial finishes before the kill, one is interrupted by it, one starts only
+        # after it: each kind of trial a resumed search meets.
+        "tune-trials": TRIALS,
         "tune-epochs": 1,  # ASHA stops nothing: a trial killed mid-epoch is never a stopped one
         "tune-max-concurrent": 1,
         "workers": 1,
@@ -162,7 +165,8 @@ def test_a_search_on_a_flaky_object_store_completes_and_resumes_after_a_kill(fla
 
     keys = _keys(flaky_s3)
     trials = _trials(keys)
-    assert len(trials) == 4, sorted(trials)
+    assert len(trials) == TRIALS, sorted(trials)
+    assert set(trials) - finished - interrupted, "no trial started after the kill"
     for trial in finished:  # kept, not trained again
         assert _starts(keys, trial) == 1, (trial, sorted(trials[trial]))
     for trial in interrupted:  # trained again, from its checkpoint if it had committed one
