@@ -21,6 +21,7 @@ compute it; a worker's metric is reset whenever it hands its state over.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,14 @@ class Value:
             merged.total = min(self.total, other.total)
         merged.weight += other.weight
         return merged
+
+    def fetch(self) -> bool:
+        """Start copying a total kept on the GPU to (pinned) host memory, without waiting;
+        whether one was. :meth:`settle` may read it once the copy's stream is synchronised."""
+        if isinstance(self.total, torch.Tensor) and self.total.is_cuda:
+            self.total = self.total.to("cpu", non_blocking=True)
+            return True
+        return False
 
     def settle(self) -> None:
         """Bring a total kept on the GPU (see :func:`logged_number`) to the host: one wait, when the
@@ -265,6 +274,7 @@ class MetricLog:
         self._hook, self._batch_size, self._step = "training_step", 0, None
         self._live: dict[str, Any] = {}  # the module's Metric objects logged on_epoch
         self._options: dict[str, dict[str, bool]] = {}
+        self._fetched: tuple[Logged, torch.cuda.Event | None] | None = None
 
     def enter(self, hook: str, *, batch_size: int = 0, log_step: int | None = None) -> None:
         """Values logged from now on come from ``hook``, on a batch of ``batch_size`` samples;
@@ -345,7 +355,7 @@ class MetricLog:
         """Forget what was logged since the last :meth:`take` (a rollback to a commit)."""
         for metric in self._live.values():
             metric.reset()
-        self.logged = Logged()
+        self.logged, self._fetched = Logged(), None
 
     def log_dict(self, dictionary: Any, *args: Any, **kwargs: Any) -> None:
         items = dictionary.items() if hasattr(dictionary, "items") else dictionary
@@ -362,20 +372,42 @@ class MetricLog:
             self.logged.epoch[name].add(value, weight)
 
     def take(self) -> Logged:
-        """What was logged since the last call; each Metric's state goes with it (a copy on
-        the CPU) and the module's metric starts afresh."""
-        logged, self.logged = self.logged, Logged()
-        for value in logged.epoch.values():
+        """What was logged since the last call (or :meth:`fetch`); each Metric's state goes
+        with it (a copy on the CPU) and the module's metric starts afresh."""
+        logged, landed = self._fetched or (self._hand_over(), None)
+        self._fetched = None
+        if landed is not None:
+            landed.synchronize()
+        for value in _values(logged):
             value.settle()
-        for values in logged.steps.values():
-            for value in values.values():
-                value.settle()
+        return logged
+
+    def fetch(self) -> None:
+        """Start handing over what was logged, for :meth:`take`: totals kept on the GPU are
+        queued to the host now, behind the steps that logged them, where the host does not
+        wait for them. Copies queued on the GPU later (a commit's 1.5 GB) cannot delay them."""
+        logged = self._hand_over()
+        fetched = [value.fetch() for value in _values(logged)]
+        landed = None
+        if any(fetched):
+            landed = torch.cuda.Event()
+            landed.record()
+        self._fetched = (logged, landed)
+
+    def _hand_over(self) -> Logged:
+        logged, self.logged = self.logged, Logged()
         for name, metric in self._live.items():
             if metric._update_count:
                 logged.metrics[name] = copy.deepcopy(metric).cpu()
                 logged.options[name] = self._options[name]
             metric.reset()
         return logged
+
+
+def _values(logged: Logged) -> Iterator[Value]:
+    yield from logged.epoch.values()
+    for values in logged.steps.values():
+        yield from values.values()
 
 
 def logged_number(value: torch.Tensor) -> float | torch.Tensor:

@@ -499,14 +499,17 @@ class RankWorker:
         ):
             self._train_step(mine, global_size, epoch, step)
             samples += len(mine)
-        collectives_succeeded(self.collective, self.device)
+        if commit_at is None:
+            collectives_succeeded(self.collective, self.device)
+        else:
+            # On a GPU the host is still steps ahead: what was logged is queued to the host
+            # first (GPU-to-host copies run in turn: behind the commit's 1.5 GB it would wait
+            # for them), then the commit's copies, and then the host waits, for the steps only.
+            self.metric_log.fetch()
+            self.commit(commit_at)  # which checks the collectives before keeping the commit
         logged = self.metric_log.take()
         logged.samples = samples
         logged.rows = self.trainer.recorder.take()
-        if commit_at is not None:
-            # Last: what was logged is read back from the GPU first, since a read queued after
-            # the commit's copies would wait for them (GPU-to-host copies run in turn).
-            self.commit(commit_at)
         return logged
 
     def _train_step(self, mine: torch.Tensor, global_size: int, epoch: int, step: int) -> None:

@@ -410,3 +410,31 @@ def test_the_commit_benchmark_copies_the_whole_state(capsys):
     # Inside training: steps timed, a commit's cost by how it waits (queued only on a GPU).
     assert summary["step_ms"] > 0
     assert set(summary["in_training_ms"]) == {"waited"}
+
+
+def test_steps_that_commit_hand_over_what_they_logged_as_steps_that_do_not(digits):
+    """Committing at the end of its steps (what was logged is handed over before the commit's
+    copies are queued) changes nothing in what the steps return; a rollback forgets what
+    was logged and not yet taken."""
+    from ringflow.engine.worker import RankWorker
+
+    config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0, log_every_n_steps=1)
+
+    def run(commit_at: int | None):
+        worker = RankWorker(DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0)
+        worker.connect()
+        worker.commit(0)
+        logged = worker.train_steps(0, 0, 3, commit_at=commit_at)
+        worker.metric_log.enter("training_step", batch_size=1)
+        worker.metric_log.log("undone", torch.tensor(1.0), on_epoch=True)
+        worker.metric_log.fetch()  # then rolled back: nothing of it is taken afterwards
+        worker.rollback(0)
+        assert "undone" not in worker.metric_log.take().results()
+        worker.close()
+        return logged
+
+    plain, committed = run(None), run(3)
+    assert plain.samples == committed.samples == 3 * 64
+    assert plain.results()
+    assert committed.results() == plain.results()
+    assert committed.steps.keys() == plain.steps.keys() == {0, 1, 2}
