@@ -82,9 +82,10 @@ def _timed(copy: Callable[[], Any], rounds: int, settle: Callable[[], Any] = lam
 
 
 class _Training:
-    """Training steps on one fixed batch, the device synchronised every ``every`` steps and
-    then: nothing (``none``), a commit the host waits for (``waited``), or, on a GPU, a commit
-    queued on a copy stream that the next optimizer step waits for (``queued``)."""
+    """Training steps on one fixed batch, the device synchronised every ``every`` steps, with
+    nothing more (``none``), a commit the host waits for after that (``waited``), or, on a
+    GPU, a commit queued on a copy stream before it, which the next optimizer step waits for
+    (``queued``)."""
 
     def __init__(self, model, optimizer, states, *, device: str, batch: int, every: int):
         self.model, self.optimizer, self.states, self.every = model, optimizer, states, every
@@ -113,17 +114,21 @@ class _Training:
     def run(self, kind: str, steps: int) -> float:
         from ringflow.engine.worker import _host_copy
 
-        copy = self.stream if kind == "queued" else None
         self.synchronize()
         started = time.perf_counter()
         for step in range(1, steps + 1):
             self.step()
             if step % self.every == 0:
-                self.synchronize()  # where a worker's call of steps ends
-                if kind != "none":
+                # Where a worker's call of steps ends: as RankWorker.train_steps, a queued
+                # commit's copies are queued while the GPU still runs the steps, then the host
+                # waits for the steps; a waited-for commit comes after them.
+                if kind == "queued":
                     _, self.tensors, self.landed = _host_copy(
-                        self.states(), reuse=self.tensors, stream=copy
+                        self.states(), reuse=self.tensors, stream=self.stream
                     )
+                self.synchronize()
+                if kind == "waited":
+                    _, self.tensors, _ = _host_copy(self.states(), reuse=self.tensors)
         self.synchronize()
         if self.stream is not None:
             self.stream.synchronize()
