@@ -580,6 +580,8 @@ class _Resume:
     logged: Logged = field(default_factory=Logged)
     """What the module logged in the epoch so far (``engine.metrics``)."""
     seconds: float = 0.0
+    _history: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    """The history's entries as checkpoints record them, each made once (``metadata``)."""
 
     @classmethod
     def find(
@@ -655,13 +657,20 @@ class _Resume:
         logged: Logged,
         seconds: float,
     ) -> dict[str, Any]:
-        """What a resumed driver needs besides the tensors: position and metrics so far."""
+        """What a resumed driver needs besides the tensors: position and metrics so far.
+
+        Every checkpoint records the whole history; each epoch's entry is made once, or a
+        long run checkpointing often would spend longer on it with every epoch."""
+        made = self._history
+        if len(made) > len(history):
+            made.clear()
+        made.extend(dataclasses.asdict(entry) for entry in history[len(made) :])
         return {
             "fingerprint": self.fingerprint,
             "epoch": step // steps_per_epoch,
             "step_in_epoch": step % steps_per_epoch,
             "steps_per_epoch": steps_per_epoch,
-            "history": [dataclasses.asdict(entry) for entry in history],
+            "history": list(made),
             "epoch_logged": logged.to_json(),
             "epoch_seconds": seconds,
         }
