@@ -17,7 +17,7 @@ import torch
 from ringflow.engine.collective import Collective, GradientBuckets, create_collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of, samples_of
-from ringflow.engine.errors import EngineError
+from ringflow.engine.errors import EngineError, PeerLostError
 from ringflow.engine.metrics import Logged, MetricLog, logged_number
 from ringflow.engine.module import (
     Optimization,
@@ -273,6 +273,9 @@ class RankWorker:
         """The newest commit's copies, until the compute stream waits for them (before the
         state changes: the optimizer step, or the forward pass of a module with buffers)."""
         self._has_buffers = any(True for _ in self.module.buffers())
+        self._failed: BaseException | None = None
+        """Why the last call of steps failed, until a rollback: the steps the driver sent
+        ahead of it are not run (``train_steps``)."""
         self.timeline = (  # None when off: a batch then costs one test, no allocation
             WorkerTimeline(
                 device=self.device,
@@ -419,6 +422,7 @@ class RankWorker:
         optimizer state next to its parameters).
         """
         model, optimizer, schedulers = self.committed_state(step)
+        self._failed = None
         self._copies_landed()  # a newer commit's may still read the weights about to change
         self.metric_log.reset()  # what the lost steps logged is not kept
         if self.checkpointer is not None:
@@ -481,6 +485,23 @@ class RankWorker:
             What the module logged (``engine.metrics``), and how many samples this rank saw.
         """
         assert self.buckets is not None, "connect() must run before training"
+        if self._failed is not None:
+            # Sent ahead, behind steps that failed: a peer is gone. Run, they could wait on it
+            # outside any collective's deadline (a Ray Dataset's split is handed out to all).
+            raise PeerLostError(
+                f"steps {first}..{first + count - 1} of epoch {epoch} not run: the steps "
+                f"before them failed ({self._failed})",
+                peer=getattr(self._failed, "peer", None),
+                op="train_steps",
+                rank=self.rank,
+            )
+        try:
+            return self._train_steps(epoch, first, count, commit_at)
+        except BaseException as err:
+            self._failed = err
+            raise
+
+    def _train_steps(self, epoch: int, first: int, count: int, commit_at: int | None) -> Logged:
         samples = 0
         self.trainer.at(epoch, first)
         if first == 0:

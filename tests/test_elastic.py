@@ -337,7 +337,8 @@ class _FailedOnTheDevice:
 
 def test_steps_whose_collective_failed_after_its_wait_fail_and_are_never_committed(digits):
     """The steps raise the collective's error, and no commit holds what they left: the
-    survivors then roll back to the commit before, not to weights stepped with garbage."""
+    survivors then roll back to the commit before, not to weights stepped with garbage. Steps
+    queued behind them are refused until then (run, they could wait on the lost peer)."""
     from ringflow.engine.errors import PeerLostError
     from ringflow.engine.worker import RankWorker
 
@@ -351,6 +352,12 @@ def test_steps_whose_collective_failed_after_its_wait_fail_and_are_never_committ
     with pytest.raises(PeerLostError):
         worker.commit(2)
     assert sorted(worker._commits) == [0]
+    # Steps sent ahead of the failed ones are not run (a peer is gone) until a rollback.
+    worker.collective = worker.collective._ring
+    with pytest.raises(PeerLostError, match="not run: the steps before them failed"):
+        worker.train_steps(0, 2, 2)
+    worker.rollback(0)
+    assert worker.train_steps(0, 0, 2).samples == 2 * 64
     worker.close()
 
 
