@@ -661,9 +661,7 @@ class _Resume:
 
         Every checkpoint records the whole history; each epoch's entry is made once, or a
         long run checkpointing often would spend longer on it with every epoch."""
-        made = self._history
-        if len(made) > len(history):
-            made.clear()
+        made = self._history  # the driver's history only grows
         made.extend(dataclasses.asdict(entry) for entry in history[len(made) :])
         return {
             "fingerprint": self.fingerprint,
