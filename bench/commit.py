@@ -101,6 +101,12 @@ class _Training:
         if self.on_gpu:
             torch.cuda.synchronize()
 
+    def steps_done(self) -> None:
+        """Wait for the steps queued so far, not for a commit's copies (as
+        ``engine.worker.collectives_succeeded``: the compute stream only)."""
+        if self.on_gpu:
+            torch.cuda.current_stream().synchronize()
+
     def step(self) -> None:
         with torch.autocast(self.ids.device.type, dtype=torch.bfloat16, enabled=self.on_gpu):
             logits = self.model(self.ids)
@@ -126,7 +132,7 @@ class _Training:
                     _, self.tensors, self.landed = _host_copy(
                         self.states(), reuse=self.tensors, stream=self.stream
                     )
-                self.synchronize()
+                self.steps_done()
                 if kind == "waited":
                     _, self.tensors, _ = _host_copy(self.states(), reuse=self.tensors)
         self.synchronize()
