@@ -85,8 +85,8 @@ def train_pipeline(
         classes: classification: the number of classes (labels 0..classes-1).
         categorical: columns whose values are categories (strings) rather than numbers.
         preprocess_engine: where preprocessing runs: local (one process), ray (a Ray Data
-            job on the cluster) or auto (Ray Data when RAY_ADDRESS names a cluster or the
-            data is 1 GiB or more). Both write the same dataset.
+            job on the cluster) or auto (Ray Data for 1 GiB of data or more, 64 MiB when
+            RAY_ADDRESS names a cluster). Both write the same dataset.
         storage_url: where datasets, checkpoints and the model registry go (any fsspec URL).
         workers: data-parallel Ray workers for training (pipeline replicas with stages).
         epochs: training epochs.

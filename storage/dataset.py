@@ -39,6 +39,7 @@ __all__ = [
     "Column",
     "DataError",
     "ENGINES",
+    "RAY_CLUSTER_PREPROCESS_BYTES",
     "RAY_PREPROCESS_BYTES",
     "PreprocessResult",
     "SchemaError",
@@ -84,6 +85,12 @@ ENGINES = ("auto", "local", "ray")
 RAY_PREPROCESS_BYTES = 1 << 30
 """``engine="auto"`` runs a source of at least this many bytes (1 GiB, all files together)
 on Ray Data: below it, one process is done before a Ray Data job has started its tasks."""
+
+RAY_CLUSTER_PREPROCESS_BYTES = 64 << 20
+"""The same threshold when ``RAY_ADDRESS`` names a cluster (64 MiB): a cluster's CPUs read a
+directory of files in parallel and spare the flow's process the source's memory, but a small
+source is still read in one process in well under a second, where a job costs seconds
+(its tasks scheduled and started on the cluster's workers, e.g. 4 to 7 s on a 2-CPU head)."""
 
 
 TASKS = ("classification", "regression")
@@ -364,10 +371,11 @@ def preprocess(
 def choose_engine(
     source_url: str, engine: str = "auto", output_url: str | None = None
 ) -> Literal["local", "ray"]:
-    """Where :func:`preprocess` runs for ``engine``: ``"auto"`` picks Ray Data when
-    ``RAY_ADDRESS`` names a Ray cluster (not ``local``) or the source holds at least
-    :data:`RAY_PREPROCESS_BYTES`, else this process; ``memory://`` URLs, which only this
-    process sees, always run here.
+    """Where :func:`preprocess` runs for ``engine``: ``"auto"`` picks Ray Data when the
+    source holds at least :data:`RAY_PREPROCESS_BYTES`, or
+    :data:`RAY_CLUSTER_PREPROCESS_BYTES` when ``RAY_ADDRESS`` names a Ray cluster (not
+    ``local``), else this process; ``memory://`` URLs, which only this process sees, always
+    run here.
 
     Raises:
         ValueError: ``engine`` is not one of :data:`ENGINES`, or is ``"ray"`` for a
@@ -382,15 +390,15 @@ def choose_engine(
         )
     if engine != "auto" or in_memory:
         return "ray" if engine == "ray" else "local"
-    if os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local"):
-        return "ray"
+    on_cluster = os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local")
+    threshold = RAY_CLUSTER_PREPROCESS_BYTES if on_cluster else RAY_PREPROCESS_BYTES
     try:
         listing = _list_source(source_url)
     except DataError:
         return "local"  # which reports the missing or unsupported source
     fs, _ = resolve(source_url)
     size = sum(fs.size(resolve(listing.file_url(n))[1]) for n in listing.names)
-    return "ray" if size >= RAY_PREPROCESS_BYTES else "local"
+    return "ray" if size >= threshold else "local"
 
 
 def _check_engine(engine: Any) -> None:

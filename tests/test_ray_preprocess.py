@@ -188,7 +188,9 @@ def test_the_engine_is_checked_and_chosen_before_any_work(tmp_path, monkeypatch)
     monkeypatch.setattr(dataset_module, "RAY_PREPROCESS_BYTES", 1 << 40)
     monkeypatch.setenv("RAY_ADDRESS", "local")
     assert choose_engine(source) == "local"
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")  # a cluster: a lower threshold
+    assert choose_engine(source) == "local"  # a small source is read here, no job to start
+    monkeypatch.setattr(dataset_module, "RAY_CLUSTER_PREPROCESS_BYTES", os.path.getsize(source))
     assert choose_engine(source) == "ray"
     assert choose_engine(str(tmp_path / "missing.csv"), "local") == "local"
     assert choose_engine(source, "auto", "memory://datasets") == "local"  # workers can't see it
@@ -215,16 +217,19 @@ def test_the_shard_size_is_part_of_the_fingerprint(tmp_path):
     assert first.dataset_url != second.dataset_url
 
 
-# The driver on the cluster: the Ray Data path (chosen by auto: RAY_ADDRESS names the cluster)
-# on a CSV and on a Parquet directory, then the SHA-256 of every file each wrote.
+# The driver on the cluster: the Ray Data path (chosen by auto: RAY_ADDRESS names the cluster
+# and the sources count as large there) on a CSV and on a Parquet directory, then the SHA-256
+# of every file each wrote.
 DRIVER = textwrap.dedent(
     """
     import hashlib, json, pathlib, sys
     import ray
+    from ringflow.storage import dataset
     from ringflow.storage.dataset import choose_engine, preprocess
     from tests.test_ray_preprocess import CLASSES, NUMBERS
 
     csv, directory, out = sys.argv[1:4]
+    dataset.RAY_CLUSTER_PREPROCESS_BYTES = 1
     ray.init(log_to_driver=False)
     found = {"nodes": sum(1 for n in ray.nodes() if n["Alive"]), "engine": choose_engine(csv)}
     for name, source, schema in (("csv", csv, CLASSES), ("parquet", directory, NUMBERS)):
