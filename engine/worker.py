@@ -10,7 +10,7 @@ import copy
 import os
 import socket
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -272,6 +272,9 @@ class RankWorker:
         self._copying: torch.cuda.Event | None = None
         """The newest commit's copies, until the compute stream waits for them (before the
         state changes: the optimizer step, or the forward pass of a module with buffers)."""
+        self._deferred: _Copies | None = None
+        """A commit at the end of a call of steps whose copies wait for the next step's input
+        to be on its way (:meth:`commit`)."""
         self._has_buffers = any(True for _ in self.module.buffers())
         self._failed: BaseException | None = None
         """Why the last call of steps failed, until a rollback: the steps the driver sent
@@ -365,7 +368,7 @@ class RankWorker:
         self.trainer.is_global_zero = rank == 0
         self._join_ring(init_method)
 
-    def commit(self, step: int) -> None:
+    def commit(self, step: int, *, defer: bool = False) -> None:
         """Keep a copy of the model and optimizer state at ``step`` in host memory.
 
         The previous commit is kept too: if the group loses a worker while committing, some
@@ -380,7 +383,15 @@ class RankWorker:
         Whatever reads a commit (rollback, a joining worker) waits for its copies first.
         The copies are CPU tensors whatever the device (the same values, bit for bit), so a
         commit takes no GPU memory and can be sent to a joining worker through Ray.
+
+        With ``defer`` (a commit where a call of steps ends, the next call sent ahead) the
+        copies are queued only once the next step's input is on its way to the device, or
+        before anything changes or reads the state, whichever comes first. Queued at once,
+        1.5 GB of device-to-host copies hold up that input's host-to-device copy until they
+        land (28 ms on an H200, which then idles), where they could run behind its forward
+        and backward passes.
         """
+        self._queue_deferred()  # an earlier commit's copies, before its tensors may be reused
         # The newest commit before ``step`` stays; older ones, and any at or after ``step``
         # (made by steps a rollback undid), go.
         keep = max((s for s in self._commits if s < step), default=None)
@@ -389,29 +400,50 @@ class RankWorker:
             del self._commits[old]
             self._landed.pop(old, None)  # the copy stream writes in order: no wait to reuse
             reuse = self._commit_tensors.pop(old, None) or reuse
-        # On a GPU the copies are queued behind the steps, before the host waits for them.
-        (model, optimizer), tensors, landed = _host_copy(
-            (self.module.state_dict(), self.optimizer.state_dict()),
-            reuse=reuse,
-            stream=self._copy_stream,
+        (model, optimizer), copies = _host_targets(
+            (self.module.state_dict(), self.optimizer.state_dict()), step, reuse=reuse
         )
-        if landed is not None:
-            self._copying = landed
+        if defer:
+            copies = copies._replace(at=_stream_mark(self.device))
+            landed = None
+        else:  # on a GPU, queued behind the steps before the host waits for them
+            landed = self._queue(copies)
         # Never a commit of what an aborted collective left.
         collectives_succeeded(self.collective, self.device)
         self._commits[step] = (model, optimizer, self.optimization.state_dict())
-        self._commit_tensors[step] = tensors
+        self._commit_tensors[step] = copies.targets
         if landed is not None:
             self._landed[step] = landed
+        if defer:
+            self._deferred = copies
+
+    def _queue(self, copies: _Copies) -> torch.cuda.Event | None:
+        """Queue (on a GPU) or make (on a CPU) a commit's copies; the event of their landing."""
+        landed = copy_to_host(
+            copies.targets, copies.sources, stream=self._copy_stream, after=copies.at
+        )
+        if landed is not None:
+            self._copying = landed
+        return landed
+
+    def _queue_deferred(self) -> None:
+        """Queue the copies of a deferred commit (:meth:`commit`), if one waits."""
+        copies, self._deferred = self._deferred, None
+        if copies is not None:
+            landed = self._queue(copies)
+            if landed is not None:
+                self._landed[copies.step] = landed
 
     def _after_commit(self) -> None:
         """Order what the compute stream queues next after the newest commit's copies."""
+        self._queue_deferred()
         if self._copying is not None:
             torch.cuda.current_stream(self.device).wait_event(self._copying)
             self._copying = None
 
     def _copies_landed(self) -> None:
         """Wait (on the host) until every commit's copies have landed."""
+        self._queue_deferred()
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 
@@ -438,6 +470,7 @@ class RankWorker:
         for a worker joining."""
         if step not in self._commits:
             raise RuntimeError(f"no commit of step {step}; this worker has {sorted(self._commits)}")
+        self._queue_deferred()
         landed = self._landed.pop(step, None)
         if landed is not None:
             landed.synchronize()
@@ -527,7 +560,7 @@ class RankWorker:
             # first (GPU-to-host copies run in turn: behind the commit's 1.5 GB it would wait
             # for them), then the commit's copies, and then the host waits, for the steps only.
             self.metric_log.fetch()
-            self.commit(commit_at)  # which checks the collectives before keeping the commit
+            self.commit(commit_at, defer=True)  # which checks the collectives first
         logged = self.metric_log.take()
         logged.samples = samples
         logged.rows = self.trainer.recorder.take()
@@ -565,6 +598,7 @@ class RankWorker:
             timeline.start("data")
             batch = to_device(self.train.batch(mine), self.device)
             timeline.stop("data")
+            self._queue_deferred()  # behind the input's copy, not ahead of it
             self.metric_log.enter("on_train_batch_start", batch_size=len(mine), log_step=log_step)
             self._callbacks("on_train_batch_start", batch, step)
             call_hook(self.module, "on_train_batch_start", batch, step)
@@ -829,6 +863,25 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
     return batch
 
 
+class _Copies(NamedTuple):
+    """A commit's copies to make: each of ``sources`` into its host tensor in ``targets``,
+    the sources' values as of the stream position ``at`` (``None``: when queued)."""
+
+    step: int
+    targets: list[torch.Tensor]
+    sources: list[torch.Tensor]
+    at: torch.cuda.Event | None = None
+
+
+def _stream_mark(device: torch.device) -> torch.cuda.Event | None:
+    """An event at the current stream's position (on a GPU): what it queued so far."""
+    if device.type != "cuda":
+        return None
+    mark = torch.cuda.Event()
+    mark.record(torch.cuda.current_stream(device))
+    return mark
+
+
 def _host_copy(
     value: Any,
     *,
@@ -839,6 +892,15 @@ def _host_copy(
     ``i``-th into ``reuse[i]`` where that has its shape and dtype; returns the copy, its
     tensors (``reuse`` for the next copy) and, with ``stream``, the event of the GPU's copies
     queued on it (:func:`copy_to_host`)."""
+    copied, copies = _host_targets(value, 0, reuse=reuse)
+    return copied, copies.targets, copy_to_host(copies.targets, copies.sources, stream=stream)
+
+
+def _host_targets(
+    value: Any, step: int, *, reuse: list[torch.Tensor] | None = None
+) -> tuple[Any, _Copies]:
+    """:func:`_host_copy`'s copy of ``value``, its host tensors not yet written, and the
+    copies that write them."""
     spare = reuse or []
     sources: list[torch.Tensor] = []
     targets: list[torch.Tensor] = []
@@ -858,5 +920,4 @@ def _host_copy(
         return copy.deepcopy(item)
 
     copied = walk(value)
-    landed = copy_to_host(targets, sources, stream=stream)
-    return copied, targets, landed
+    return copied, _Copies(step, targets, sources)

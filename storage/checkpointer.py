@@ -459,13 +459,15 @@ def copy_to_host(
     sources: list[torch.Tensor],
     *,
     stream: torch.cuda.Stream | None = None,
+    after: torch.cuda.Event | None = None,
 ) -> torch.cuda.Event | None:
     """Copy each of ``sources`` into its host tensor in ``targets``.
 
     A GPU's tensors go as asynchronous copies into pinned memory (:func:`host_buffer`), all
     queued before one wait, at the bus's rate; host tensors in one call. Without ``stream``
     it returns once all landed. With one, the GPU's copies are queued on it after what the
-    current stream queued so far, and nothing waits: the returned event marks their landing
+    current stream queued so far (or, given ``after``, after that event: the sources' values
+    as of when it was recorded), and nothing waits: the returned event marks their landing
     (``None`` where no source is on a GPU). Until then the caller must neither change the
     sources (make its stream wait for the event) nor read the targets (synchronize it).
     """
@@ -476,7 +478,9 @@ def copy_to_host(
             torch._foreach_copy_(targets, sources)
             return None
         side = contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-        if stream is not None:
+        if stream is not None and after is not None:
+            stream.wait_event(after)
+        elif stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with side:
             for target, source in zip(targets, sources, strict=True):

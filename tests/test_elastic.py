@@ -419,6 +419,33 @@ def test_the_commit_benchmark_copies_the_whole_state(capsys):
     assert set(summary["in_training_ms"]) == {"waited"}
 
 
+def test_a_commit_where_steps_end_is_copied_behind_the_next_input_and_holds_its_step(digits):
+    """The commit a call of steps ends with is copied only once the next step's input is on
+    its way (on a GPU the state's copies would hold that input up), yet before that step
+    changes the state: rolled back to after more steps, it holds its step bit for bit."""
+    from ringflow.engine.worker import RankWorker
+
+    config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
+    worker = RankWorker(DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0)
+    worker.connect()
+    worker.commit(0)
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in worker.module.state_dict().items()}
+
+    for first in (0, 2, 4):  # from the third commit on, into tensors of one dropped
+        worker.train_steps(0, first, 2, commit_at=first + 2)
+    at_6 = weights()
+    assert worker._deferred is not None
+    assert worker._deferred.step == 6
+    worker.train_steps(0, 6, 2)
+    assert worker._deferred is None
+    assert not all(torch.equal(v, at_6[k]) for k, v in weights().items())
+    worker.rollback(6)
+    assert all(torch.equal(v, at_6[k]) for k, v in weights().items())
+    worker.close()
+
+
 def test_steps_that_commit_hand_over_what_they_logged_as_steps_that_do_not(digits):
     """Committing at the end of its steps (what was logged is handed over before the commit's
     copies are queued) changes nothing in what the steps return; a rollback forgets what
