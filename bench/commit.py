@@ -15,12 +15,14 @@ same state (``ringflow.models.gpt``, one AdamW step taken so its state exists):
   timed until the commit returns; the copies then land while the next steps' forward and
   backward passes run, and only the next optimizer step waits for them, on the GPU.
 
-With ``--train-steps N`` it also trains (one fixed batch of ``--batch`` sequences, bf16 autocast
-on a GPU) and commits every ``--every`` steps, the device synchronised there as where a
-worker's call of steps ends, to tell what a commit costs *inside* training: the time over the
-same steps with only the synchronisations, per commit, with the host waiting for the copies
-(``waited``) and, on a GPU, with them queued and the next optimizer step waiting for them on
-the GPU (``queued``; ``engine.worker``).
+With ``--train-steps N`` it also trains (one fixed batch of ``--batch`` sequences, copied from
+pinned host memory at every step as a worker's input is, bf16 autocast on a GPU) and commits
+every ``--every`` steps, the device synchronised there as where a worker's call of steps
+ends, to tell what a commit costs *inside* training: the time over the same steps with only
+the synchronisations, per commit, with the host waiting for the copies (``waited``) and, on a
+GPU, with them queued before the host waits (``queued``) or after the next step's input
+(``deferred``, as ``engine.worker`` commits where a call of steps ends), the next optimizer
+step waiting for them on the GPU.
 
 The last line is one JSON object: ``commit_s`` (ours, reused), ``per_tensor_s``, ``fresh_s``,
 ``queued_s`` (GPU), ``speedup``, ``bytes`` (of the state) and, with ``--train-steps``,
@@ -84,18 +86,19 @@ def _timed(copy: Callable[[], Any], rounds: int, settle: Callable[[], Any] = lam
 class _Training:
     """Training steps on one fixed batch, the device synchronised every ``every`` steps, with
     nothing more (``none``), a commit the host waits for after that (``waited``), or, on a
-    GPU, a commit queued on a copy stream before it, which the next optimizer step waits for
-    (``queued``)."""
+    GPU, a commit queued on a copy stream before it (``queued``) or once the next step's
+    input is on its way (``deferred``), which the next optimizer step waits for."""
 
     def __init__(self, model, optimizer, states, *, device: str, batch: int, every: int):
         self.model, self.optimizer, self.states, self.every = model, optimizer, states, every
         self.on_gpu = device == "cuda"
-        ids = torch.randint(0, model.config.vocab_size, (batch, model.config.block_size))
-        self.ids = ids.to(device)
+        self.device = torch.device(device)
+        self.ids = torch.randint(0, model.config.vocab_size, (batch, model.config.block_size))
         self.stream = torch.cuda.Stream() if self.on_gpu else None
-        self.kinds = ["none", "waited"] + (["queued"] if self.on_gpu else [])
+        self.kinds = ["none", "waited"] + (["queued", "deferred"] if self.on_gpu else [])
         self.tensors: list[torch.Tensor] | None = None
         self.landed: torch.cuda.Event | None = None
+        self.deferred: Any = None
 
     def synchronize(self) -> None:
         if self.on_gpu:
@@ -108,33 +111,53 @@ class _Training:
             torch.cuda.current_stream().synchronize()
 
     def step(self) -> None:
-        with torch.autocast(self.ids.device.type, dtype=torch.bfloat16, enabled=self.on_gpu):
-            logits = self.model(self.ids)
-        F.cross_entropy(logits.float().flatten(0, 1), self.ids.flatten()).backward()
+        from ringflow.engine.worker import to_device
+
+        ids = to_device(self.ids, self.device)  # as a worker's input: pinned, not waited for
+        self.queue_deferred()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.on_gpu):
+            logits = self.model(ids)
+        F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
         if self.landed is not None:  # as RankWorker._after_commit
             torch.cuda.current_stream().wait_event(self.landed)
             self.landed = None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
 
+    def queue_deferred(self) -> None:
+        """A deferred commit's copies, behind the input (as ``RankWorker._queue_deferred``)."""
+        from ringflow.storage.checkpointer import copy_to_host
+
+        if self.deferred is not None:
+            copies, self.deferred = self.deferred, None
+            self.landed = copy_to_host(
+                copies.targets, copies.sources, stream=self.stream, after=copies.at
+            )
+
     def run(self, kind: str, steps: int) -> float:
-        from ringflow.engine.worker import _host_copy
+        from ringflow.engine.worker import _host_copy, _host_targets, _stream_mark
 
         self.synchronize()
         started = time.perf_counter()
         for step in range(1, steps + 1):
             self.step()
             if step % self.every == 0:
-                # Where a worker's call of steps ends: as RankWorker.train_steps, a queued
-                # commit's copies are queued while the GPU still runs the steps, then the host
-                # waits for the steps; a waited-for commit comes after them.
+                # Where a worker's call of steps ends: the host waits for the steps; a queued
+                # commit's copies were queued before, while the GPU still ran them; a deferred
+                # one's go behind the next step's input (RankWorker.train_steps); a waited-for
+                # one's come after the wait.
                 if kind == "queued":
                     _, self.tensors, self.landed = _host_copy(
                         self.states(), reuse=self.tensors, stream=self.stream
                     )
+                elif kind == "deferred":
+                    _, copies = _host_targets(self.states(), step, reuse=self.tensors)
+                    self.tensors = copies.targets
+                    self.deferred = copies._replace(at=_stream_mark(self.device))
                 self.steps_done()
                 if kind == "waited":
                     _, self.tensors, _ = _host_copy(self.states(), reuse=self.tensors)
+        self.queue_deferred()  # the last commit's, with no step after it
         self.synchronize()
         if self.stream is not None:
             self.stream.synchronize()
