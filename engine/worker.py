@@ -557,10 +557,10 @@ class RankWorker:
             collectives_succeeded(self.collective, self.device)
         else:
             # On a GPU the host is still steps ahead: what was logged is queued to the host
-            # first (GPU-to-host copies run in turn: behind the commit's 1.5 GB it would wait
-            # for them), then the commit's copies, and then the host waits, for the steps only.
+            # now, and read once the host has waited for the steps (in ``commit``, which
+            # checks the collectives); the commit's copies go behind the next step's input.
             self.metric_log.fetch()
-            self.commit(commit_at, defer=True)  # which checks the collectives first
+            self.commit(commit_at, defer=True)
         logged = self.metric_log.take()
         logged.samples = samples
         logged.rows = self.trainer.recorder.take()
