@@ -104,6 +104,12 @@ class Spec:
     def total_steps(self) -> int:
         return (self.warmup_epochs + 1) * self.steps
 
+    def timeline_window(self) -> dict[str, int]:
+        """The batches a timeline records, in each worker's count: the timed ones (the last
+        epoch from its second step, as the timing)."""
+        skip = 1 if self.steps > 1 else 0
+        return {"warmup": self.warmup_epochs * self.steps + skip, "steps": self.steps - skip}
+
     def hparams(self) -> dict[str, Any]:
         return {
             "preset": self.preset,
@@ -306,8 +312,8 @@ def _run_ours(spec: Spec) -> Result:
                 # No worker is lost here; one may wait minutes for another's first compile.
                 collective_timeout_s=600.0,
                 timeline=spec.timeline_url is not None,
-                timeline_warmup=min(5, spec.steps),
-                timeline_steps=spec.steps,
+                timeline_warmup=spec.timeline_window()["warmup"],
+                timeline_steps=spec.timeline_window()["steps"],
             ),
             checkpoint_uri=f"{root}/model",
             on_epoch=lambda _: ends.append(time.perf_counter()),
@@ -469,9 +475,10 @@ def _train_loop(
     optimization = module.configure_optimizers()
     optimizer, schedule = optimization["optimizer"], optimization["lr_scheduler"]["scheduler"]
     recorder = None
-    if spec.timeline_url is not None:  # the window TrainConfig's timeline defaults give ours
-        window = {"warmup": min(5, spec.steps), "steps": spec.steps}
-        recorder = WorkerTimeline(device=device, steps_per_epoch=spec.steps, **window)
+    if spec.timeline_url is not None:  # the window ours records
+        recorder = WorkerTimeline(
+            device=device, steps_per_epoch=spec.steps, **spec.timeline_window()
+        )
     started = 0.0
     for epoch in range(spec.warmup_epochs + 1):
         order = EpochOrder(
