@@ -290,6 +290,7 @@ def _run_ours(spec: Spec) -> Result:
     if __name__ != "__main__":  # workers need not import bench (the GPU host has no such link)
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     train, validation = _datasets(spec)
+    window = spec.timeline_window()
     ends: list[float] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ringflow-gpt-") as root:
@@ -312,8 +313,8 @@ def _run_ours(spec: Spec) -> Result:
                 # No worker is lost here; one may wait minutes for another's first compile.
                 collective_timeout_s=600.0,
                 timeline=spec.timeline_url is not None,
-                timeline_warmup=spec.timeline_window()["warmup"],
-                timeline_steps=spec.timeline_window()["steps"],
+                timeline_warmup=window["warmup"],
+                timeline_steps=window["steps"],
             ),
             checkpoint_uri=f"{root}/model",
             on_epoch=lambda _: ends.append(time.perf_counter()),
