@@ -63,13 +63,15 @@ class WorkerGroup:
         *,
         commit_at: int | None = None,
         then: Steps | None = None,
+        then_runs_next: bool = False,
     ) -> list[Any]:
         """Every worker runs steps ``first .. first + count - 1`` of ``epoch``; then, given
         ``commit_at`` (the run's step reached), commits it (:meth:`commit`).
 
         ``then`` names the steps the driver asks for next, unless this call fails: a group may
         send them ahead, so the workers start them as soon as these end (the next call with
-        those arguments then only collects them)."""
+        those arguments then only collects them). ``then_runs_next`` says the steps after
+        ``then`` follow them at once too."""
         results = self.call("train_steps", epoch, first, count)
         if commit_at is not None:
             self.commit(commit_at)
@@ -207,8 +209,9 @@ class RayWorkerGroup(WorkerGroup):
         self._bundles: dict[str, int] = {}
         self._starting: dict[str, tuple[Any, Any]] = {}
         """Replacements being started: worker id -> (actor, ref of a call that ends when up)."""
-        self._ahead: tuple[Steps, dict[str, Any]] | None = None
-        """Steps sent before the driver asked for them (``train_steps``'s ``then``)."""
+        self._ahead: tuple[Steps, dict[str, Any], bool] | None = None
+        """Steps sent before the driver asked for them (``train_steps``'s ``then``), and
+        whether their workers run the next step where they end."""
         ids = [self._spawn(bundle, index=bundle) for bundle in range(layout.size)]
         self.coordinator = Coordinator(
             ids,
@@ -265,6 +268,7 @@ class RayWorkerGroup(WorkerGroup):
         *,
         commit_at: int | None = None,
         then: Steps | None = None,
+        then_runs_next: bool = False,
     ) -> list[Any]:
         """As :meth:`WorkerGroup.train_steps`, each worker committing at the end of its own
         call (``RankWorker.train_steps``), and the steps ``then`` sent before these return.
@@ -275,36 +279,49 @@ class RayWorkerGroup(WorkerGroup):
         end at, and the next ones must start from the same membership. If these steps fail,
         the next ones fail too (a member is gone from their ring) or the run ends; whatever
         the driver asks next queues behind them.
+
+        Sending ``then``, the workers also run its first step before waiting for these steps
+        to end (``RankWorker.train_steps``'s ``run_next``), and with ``then_runs_next`` the
+        first after ``then`` where ``then`` ends: no replacement joins at a commit where the
+        members are a step past it.
         """
         steps = Steps(epoch, first, count, commit_at)
+        # Sent ahead only while every place is filled (see above); then the workers may also
+        # run the steps after them ahead, no replacement having to join where they end.
+        filled = then is not None and not self._starting and not self.coordinator.vacancies()
         if self._ahead is not None:
-            (sent, refs), self._ahead = self._ahead, None
+            (sent, refs, ran_next), self._ahead = self._ahead, None
             if sent != steps:
                 raise RuntimeError(f"steps {steps} asked for while {sent} were sent ahead")
         else:
-            refs = self._send(steps)
-        if then is not None and not self._starting and not self.coordinator.vacancies():
-            self._ahead = (then, self._send(then))
+            ran_next = filled and self._layout.elastic
+            refs = self._send(steps, run_next=ran_next)
+        if filled:
+            runs_next = then_runs_next and self._layout.elastic
+            self._ahead = (then, self._send(then, run_next=runs_next), runs_next)
         try:
             results = self._gather("train_steps", refs)
         except BaseException:
             self._ahead = None
             raise
         if commit_at is not None and self._layout.elastic:
-            self._committed(commit_at)
+            self._committed(commit_at, admit=not ran_next)
         return results
 
-    def _send(self, steps: Steps) -> dict[str, Any]:
+    def _send(self, steps: Steps, *, run_next: bool = False) -> dict[str, Any]:
         """Ask every member for ``steps``; the refs of their calls, by member."""
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if steps.commit_at is not None and self._layout.elastic:
             kwargs["commit_at"] = steps.commit_at
+        if run_next:
+            kwargs["run_next"] = True
         args = (steps.epoch, steps.first, steps.count)
         return {w: self._actors[w].train_steps.remote(*args, **kwargs) for w in self.members}
 
-    def _committed(self, step: int) -> None:
+    def _committed(self, step: int, *, admit: bool = True) -> None:
         self.coordinator.committed(step)
-        self._admit_ready(step)
+        if admit:
+            self._admit_ready(step)
 
     def recover(self, lost: MembershipLost, *, at_step: int) -> int:
         """Apply the coordinator's decision on ``lost``; return the step training resumes at.

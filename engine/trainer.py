@@ -359,10 +359,17 @@ def _train(
             ended = steps.commit_at is None
             # Within an epoch the next steps follow at once, unless a checkpoint is taken
             # between (of these steps' state) or these are a probe of a new ring.
-            due = resume.store_url and chunks.checkpoint_due(step + count)
-            then = None if ended or probe or due else chunks.at(step + count, probe=False)
+            follows = not probe and chunks.follows(steps, resume.store_url)
+            then = chunks.at(step + count, probe=False) if follows else None
             chunk = _merged(
-                group.train_steps(epoch, first, count, commit_at=steps.commit_at, then=then)
+                group.train_steps(
+                    epoch,
+                    first,
+                    count,
+                    commit_at=steps.commit_at,
+                    then=then,
+                    then_runs_next=then is not None and chunks.follows(then, resume.store_url),
+                )
             )
             # The epoch so far; the chunk's step rows and callbacks' rows go to the loggers now.
             so_far = logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
@@ -486,6 +493,12 @@ class _Chunks:
         end = step + count
         commit_at = None if end % self.per_epoch == 0 else end
         return Steps(*divmod(step, self.per_epoch), count, commit_at)
+
+    def follows(self, steps: Steps, store_url: str | None) -> bool:
+        """Whether the chunk after ``steps`` follows it at once: ``steps`` end inside an
+        epoch, and no checkpoint (with a store) is taken where they end."""
+        end = steps.commit_at
+        return end is not None and not (store_url and self.checkpoint_due(end))
 
     def checkpoint_due(self, step: int) -> bool:
         every = self.config.checkpoint_every or self.per_epoch

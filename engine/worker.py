@@ -276,6 +276,8 @@ class RankWorker:
         """A commit at the end of a call of steps whose copies wait for the next step's input
         to be on its way (:meth:`commit`)."""
         self._has_buffers = any(True for _ in self.module.buffers())
+        self._ran_ahead: _RanAhead | None = None
+        """The next call's first step, run where the last call ended (``train_steps``)."""
         self._failed: BaseException | None = None
         """Why the last call of steps failed, until a rollback: the steps the driver sent
         ahead of it are not run (``train_steps``)."""
@@ -391,6 +393,12 @@ class RankWorker:
         land (28 ms on an H200, which then idles), where they could run behind its forward
         and backward passes.
         """
+        self._check_and_keep(self._stage_commit(step, defer=defer))
+
+    def _stage_commit(self, step: int, *, defer: bool) -> _Staged:
+        """:meth:`commit` up to the check of the collectives: the state's host copy, its
+        copies queued (or, with ``defer``, waiting for the next step's input)."""
+        self._undo_ahead()
         self._queue_deferred()  # an earlier commit's copies, before its tensors may be reused
         # The newest commit before ``step`` stays; older ones, and any at or after ``step``
         # (made by steps a rollback undid), go.
@@ -403,19 +411,32 @@ class RankWorker:
         (model, optimizer), copies = _host_targets(
             (self.module.state_dict(), self.optimizer.state_dict()), step, reuse=reuse
         )
+        schedulers = self.optimization.state_dict()
         if defer:
-            copies = copies._replace(at=_stream_mark(self.device))
-            landed = None
+            self._deferred = copies._replace(at=_stream_mark(self.device))
         else:  # on a GPU, queued behind the steps before the host waits for them
             landed = self._queue(copies)
-        # Never a commit of what an aborted collective left.
-        collectives_succeeded(self.collective, self.device)
-        self._commits[step] = (model, optimizer, self.optimization.state_dict())
-        self._commit_tensors[step] = copies.targets
-        if landed is not None:
-            self._landed[step] = landed
-        if defer:
-            self._deferred = copies
+            if landed is not None:
+                self._landed[step] = landed
+        return _Staged(step, (model, optimizer, schedulers), copies.targets)
+
+    def _check_and_keep(
+        self, staged: _Staged | None, *, until: torch.cuda.Event | None = None
+    ) -> None:
+        """Check the collectives of the steps queued so far (before ``until``) and keep the
+        ``staged`` commit if they succeeded; else forget it and raise: never a commit of what
+        an aborted collective left."""
+        try:
+            collectives_succeeded(self.collective, self.device, until=until)
+        except BaseException:
+            if staged is not None:
+                if self._deferred is not None and self._deferred.step == staged.step:
+                    self._deferred = None
+                self._landed.pop(staged.step, None)
+            raise
+        if staged is not None:
+            self._commits[staged.step] = staged.state
+            self._commit_tensors[staged.step] = staged.targets
 
     def _queue(self, copies: _Copies) -> torch.cuda.Event | None:
         """Queue (on a GPU) or make (on a CPU) a commit's copies; the event of their landing."""
@@ -454,7 +475,7 @@ class RankWorker:
         optimizer state next to its parameters).
         """
         model, optimizer, schedulers = self.committed_state(step)
-        self._failed = None
+        self._failed = self._ran_ahead = None
         self._copies_landed()  # a newer commit's may still read the weights about to change
         self.metric_log.reset()  # what the lost steps logged is not kept
         if self.checkpointer is not None:
@@ -503,16 +524,29 @@ class RankWorker:
 
     def fit_end(self, epochs: int) -> None:
         """Trainer's ``on_train_end`` and ``on_fit_end``, after ``epochs`` whole epochs."""
+        self._undo_ahead()
         self.trainer.current_epoch = epochs
         call_hook(self.module, "on_train_end")
         call_hook(self.module, "on_fit_end")
         call_hook(self.module, "teardown", "fit")
 
     def train_steps(
-        self, epoch: int, first: int, count: int, commit_at: int | None = None
+        self,
+        epoch: int,
+        first: int,
+        count: int,
+        commit_at: int | None = None,
+        run_next: bool = False,
     ) -> Logged:
         """Run steps ``first .. first + count - 1`` of ``epoch``; then, given ``commit_at``
         (the run's step reached), :meth:`commit` it.
+
+        With ``run_next`` (the driver's word that its next call continues with the next step
+        of this epoch), that step is queued too before the host waits for these to end, and
+        the next call starts after it. On a GPU the host waits for the device where a call
+        ends (a commit is kept only once its steps' collectives succeeded); queued on, the
+        device runs that step meanwhile instead of idling until the next call has launched
+        one, and the host keeps its lead. What that step logs goes with the next call.
 
         Returns:
             What the module logged (``engine.metrics``), and how many samples this rank saw.
@@ -529,18 +563,50 @@ class RankWorker:
                 rank=self.rank,
             )
         try:
-            return self._train_steps(epoch, first, count, commit_at)
+            return self._train_steps(epoch, first, count, commit_at, run_next)
         except BaseException as err:
             self._failed = err
             raise
 
-    def _train_steps(self, epoch: int, first: int, count: int, commit_at: int | None) -> Logged:
+    def _train_steps(
+        self, epoch: int, first: int, count: int, commit_at: int | None, run_next: bool
+    ) -> Logged:
         samples = 0
+        ahead, self._ran_ahead = self._ran_ahead, None
+        if ahead is not None:
+            if (ahead.epoch, ahead.step) != (epoch, first):
+                raise RuntimeError(
+                    f"steps {first}..{first + count - 1} of epoch {epoch} asked for, where "
+                    f"step {ahead.step} of epoch {ahead.epoch} already ran"
+                )
+            first, count, samples = first + 1, count - 1, ahead.samples
         self.trainer.at(epoch, first)
         if first == 0:
             self.metric_log.enter("on_train_epoch_start")
             self._callbacks("on_train_epoch_start")
             call_hook(self.module, "on_train_epoch_start")
+        samples += self._run(epoch, first, count)
+        ended = _stream_mark(self.device)
+        # On a GPU the host is still steps ahead: what was logged is queued to the host now,
+        # and read once the host has waited for the steps; a commit's copies go behind the
+        # next step's input.
+        self.metric_log.fetch()
+        rows = self.trainer.recorder.take()
+        staged = None if commit_at is None else self._stage_commit(commit_at, defer=True)
+        if run_next:
+            after = first + count
+            self._ran_ahead = _RanAhead(epoch, after, self._run(epoch, after, 1), commit_at)
+        self._check_and_keep(staged, until=ended)
+        logged = self.metric_log.take()
+        logged.samples = samples
+        logged.rows = rows
+        return logged
+
+    def _run(self, epoch: int, first: int, count: int) -> int:
+        """Run steps ``first .. first + count - 1`` of ``epoch``; the samples this rank saw."""
+        if count == 0:
+            return 0
+        samples = 0
         for step, mine, global_size in epoch_batches(
             self.train,
             self.config,
@@ -553,18 +619,20 @@ class RankWorker:
         ):
             self._train_step(mine, global_size, epoch, step)
             samples += len(mine)
-        if commit_at is None:
-            collectives_succeeded(self.collective, self.device)
-        else:
-            # On a GPU the host is still steps ahead: what was logged is queued to the host
-            # now, and read once the host has waited for the steps (in ``commit``, which
-            # checks the collectives); the commit's copies go behind the next step's input.
-            self.metric_log.fetch()
-            self.commit(commit_at, defer=True)
-        logged = self.metric_log.take()
-        logged.samples = samples
-        logged.rows = self.trainer.recorder.take()
-        return logged
+        return samples
+
+    def _undo_ahead(self) -> None:
+        """Return to where the last call of steps ended, if it ran the next step ahead and
+        what follows is not that step's call (nothing the driver sends; a safeguard)."""
+        ahead = self._ran_ahead
+        if ahead is None:
+            return
+        if ahead.commit is None:
+            raise RuntimeError(
+                f"step {ahead.step} of epoch {ahead.epoch} ran ahead of its call, which did "
+                "not come, and no commit holds the state before it"
+            )
+        self.rollback(ahead.commit)
 
     def _train_step(self, mine: torch.Tensor, global_size: int, epoch: int, step: int) -> None:
         """One batch; the optimizer steps at the last batch of an accumulation window.
@@ -663,6 +731,7 @@ class RankWorker:
 
     def train_epoch_end(self, epoch: int) -> Logged:
         """Trainer's ``on_train_epoch_end`` (after the epoch's validation); what it logged."""
+        self._undo_ahead()
         self.trainer.at(epoch, self.steps_per_epoch)  # after the epoch's last optimizer step
         self.metric_log.enter("on_train_epoch_end")
         call_hook(self.module, "on_train_epoch_end")
@@ -670,11 +739,13 @@ class RankWorker:
 
     def end_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
         """After epoch ``epoch``'s validation: step the schedulers that wait for its metrics."""
+        self._undo_ahead()
         self.trainer.callback_metrics = {k: torch.tensor(v) for k, v in metrics.items()}
         self.optimization.after_validation(epoch, metrics)
 
     def evaluate(self, split: str) -> Logged:
         """Evaluate this rank's part of ``split`` with the module's validation or test step."""
+        self._undo_ahead()
         if split not in self._evaluated:  # read once: evaluation runs every epoch
             self._evaluated[split] = samples_of(self.data, split)
         samples = self._evaluated[split]
@@ -721,6 +792,7 @@ class RankWorker:
         Training is blocked only while the tensors are copied to host memory; the write to
         storage happens in the background and never moves "latest" unless it commits.
         """
+        self._undo_ahead()
         if self.checkpointer is None:
             self.checkpointer = AsyncCheckpointer(CheckpointStore(store_url), check_writable=False)
             self._guard = self.checkpointer.guard(self.optimizer, self.module)
@@ -757,6 +829,7 @@ class RankWorker:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as CPU tensors: the driver may have no GPU."""
+        self._undo_ahead()
         return _host_copy(self.module.state_dict())[0]
 
     def timeline_spans(self) -> list[dict[str, Any]]:
@@ -830,8 +903,14 @@ def evaluate_module(
     return logged
 
 
-def collectives_succeeded(collective: Collective | None, device: torch.device) -> None:
-    """Raise ``PeerLostError`` if a collective of the steps so far failed on the device.
+def collectives_succeeded(
+    collective: Collective | None,
+    device: torch.device,
+    *,
+    until: torch.cuda.Event | None = None,
+) -> None:
+    """Raise ``PeerLostError`` if a collective of the steps so far (those queued before
+    ``until``, on a GPU) failed on the device.
 
     On a GPU the host queues steps ahead and a gradient all-reduce may pass its deadline
     after its ``wait`` returned (a peer lost, or later than the deadline): its kernels are
@@ -841,7 +920,10 @@ def collectives_succeeded(collective: Collective | None, device: torch.device) -
     if collective is None:
         return
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        if until is not None:
+            until.synchronize()
+        else:
+            torch.cuda.current_stream(device).synchronize()
     collective.check()
 
 
@@ -861,6 +943,24 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
     if isinstance(batch, list | tuple) and not hasattr(batch, "_fields"):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
+
+
+class _Staged(NamedTuple):
+    """A commit made up to the check of its steps' collectives (``RankWorker.commit``)."""
+
+    step: int
+    state: Commit
+    targets: list[torch.Tensor]
+
+
+class _RanAhead(NamedTuple):
+    """Step ``step`` of ``epoch``, run ahead of its call where the call before it ended,
+    committing ``commit`` (``RankWorker.train_steps``)."""
+
+    epoch: int
+    step: int
+    samples: int
+    commit: int | None
 
 
 class _Copies(NamedTuple):

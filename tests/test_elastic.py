@@ -446,6 +446,58 @@ def test_a_commit_where_steps_end_is_copied_behind_the_next_input_and_holds_its_
     worker.close()
 
 
+def test_a_step_run_ahead_of_its_call_changes_nothing_the_calls_return_or_keep(digits):
+    """With ``run_next`` a call of steps runs the next call's first step before waiting for
+    its own to end; the next call then starts after it. Weights, commits and what each call
+    returns are those of calls that ran their own steps; any other call comes back to the
+    commit first, and so does a rollback."""
+    from ringflow.engine.worker import RankWorker
+
+    config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0, log_every_n_steps=1)
+
+    def worker() -> RankWorker:
+        made = RankWorker(DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0)
+        made.connect()
+        made.commit(0)
+        return made
+
+    def weights(of: RankWorker) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in of.module.state_dict().items()}
+
+    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    ahead, plain = worker(), worker()
+    calls = [(0, 2, 2), (2, 3, 5), (5, 1, 6), (6, 2, None)]
+    for i, (first, count, commit_at) in enumerate(calls):
+        run_next = commit_at is not None and i + 1 < len(calls)
+        got = ahead.train_steps(0, first, count, commit_at, run_next=run_next)
+        want = plain.train_steps(0, first, count, commit_at)
+        assert got.samples == want.samples == count * 64
+        assert got.steps.keys() == want.steps.keys()
+        assert got.results() == want.results()
+        if run_next:  # a step further than ``plain``, its commit the same
+            assert ahead._ran_ahead is not None
+            assert not same(weights(ahead), weights(plain))
+            assert same(ahead.committed_state(commit_at)[0], plain.committed_state(commit_at)[0])
+    assert same(weights(ahead), weights(plain))
+
+    ahead.train_steps(0, 8, 2, 10, run_next=True)
+    plain.train_steps(0, 8, 2, 10)
+    ahead.evaluate("validation")  # not the call the step ran for: back to the commit first
+    assert ahead._ran_ahead is None
+    assert same(weights(ahead), weights(plain))
+    ahead.train_steps(0, 10, 2, 12, run_next=True)
+    ahead.rollback(10)
+    plain.rollback(10)
+    assert same(weights(ahead), weights(plain))
+    ahead.train_steps(0, 10, 2, 12, run_next=True)
+    with pytest.raises(RuntimeError, match="steps 13..13 of epoch 0 asked for, where step 12"):
+        ahead.train_steps(0, 13, 1, 14)
+    ahead.close()
+    plain.close()
+
+
 def test_steps_that_commit_hand_over_what_they_logged_as_steps_that_do_not(digits):
     """Committing at the end of its steps (what was logged is handed over before the commit's
     copies are queued) changes nothing in what the steps return; a rollback forgets what
