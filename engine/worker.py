@@ -6,6 +6,7 @@ own process, so a tuning trial trains through exactly the code ``train`` uses.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
@@ -393,7 +394,8 @@ class RankWorker:
         land (28 ms on an H200, which then idles), where they could run behind its forward
         and backward passes.
         """
-        self._check_and_keep(self._stage_commit(step, defer=defer))
+        with self._kept_if_done(self._stage_commit(step, defer=defer)):
+            collectives_succeeded(self.collective, self.device)
 
     def _stage_commit(self, step: int, *, defer: bool) -> _Staged:
         """:meth:`commit` up to the check of the collectives: the state's host copy, its
@@ -420,14 +422,12 @@ class RankWorker:
                 self._landed[step] = landed
         return _Staged(step, (model, optimizer, schedulers), copies.targets)
 
-    def _check_and_keep(
-        self, staged: _Staged | None, *, until: torch.cuda.Event | None = None
-    ) -> None:
-        """Check the collectives of the steps queued so far (before ``until``) and keep the
-        ``staged`` commit if they succeeded; else forget it and raise: never a commit of what
-        an aborted collective left."""
+    @contextlib.contextmanager
+    def _kept_if_done(self, staged: _Staged | None) -> Iterator[None]:
+        """Keep the ``staged`` commit once the block (which checks its steps' collectives)
+        is done; if it raises, forget it: never a commit of what an aborted collective left."""
         try:
-            collectives_succeeded(self.collective, self.device, until=until)
+            yield
         except BaseException:
             if staged is not None:
                 if self._deferred is not None and self._deferred.step == staged.step:
@@ -593,10 +593,11 @@ class RankWorker:
         self.metric_log.fetch()
         rows = self.trainer.recorder.take()
         staged = None if commit_at is None else self._stage_commit(commit_at, defer=True)
-        if run_next:
-            after = first + count
-            self._ran_ahead = _RanAhead(epoch, after, self._run(epoch, after, 1), commit_at)
-        self._check_and_keep(staged, until=ended)
+        with self._kept_if_done(staged):
+            if run_next:
+                after = first + count
+                self._ran_ahead = _RanAhead(epoch, after, self._run(epoch, after, 1), commit_at)
+            collectives_succeeded(self.collective, self.device, until=ended)
         logged = self.metric_log.take()
         logged.samples = samples
         logged.rows = rows

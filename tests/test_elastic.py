@@ -498,6 +498,32 @@ def test_a_step_run_ahead_of_its_call_changes_nothing_the_calls_return_or_keep(d
     plain.close()
 
 
+class FailsAtStepTwo(DigitsClassifier):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise RuntimeError("step 2 failed")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_run_ahead_that_fails_fails_its_call_and_leaves_no_commit(digits):
+    """The commit a call ends with is kept only once everything before the host's wait
+    succeeded, the step run ahead included: the call fails and the commit is not there to
+    roll back to; the one before it is."""
+    from ringflow.engine.worker import RankWorker
+
+    config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
+    worker = RankWorker(FailsAtStepTwo, hparams=HPARAMS, data=digits, config=config, rank=0)
+    worker.connect()
+    worker.commit(0)
+    with pytest.raises(RuntimeError, match="step 2 failed"):
+        worker.train_steps(0, 0, 2, commit_at=2, run_next=True)
+    with pytest.raises(RuntimeError, match="no commit of step 2"):
+        worker.committed_state(2)
+    assert worker._deferred is None
+    worker.rollback(0)
+    worker.close()
+
+
 def test_steps_that_commit_hand_over_what_they_logged_as_steps_that_do_not(digits):
     """Committing at the end of its steps (what was logged is handed over before the commit's
     copies are queued) changes nothing in what the steps return; a rollback forgets what
