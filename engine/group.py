@@ -294,11 +294,10 @@ class RayWorkerGroup(WorkerGroup):
             if sent != steps:
                 raise RuntimeError(f"steps {steps} asked for while {sent} were sent ahead")
         else:
-            ran_next = filled and self._layout.elastic
+            ran_next = filled
             refs = self._send(steps, run_next=ran_next)
         if filled:
-            runs_next = then_runs_next and self._layout.elastic
-            self._ahead = (then, self._send(then, run_next=runs_next), runs_next)
+            self._ahead = (then, self._send(then, run_next=then_runs_next), then_runs_next)
         try:
             results = self._gather("train_steps", refs)
         except BaseException:
@@ -313,7 +312,7 @@ class RayWorkerGroup(WorkerGroup):
         kwargs: dict[str, Any] = {}
         if steps.commit_at is not None and self._layout.elastic:
             kwargs["commit_at"] = steps.commit_at
-        if run_next:
+        if run_next and self._layout.elastic:  # data-parallel workers; pipeline stages do not
             kwargs["run_next"] = True
         args = (steps.epoch, steps.first, steps.count)
         return {w: self._actors[w].train_steps.remote(*args, **kwargs) for w in self.members}
