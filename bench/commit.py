@@ -118,7 +118,7 @@ class _Training:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.on_gpu):
             logits = self.model(ids)
         F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
-        if self.landed is not None:  # as RankWorker._after_commit
+        if self.landed is not None:  # as RankWorker._after_copies
             torch.cuda.current_stream().wait_event(self.landed)
             self.landed = None
         self.optimizer.step()

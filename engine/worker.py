@@ -455,12 +455,15 @@ class RankWorker:
             if landed is not None:
                 self._landed[copies.step] = landed
 
-    def _after_commit(self) -> None:
-        """Order what the compute stream queues next after the newest commit's copies."""
+    def _after_copies(self) -> None:
+        """Before the state may change: what the compute stream queues next waits for the
+        newest commit's copies, and the host for a background checkpoint's copy."""
         self._queue_deferred()
         if self._copying is not None:
             torch.cuda.current_stream(self.device).wait_event(self._copying)
             self._copying = None
+        if self.checkpointer is not None:
+            self.checkpointer.fence()
 
     def _copies_landed(self) -> None:
         """Wait (on the host) until every commit's copies have landed."""
@@ -661,7 +664,7 @@ class RankWorker:
         log_step = self.trainer.global_step if steps and self.trainer.logs_due else None
         timeline = UNTIMED if self.timeline is None else self.timeline.begin(epoch, step)
         if self._has_buffers:
-            self._after_commit()
+            self._after_copies()
         batch = None
         if len(mine):
             timeline.start("data")
@@ -695,7 +698,7 @@ class RankWorker:
             timeline.start("gradient_wait")
             self.buckets.finish(leave_last=in_two)
             timeline.stop("gradient_wait")
-        self._after_commit()  # the module's hooks and the optimizer may change the weights
+        self._after_copies()  # the module's hooks and the optimizer may change the weights
         if batch is not None:
             call_hook(self.module, "on_after_backward")
         if steps:
@@ -796,7 +799,6 @@ class RankWorker:
         self._undo_ahead()
         if self.checkpointer is None:
             self.checkpointer = AsyncCheckpointer(CheckpointStore(store_url), check_writable=False)
-            self._guard = self.checkpointer.guard(self.optimizer, self.module)
 
         metadata = {
             **metadata,
@@ -819,7 +821,6 @@ class RankWorker:
             return {"committed_step": None, "errors": [], "stalled_s": 0.0}
         saver = self.checkpointer
         saver.close(timeout_s)
-        self._guard.remove()
         self.checkpointer = None
         committed = saver.last_committed
         return {
