@@ -11,10 +11,10 @@ times the same steps with no collective (``compute``), with ``torch.distributed`
 ``r`` starts ``r`` times that late, as ranks whose hosts lag do. Rounds interleave the
 variants; each keeps its fastest round, timed on the slowest rank.
 
-It prints the step's time, the time the collectives added to it (``exposed``) and the ratio
-native/ring; the last line is one JSON object with ``ring_vs_native`` (per process count,
-skew and variant: native's step time over the ring's; above 1.0 the ring costs the step
-less).
+It prints the step's time, the time the collectives added to it (``exposed``) and native's
+step time over each variant's (``native/this``); the last line is one JSON object with
+``ring_vs_native`` (per process count, skew and ring variant: native's step time over the
+ring's; above 1.0 the ring costs the step less).
 
     python -m bench.overlap --backend nccl --procs 2,4                      # GPUs
     python -m bench.overlap --backend nccl --procs 4 --skew-ms 0,2 --blocks 16,32,64
@@ -231,15 +231,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _print_table(rows: list[dict]) -> None:
-    header = ("procs", "skew ms", "variant", "step ms", "exposed ms", "native/it")
-    print("{:>5} {:>7} {:<10} {:>9} {:>10} {:>9}".format(*header))
+    header = ("procs", "skew ms", "variant", "step ms", "exposed ms", "native/this")
+    print("{:>5} {:>7} {:<10} {:>9} {:>10} {:>11}".format(*header))
     for row in rows:
         base = _find(rows, row, "compute")
         native = _find(rows, row, "native")
-        ratio = native / row["step_ms"] if row["variant"] not in ("compute",) else float("nan")
+        ratio = native / row["step_ms"] if row["variant"] != "compute" else float("nan")
         print(
             f"{row['procs']:>5} {row['skew_ms']:>7g} {row['variant']:<10} {row['step_ms']:>9.2f} "
-            f"{row['step_ms'] - base:>10.2f} {ratio:>9.3f}"
+            f"{row['step_ms'] - base:>10.2f} {ratio:>11.3f}"
         )
 
 
