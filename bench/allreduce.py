@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     rows = []
     for n in options.procs:
-        rows += _run_group(n, options)
+        rows += run_group(_rank_main, n, options)
     summary = _summary(rows)
     print(json.dumps(summary), flush=True)
     return summary
@@ -102,30 +102,41 @@ def _parse(argv: list[str] | None) -> Options:
     )
 
 
-def _run_group(n: int, options: Options) -> list[dict]:
+def run_group(rank_main, n: int, options) -> list[dict]:
+    """``rank_main(rank, n, ports, options, queue)`` in ``n`` spawned processes (one GPU each on
+    ``nccl``, where ``options.backend`` names the backend); the rows rank 0 put on the queue,
+    none where the host has fewer GPUs than ``n``."""
     if options.backend == "nccl" and torch.cuda.device_count() < n:
         print(f"# skipping {n} processes: only {torch.cuda.device_count()} GPUs", flush=True)
         return []
     ports = [_free_port() for _ in range(2)]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank_main, args=(n, ports, options, queue), nprocs=n, join=True)
-    rows = queue.get()
-    return rows
+    mp.spawn(rank_main, args=(n, ports, options, queue), nprocs=n, join=True)
+    return queue.get()
 
 
-def _rank_main(rank: int, n: int, ports: list[int], options: Options, queue) -> None:
+def join_group(rank: int, n: int, ports: list[int], backend: str):
+    """This spawned rank's device, the arguments every collective of the group takes, the
+    native collective (the default process group) and a store for the ring's rendezvous."""
+    from ringflow.engine.collective import NativeCollective
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    from ringflow.engine.collective import NativeCollective, RingCollective
-
-    cuda = options.backend == "nccl"
+    cuda = backend == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    common = {"rank": rank, "world_size": n, "backend": options.backend}
-    ring_options = {"transport": options.transport, "segment_bytes": options.segment_bytes}
+    common = {"rank": rank, "world_size": n, "backend": backend}
     native = NativeCollective(**common, init_method=f"tcp://127.0.0.1:{ports[0]}", timeout_s=300)
     store = dist.TCPStore("127.0.0.1", ports[1], n, rank == 0, timeout=dt.timedelta(seconds=120))
+    return device, common, native, store
+
+
+def _rank_main(rank: int, n: int, ports: list[int], options: Options, queue) -> None:
+    from ringflow.engine.collective import RingCollective
+
+    device, common, native, store = join_group(rank, n, ports, options.backend)
+    ring_options = {"transport": options.transport, "segment_bytes": options.segment_bytes}
     rings = {
         "ring": RingCollective(
             **common,

@@ -33,9 +33,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from bench.allreduce import _device_name, _free_port
+from bench.allreduce import _device_name, join_group, run_group
 
 MIB = 1 << 20
 
@@ -65,13 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     rows: list[dict] = []
     for n in options.procs:
-        if options.backend == "nccl" and torch.cuda.device_count() < n:
-            print(f"# skipping {n} processes: only {torch.cuda.device_count()} GPUs", flush=True)
-            continue
-        queue = mp.get_context("spawn").SimpleQueue()
-        ports = [_free_port() for _ in range(2)]
-        mp.spawn(_rank_main, args=(n, ports, options, queue), nprocs=n, join=True)
-        rows += queue.get()
+        rows += run_group(_rank_main, n, options)
     _print_table(rows)
     summary = {"ring_vs_native": _ratios(rows), "rows": rows}
     print(json.dumps(summary), flush=True)
@@ -109,18 +102,8 @@ def _parse(argv: list[str] | None) -> Options:
 
 
 def _rank_main(rank: int, n: int, ports: list[int], options: Options, queue) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    from ringflow.engine.collective import NativeCollective
-
-    gpu = options.backend == "nccl"
-    device = torch.device("cuda", rank) if gpu else torch.device("cpu")
-    if gpu:
-        torch.cuda.set_device(device)
-    common = {"rank": rank, "world_size": n, "backend": options.backend}
-    native = NativeCollective(**common, init_method=f"tcp://127.0.0.1:{ports[0]}", timeout_s=300)
-    store = dist.TCPStore("127.0.0.1", ports[1], n, rank == 0, timeout=dt.timedelta(seconds=120))
-    dtype = torch.bfloat16 if gpu else torch.float32
+    device, common, native, store = join_group(rank, n, ports, options.backend)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(options.matmul, options.matmul, device=device, dtype=dtype)
     b = torch.randn(options.matmul, options.matmul, device=device, dtype=dtype)
     out = torch.empty_like(a)
