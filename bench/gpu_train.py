@@ -147,16 +147,53 @@ class Result:
     """With ``Spec.timeline_url``: the timeline's summary (``TimelineSummary``)."""
     runs: list[float] | None = None
     """With ``Spec.repeats`` above 1: tokens/s of each run, in order; this is the fastest."""
+    step_ms: dict[str, float] | None = None
+    """The timed steps' durations (``median``, ``p90``, ``max`` in ms; each the largest over
+    the ranks): a run slower throughout, or one slowed by a few long steps."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.timed_tokens / self.timed_s
 
 
+class StepClock:
+    """Marks the end of each step where the device runs it (a CUDA event on the current
+    stream, no synchronisation; the host's clock on CPU); :meth:`step_ms` reads the steps'
+    durations once the device is synchronised."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def step_ms(self) -> dict[str, float]:
+        """Median, 90th percentile and maximum of the durations between the marks."""
+        pairs = zip(self._marks, self._marks[1:], strict=False)
+        if self._cuda:
+            ms = [a.elapsed_time(b) for a, b in pairs]
+        else:
+            ms = [(b - a) * 1e3 for a, b in pairs]
+        ms = torch.tensor(ms or [0.0], dtype=torch.float64)
+        return {
+            "median": ms.median().item(),
+            "p90": ms.quantile(0.9).item(),
+            "max": ms.max().item(),
+        }
+
+
 class TimedGPT(GPTModule):
     """``GPTModule`` timing, in each worker, the last epoch's steps after its first: from the
     end of its first batch to the end of its last, the GPU synchronised at both, logged as
-    ``timed_s`` (the epoch's maximum over the workers)."""
+    ``timed_s`` (the epoch's maximum over the workers), and each of those steps on the
+    device (:class:`StepClock`), logged as ``step_ms_median``, ``step_ms_p90`` and
+    ``step_ms_max``."""
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.current_epoch != self.trainer.max_epochs - 1:
@@ -164,10 +201,14 @@ class TimedGPT(GPTModule):
         if batch_idx == 0:
             _sync(self.device)
             self._timed_from = time.perf_counter()
-        elif batch_idx == self.trainer.num_training_batches - 1:
+            self._clock = StepClock(self.device)
+        self._clock.mark()
+        if batch_idx == self.trainer.num_training_batches - 1:
             _sync(self.device)
             elapsed = time.perf_counter() - self._timed_from
             self.log("timed_s", elapsed, on_step=False, on_epoch=True, reduce_fx="max")
+            for name, ms in self._clock.step_ms().items():
+                self.log(f"step_ms_{name}", ms, on_step=False, on_epoch=True, reduce_fx="max")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -232,10 +273,12 @@ def _run_count(
                     epoch = result.epoch_tokens_per_s
                     epoch = f", the whole epoch {epoch:.0f} tokens/s" if epoch else ""
                     nth = f" run {repeat + 1}/{spec.repeats}" if spec.repeats > 1 else ""
+                    steps = "/".join(f"{v:.1f}" for v in (result.step_ms or {}).values())
+                    steps = f", step ms median/p90/max {steps}" if steps else ""
                     print(
                         f"{runner:<5} {mode:<8} gpus={spec.gpus} {result.tokens_per_s:12.0f} "
                         f"tokens/s (timed {result.timed_s:6.2f} s, run {result.wall_s:6.1f} s"
-                        f"{epoch}){nth}",
+                        f"{epoch}{steps}){nth}",
                         flush=True,
                     )
             results += [_fastest(runs[runner]) for runner in runners]
@@ -349,6 +392,7 @@ def _run_ours(spec: Spec) -> Result:
         timed_tokens=(spec.steps - 1) * spec.global_batch * spec.seq_len,
         timed_s=result.metrics["timed_s"],
         wall_s=wall,
+        step_ms={k: result.metrics[f"step_ms_{k}"] for k in ("median", "p90", "max")},
         epoch_tokens_per_s=spec.steps * spec.global_batch * spec.seq_len / (ends[-1] - ends[-2]),
         timeline=None if result.timeline is None else result.timeline.to_json(),
     )
@@ -371,7 +415,7 @@ def _spawn(runner: str, spec: Spec) -> Result:
     with tempfile.TemporaryDirectory(prefix="ringflow-gpt-") as root:  # rendezvous, spans
         mp.spawn(_rank, args=(runner, spec, root, queue), nprocs=spec.gpus, join=True)
         wall = time.perf_counter() - started
-        timed_s = queue.get()
+        timed_s, step_ms = queue.get()
         timeline = None if spec.timeline_url is None else _write_timeline(spec, root)
     return Result(
         runner=runner,
@@ -381,6 +425,7 @@ def _spawn(runner: str, spec: Spec) -> Result:
         timed_tokens=(spec.steps - 1) * spec.global_batch * spec.seq_len,
         timed_s=timed_s,
         wall_s=wall,
+        step_ms=step_ms,
         timeline=timeline,
     )
 
@@ -432,11 +477,16 @@ def _rank(rank: int, runner: str, spec: Spec, root: str, queue) -> None:
         else:
             model = _fully_shard(module.to(device), spec)
             forward = contextlib.nullcontext  # the policy casts the parameters to bf16
-        timed_s, spans = _train_loop(module, model, spec, rank=rank, device=device, forward=forward)
+        timed_s, clock, spans = _train_loop(
+            module, model, spec, rank=rank, device=device, forward=forward
+        )
         if spans is not None:
             Path(root, f"spans-{rank}.json").write_text(json.dumps(spans))
+        step_ms = clock.step_ms()
+        slowest = torch.tensor(list(step_ms.values()), device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if rank == 0:
-            queue.put(timed_s)
+            queue.put((timed_s, dict(zip(step_ms, slowest.tolist(), strict=True))))
         dist.barrier()  # every rank is done communicating
     except BaseException:
         dist.destroy_process_group()
@@ -482,10 +532,11 @@ def _autocast(spec: Spec, device: torch.device):
 
 def _train_loop(
     module, model, spec: Spec, *, rank: int, device: torch.device, forward
-) -> tuple[float, list[dict[str, Any]] | None]:
+) -> tuple[float, StepClock, list[dict[str, Any]] | None]:
     """The engine's step on this rank's part of each global batch, in the engine's order;
     returns the seconds from the end of the last epoch's first step to the end of its last,
-    and with ``spec.timeline_url`` the spans the engine's workers record (same window)."""
+    those steps' clock, and with ``spec.timeline_url`` the spans the engine's workers record
+    (same window)."""
     from torch.utils.data import default_collate
 
     from ringflow.engine.data import EpochOrder, Layout
@@ -500,7 +551,7 @@ def _train_loop(
         recorder = WorkerTimeline(
             device=device, steps_per_epoch=spec.steps, **spec.timeline_window()
         )
-    started = 0.0
+    started, clock = 0.0, StepClock(device)
     for epoch in range(spec.warmup_epochs + 1):
         order = EpochOrder(
             Layout((len(train),)), seed=spec.seed, epoch=epoch, batch_size=spec.global_batch
@@ -509,6 +560,7 @@ def _train_loop(
             if epoch == spec.warmup_epochs and step == 1:
                 _sync(device)
                 started = time.perf_counter()
+                clock.mark()
             timeline = UNTIMED if recorder is None else recorder.begin(epoch, step)
             timeline.start("data")
             mine = torch.tensor_split(order.batch(step), spec.gpus)[rank]
@@ -531,13 +583,15 @@ def _train_loop(
             schedule.step()
             timeline.stop("optimizer")
             timeline.end()
+            if epoch == spec.warmup_epochs and step >= 1:
+                clock.mark()
     _sync(device)
     timed_s = time.perf_counter() - started
     if recorder is None:
-        return timed_s, None
+        return timed_s, clock, None
     spans = recorder.spans(rank)
     recorder.close()
-    return timed_s, spans
+    return timed_s, clock, spans
 
 
 def _sync(device: torch.device) -> None:
