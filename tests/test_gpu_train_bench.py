@@ -25,10 +25,13 @@ def test_the_gpu_benchmark_runs_on_cpu(ray_session, capsys, tmp_path):
     tokens = summary["tokens"]["eager"]
     two_epochs = {n: 2 * 2 * (4 * n) * 32 for n in (1, 2)}  # epochs x steps x batch x tokens
     assert tokens["ours"] == tokens["ddp"] == two_epochs
-    for result in summary["results"]:  # each timed step's time, inside the timed window
+    for result in summary["results"]:  # each timed step's time
         step_ms = result["step_ms"]
         assert 0 < step_ms["median"] <= step_ms["p90"] <= step_ms["max"]
-        assert step_ms["max"] <= result["timed_s"] * 1e3
+        # Ours' window and steps are both the slowest worker's: a step lies inside its
+        # window. DDP's window is rank 0's, its steps the slowest rank's: no such bound.
+        if result["runner"] == "ours":
+            assert step_ms["max"] <= result["timed_s"] * 1e3
     # The timeline's run: at the largest count, its trace beside the summary it gave.
     timeline = summary["timeline"]
     assert (timeline["gpus"], timeline["workers"], timeline["mode"]) == (2, 2, "eager")
