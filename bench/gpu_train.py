@@ -161,6 +161,9 @@ class StepClock:
     stream, no synchronisation; the host's clock on CPU); :meth:`step_ms` reads the steps'
     durations once the device is synchronised."""
 
+    STATS = ("median", "p90", "max")
+    """What :meth:`step_ms` reports, in its order."""
+
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         self._marks: list[Any] = []
@@ -181,11 +184,8 @@ class StepClock:
         else:
             ms = [(b - a) * 1e3 for a, b in pairs]
         ms = torch.tensor(ms or [0.0], dtype=torch.float64)
-        return {
-            "median": ms.median().item(),
-            "p90": ms.quantile(0.9).item(),
-            "max": ms.max().item(),
-        }
+        values = (ms.median(), ms.quantile(0.9), ms.max())
+        return {name: value.item() for name, value in zip(self.STATS, values, strict=True)}
 
 
 class TimedGPT(GPTModule):
@@ -392,7 +392,7 @@ def _run_ours(spec: Spec) -> Result:
         timed_tokens=(spec.steps - 1) * spec.global_batch * spec.seq_len,
         timed_s=result.metrics["timed_s"],
         wall_s=wall,
-        step_ms={k: result.metrics[f"step_ms_{k}"] for k in ("median", "p90", "max")},
+        step_ms={k: result.metrics[f"step_ms_{k}"] for k in StepClock.STATS},
         epoch_tokens_per_s=spec.steps * spec.global_batch * spec.seq_len / (ends[-1] - ends[-2]),
         timeline=None if result.timeline is None else result.timeline.to_json(),
     )
