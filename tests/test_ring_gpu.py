@@ -201,6 +201,16 @@ def test_gpu_ring_matches_nccl_all_reduce(transport: str):
     assert replies == dict.fromkeys(range(WORLD), [])
 
 
+@pytest.mark.parametrize("rounds", [2, 3])
+def test_gpu_fused_kernel_in_rounds_matches_nccl_all_reduce(rounds: int, monkeypatch):
+    """Plain tensors through the kernel in rounds (each round's copy-out beside the next
+    round's pushes), an even and an odd count of barriers, bit for bit as NCCL's."""
+    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS", str(rounds))  # the spawned ranks inherit it
+    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS_FROM_MB", "0")  # every size, the smallest too
+    replies = dict(_spawn(_correctness_main, free_port(), "symm"))
+    assert replies == dict.fromkeys(range(WORLD), [])
+
+
 def _failure_main(rank: int, port: int, transport: str, numel: int, queue) -> None:
     import faulthandler
 

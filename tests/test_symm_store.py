@@ -116,3 +116,23 @@ def test_the_kernel_piece_size_is_a_power_of_two_the_user_may_set(monkeypatch):
     monkeypatch.setenv("RINGFLOW_SYMM_PIECE_MB", "100")
     with pytest.raises(ValueError, match="RINGFLOW_SYMM_PIECE_MB must be a power of two"):
         piece_elements(torch.float32, 1 << 30)
+
+
+def test_plain_tensors_from_64_mib_go_through_the_kernel_in_rounds(monkeypatch):
+    from ringflow.engine.collective._fused import rounds_for
+
+    assert rounds_for(64 << 20, in_place=False) == 4  # the copy-out hidden behind the links
+    assert rounds_for((64 << 20) - 2, in_place=False) == 1  # a barrier a round would cost more
+    assert rounds_for(1 << 30, in_place=True) == 1  # own buffers: no copy to hide
+    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS", "1")
+    assert rounds_for(1 << 30, in_place=False) == 1
+    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS", "3")
+    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS_FROM_MB", "0")
+    assert rounds_for(2, in_place=False) == 3
+    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS", "17")
+    with pytest.raises(ValueError, match="RINGFLOW_SYMM_ROUNDS must be 1 to 16, got '17'"):
+        rounds_for(1 << 30, in_place=False)
+    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS", "4")
+    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS_FROM_MB", "1.5")
+    with pytest.raises(ValueError, match="RINGFLOW_SYMM_ROUNDS_FROM_MB must be whole MiB"):
+        rounds_for(1 << 30, in_place=False)

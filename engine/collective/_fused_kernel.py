@@ -102,6 +102,16 @@ def _barrier(pad_ptrs, abort, which, give_up, RANK: tl.constexpr, WORLD: tl.cons
 
 
 @triton.jit
+def _round(whole, j: tl.constexpr, ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
+    """Round ``j`` of ``ROUNDS`` of this block's unmasked steps: the steps ``[first, last)``,
+    step ``i`` at offset ``block * BLOCK + i * stride``; the masked tail goes in the last round."""
+    block = tl.program_id(0)
+    stride = tl.num_programs(0) * BLOCK
+    steps = (tl.maximum(whole - block * BLOCK, 0) + stride - 1) // stride
+    return steps * j // ROUNDS, steps * (j + 1) // ROUNDS
+
+
+@triton.jit
 def _pick(p: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
     if p == 0:  # noqa: SIM116 - a Triton function: no dictionaries
         return b0
@@ -168,22 +178,26 @@ def _push_slots(
     n,
     chunk,
     whole,
+    j: tl.constexpr,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
+    ROUNDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Phase 1: chunk p of the tensor into slot RANK of rank p's stage, every other p in one
-    step (this rank's own chunk stays where it is); whole blocks unmasked, then the tail
-    masked."""
+    """Phase 1 of round ``j``: chunk p of the tensor into slot RANK of rank p's stage, every
+    other p in one step (this rank's own chunk stays where it is); whole blocks unmasked, then
+    (last round) the tail masked."""
     block = tl.program_id(0)
     stride = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
-    for off in range(block * BLOCK, whole, stride):
-        o = tl.multiple_of(off, 16) + lanes
+    first, last = _round(whole, j, ROUNDS, BLOCK)
+    for i in range(first, last):
+        o = tl.multiple_of(block * BLOCK + i * stride, 16) + lanes
         _push_step(s0, s1, s2, s3, s4, s5, s6, s7, flat, o, n, chunk, RANK, WORLD, False)
-    for off in range(whole + block * BLOCK, chunk, stride):
-        o = off + lanes
-        _push_step(s0, s1, s2, s3, s4, s5, s6, s7, flat, o, n, chunk, RANK, WORLD, True)
+    if j == ROUNDS - 1:
+        for off in range(whole + block * BLOCK, chunk, stride):
+            o = off + lanes
+            _push_step(s0, s1, s2, s3, s4, s5, s6, s7, flat, o, n, chunk, RANK, WORLD, True)
 
 
 @triton.jit
@@ -285,18 +299,21 @@ def _reduce_chunk(
     chunk,
     cap,
     whole,
+    j: tl.constexpr,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     AVERAGE: tl.constexpr,
     IN_PLACE: tl.constexpr,
+    ROUNDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Phase 2: whole blocks unmasked, then the tail masked."""
+    """Phase 2 of round ``j``: whole blocks unmasked, then (last round) the tail masked."""
     block = tl.program_id(0)
     stride = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
-    for off in range(block * BLOCK, whole, stride):
-        o = tl.multiple_of(off, 16) + lanes
+    first, last = _round(whole, j, ROUNDS, BLOCK)
+    for i in range(first, last):
+        o = tl.multiple_of(block * BLOCK + i * stride, 16) + lanes
         _reduce_step(
             s0,
             s1,
@@ -325,50 +342,65 @@ def _reduce_chunk(
             IN_PLACE,
             False,
         )
-    for off in range(whole + block * BLOCK, chunk, stride):
-        o = off + lanes
-        _reduce_step(
-            s0,
-            s1,
-            s2,
-            s3,
-            s4,
-            s5,
-            s6,
-            s7,
-            f0,
-            f1,
-            f2,
-            f3,
-            f4,
-            f5,
-            f6,
-            f7,
-            flat,
-            o,
-            n,
-            chunk,
-            cap,
-            RANK,
-            WORLD,
-            AVERAGE,
-            IN_PLACE,
-            True,
-        )
+    if j == ROUNDS - 1:
+        for off in range(whole + block * BLOCK, chunk, stride):
+            o = off + lanes
+            _reduce_step(
+                s0,
+                s1,
+                s2,
+                s3,
+                s4,
+                s5,
+                s6,
+                s7,
+                f0,
+                f1,
+                f2,
+                f3,
+                f4,
+                f5,
+                f6,
+                f7,
+                flat,
+                o,
+                n,
+                chunk,
+                cap,
+                RANK,
+                WORLD,
+                AVERAGE,
+                IN_PLACE,
+                True,
+            )
 
 
 @triton.jit
 def _copy_sums(
-    own, flat, n, chunk, cap, whole, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr
+    own,
+    flat,
+    n,
+    chunk,
+    cap,
+    whole,
+    j: tl.constexpr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    ROUNDS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """Phase 3: the other ranks' sums, pushed into this rank's stage, into the tensor."""
+    """Phase 3 of round ``j``: the other ranks' sums, pushed into this rank's stage, into the
+    tensor."""
     block = tl.program_id(0)
     stride = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
-    for off in range(block * BLOCK, whole, stride):
-        _copy_step(own, flat, tl.multiple_of(off, 16) + lanes, n, chunk, cap, RANK, WORLD, False)
-    for off in range(whole + block * BLOCK, chunk, stride):
-        _copy_step(own, flat, off + lanes, n, chunk, cap, RANK, WORLD, True)
+    first, last = _round(whole, j, ROUNDS, BLOCK)
+    for i in range(first, last):
+        o = tl.multiple_of(block * BLOCK + i * stride, 16) + lanes
+        _copy_step(own, flat, o, n, chunk, cap, RANK, WORLD, False)
+    if j == ROUNDS - 1:
+        for off in range(whole + block * BLOCK, chunk, stride):
+            _copy_step(own, flat, off + lanes, n, chunk, cap, RANK, WORLD, True)
 
 
 @triton.jit
@@ -410,6 +442,7 @@ def push_all_reduce(
     WORLD: tl.constexpr,
     AVERAGE: tl.constexpr,
     IN_PLACE: tl.constexpr,
+    ROUNDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """All-reduce the ``n`` elements of ``flat`` in place. Stage ``s<p>`` of rank ``p``: slots
@@ -419,44 +452,79 @@ def push_all_reduce(
     ``IN_PLACE``: ``flat`` is symmetric itself, ``f<p>`` rank ``p``'s: the sums go straight
     into every rank's tensor, and the third phase (copying them out of the stage) is not run.
 
+    ``ROUNDS``: each block's offsets go through the phases in that many rounds, one barrier
+    after each. After round ``j``'s sums are reduced and pushed, the sums of round ``j - 1``
+    (in since the last barrier) are copied into the tensor and round ``j + 1``'s chunks are
+    pushed: the local copy runs beside stores over the links instead of after all of them
+    (``ROUNDS + 1`` barriers, their signal slots alternating).
+
     Offsets below ``whole`` lie in every rank's chunk and in whole blocks: no masks there, so
     loads and stores go 16 bytes at a time.
     """
     give_up = _now_ns() + timeout_ns.to(tl.uint64)
     whole = tl.maximum(n - (WORLD - 1) * chunk, 0) // BLOCK * BLOCK
-    _push_slots(s0, s1, s2, s3, s4, s5, s6, s7, flat, n, chunk, whole, RANK, WORLD, BLOCK)
+    own = _pick(RANK, s0, s1, s2, s3, s4, s5, s6, s7)
+    _push_slots(
+        s0, s1, s2, s3, s4, s5, s6, s7, flat, n, chunk, whole, 0, RANK, WORLD, ROUNDS, BLOCK
+    )
     _barrier(pad_ptrs, abort, 0, give_up, RANK, WORLD)
-    if not _aborted(abort):
-        _reduce_chunk(
-            s0,
-            s1,
-            s2,
-            s3,
-            s4,
-            s5,
-            s6,
-            s7,
-            f0,
-            f1,
-            f2,
-            f3,
-            f4,
-            f5,
-            f6,
-            f7,
-            flat,
-            n,
-            chunk,
-            cap,
-            whole,
-            RANK,
-            WORLD,
-            AVERAGE,
-            IN_PLACE,
-            BLOCK,
-        )
-    _barrier(pad_ptrs, abort, 1, give_up, RANK, WORLD)
+    for j in tl.static_range(ROUNDS):
+        if not _aborted(abort):
+            _reduce_chunk(
+                s0,
+                s1,
+                s2,
+                s3,
+                s4,
+                s5,
+                s6,
+                s7,
+                f0,
+                f1,
+                f2,
+                f3,
+                f4,
+                f5,
+                f6,
+                f7,
+                flat,
+                n,
+                chunk,
+                cap,
+                whole,
+                j,
+                RANK,
+                WORLD,
+                AVERAGE,
+                IN_PLACE,
+                ROUNDS,
+                BLOCK,
+            )
+            if j > 0 and not IN_PLACE:
+                # Round j - 1's sums came in before the last barrier: copied out while this
+                # round's go over the links.
+                _copy_sums(own, flat, n, chunk, cap, whole, j - 1, RANK, WORLD, ROUNDS, BLOCK)
+            if j + 1 < ROUNDS:
+                _push_slots(
+                    s0,
+                    s1,
+                    s2,
+                    s3,
+                    s4,
+                    s5,
+                    s6,
+                    s7,
+                    flat,
+                    n,
+                    chunk,
+                    whole,
+                    j + 1,
+                    RANK,
+                    WORLD,
+                    ROUNDS,
+                    BLOCK,
+                )
+        _barrier(pad_ptrs, abort, (j + 1) % 2, give_up, RANK, WORLD)
     if not IN_PLACE:  # noqa: SIM102 - Triton: a constexpr test, then a runtime one
         if not _aborted(abort):
-            own = _pick(RANK, s0, s1, s2, s3, s4, s5, s6, s7)
-            _copy_sums(own, flat, n, chunk, cap, whole, RANK, WORLD, BLOCK)
+            _copy_sums(own, flat, n, chunk, cap, whole, ROUNDS - 1, RANK, WORLD, ROUNDS, BLOCK)
