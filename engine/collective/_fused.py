@@ -12,13 +12,19 @@ stores are posted, and go at nearly the link's rate; loads wait a round trip eac
 2. a barrier; rank ``r`` sums its chunk ``r``, the others' from its slots and its own from
    its tensor, in float32, in rank order, and stores the sum into its tensor and into every
    other rank's stage;
-3. a barrier; rank ``r`` copies the sums the others pushed into its stage into its tensor.
+3. a barrier; rank ``r`` copies the sums the others pushed into its stage into its tensor
+   (not for tensors in symmetric memory: there the sums went straight into every rank's).
+
+From 64 MiB a tensor not in symmetric memory goes through the phases in rounds (4 by default),
+a barrier after each: a round's sums are copied into the tensor while the next round's go over
+the links, where a single round would leave the links idle during the whole copy.
 
 Each of the kernel's blocks handles the same offsets on every rank and synchronises only with
 the same block on the others, through its own signal slots per barrier. A rank starts the next
 collective only once its blocks all passed the last barrier, that is once every rank finished
-reading its slots: two barriers per collective suffice, and the tensor is read where it lies
-(no copy in). Collectives larger than the stage go through it piece by piece.
+reading its slots: two barriers per collective suffice (R + 1 in R rounds), and the tensor
+is read where it lies (no copy in). Collectives larger than the stage go through it piece by
+piece.
 
 Measured against NCCL's all-reduce on 4 H100s (docs/benchmarks.md): the kernel alone, launched
 back to back, 1.2x as fast at 1-4 MiB, 1.0x at 16-32 MiB, 0.96 at 64 MiB; through the ring's
