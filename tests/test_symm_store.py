@@ -122,7 +122,7 @@ def test_plain_tensors_from_64_mib_go_through_the_kernel_in_rounds(monkeypatch):
     from ringflow.engine.collective._fused import rounds_for
 
     assert rounds_for(64 << 20, in_place=False) == 4  # the copy-out hidden behind the links
-    assert rounds_for((64 << 20) - 2, in_place=False) == 1  # a barrier a round would cost more
+    assert rounds_for((64 << 20) - 2, in_place=False) == 1  # smaller: one round
     assert rounds_for(1 << 30, in_place=True) == 1  # own buffers: no copy to hide
     monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS", "1")
     assert rounds_for(1 << 30, in_place=False) == 1
