@@ -163,12 +163,14 @@ class FusedAllReduce:
         self.max_blocks = max(1, min(wanted, _MAX_BLOCKS, sms, fits))
         # Elements a block handles per step: _VECTORS 16-byte vectors a thread.
         self.block = _WARPS * 32 * _VECTORS * (16 // self.mine.element_size())
-        self.rounds = _rounds()
+        self.rounds_setting = _rounds()
         """(``RINGFLOW_SYMM_ROUNDS``, ``RINGFLOW_SYMM_ROUNDS_FROM_MB`` in bytes), read once."""
-        # Compiled now, not inside a collective's deadline (``in_place``: that variant too).
+        # Compiled now, not inside a collective's deadline (``in_place``: that variant too;
+        # in rounds only where a piece reaches them).
         probe = torch.zeros(16, dtype=dtype, device=device)
         variants = (None, [probe] * self.world_size) if in_place else (None,)
-        plain = sorted({1, self.rounds[0]})
+        largest = piece * self.mine.element_size()
+        plain = {1, rounds_for(largest, in_place=False, setting=self.rounds_setting)}
         for average in (False, True):
             for peers in variants:
                 for rounds in plain if peers is None else (1,):
@@ -211,7 +213,7 @@ class FusedAllReduce:
             blocks = max(1, min(self.max_blocks, -(-chunk // self.block)))
         if rounds is None:
             nbytes = n * self.mine.element_size()
-            rounds = rounds_for(nbytes, in_place=peers is not None, setting=self.rounds)
+            rounds = rounds_for(nbytes, in_place=peers is not None, setting=self.rounds_setting)
         kernel = _kernel()
         pad = _MAX_WORLD - self.world_size
         stages = self.stages + [self.mine] * pad
