@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 PIXELS = 64
+DIGITS = "ringflow.models.digits:DigitsClassifier"
 _VERSION_HEADER = "x-model-version"
 
 
@@ -218,6 +219,7 @@ def _bench_main(args: argparse.Namespace) -> int:
             urls = {
                 name: serve_model(
                     uri,
+                    allowed=DIGITS,
                     port=port,
                     app_name=f"bench-{name}",
                     route_prefix=f"/{name}",
@@ -288,9 +290,9 @@ def _redeploy_flow():
             run_key=run_key,
             model="digits",
         )
-        gate = promote(version["version"], storage_url, model="digits")
+        gate = promote(version["version"], storage_url, model="digits", allowed=[DIGITS])
         served = serve_production(
-            storage_url, dataset_url, port=port, model="digits", poll_s=poll_s
+            storage_url, dataset_url, port=port, model="digits", model_path=DIGITS, poll_s=poll_s
         )
         return {"version": version["version"], "promoted": gate["promoted"], **served}
 
@@ -319,7 +321,9 @@ def _two_models(root: str) -> tuple[str, list[tuple[str, dict[str, float]]]]:
         checkpoint_uri=f"{root}/trained",
         in_process=True,
     ).checkpoint
-    return dataset_url, [(uri, evaluate(uri, data)) for uri in (untrained, trained)]
+    return dataset_url, [
+        (uri, evaluate(uri, data, model=DigitsClassifier)) for uri in (untrained, trained)
+    ]
 
 
 def _redeploy_main(args: argparse.Namespace) -> int:

@@ -75,6 +75,13 @@ running() {
   [ -f "$RUN_DIR/$1.pid" ] && kill -0 "$(cat "$RUN_DIR/$1.pid")" 2>/dev/null
 }
 
+# Secrets only the flow's own process reads (the serving token, from which the model server
+# gets a digest): servers and Ray processes start without them (`"${without_secrets[@]}" CMD`
+# for start_bg).
+SECRET_ENV=(RINGFLOW_SERVE_TOKEN)
+without_secrets=(env)
+for _secret in "${SECRET_ENV[@]}"; do without_secrets+=(-u "$_secret"); done
+
 # start_bg NAME COMMAND...: run COMMAND detached in a session of its own, remember its pid.
 start_bg() {
   local name=$1

@@ -14,7 +14,7 @@ keep_log() {
 
 for name in prefect-server ray-head prefect-worker; do keep_log "$name"; done
 
-start_bg prefect-server prefect server start --host 127.0.0.1 --port "$RINGFLOW_PREFECT_PORT"
+start_bg prefect-server "${without_secrets[@]}" prefect server start --host 127.0.0.1 --port "$RINGFLOW_PREFECT_PORT"
 
 if [ "$RINGFLOW_LOCAL_RAY" = 1 ]; then
   # Every port the head opens is derived from RINGFLOW_RAY_PORT, so a second stack (the
@@ -24,7 +24,7 @@ if [ "$RINGFLOW_LOCAL_RAY" = 1 ]; then
     mkdir -p "$(dirname "$RAY_AUTH_TOKEN_PATH")"
     (umask 077 && python -c 'import secrets; print(secrets.token_hex(32), end="")' >"$RAY_AUTH_TOKEN_PATH")
   fi
-  start_bg ray-head ray start --head --block --disable-usage-stats \
+  start_bg ray-head "${without_secrets[@]}" ray start --head --block --disable-usage-stats \
     --node-ip-address=127.0.0.1 --port="$p" --num-cpus="$RINGFLOW_CPUS" \
     --include-dashboard=false --ray-client-server-port=$((p + 1)) \
     --dashboard-agent-listen-port=$((p + 2)) --dashboard-agent-grpc-port=$((p + 3)) \

@@ -7,8 +7,10 @@ import logging
 import os
 import site
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["QUIET_ENV", "connect", "quiet_environment"]
+__all__ = ["QUIET_ENV", "SECRET_ENV", "connect", "quiet_environment", "without_secrets"]
 
 log = logging.getLogger("ringflow.engine")
 
@@ -18,6 +20,22 @@ QUIET_ENV = {
     "DO_NOT_TRACK": "1",
 }
 """Offline and quiet: no usage statistics, nothing bound beyond loopback on one machine."""
+
+
+SECRET_ENV = ("RINGFLOW_SERVE_TOKEN",)
+"""Secrets that only the driving process reads: Ray's processes (workers, Serve replicas)
+start without them. The model server gets a digest of the serving token, never the token."""
+
+
+@contextmanager
+def without_secrets() -> Iterator[None]:
+    """:data:`SECRET_ENV` out of this process's environment while the block runs (starting
+    Ray's processes, which inherit it), and back afterwards."""
+    held = {key: os.environ.pop(key) for key in SECRET_ENV if key in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(held)
 
 
 def quiet_environment(**extra: str) -> None:
@@ -36,7 +54,8 @@ def connect(
 
     Args:
         address: a Ray address; defaults to ``RAY_ADDRESS``. When neither is set a private
-            local Ray starts in this process and stops with it.
+            local Ray starts in this process and stops with it; its processes start without
+            :data:`SECRET_ENV`.
         num_cpus: CPUs of that local Ray; defaults to this machine's.
         model: the import path of the model to train or serve (``package.module:Class``).
             On an existing cluster, a model whose code is not installed (a user's project
@@ -51,12 +70,13 @@ def connect(
         if address:
             ray.init(address=address, log_to_driver=False, runtime_env=_project_code(model))
         else:
-            ray.init(
-                address="local",
-                num_cpus=num_cpus or os.cpu_count(),
-                include_dashboard=False,
-                log_to_driver=False,
-            )
+            with without_secrets():  # every Ray process inherits the environment of this one
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus or os.cpu_count(),
+                    include_dashboard=False,
+                    log_to_driver=False,
+                )
     where = ray.get_runtime_context().gcs_address
     log.info("connected to Ray at %s", where)
     return where

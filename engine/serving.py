@@ -44,6 +44,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -83,6 +84,7 @@ class ServingError(RuntimeError):
 def serve_model(
     model_uri: str,
     *,
+    allowed: str | type | Sequence[str | type],
     host: str = "127.0.0.1",
     port: int = 8000,
     app_name: str = "ringflow",
@@ -97,6 +99,8 @@ def serve_model(
 
     Args:
         model_uri: a checkpoint written by :func:`storage.checkpoint.save_model`.
+        allowed: the model class (or classes) the checkpoint may hold, or their import paths
+            ``package.module:Class``; a checkpoint naming another is refused unimported.
         host: address Serve's HTTP proxy listens on; loopback unless the caller asks.
         port: port of Serve's HTTP proxy.
         app_name: Serve application name; deploying the same name again replaces it.
@@ -113,20 +117,23 @@ def serve_model(
         The endpoint URL, ``http://host:port`` followed by ``route_prefix`` unless it is ``/``.
 
     Raises:
-        CheckpointError: the checkpoint is missing, incomplete or corrupt.
+        CheckpointError: the checkpoint is missing, incomplete or corrupt, or names a class
+            not in ``allowed`` (``ModelClassRefused``).
         ServingError: bad arguments, a checkpoint with neither a recorded data schema nor a
             module ``input_schema``, a model that fails its self-check (a forward pass on a
             valid input), Serve already running with other HTTP options, or a deployment that
             fails or never answers ``GET /healthz``.
     """
     _check_arguments(host, port, route_prefix, max_batch_size, max_body_bytes)
-    module, ckpt = load_model(model_uri)  # CheckpointError propagates before anything deploys
+    source = _FixedModel(uri=model_uri, allowed=_allowed(allowed))
+    # CheckpointError propagates before anything deploys
+    module, ckpt = load_model(model_uri, allowed=source.allowed)
     _check_servable(module, ckpt)
     options = _ServerOptions(
         max_batch_size=max_batch_size, batching=batching, max_body_bytes=max_body_bytes
     )
     return _deploy(
-        _FixedModel(uri=model_uri),
+        source,
         options,
         token=_read_token(token_env, token_file),
         address=(host, port, route_prefix),
@@ -138,6 +145,7 @@ def serve_registry(
     registry_url: str,
     model: str,
     *,
+    allowed: str | type | Sequence[str | type],
     poll_s: float = 1.0,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -157,13 +165,17 @@ def serve_registry(
     or the same features with the same types and categories) and answers under the same
     keys as the served one, and only then swaps it in; requests in flight finish on the
     model they started with. A version that fails to load or check is logged and skipped;
-    the old one keeps serving.
+    the old one keeps serving. The replicas load only checkpoints of the ``allowed`` classes,
+    which come with the deployment, never from the registry: a version whose manifest names
+    another class is logged and skipped without importing anything.
     ``GET /model`` reports the served version, its training time and its metrics.
 
     Args:
         registry_url: the registry root (:class:`storage.registry.ModelRegistry`'s ``url``),
             read with fsspec's default credentials (environment, instance profile).
         model: the registered model's name.
+        allowed: the model classes its versions may hold, as import paths
+            ``package.module:Class`` (the class trained under this name, and earlier ones).
         poll_s: seconds between two reads of the production pointer.
         host, port, app_name, route_prefix, max_batch_size, batching, token_env, token_file,
             max_body_bytes: as for :func:`serve_model`.
@@ -173,21 +185,24 @@ def serve_registry(
 
     Raises:
         ServingError: nothing is in production yet, bad arguments, or a failed deployment.
-        CheckpointError: the production checkpoint is missing or corrupt.
+        CheckpointError: the production checkpoint is missing or corrupt, or names a class
+            not in ``allowed`` (``ModelClassRefused``).
     """
     from ringflow.storage.registry import ModelRegistry
 
     _check_arguments(host, port, route_prefix, max_batch_size, max_body_bytes)
     if not (isinstance(poll_s, int | float) and 0.05 <= poll_s <= 3600):
         raise ServingError(f"poll_s must be a number of seconds in 0.05..3600, got {poll_s!r}")
-    source = _RegistryModel(url=registry_url, model=model, poll_s=float(poll_s))
+    source = _RegistryModel(
+        url=registry_url, model=model, poll_s=float(poll_s), allowed=_allowed(allowed)
+    )
     record = ModelRegistry(registry_url, model).production_version()
     if record is None:
         raise ServingError(
             f"{registry_url}/{model} has no production version yet: register one and promote "
             "it (storage.registry.promote_if_better) before serving"
         )
-    module, ckpt = load_model(record.uri)
+    module, ckpt = load_model(record.uri, allowed=source.allowed)
     _check_servable(module, ckpt)
     options = _ServerOptions(
         max_batch_size=max_batch_size, batching=batching, max_body_bytes=max_body_bytes
@@ -317,7 +332,8 @@ def _same_interface(
     from ringflow.storage.registry import ModelRegistry, RegistryError
 
     try:
-        module, ckpt = load_model(ModelRegistry(source.url, source.model).get(version).uri)
+        uri = ModelRegistry(source.url, source.model).get(version).uri
+        module, ckpt = load_model(uri, allowed=source.allowed)
     except (CheckpointError, RegistryError, OSError, ValueError):
         return False
     old_spec, old_output = _specs(module, ckpt)
@@ -345,6 +361,18 @@ def _check_arguments(
         raise ServingError(f"max_batch_size must be at least 1, got {max_batch_size}")
     if max_body_bytes < 1:
         raise ServingError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
+
+
+def _allowed(allowed: str | type | Sequence[str | type]) -> tuple[str, ...]:
+    """The allowed classes as import paths: what a deployment carries to its replicas."""
+    entries = (allowed,) if isinstance(allowed, str | type) else tuple(allowed)
+    paths = tuple(e if isinstance(e, str) else f"{e.__module__}:{e.__qualname__}" for e in entries)
+    if not paths or not all(":" in p for p in paths):
+        raise ServingError(
+            "allowed must name the model classes to serve as 'package.module:Class', "
+            f"got {allowed!r}"
+        )
+    return paths
 
 
 def _check_servable(module: torch.nn.Module, ckpt: ModelCheckpoint) -> None:
@@ -1073,6 +1101,8 @@ class _FixedModel:
     """Serve one checkpoint for the application's lifetime."""
 
     uri: str
+    allowed: tuple[str, ...]
+    """The model classes the checkpoint may hold (``storage.checkpoint.load_model``)."""
 
     def __str__(self) -> str:
         return self.uri
@@ -1085,6 +1115,8 @@ class _RegistryModel:
     url: str
     model: str
     poll_s: float
+    allowed: tuple[str, ...]
+    """The model classes a version may hold; any other is skipped unimported."""
 
     def __str__(self) -> str:
         return f"{self.url}/{self.model} (production, polled every {self.poll_s:g} s)"
@@ -1106,9 +1138,10 @@ class _Served:
     """``GET /model``."""
 
 
-def _load_served(uri: str, record: Any = None) -> _Served:
-    """Load the checkpoint at ``uri`` and check it answers a probe before it serves."""
-    module, ckpt = load_model(uri)
+def _load_served(uri: str, allowed: tuple[str, ...], record: Any = None) -> _Served:
+    """Load the checkpoint at ``uri`` (one of the ``allowed`` classes) and check it answers
+    a probe before it serves."""
+    module, ckpt = load_model(uri, allowed=allowed)
     spec, output = _specs(module, ckpt)
     _probe(module, spec, output, uri)
     fingerprint = _fingerprint(ckpt.state_dict)
@@ -1256,16 +1289,16 @@ class ModelServer:
         self._predict_one.set_max_batch_size(options.max_batch_size)
         self._stop = threading.Event()
         if isinstance(source, _FixedModel):
-            self._served = _load_served(source.uri)
+            self._served = _load_served(source.uri, source.allowed)
             return
         registry = _registry(source)
         record = registry.production_version()
         if record is None:
             raise ServingError(f"{registry.url} has no production version")
-        self._served = _load_served(record.uri, record)
+        self._served = _load_served(record.uri, source.allowed, record)
         threading.Thread(
             target=self._follow_production,
-            args=(registry, source.poll_s),
+            args=(registry, source),
             name="ringflow-follow-production",
             daemon=True,
         ).start()
@@ -1327,10 +1360,10 @@ class ModelServer:
         served = self._served  # one model for the whole forward pass, even mid-swap
         return [{**p, "model": served.tag} for p in _forward(served, rows)]
 
-    def _follow_production(self, registry: Any, poll_s: float) -> None:
+    def _follow_production(self, registry: Any, source: _RegistryModel) -> None:
         """Poll the production pointer; load, check and swap in each new version."""
         retry_at: dict[str, float] = {}
-        while not self._stop.wait(poll_s):
+        while not self._stop.wait(source.poll_s):
             try:
                 pointer = registry.production()
             except Exception as err:  # storage hiccup: keep serving, read again next poll
@@ -1342,7 +1375,7 @@ class ModelServer:
             ):
                 continue
             try:
-                served = self._load_compatible(registry, wanted)
+                served = self._load_compatible(registry, wanted, source.allowed)
             except Exception as err:  # a bad version must never take the replica down
                 retry_at[wanted] = time.monotonic() + _SWAP_RETRY_S
                 logger.warning(
@@ -1357,8 +1390,8 @@ class ModelServer:
             old, self._served = self._served.version, served  # one reference: the swap
             logger.info("swapped %s -> %s (%s)", old, wanted, served.tag["uri"])
 
-    def _load_compatible(self, registry: Any, version: str) -> _Served:
+    def _load_compatible(self, registry: Any, version: str, allowed: tuple[str, ...]) -> _Served:
         record = registry.get(version)
-        served = _load_served(record.uri, record)
+        served = _load_served(record.uri, allowed, record)
         _check_compatible(self._served, served, version)
         return served

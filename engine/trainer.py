@@ -25,7 +25,7 @@ from ringflow.engine.module import CALLED_HOOKS, uncalled_hooks
 from ringflow.engine.spec import build_module, model_hparams
 from ringflow.engine.timeline import TimelineSummary, chrome_trace, summarize, trace_bytes
 from ringflow.engine.worker import evaluate_module
-from ringflow.storage.checkpoint import load_model, read_checkpoint, save_model
+from ringflow.storage.checkpoint import Allowed, load_model, read_checkpoint, save_model
 from ringflow.storage.fs import atomic_write, join
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
@@ -688,10 +688,19 @@ class _Resume:
 
 
 def evaluate(
-    model_uri: str, data: DataSpec, *, split: str = "test", batch_size: int = 512
+    model_uri: str,
+    data: DataSpec,
+    *,
+    model: Allowed,
+    split: str = "test",
+    batch_size: int = 512,
 ) -> dict[str, float]:
-    """Load the committed model at ``model_uri`` and evaluate it on ``split`` in this process."""
-    module, _ = load_model(model_uri)
+    """Load the committed model at ``model_uri`` and evaluate it on ``split`` in this process.
+
+    ``model`` is the class (or classes) the checkpoint may hold, or their import paths, from
+    the caller's configuration: a checkpoint naming another class is refused before anything is
+    imported (``storage.checkpoint.ModelClassRefused``)."""
+    module, _ = load_model(model_uri, allowed=model)
     logged = evaluate_module(module, samples_of(data, split), split=split, batch_size=batch_size)
     return logged.results()
 

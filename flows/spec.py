@@ -47,6 +47,8 @@ class RunSpec:
     use_best_checkpoint: bool
     warm_start: bool
     tolerance: float
+    allowed_models: tuple[str, ...]
+    """Model classes the gate and the server may load from the registry: ``model`` first."""
     serve: bool
     serve_port: int
     loggers: tuple[str, ...] = ()
@@ -121,6 +123,7 @@ class RunSpec:
             use_best_checkpoint=p["use_best_checkpoint"],
             warm_start=p["warm_start"],
             tolerance=p["promotion_tolerance"],
+            allowed_models=_allowed_models(model, p["allowed_models"]),
             serve=p["serve"],
             serve_port=p["serve_port"],
             loggers=_loggers(p["loggers"]),
@@ -156,6 +159,15 @@ def _check_keywords(model: ModelRef) -> None:
         raise ModelError(
             f"hparams {unknown} are not keywords of {model.path}; it takes {sorted(params)}"
         )
+
+
+def _allowed_models(model: ModelRef, extra: list[str] | None) -> tuple[str, ...]:
+    """``model`` and the further classes named, each importable here (checked now, before
+    any work, so a typo fails the run rather than a later promotion)."""
+    paths = tuple(dict.fromkeys([model.path, *(extra or ())]))
+    for path in paths[1:]:
+        ModelRef(path=path).resolve()
+    return paths
 
 
 def _data_parameters(model: ModelRef, p: dict[str, Any]) -> dict[str, Any]:

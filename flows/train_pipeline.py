@@ -63,6 +63,8 @@ def train_pipeline(
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b",
     warm_start: bool = False,
     promotion_tolerance: Annotated[float, Field(ge=0, le=1)] = 0.0,
+    allowed_models: list[Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")]]
+    | None = None,
     loggers: list[Literal["csv", "tensorboard", "mlflow"]] | None = None,
     log_every_n_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 50,
     timeline: bool = False,
@@ -135,6 +137,10 @@ def train_pipeline(
         warm_start: start training from the production model's weights, if there is one.
         promotion_tolerance: promote a model whose test metric is at most this much worse
             than production's; otherwise production keeps its model.
+        allowed_models: further model classes (import paths) that the promotion gate and the
+            served model may load from the registry, besides model: the classes of earlier
+            versions under the same model_name. A registry version naming any other class is
+            never imported: the gate keeps production, the server keeps its version.
         loggers: Lightning loggers for what the model logs: csv and tensorboard write under
             storage_url's runs/<run key>/logs/, mlflow to MLFLOW_TRACKING_URI (needs mlflow).
         log_every_n_steps: values the model logs every step reach the loggers every this many
@@ -285,7 +291,7 @@ def _run(spec: RunSpec, attempt: int) -> dict:
         )
         if trained["resumed_from_step"] is not None:
             report_resume(checkpoints, spec.run_key, trained["resumed_from_step"], attempt)
-    test = evaluate(trained["checkpoint"], dataset["dataset_url"])
+    test = evaluate(trained["checkpoint"], dataset["dataset_url"], model=model.path)
     version = register(
         trained["checkpoint"],
         spec.storage_url,
@@ -295,7 +301,11 @@ def _run(spec: RunSpec, attempt: int) -> dict:
         model=spec.model_name,
     )
     gate = promote(
-        version["version"], spec.storage_url, model=spec.model_name, tolerance=spec.tolerance
+        version["version"],
+        spec.storage_url,
+        model=spec.model_name,
+        allowed=spec.allowed_models,
+        tolerance=spec.tolerance,
     )
     result = {
         **test,
@@ -324,6 +334,7 @@ def _run(spec: RunSpec, attempt: int) -> dict:
             port=spec.serve_port,
             model=spec.model_name,
             model_path=model.path,
+            allowed=spec.allowed_models,
         )
         served["served_version"] = served.pop("model_version")
         result.update(served)

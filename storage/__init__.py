@@ -3,6 +3,7 @@
 from ringflow.storage.checkpoint import (
     CheckpointError,
     ModelCheckpoint,
+    ModelClassRefused,
     copy_checkpoint,
     load_model,
     read_checkpoint,
@@ -40,6 +41,7 @@ __all__ = [
     "AsyncCheckpointer",
     "CheckpointCorruptError",
     "CheckpointError",
+    "ModelClassRefused",
     "CheckpointStorageError",
     "CheckpointStore",
     "CommittedCheckpoint",

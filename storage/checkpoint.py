@@ -3,12 +3,18 @@
 A checkpoint directory holds ``model.safetensors`` and ``manifest.json``. The manifest is
 written after the tensors and records their size and SHA-256, so a directory without a
 manifest, or whose tensors do not match it, is not a checkpoint. Nothing is unpickled.
+
+The manifest names the module's class, but storage never chooses which code runs: whoever
+loads a model says which classes it trusts (its own configuration: the flow's ``model``, a
+serving deployment's allow-list), and :func:`load_model` refuses any other class named by
+a manifest before importing anything.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +25,10 @@ from safetensors.torch import save as save_safetensors
 from ringflow.storage.fs import atomic_write, join, read_bytes, resolve, sha256
 
 __all__ = [
+    "Allowed",
     "CheckpointError",
     "ModelCheckpoint",
+    "ModelClassRefused",
     "copy_checkpoint",
     "load_model",
     "read_checkpoint",
@@ -31,9 +39,16 @@ _TENSORS = "model.safetensors"
 _MANIFEST = "manifest.json"
 _FORMAT = "ringflow.model/1"
 
+Allowed = str | type | Collection[str | type]
+"""Model classes a loader trusts: classes or their import paths."""
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or does not match its manifest."""
+
+
+class ModelClassRefused(CheckpointError):
+    """A checkpoint names a model class that the loading process does not allow."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,19 +128,67 @@ def read_checkpoint(uri: str) -> ModelCheckpoint:
     )
 
 
-def load_model(uri: str) -> tuple[torch.nn.Module, ModelCheckpoint]:
-    """Rebuild the module recorded in the checkpoint at ``uri`` and load its weights."""
+def load_model(uri: str, *, allowed: Allowed) -> tuple[torch.nn.Module, ModelCheckpoint]:
+    """Rebuild the module recorded in the checkpoint at ``uri`` and load its weights.
+
+    Args:
+        uri: a checkpoint written by :func:`save_model`.
+        allowed: the model classes this process trusts, from its own configuration and
+            never from storage: classes, or import paths ``package.module:Class`` (a class
+            re-exported elsewhere may be named by either path).
+
+    Raises:
+        ModelClassRefused: the manifest names a class not in ``allowed``; nothing it names
+            was imported.
+        CheckpointError: the checkpoint is missing, incomplete or corrupt, or an allowed
+            class is not a ``torch.nn.Module``.
+    """
     ckpt = read_checkpoint(uri)
-    module_name, _, qualname = ckpt.module.partition(":")
-    cls: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        cls = getattr(cls, part)
-    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
-        raise CheckpointError(f"{uri}: {ckpt.module} is not a torch.nn.Module class")
+    trusted = _trusted_classes(allowed)
+    cls = trusted.get(ckpt.module)
+    if cls is None:
+        named = ", ".join(sorted({_path_of(c) for c in trusted.values()}))
+        raise ModelClassRefused(
+            f"{uri} names the model class {ckpt.module!r}; this process allows only "
+            f"{named}: refused without importing it"
+        )
     model = cls(**ckpt.hparams)
     model.load_state_dict(ckpt.state_dict)
     model.eval()
     return model, ckpt
+
+
+def _path_of(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _trusted_classes(allowed: Allowed) -> dict[str, type]:
+    """Each allowed class under the path it was given and under its defining module's path
+    (what :func:`save_model` records), imported from the caller's own configuration."""
+    entries = [allowed] if isinstance(allowed, str | type) else list(allowed)
+    if not entries:
+        raise CheckpointError("load_model needs at least one allowed model class")
+    trusted: dict[str, type] = {}
+    for entry in entries:
+        cls = entry if isinstance(entry, type) else _import_class(entry)
+        if not issubclass(cls, torch.nn.Module):
+            raise CheckpointError(f"allowed model class {entry!r} is not a torch.nn.Module")
+        trusted[_path_of(cls)] = cls
+        if isinstance(entry, str):
+            trusted[entry] = cls
+    return trusted
+
+
+def _import_class(path: str) -> type:
+    module_name, _, qualname = path.partition(":")
+    if not module_name or not qualname:
+        raise CheckpointError(f"allowed model class {path!r} is not 'package.module:Class'")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise CheckpointError(f"allowed model class {path!r} is not a class")
+    return obj
 
 
 def copy_checkpoint(src: str, dst: str) -> str:

@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 import fsspec
 
-from ringflow.storage.checkpoint import read_checkpoint
+from ringflow.storage.checkpoint import ModelClassRefused, read_checkpoint
 from ringflow.storage.fs import create_once, join, publish, read_bytes, sha256
 
 __all__ = [
@@ -162,7 +162,8 @@ class GateDecision:
     candidate_value: float | None
     production_value: float | None
     basis: str
-    """How the numbers were obtained: ``"first"``, ``"stored"`` or ``"re-evaluated"``."""
+    """How the numbers were obtained: ``"first"``, ``"stored"`` or ``"re-evaluated"``;
+    ``"refused"`` when a checkpoint named a model class the evaluator does not allow."""
     reason: str
     """One sentence a person reads: why the candidate was or was not promoted."""
     decided_at: str = ""
@@ -641,9 +642,12 @@ def _judge_against(
     if pointer.version == candidate.version:
         return judge.already(candidate)
     production = registry.get(pointer.version)
-    values, basis = _compare_values(
-        candidate, production, metric=judge.metric, evaluate_fn=evaluate_fn
-    )
+    try:
+        values, basis = _compare_values(
+            candidate, production, metric=judge.metric, evaluate_fn=evaluate_fn
+        )
+    except ModelClassRefused as err:  # storage named a class this process does not trust
+        return judge.refused(candidate, production, err)
     return judge.compare(candidate, production, *values, basis=basis)
 
 
@@ -706,6 +710,21 @@ class _Judge:
             values=(candidate.metrics.get(self.metric),) * 2,
             basis="stored",
             reason=f"{candidate.version} is already in production",
+        )
+
+    def refused(
+        self, candidate: ModelVersion, production: ModelVersion, err: ModelClassRefused
+    ) -> GateDecision:
+        """Not promoted: a checkpoint to re-evaluate names a class the evaluator refuses, so
+        the two cannot be compared; production stays where it is."""
+        return self._decide(
+            candidate,
+            production.version,
+            promoted=False,
+            values=(None, None),
+            basis="refused",
+            reason=f"kept {production.version}: {candidate.version} was not compared with it: "
+            f"{err} (allow that class to compare them, or move the pointer by hand)",
         )
 
     def compare(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from prefect import task
 from prefect.exceptions import MissingContextError
@@ -76,6 +76,7 @@ def promote(
     storage_url: str,
     *,
     model: str,
+    allowed: Sequence[str],
     metric: str | None = None,
     mode: str | None = None,
     tolerance: float = 0.0,
@@ -86,7 +87,10 @@ def promote(
     else ``test_loss`` (lower is better).
 
     When the two were trained on different data, both are re-evaluated on the candidate's
-    held-out test split. Returns the gate's decision (``promoted``, ``reason``, the values).
+    held-out test split, each loaded only if its checkpoint holds one of the ``allowed``
+    model classes (import paths); a version naming another class is not promoted, and a
+    production version naming one stays in production. Returns the gate's decision
+    (``promoted``, ``reason``, the values).
     """
     registry = model_registry(storage_url, model)
     if metric is None:
@@ -96,7 +100,7 @@ def promote(
     decision = promote_if_better(
         registry,
         version,
-        evaluate_fn=_test_split_evaluator(registry, version),
+        evaluate_fn=_test_split_evaluator(registry, version, allowed),
         metric=metric,
         mode=mode,
         tolerance=tolerance,
@@ -111,7 +115,7 @@ def promote(
     return decision.as_dict()
 
 
-def _test_split_evaluator(registry: ModelRegistry, version: str):
+def _test_split_evaluator(registry: ModelRegistry, version: str, allowed: Sequence[str]):
     """``uri -> test metrics`` on the held-out test split of ``version``'s dataset.
 
     The split is streamed, whatever its size: evaluation is one pass in order, so reading it
@@ -125,7 +129,7 @@ def _test_split_evaluator(registry: ModelRegistry, version: str):
     if dataset_url is None:
         return None
     data = DataSpec(dataset_url=dataset_url, stream=True)
-    return lambda uri: evaluate_model(uri, data, split="test")
+    return lambda uri: evaluate_model(uri, data, model=allowed, split="test")
 
 
 def _logger():

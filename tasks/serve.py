@@ -8,6 +8,7 @@ model without a redeploy.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import httpx
 import numpy as np
@@ -24,13 +25,14 @@ __all__ = ["serve", "serve_production"]
 
 
 @task(name="serve")
-def serve(model_uri: str, dataset_url: str, *, port: int, model: str | None = None) -> dict:
+def serve(model_uri: str, dataset_url: str, *, port: int, model: str) -> dict:
     """Deploy ``model_uri`` on the Ray cluster; return the endpoint and one real answer.
 
-    ``model`` is the model's import path, so that code not installed on the cluster travels
-    with the job (``engine.cluster.connect``)."""
+    ``model`` is the model's import path: the only class the checkpoint may hold, and code
+    that travels with the job where the cluster does not have it installed
+    (``engine.cluster.connect``)."""
     connect(model=model)
-    endpoint = serve_model(model_uri, port=port)
+    endpoint = serve_model(model_uri, port=port, allowed=[model])
     return _sample_answer(endpoint, dataset_url, served=model_uri)
 
 
@@ -41,7 +43,8 @@ def serve_production(
     *,
     port: int,
     model: str,
-    model_path: str | None = None,
+    model_path: str,
+    allowed: Sequence[str] = (),
     poll_s: float = 1.0,
 ) -> dict:
     """Serve the production version of the model named ``model`` from
@@ -52,10 +55,20 @@ def serve_production(
     when the next flow run gets here and finds this same deployment up, it does not
     redeploy. It returns once the app answers with the production version, and no request
     fails on the way (``engine.serving.serve_registry``).
+
+    The replicas load only checkpoints of ``model_path`` (the class's import path) or of a
+    class in ``allowed``: a version naming any other class is logged and skipped, never
+    imported, and the served version keeps answering.
     """
     connect(model=model_path)
     registry_url = Workspace(storage_url).registry
-    endpoint = serve_registry(registry_url, model, port=port, poll_s=poll_s)
+    endpoint = serve_registry(
+        registry_url,
+        model,
+        allowed=list(dict.fromkeys([model_path, *allowed])),
+        port=port,
+        poll_s=poll_s,
+    )
     return _sample_answer(endpoint, dataset_url, served=f"{registry_url}/{model} (production)")
 
 

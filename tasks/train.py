@@ -325,8 +325,9 @@ def _epoch_progress(epochs: int):
 
 
 @task(name="evaluate")
-def evaluate(checkpoint: str, dataset_url: str) -> dict:
-    """Held-out test metrics of the committed checkpoint."""
-    metrics = evaluate_model(checkpoint, DataSpec(dataset_url=dataset_url))
+def evaluate(checkpoint: str, dataset_url: str, *, model: str) -> dict:
+    """Held-out test metrics of the committed checkpoint, which must hold ``model`` (the
+    class's import path): a checkpoint naming another class is refused, never imported."""
+    metrics = evaluate_model(checkpoint, DataSpec(dataset_url=dataset_url), model=model)
     get_run_logger().info("test metrics %s", metrics)
     return metrics

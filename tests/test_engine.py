@@ -50,7 +50,7 @@ def test_checkpoint_holds_the_trained_weights(ray_session, digits, tmp_path):
     )
     assert [m.epoch for m in result.history] == [0, 1, 2]
     assert result.history[-1].metrics["train_loss"] < result.history[0].metrics["train_loss"]
-    test = evaluate(result.checkpoint, digits)
+    test = evaluate(result.checkpoint, digits, model=DigitsClassifier)
     assert test["test_accuracy"] > 0.85
 
 

@@ -20,6 +20,8 @@ from ringflow.storage.stream import SplitStream
 from ringflow.tasks import registry as registry_tasks
 from ringflow.tasks.serve import _first_test_row
 
+DIGITS = "ringflow.models.digits:DigitsClassifier"
+
 
 @pytest.fixture(scope="module")
 def sharded(digits, tmp_path_factory):
@@ -59,12 +61,14 @@ def whole_reads(monkeypatch) -> list[str]:
 
 
 def test_streamed_evaluation_gives_the_whole_split_values_on_the_digits(digits, sharded, models):
-    whole = evaluate(models[0], dataclasses.replace(digits, stream=False), batch_size=64)
-    streamed = evaluate(models[0], sharded, batch_size=64)
+    whole = evaluate(
+        models[0], dataclasses.replace(digits, stream=False), batch_size=64, model=DIGITS
+    )
+    streamed = evaluate(models[0], sharded, batch_size=64, model=DIGITS)
     assert set(whole) == {"test_loss", "test_accuracy"}
     assert streamed == pytest.approx(whole, rel=1e-6)
     # Bounded memory: each row group read once, in batches, at most two held at a time.
-    module, _ = load_model(models[0])
+    module, _ = load_model(models[0], allowed=DIGITS)
     stream = sharded.samples("test")
     assert isinstance(stream, SplitStream)
     assert len(stream.layout.blocks) > 3
@@ -81,21 +85,27 @@ def test_the_gate_judges_on_the_streamed_test_split(digits, sharded, models, tmp
             registry_tasks.register.fn(
                 uri,
                 storage,
-                metrics=evaluate(uri, data),
+                metrics=evaluate(uri, data, model=DIGITS),
                 dataset_url=data.dataset_url,
                 run_key=uri,
                 model="digits",
             )
         )
     whole_reads.clear()
-    assert registry_tasks.promote.fn(registered[0]["version"], storage, model="digits")["promoted"]
+    assert registry_tasks.promote.fn(
+        registered[0]["version"], storage, model="digits", allowed=[DIGITS]
+    )["promoted"]
     assert dataset_fingerprint(sharded.dataset_url) != dataset_fingerprint(digits.dataset_url)
 
-    decision = registry_tasks.promote.fn(registered[1]["version"], storage, model="digits")
+    decision = registry_tasks.promote.fn(
+        registered[1]["version"], storage, model="digits", allowed=[DIGITS]
+    )
 
     assert decision["basis"] == "re-evaluated"  # other data: both judged on the candidate's
     assert whole_reads == []  # streamed, never read whole
-    expected = [evaluate(uri, dataclasses.replace(digits, stream=False)) for uri in models]
+    expected = [
+        evaluate(uri, dataclasses.replace(digits, stream=False), model=DIGITS) for uri in models
+    ]
     assert decision["candidate_value"] == pytest.approx(expected[1]["test_accuracy"], rel=1e-6)
     assert decision["production_value"] == pytest.approx(expected[0]["test_accuracy"], rel=1e-6)
 

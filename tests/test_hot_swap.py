@@ -5,9 +5,10 @@ down, when no other module already runs it) serves ``{storage}/registry/digits``
 run in file order and tell one story: v1 (weak) serves; v2 (better) is promoted while a
 second process loads the server, with zero failed requests; v3 (shuffled training labels)
 is refused by the gate and v2 keeps answering; a damaged v4 forced into production is
-skipped by the replica; the rollback command goes back to v2 and then v1; the next flow
-run's serve step, under load, finds the app it would deploy already running and waits for it
-to follow the pointer instead of redeploying it.
+skipped by the replica, and so is a v5 whose manifest names another class (never imported);
+the rollback command goes back to v2 and then v1; the next flow run's serve step, under load,
+finds the app it would deploy already running and waits for it to follow the pointer instead
+of redeploying it.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from ringflow.storage.fs import join
 from ringflow.storage.registry import ModelRegistry
 from ringflow.tasks import registry as registry_tasks
 from tests.conftest import free_port
+from tests.support.trust import clear_marks, marks, name_planted_class
 from tests.test_registry import _corrupt_training_labels, _train
 
 APP = "ringflow-hot-swap"
+DIGITS = "ringflow.models.digits:DigitsClassifier"
 PREFIX = "/hot"
 UNSET_TOKEN_ENV = "RINGFLOW_TEST_HOT_SWAP_TOKEN_NEVER_SET"
 POLL_S = 0.5
@@ -70,6 +73,7 @@ def _serve_step(storage: str, port: int) -> str:
     return serve_registry(
         join(storage, "registry"),
         "digits",
+        allowed=DIGITS,
         port=port,
         app_name=APP,
         route_prefix=PREFIX,
@@ -117,12 +121,12 @@ def _register_and_gate(storage: str, checkpoint: str, data: DataSpec, *, run_key
     record = registry_tasks.register.fn(
         checkpoint,
         storage,
-        metrics=evaluate_model(checkpoint, data),
+        metrics=evaluate_model(checkpoint, data, model=DIGITS),
         dataset_url=data.dataset_url,
         run_key=run_key,
         model="digits",
     )
-    return registry_tasks.promote.fn(record["version"], storage, model="digits")
+    return registry_tasks.promote.fn(record["version"], storage, model="digits", allowed=[DIGITS])
 
 
 def _wait_for_version(http: httpx.Client, version: str, timeout_s: float = 20.0) -> dict:
@@ -212,6 +216,23 @@ def test_damaged_version_in_production_is_skipped_by_the_replica(http, storage, 
     time.sleep(4 * POLL_S)
     assert http.get("/model").json()["version"] == "v0002"
     assert _answers(http) == {"v0002"}
+
+
+@pytest.mark.ray
+def test_version_naming_another_class_is_skipped_by_the_replica_unimported(http, registry):
+    record = registry.register(
+        registry.get("v0002").uri, metrics={}, data_fingerprint=None, run_key="planted"
+    )
+    name_planted_class(record.uri)
+    clear_marks()
+    registry.promote(record.version, reason="a writer of the bucket")
+    time.sleep(4 * POLL_S)
+    try:
+        assert http.get("/model").json()["version"] == "v0002"
+        assert _answers(http) == {"v0002"}
+        assert marks() == []  # no process, the replica included, imported the named class
+    finally:
+        registry.rollback(reason="back to the damaged version, as the next test expects")
 
 
 @pytest.mark.ray

@@ -54,7 +54,7 @@ def test_two_stage_charlm_learns_and_evaluates_like_the_whole_model(charlm_data,
     )
     val = [h.metrics["val_loss"] for h in result.history]
     assert val[-1] < val[0] < math.log(128)  # below a uniform guess, and still improving
-    whole = evaluate(result.checkpoint, charlm_data, split="validation")
+    whole = evaluate(result.checkpoint, charlm_data, model=CharLM, split="validation")
     assert whole["val_loss"] == pytest.approx(val[-1], rel=1e-4)
 
 

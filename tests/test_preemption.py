@@ -301,7 +301,9 @@ def _assert_resumed_bit_for_bit(stack: Stack, run_id: str, tmp_path: Path) -> di
     assert "Crashed" in resume, resume
 
     reference = _reference_for(summary, tmp_path)
-    resumed, _ = load_model(summary["checkpoint"])
+    resumed, _ = load_model(
+        summary["checkpoint"], allowed="ringflow.models.digits:DigitsClassifier"
+    )
     for name, tensor in reference.items():
         assert torch.equal(resumed.state_dict()[name], tensor), name
     return summary
@@ -470,7 +472,9 @@ def test_a_duplicate_start_of_a_running_run_steps_aside_and_the_run_completes(st
     summary = _summary(stack, run_id)
     from ringflow.storage import load_model
 
-    trained, _ = load_model(summary["checkpoint"])
+    trained, _ = load_model(
+        summary["checkpoint"], allowed="ringflow.models.digits:DigitsClassifier"
+    )
     for name, tensor in _reference_for(summary, tmp_path).items():
         assert torch.equal(trained.state_dict()[name], tensor), name
 

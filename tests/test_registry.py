@@ -32,6 +32,8 @@ from ringflow.storage.registry import (
 )
 from ringflow.tasks import registry as registry_tasks
 
+DIGITS = "ringflow.models.digits:DigitsClassifier"
+
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> list[str]:
@@ -100,8 +102,8 @@ def test_versions_are_numbered_and_hold_what_was_trained(registry, checkpoints):
 def test_registered_checkpoint_loads_back(tmp_path, checkpoints):
     registry = ModelRegistry(str(tmp_path), "digits")
     record = registry.get(_register(registry, checkpoints[2], 0.5))
-    module, _ = load_model(record.uri)
-    expected, _ = load_model(checkpoints[2])
+    module, _ = load_model(record.uri, allowed=DigitsClassifier)
+    expected, _ = load_model(checkpoints[2], allowed=DigitsClassifier)
     assert all(torch.equal(module.state_dict()[k], v) for k, v in expected.state_dict().items())
 
 
@@ -326,7 +328,9 @@ def test_concurrent_registrations_get_their_own_numbers(tmp_path, checkpoints):
     assert sorted(versions) == [f"v{i:04d}" for i in range(1, 7)]
     for version in versions:
         record = registry.get(version)
-        module, _ = load_model(record.uri)  # the weights verify against their own manifest
+        module, _ = load_model(
+            record.uri, allowed=DigitsClassifier
+        )  # the weights verify against their own manifest
         assert record.source == checkpoints[int(record.run_key.split("-")[1]) % 3]
 
 
@@ -509,7 +513,7 @@ def test_retrain_on_shuffled_labels_is_refused(digits, tmp_path):
 
     storage = str(tmp_path / "storage")
     good = _train(digits, str(tmp_path / "good"))
-    good_metrics = evaluate(good, digits)
+    good_metrics = evaluate(good, digits, model=DigitsClassifier)
     v1 = registry_tasks.register.fn(
         good,
         storage,
@@ -518,7 +522,9 @@ def test_retrain_on_shuffled_labels_is_refused(digits, tmp_path):
         run_key="good",
         model="digits",
     )
-    assert registry_tasks.promote.fn(v1["version"], storage, model="digits")["promoted"]
+    assert registry_tasks.promote.fn(v1["version"], storage, model="digits", allowed=[DIGITS])[
+        "promoted"
+    ]
 
     bad_data = _corrupt_training_labels(digits.dataset_url, str(tmp_path / "shuffled"))
     assert dataset_fingerprint(bad_data) != dataset_fingerprint(digits.dataset_url)
@@ -527,12 +533,12 @@ def test_retrain_on_shuffled_labels_is_refused(digits, tmp_path):
     v2 = registry_tasks.register.fn(
         bad,
         storage,
-        metrics=evaluate(bad, bad_spec),
+        metrics=evaluate(bad, bad_spec, model=DigitsClassifier),
         dataset_url=bad_data,
         run_key="bad",
         model="digits",
     )
-    decision = registry_tasks.promote.fn(v2["version"], storage, model="digits")
+    decision = registry_tasks.promote.fn(v2["version"], storage, model="digits", allowed=[DIGITS])
 
     assert good_metrics["test_accuracy"] > 0.85
     assert not decision["promoted"], decision

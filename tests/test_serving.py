@@ -44,6 +44,12 @@ REGRESSION_APP = "ringflow-test-regression"
 CLASSIFICATION_APP = "ringflow-test-classification"
 FILE_TOKEN = "file-token-3a7c9e1f5b2d4068"
 UNSET_TOKEN_ENV = "RINGFLOW_TEST_SERVING_TOKEN_NEVER_SET"
+ALLOWED = (
+    "ringflow.models.digits:DigitsClassifier",
+    "ringflow.models.tabular:TabularMLP",
+    "tests.test_serving:_Doubler",
+)
+"""The model classes this module's servers load."""
 TOKEN_ENV = "RINGFLOW_TEST_SERVING_TOKEN"
 MAX_BODY = 1_000_000
 PIXELS = 64
@@ -84,7 +90,7 @@ def endpoint(ray_session, model, port):
 
     assert UNSET_TOKEN_ENV not in os.environ
     _, uri = model
-    url = serve_model(uri, port=port, app_name=APP, token_env=UNSET_TOKEN_ENV)
+    url = serve_model(uri, allowed=ALLOWED, port=port, app_name=APP, token_env=UNSET_TOKEN_ENV)
     yield url
     shutdown_serving(APP)
     shutdown_serving(SECURE_APP)
@@ -113,7 +119,9 @@ def test_port_in_use_is_an_error_and_leaves_no_serve(ray_session, model):
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ServingError, match=f"127.0.0.1:{port}"):
-            serve_model(model[1], port=port, app_name="clash", token_env=UNSET_TOKEN_ENV)
+            serve_model(
+                model[1], allowed=ALLOWED, port=port, app_name="clash", token_env=UNSET_TOKEN_ENV
+            )
     assert _get_global_client(raise_if_no_controller_running=False) is None
 
 
@@ -339,13 +347,13 @@ def test_fuzzed_bodies_never_5xx(http, body):
 def test_missing_checkpoint_raises_before_deploying(tmp_path):
     # No Ray needed: the checkpoint is checked before Serve is touched.
     with pytest.raises(CheckpointError, match="manifest.json is missing"):
-        serve_model(str(tmp_path / "nothing"), port=free_port(), app_name="never")
+        serve_model(str(tmp_path / "nothing"), allowed=ALLOWED, port=free_port(), app_name="never")
 
 
 @pytest.mark.parametrize("port", [0, 65536, -1])
 def test_bad_port_is_refused(model, port):
     with pytest.raises(ServingError, match="port must be"):
-        serve_model(model[1], port=port)
+        serve_model(model[1], allowed=ALLOWED, port=port)
 
 
 @pytest.mark.ray
@@ -353,14 +361,20 @@ def test_missing_checkpoint_leaves_serve_untouched(endpoint, tmp_path):
     from ray import serve
 
     with pytest.raises(CheckpointError):
-        serve_model(str(tmp_path / "nothing"), port=free_port(), app_name="never")
+        serve_model(str(tmp_path / "nothing"), allowed=ALLOWED, port=free_port(), app_name="never")
     assert "never" not in serve.status().applications
 
 
 @pytest.mark.ray
 def test_serve_on_another_port_is_an_error(endpoint, model, port):
     with pytest.raises(ServingError, match=f"already running .* 127.0.0.1:{port}"):
-        serve_model(model[1], port=free_port(), app_name="elsewhere", token_env=UNSET_TOKEN_ENV)
+        serve_model(
+            model[1],
+            allowed=ALLOWED,
+            port=free_port(),
+            app_name="elsewhere",
+            token_env=UNSET_TOKEN_ENV,
+        )
 
 
 @pytest.mark.ray
@@ -370,7 +384,12 @@ def test_bearer_token_guards_every_route(endpoint, model, port, monkeypatch):
     token = "test-token-5f1d0c2b9e8a"
     monkeypatch.setenv(TOKEN_ENV, token)
     url = serve_model(
-        model[1], port=port, app_name=SECURE_APP, route_prefix="/secure", token_env=TOKEN_ENV
+        model[1],
+        allowed=ALLOWED,
+        port=port,
+        app_name=SECURE_APP,
+        route_prefix="/secure",
+        token_env=TOKEN_ENV,
     )
     assert url == f"http://127.0.0.1:{port}/secure"
     good = {"Authorization": f"Bearer {token}"}
@@ -407,6 +426,7 @@ def file_token_http(endpoint, model, port, token_file):
     """A second app with its token from a file, without server-side batching."""
     url = serve_model(
         model[1],
+        allowed=ALLOWED,
         port=port,
         app_name=FILE_TOKEN_APP,
         route_prefix="/filetoken",
@@ -424,7 +444,9 @@ def test_bad_token_file_is_refused_without_deploying(model, tmp_path, content, m
     if content is not None:
         path.write_text(content)
     with pytest.raises(ServingError, match=match):
-        serve_model(model[1], port=free_port(), app_name="never", token_file=str(path))
+        serve_model(
+            model[1], allowed=ALLOWED, port=free_port(), app_name="never", token_file=str(path)
+        )
 
 
 @pytest.mark.ray
@@ -558,7 +580,12 @@ def classifier(tmp_path_factory) -> tuple[torch.nn.Module, str]:
 
 def _app(uri: str, port: int, app_name: str, prefix: str):
     url = serve_model(
-        uri, port=port, app_name=app_name, route_prefix=prefix, token_env=UNSET_TOKEN_ENV
+        uri,
+        allowed=ALLOWED,
+        port=port,
+        app_name=app_name,
+        route_prefix=prefix,
+        token_env=UNSET_TOKEN_ENV,
     )
     with httpx.Client(base_url=url, timeout=30.0, trust_env=False) as client:
         yield client
@@ -768,7 +795,9 @@ def test_checkpoint_without_any_schema_is_refused_at_deploy(tmp_path):
     module = TabularMLP(input_dim=3, hidden=4, depth=1)
     uri = _save_tabular(tmp_path, "bare", module, None)
     with pytest.raises(ServingError) as err:
-        serve_model(uri, port=free_port(), app_name="never", token_env=UNSET_TOKEN_ENV)
+        serve_model(
+            uri, allowed=ALLOWED, port=free_port(), app_name="never", token_env=UNSET_TOKEN_ENV
+        )
     message = str(err.value)
     assert "\n" not in message
     assert "no data schema" in message
@@ -788,7 +817,9 @@ def test_checkpoint_without_any_schema_is_refused_at_deploy(tmp_path):
 def test_model_that_does_not_fit_its_data_schema_is_refused(tmp_path, module, schema, match):
     uri = _save_tabular(tmp_path, "misfit", module, schema)
     with pytest.raises(ServingError, match=match):
-        serve_model(uri, port=free_port(), app_name="never", token_env=UNSET_TOKEN_ENV)
+        serve_model(
+            uri, allowed=ALLOWED, port=free_port(), app_name="never", token_env=UNSET_TOKEN_ENV
+        )
 
 
 def test_malformed_data_schema_is_refused(tmp_path):
@@ -797,7 +828,9 @@ def test_malformed_data_schema_is_refused(tmp_path):
         str(tmp_path / "m"), module, hparams=dict(module.hparams), meta={"data_schema": {}}
     )
     with pytest.raises(ServingError, match="meta\\['data_schema'\\] is not a data schema"):
-        serve_model(uri, port=free_port(), app_name="never", token_env=UNSET_TOKEN_ENV)
+        serve_model(
+            uri, allowed=ALLOWED, port=free_port(), app_name="never", token_env=UNSET_TOKEN_ENV
+        )
 
 
 def test_digits_with_recorded_schema_keeps_pixels_and_digit(tmp_path):
@@ -809,7 +842,7 @@ def test_digits_with_recorded_schema_keeps_pixels_and_digit(tmp_path):
         hparams=dict(module.hparams),
         meta={"data_schema": DIGITS_SCHEMA.to_json()},
     )
-    served = _load_served(uri)
+    served = _load_served(uri, ALLOWED)
     assert served.info["input"]["name"] == "pixels"
     assert served.info["output"] == "digit"
     rows = _pixels(seed=8, n=3)
@@ -820,7 +853,7 @@ def test_digits_with_recorded_schema_keeps_pixels_and_digit(tmp_path):
 
 def test_swap_compares_the_derived_input_and_answer(tmp_path):
     def load(name, module, schema):
-        return _load_served(_save_tabular(tmp_path, name, module, schema))
+        return _load_served(_save_tabular(tmp_path, name, module, schema), ALLOWED)
 
     serving = load("v1", TabularMLP(input_dim=3, num_classes=3, hidden=4), IRISES)
     retrained = load("v2", TabularMLP(input_dim=3, num_classes=3, hidden=16, depth=3), IRISES)
@@ -852,7 +885,7 @@ def test_swap_compares_the_derived_input_and_answer(tmp_path):
         with pytest.raises(ServingError, match=match):
             _check_compatible(serving, candidate, version)
 
-    digits = _load_served(save_model(str(tmp_path / "d"), DigitsClassifier(), hparams={}))
+    digits = _load_served(save_model(str(tmp_path / "d"), DigitsClassifier(), hparams={}), ALLOWED)
     with pytest.raises(ServingError, match="takes 'pixels' of shape \\[64\\]"):
         _check_compatible(serving, digits, "v6")
 
@@ -868,7 +901,7 @@ class _Doubler(TabularMLP):
 def test_predict_step_output_is_the_prediction(tmp_path):
     torch.manual_seed(4)
     module = _Doubler(input_dim=3, num_classes=3, hidden=4).eval()
-    served = _load_served(_save_tabular(tmp_path, "step", module, IRISES))
+    served = _load_served(_save_tabular(tmp_path, "step", module, IRISES), ALLOWED)
     assert served.info["output"] == "prediction"
     rows, single = served.spec.parse({"petal": 1.0, "color": "blue", "width": 2.0})
     assert single

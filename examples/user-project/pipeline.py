@@ -39,7 +39,7 @@ def wine_pipeline(
         run_key=run_key,
         config=TrainConfig(workers=workers, epochs=epochs, batch_size=32, seed=0),
     )
-    metrics = evaluate(trained["checkpoint"], dataset["dataset_url"])
+    metrics = evaluate(trained["checkpoint"], dataset["dataset_url"], model=MODEL)
     version = register(
         trained["checkpoint"],
         storage_url,
@@ -48,7 +48,7 @@ def wine_pipeline(
         run_key=run_key,
         model=NAME,
     )
-    gate = promote(version["version"], storage_url, model=NAME)
+    gate = promote(version["version"], storage_url, model=NAME, allowed=[MODEL])
     served = serve_production(
         storage_url, dataset["dataset_url"], port=serve_port, model=NAME, model_path=MODEL
     )
