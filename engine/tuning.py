@@ -7,6 +7,9 @@ safetensors checkpoints only::
                                                           with its parameters and the step it
                                                           resumes from
     {storage_url}/tune/{run_key}/trials/{trial}/epochs/   the metrics of every epoch it trained
+    {storage_url}/tune/{run_key}/trials/{trial}/rungs/    every decision the early-stopping
+                                                          scheduler made on it, by epoch: the
+                                                          metric and continue or stop
     {storage_url}/tune/{run_key}/trials/{trial}/stopped.json  the epoch the scheduler stopped it
     {storage_url}/tune/{run_key}/trials/{trial}/done.json  written once its training finished
     {storage_url}/checkpoints/{run_key}-trial-{trial}/    its training state (``CheckpointStore``)
@@ -17,14 +20,16 @@ keeps its own experiment state (pickles) in a scratch directory on the machine t
 the search; it is never read back. Calling :func:`search` again with the same run key, on
 this machine or another, rebuilds the search from the records: finished and stopped trials
 are kept, unfinished ones resume from their newest checkpoint, the early-stopping scheduler
-and the searcher are given back every result recorded, and trials never started are proposed
-again. Every storage call is retried under ``SearchConfig.storage_retry``; a file under the
-search's directory that is not one of these JSON records is reported and ignored.
+is given back every decision it made (and makes the ones the interruption cut off), the
+searcher every result recorded, and trials never started are proposed again. Every storage
+call is retried under ``SearchConfig.storage_retry``; a file under the search's directory
+that is not one of these JSON records is reported and ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -431,20 +436,21 @@ def _searcher_cls() -> type:
 
 def _resumable_asha(
     cfg: SearchConfig,
-    seen: dict[str, list[tuple[int, float]]],
+    trials: dict[str, _Recorded] | None = None,
     *,
     base_trial: str | None = None,
     on_stop: Callable[[str, dict], None] | None = None,
+    on_decision: Callable[[str, dict], None] | None = None,
 ) -> Any:
-    """ASHA on the ``epoch`` clock that knows trials by ringflow's id and starts from ``seen``.
+    """ASHA on the ``epoch`` clock that knows trials by ringflow's id, records every decision
+    it makes and starts from the decisions recorded in ``trials`` (see :class:`_Decisions`).
 
-    The rungs are rebuilt from every recorded result (``seen``, by trial id), so a resumed
-    search stops and keeps trials as the uninterrupted one would have. The base trial
-    (``base_trial``) is never stopped early (its results still set the rungs): it is the
-    reference the search must match, so it always trains every epoch. ``on_stop`` is told of
-    every trial stopped early, with the result that stopped it.
+    The base trial (``base_trial``) is never stopped early (its results still set the rungs):
+    it is the reference the search must match, so it always trains every epoch. ``on_stop``
+    is told of every trial stopped early, with the result that stopped it; ``on_decision``
+    of every decision, before it is returned.
     """
-    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+    from ray.tune.schedulers import ASHAScheduler
 
     def alias(trial: Any) -> Any:
         return _Alias(trial_id=_our_id(trial))
@@ -454,13 +460,8 @@ def _resumable_asha(
             super().on_trial_add(tune_controller, alias(trial))
 
         def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-            decision = super().on_trial_result(tune_controller, alias(trial), result)
-            early = result.get(_EPOCH, cfg.epochs) < cfg.epochs
-            if _our_id(trial) == base_trial and early:
-                return TrialScheduler.CONTINUE
-            if decision == TrialScheduler.STOP and early and on_stop is not None:
-                on_stop(_our_id(trial), result)
-            return decision
+            ask = functools.partial(super().on_trial_result, tune_controller, alias(trial), result)
+            return self.decisions.on_result(_our_id(trial), result, ask)
 
         def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict) -> None:
             super().on_trial_complete(tune_controller, alias(trial), result)
@@ -480,10 +481,128 @@ def _resumable_asha(
         reduction_factor=cfg.reduction_factor,
     )
     (bracket,) = asha._brackets  # one bracket: ASHA's default
-    for trial_id, results in seen.items():
-        for epoch, value in results:
-            bracket.on_result(_Alias(trial_id=trial_id), epoch, asha._metric_op * value)
+    asha.decisions = _Decisions(
+        cfg,
+        bracket,
+        asha._metric_op,
+        base_trial=base_trial,
+        on_stop=on_stop,
+        on_decision=on_decision,
+    )
+    asha.decisions.rebuild(trials or {})
     return asha
+
+
+_STOP, _CONTINUE = "STOP", "CONTINUE"
+"""Ray's ``TrialScheduler.STOP`` and ``TrialScheduler.CONTINUE``."""
+
+
+class _Decisions:
+    """ASHA's decisions on the trials of a search, each recorded as it is made, and rebuilt
+    from the records when the search resumes. Plain Python around Ray's bracket.
+
+    A decision is ASHA putting a trial's result in a rung: the trial reached the rung's
+    milestone, its metric is compared with the rung's cutoff, and it continues or stops.
+    ``on_decision`` is given each one (``{"epoch", "value", "decision"}``) before it is
+    returned, so it is on storage before Tune acts on it. Rebuilt from the records
+    (:meth:`rebuild`):
+
+    - every recorded decision's value is in its rung, and a trial reporting the epoch of a
+      recorded decision gets that decision back (an earlier epoch: continue), where Ray would
+      skip the rung and continue;
+    - a finished trial's results fill the rungs it has no recorded decision in, as Ray would
+      have placed them: the final result at ``max_t``, and every result of a search recorded
+      before decisions were;
+    - an unfinished trial's results recorded after its last decision (the search stopped
+      before ASHA decided on them) are decided now, in order, on these rungs. A stop makes
+      the trial stopped after that epoch (``on_stop``), so it is not run again.
+    """
+
+    def __init__(
+        self,
+        cfg: SearchConfig,
+        bracket: Any,
+        metric_op: float,
+        *,
+        base_trial: str | None,
+        on_stop: Callable[[str, dict], None] | None,
+        on_decision: Callable[[str, dict], None] | None,
+    ) -> None:
+        self.cfg, self.bracket, self.metric_op = cfg, bracket, metric_op
+        self.base_trial, self.on_stop, self.on_decision = base_trial, on_stop, on_decision
+        self.decided: dict[str, dict[int, str]] = {}
+        """Every decision made on each trial, recorded or made here: epoch to its word."""
+        self.stopped_on_resume: list[str] = []
+        """Trials stopped while the rungs were rebuilt."""
+
+    def on_result(self, trial_id: str, result: dict, ask: Callable[[], str]) -> str:
+        """The decision on ``result``: replayed, or ASHA's (``ask``), recorded."""
+        decision = self.replayed(trial_id, result) or self.decide(trial_id, result, ask)
+        if decision == _STOP and self.early(result) and self.on_stop is not None:
+            self.on_stop(trial_id, result)
+        return decision
+
+    def early(self, result: dict) -> bool:
+        return result.get(_EPOCH, self.cfg.epochs) < self.cfg.epochs
+
+    def replayed(self, trial_id: str, result: dict) -> str | None:
+        """The decision made at this result's epoch in an earlier attempt, or ``None``."""
+        decided = self.decided.get(trial_id, {})
+        epoch = result.get(_EPOCH)
+        if epoch is None or not decided or epoch > max(decided):
+            return None
+        return _STOP if decided.get(int(epoch)) == "stop" else _CONTINUE
+
+    def decide(self, trial_id: str, result: dict, ask: Callable[[], str]) -> str:
+        """ASHA's answer to ``result``, recorded if ASHA put the result in a rung."""
+        placed = [trial_id in recorded for _, recorded in self.bracket._rungs]
+        decision = ask()
+        if trial_id == self.base_trial and self.early(result):
+            decision = _CONTINUE
+        if [trial_id in recorded for _, recorded in self.bracket._rungs] != placed:
+            epoch = int(result[_EPOCH])
+            word = "stop" if decision == _STOP else "continue"
+            self.decided.setdefault(trial_id, {})[epoch] = word
+            if self.on_decision is not None:
+                value = float(result[self.cfg.metric])
+                self.on_decision(trial_id, {_EPOCH: epoch, "value": value, "decision": word})
+        return decision
+
+    def place(self, trial_id: str, epoch: int, value: float) -> str:
+        """Ray's bracket's answer to a result: it puts it in a rung, or not."""
+        return self.bracket.on_result(_Alias(trial_id=trial_id), epoch, self.metric_op * value)
+
+    def rebuild(self, trials: dict[str, _Recorded]) -> None:
+        """The rungs as the records left them."""
+        for trial_id, trial in trials.items():
+            # In epoch order, so each value lands in the rung its decision was made in.
+            for epoch, decision in sorted(trial.decisions.items()):
+                self.place(trial_id, epoch, decision["value"])
+            self.decided[trial_id] = {e: d["decision"] for e, d in trial.decisions.items()}
+        for trial_id, trial in trials.items():
+            for epoch, value in _results(trial, self.cfg.metric) if trial.finished else []:
+                self.place(trial_id, epoch, value)  # Ray skips rungs that hold it already
+        for trial_id, trial in trials.items():
+            last = max(trial.decisions, default=0)
+            for epoch, value in [] if trial.finished else _results(trial, self.cfg.metric):
+                if last < epoch < self.cfg.epochs and self.cut_off(trial_id, epoch, value):
+                    break
+
+    def cut_off(self, trial_id: str, epoch: int, value: float) -> bool:
+        """Decide on a result recorded before ASHA saw it; whether the trial is stopped."""
+        result = {_EPOCH: epoch, self.cfg.metric: value}
+        ask = functools.partial(self.place, trial_id, epoch, value)
+        if self.decide(trial_id, result, ask) != _STOP:
+            return False
+        self.stopped_on_resume.append(trial_id)
+        if self.on_stop is not None:
+            self.on_stop(trial_id, result)
+        return True
+
+
+def _results(trial: _Recorded, metric: str) -> list[tuple[int, float]]:
+    """The epoch and metric of every result of ``trial`` that reported the metric."""
+    return [(int(m[_EPOCH]), float(m[metric])) for m in trial.curve() if _number(m.get(metric))]
 
 
 @dataclass(frozen=True)
@@ -502,7 +621,7 @@ def _our_id(trial: Any) -> str:
 
 
 _RECORD = re.compile(
-    r"^trials/(?P<trial>\d{5})/(?:starts/[0-9a-f]{32}|epochs/\d{6}|done|stopped)\.json$"
+    r"^trials/(?P<trial>\d{5})/(?:starts/[0-9a-f]{32}|epochs/\d{6}|rungs/\d{6}|done|stopped)\.json$"
 )
 """Every file ringflow writes under a search's directory; anything else there is foreign."""
 
@@ -554,6 +673,10 @@ class _TrialRecords:
     def epoch(self, metrics: dict[str, float]) -> None:
         self.storage.write(join(self.url, "epochs", f"{int(metrics[_EPOCH]):06d}.json"), metrics)
 
+    def decided(self, decision: dict[str, Any]) -> None:
+        """An early-stopping decision: ``{"epoch", "value", "decision"}``."""
+        self.storage.write(join(self.url, "rungs", f"{int(decision[_EPOCH]):06d}.json"), decision)
+
     def finish(self, **info: Any) -> None:
         self.storage.write(join(self.url, "done.json"), info)
 
@@ -578,6 +701,8 @@ class _Recorded:
     done: dict[str, Any] | None = None
     stopped_at: int | None = None
     """The epoch after which the scheduler stopped it."""
+    decisions: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """The scheduler's decisions on it, by epoch: ``{"value", "decision"}``."""
 
     @property
     def finished(self) -> bool:
@@ -600,12 +725,6 @@ class _History:
     @property
     def resumed(self) -> bool:
         return bool(self.trials)
-
-    def seen(self, metric: str) -> dict[str, list[tuple[int, float]]]:
-        return {
-            t: [(int(m[_EPOCH]), float(m[metric])) for m in r.curve() if _finite(m.get(metric))]
-            for t, r in self.trials.items()
-        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -656,14 +775,25 @@ def _recorded(trial_id: str, records: dict[str, dict[str, Any]]) -> _Recorded:
     )
     params = next((s["params"] for s in starts if isinstance(s.get("params"), dict)), None)
     done = records.get("done.json")
+    decisions = {
+        int(v[_EPOCH]): {"value": float(v["value"]), "decision": v["decision"]}
+        for k, v in records.items()
+        if k.startswith("rungs/")
+        and _number(v.get(_EPOCH))
+        and _number(v.get("value"))
+        and v.get("decision") in ("continue", "stop")
+    }
     stopped = records.get("stopped.json", {}).get(_EPOCH)
+    if not _number(stopped):  # stopped before its stop was recorded as stopped.json
+        stopped = min((e for e, d in decisions.items() if d["decision"] == "stop"), default=None)
     return _Recorded(
         trial_id=trial_id,
         params=params,
         executions=len(starts),
         epochs=epochs,
         done=done if _is_done(done) else None,
-        stopped_at=int(stopped) if isinstance(stopped, int | float) else None,
+        stopped_at=None if stopped is None else int(stopped),
+        decisions=decisions,
     )
 
 
@@ -910,6 +1040,20 @@ def _run_trials(
     Returns:
         The trials that failed, with the last line of their error.
     """
+    layout = trainable.layout
+
+    def stop(trial_id: str, result: dict) -> None:
+        lines.stop(trial_id, result)
+        layout.trial(trial_id).stopped(**{_EPOCH: int(result[_EPOCH])})
+
+    def decided(trial_id: str, decision: dict[str, Any]) -> None:
+        layout.trial(trial_id).decided(decision)
+
+    scheduler = _resumable_asha(
+        cfg, history.trials, base_trial=_trial_id(0), on_stop=stop, on_decision=decided
+    )
+    if scheduler.decisions.stopped_on_resume:  # decided while it was rebuilt: now finished
+        history = layout.history()
     kept = {t: r for t, r in history.trials.items() if r.finished}
     for trial in kept.values():
         lines.kept(trial)
@@ -922,10 +1066,10 @@ def _run_trials(
     proposer = SEARCH_ALGORITHMS[cfg.algorithm](dims, base, cfg, seed)
     proposer.resume(history, base_trial=_trial_id(0))
     with _tune_scratch(cfg) as scratch:
-        return _fit_tuner(trainable, queue, proposer, history, cfg, lines, scratch)
+        return _fit_tuner(trainable, queue, proposer, scheduler, cfg, lines, scratch)
 
 
-def _fit_tuner(trainable, queue, proposer, history, cfg, lines, scratch) -> dict[str, str]:
+def _fit_tuner(trainable, queue, proposer, scheduler, cfg, lines, scratch) -> dict[str, str]:
     """Run the trials of ``queue`` with Ray Tune; the failed ones, with why."""
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
@@ -936,18 +1080,12 @@ def _fit_tuner(trainable, queue, proposer, history, cfg, lines, scratch) -> dict
     def trial(config: dict[str, Any]) -> None:  # Tune wants a plain function to annotate
         trainable(config)
 
-    def stop(trial_id: str, result: dict) -> None:
-        lines.stop(trial_id, result)
-        layout.trial(trial_id).stopped(**{_EPOCH: int(result[_EPOCH])})
-
     searcher = _searcher_cls()(queue, proposer, metric=cfg.metric, mode=cfg.mode)
     tuner = tune.Tuner(
         tune.with_resources(trial, {"cpu": per_trial}),
         tune_config=tune.TuneConfig(
             num_samples=len(queue),
-            scheduler=_resumable_asha(
-                cfg, history.seen(cfg.metric), base_trial=_trial_id(0), on_stop=stop
-            ),
+            scheduler=scheduler,
             search_alg=searcher,
             max_concurrent_trials=concurrent,
         ),
@@ -1175,5 +1313,9 @@ def _best(
     )
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _finite(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return _number(value) and math.isfinite(value)
