@@ -56,7 +56,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException
 
-from ringflow.storage.checkpoint import CheckpointError, ModelCheckpoint, load_model
+from ringflow.storage.checkpoint import CheckpointError, ModelCheckpoint, class_path, load_model
 from ringflow.storage.dataset import TableSchema
 
 __all__ = ["ModelServer", "ServingError", "serve_model", "serve_registry", "shutdown_serving"]
@@ -366,7 +366,7 @@ def _check_arguments(
 def _allowed(allowed: str | type | Sequence[str | type]) -> tuple[str, ...]:
     """The allowed classes as import paths: what a deployment carries to its replicas."""
     entries = (allowed,) if isinstance(allowed, str | type) else tuple(allowed)
-    paths = tuple(e if isinstance(e, str) else f"{e.__module__}:{e.__qualname__}" for e in entries)
+    paths = tuple(e if isinstance(e, str) else class_path(e) for e in entries)
     if not paths or not all(":" in p for p in paths):
         raise ServingError(
             "allowed must name the model classes to serve as 'package.module:Class', "

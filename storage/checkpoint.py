@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "ModelCheckpoint",
     "ModelClassRefused",
+    "class_path",
     "copy_checkpoint",
     "load_model",
     "read_checkpoint",
@@ -83,10 +84,9 @@ def save_model(
     state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
     blob = save_safetensors(state)
     atomic_write(join(uri, _TENSORS), blob)
-    cls = type(module)
     manifest = {
         "format": _FORMAT,
-        "module": f"{cls.__module__}:{cls.__qualname__}",
+        "module": class_path(type(module)),
         "hparams": hparams,
         "metrics": metrics or {},
         "meta": meta or {},
@@ -147,7 +147,7 @@ def load_model(uri: str, *, allowed: Allowed) -> tuple[torch.nn.Module, ModelChe
     trusted = _trusted_classes(allowed)
     cls = trusted.get(ckpt.module)
     if cls is None:
-        named = ", ".join(sorted({_path_of(c) for c in trusted.values()}))
+        named = ", ".join(sorted({class_path(c) for c in trusted.values()}))
         raise ModelClassRefused(
             f"{uri} names the model class {ckpt.module!r}; this process allows only "
             f"{named}: refused without importing it"
@@ -158,7 +158,8 @@ def load_model(uri: str, *, allowed: Allowed) -> tuple[torch.nn.Module, ModelChe
     return model, ckpt
 
 
-def _path_of(cls: type) -> str:
+def class_path(cls: type) -> str:
+    """``package.module:Class`` of ``cls``, as a manifest records it."""
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
@@ -173,7 +174,7 @@ def _trusted_classes(allowed: Allowed) -> dict[str, type]:
         cls = entry if isinstance(entry, type) else _import_class(entry)
         if not issubclass(cls, torch.nn.Module):
             raise CheckpointError(f"allowed model class {entry!r} is not a torch.nn.Module")
-        trusted[_path_of(cls)] = cls
+        trusted[class_path(cls)] = cls
         if isinstance(entry, str):
             trusted[entry] = cls
     return trusted
