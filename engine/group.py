@@ -17,7 +17,14 @@ from ringflow.engine.elastic.coordinator import (
     GiveUp,
     WaitForWorkers,
 )
-from ringflow.engine.errors import CollectiveError, EngineError, PeerLostError, WorkerFailedError
+from ringflow.engine.errors import (
+    CollectiveError,
+    EngineError,
+    ModelError,
+    PeerLostError,
+    WorkerFailedError,
+)
+from ringflow.engine.failures import start_failure, user_error
 from ringflow.engine.layout import DataParallel, Layout
 from ringflow.engine.worker import NOSET_VISIBLE_DEVICES
 
@@ -107,6 +114,7 @@ class LocalGroup(WorkerGroup):
                 "stages as Ray actors (in_process=False)"
             )
         self._layout = layout
+        self._module_cls = module_cls
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(layout.size, "ringflow-stage")
             if layout.size > 1
@@ -114,10 +122,18 @@ class LocalGroup(WorkerGroup):
         )
         # One at a time: each worker seeds torch's generator, which threads share.
         cls = layout.worker_cls()
-        self._workers = [
-            cls(module_cls, hparams=hparams, data=data, config=config, **layout.worker_kwargs(i))
-            for i in range(layout.size)
-        ]
+        self._workers = []
+        for i in range(layout.size):
+            try:
+                worker = cls(
+                    module_cls, hparams=hparams, data=data, config=config, **layout.worker_kwargs(i)
+                )
+            except Exception as err:
+                raised = self._raised(i, err)
+                if raised is err:
+                    raise
+                raise raised from err
+            self._workers.append(worker)
         try:
             layout.connect(self)
         except BaseException:
@@ -133,7 +149,13 @@ class LocalGroup(WorkerGroup):
             for w, a in zip(self._workers, arguments, strict=True)
         ]
         if self._pool is None:
-            return [call() for call in calls]
+            try:
+                return [call() for call in calls]
+            except Exception as err:
+                raised = self._raised(0, err)
+                if raised is err:
+                    raise
+                raise raised from err
         return self._gather([self._pool.submit(call) for call in calls])
 
     def call_first(self, count: int, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -147,10 +169,15 @@ class LocalGroup(WorkerGroup):
             index, err = next(
                 ((i, e) for i, e in failed if not isinstance(e, PeerLostError)), failed[0]
             )
-            raise WorkerFailedError(
-                f"{self._layout.describe(index)} raised {type(err).__name__}: {err}", rank=index
-            ) from err
+            raised = self._raised(index, err)
+            raise raised from (err if raised is not err else err.__cause__)
         return [f.result() for f in futures]
+
+    def _raised(self, index: int, err: Exception) -> Exception:
+        """In this process ringflow's own errors stay as they are; see :func:`_worker_raised`."""
+        if _not_the_models(err):
+            return err
+        return _worker_raised(err, self._layout.describe(index), index, self._module_cls)
 
     def shutdown(self) -> None:
         for worker in getattr(self, "_workers", []):
@@ -489,15 +516,19 @@ class RayWorkerGroup(WorkerGroup):
             try:
                 results[worker] = ray.get(done[0])
             except ray.exceptions.RayActorError as err:
+                if getattr(err, "actor_init_failed", False):  # raised while it started
+                    where = self._layout.describe(list(refs).index(worker))
+                    raise start_failure(
+                        str(err), where=where, module_cls=self._module_cls
+                    ) from None
                 lost[worker] = _why_gone(err)
             except ray.exceptions.RayTaskError as err:
-                if not isinstance(err.cause, CollectiveError):
+                if not isinstance(err.cause, CollectiveError):  # the module's code, or a refusal
                     rank = list(refs).index(worker)
-                    raise WorkerFailedError(
-                        f"{self._layout.describe(rank)} raised {type(err.cause).__name__} in "
-                        f"{method}: {err.cause}",
-                        rank=rank,
-                    ) from err.cause
+                    where = f"{self._layout.describe(rank)}, in {method}"
+                    raise _worker_raised(
+                        err.cause, where, rank, self._module_cls, traceback_text=str(err)
+                    ) from None
                 blamed.append((worker, err.cause))
             if (lost or blamed or method in _ALIKE) and grace_until is None:
                 grace_until = time.monotonic() + self._config.collective_timeout_s + 2.0
@@ -516,6 +547,30 @@ _ALIKE = frozenset({"train_steps", "commit"})
 """Calls in which every member does the same work, in step with the others (the same steps
 and collectives; the same state copied): one member still busy long after another returned
 has stopped answering."""
+
+
+def _worker_raised(
+    err: BaseException,
+    where: str,
+    rank: int,
+    module_cls: type,
+    *,
+    traceback_text: str | None = None,
+) -> Exception:
+    """What a worker's exception fails the call with, decided once (``engine.failures``): a
+    collective's as a failed worker, ringflow's own or a storage error after its retries as
+    a failed worker naming it, the module's code (or ringflow's refusal of it) as one line
+    naming the hook, which no new start of the group can fix."""
+    if isinstance(err, CollectiveError) or _not_the_models(err):
+        return WorkerFailedError(f"{where} raised {type(err).__name__}: {err}", rank=rank)
+    return user_error(err, where=where, module_cls=module_cls, traceback_text=traceback_text)
+
+
+def _not_the_models(err: BaseException) -> bool:
+    """ringflow's own errors (storage, data, the engine) but its refusals of the module
+    (``ModelError``), and the operating system's: not the module's code."""
+    own = type(err).__module__.startswith("ringflow.") and not isinstance(err, ModelError)
+    return own or isinstance(err, OSError)
 
 
 def _why_gone(err: Exception) -> str:

@@ -17,7 +17,7 @@ from ringflow.engine.callbacks import Callbacks
 from ringflow.engine.config import DataSpec, TrainConfig
 from ringflow.engine.data import as_data, samples_of
 from ringflow.engine.elastic.coordinator import ElasticEvent
-from ringflow.engine.errors import EngineError, WorkerFailedError
+from ringflow.engine.errors import EngineError
 from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, Steps, WorkerGroup
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged, logger_rows
@@ -312,12 +312,14 @@ def _start_group(
     """Start the workers; a worker lost while they connect starts the group again.
 
     Nothing is committed yet at that point, so there is nothing to roll back to: the group is
-    shut down and started afresh, up to ``config.max_failures`` times.
+    shut down and started afresh, up to ``config.max_failures`` times. A worker that raised
+    (the module's code, or what ringflow refuses of it) fails the run at once as
+    ``ModelError``: every new start would raise the same (``engine.failures``).
     """
     for attempt in range(config.max_failures + 1):
         try:
             return group_cls(module_cls, hparams=hparams, data=data, config=config, layout=layout)
-        except (MembershipLost, WorkerFailedError) as err:
+        except MembershipLost as err:
             if attempt == config.max_failures:
                 raise EngineError(
                     f"the workers did not start: {err} (after {attempt + 1} attempts; "

@@ -1,0 +1,140 @@
+"""A user's own error fails the run once, at once, naming the hook; only a lost worker is
+retried (``engine.failures``).
+
+Each module below raises in its own code on 2 Ray workers: the run must end on its first
+attempt as one line of ``ModelError`` naming the hook and the original exception, within
+seconds of the raise, with no worker counted lost and no new start of the group. The
+elastic tests (tests/test_elastic.py) keep what a lost worker gets: recovery.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ringflow.engine import ModelError, TrainConfig, fit
+from ringflow.models.digits import DigitsClassifier
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class RaisesAtTheThirdStep(DigitsClassifier):
+    """Rank 1's ``training_step`` raises ``ValueError`` at its third call, writing when."""
+
+    def __init__(self, marker: str = "", **hparams) -> None:
+        super().__init__(**hparams)
+        self.marker, self.calls = marker, 0
+
+    def training_step(self, batch, batch_idx):
+        self.calls += 1
+        if self.global_rank == 1 and self.calls == 3:
+            Path(self.marker).write_text(repr(time.time()))
+            raise ValueError("the third batch is not what I expected")
+        return super().training_step(batch, batch_idx)
+
+
+class RefusesItsHparams(DigitsClassifier):
+    def __init__(self, hidden: int = 32, **hparams) -> None:
+        if hidden > 64:
+            raise ValueError(f"hidden={hidden} is more than this model takes (64)")
+        super().__init__(hidden=hidden, **hparams)
+
+
+class StepsByHand(DigitsClassifier):
+    """Manual optimisation, which ringflow refuses (docs/reference.md)."""
+
+    def __init__(self, **hparams) -> None:
+        super().__init__(**hparams)
+        self.automatic_optimization = False
+
+
+def _fit(digits, tmp_path, module, **hparams):
+    return fit(
+        module,
+        hparams={"hidden": 16, **hparams},
+        data=digits,
+        config=TrainConfig(workers=2, epochs=1, batch_size=64, seed=0, cpus_per_worker=0.5),
+        checkpoint_uri=str(tmp_path / "model"),
+    )
+
+
+@pytest.fixture
+def engine_log(caplog):
+    caplog.set_level(logging.INFO, logger="ringflow.engine")
+    return caplog
+
+
+def _assert_no_worker_lost(engine_log) -> None:
+    said = [r.getMessage() for r in engine_log.records]
+    assert not [m for m in said if "lost" in m or "starting again" in m], said
+
+
+@pytest.mark.ray
+def test_a_step_that_raises_ends_the_run_at_once_naming_the_hook(
+    ray_session, digits, tmp_path, engine_log
+):
+    marker = tmp_path / "raised"
+    with pytest.raises(ModelError) as failed:
+        _fit(digits, tmp_path, RaisesAtTheThirdStep, marker=str(marker))
+    ended = time.time()
+    message = str(failed.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "RaisesAtTheThirdStep.training_step raised ValueError: the third batch is not what I "
+        "expected (worker rank 1"
+    ), message
+    assert ended - float(marker.read_text()) < 5.0
+    _assert_no_worker_lost(engine_log)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("module", "hparams", "named"),
+    [
+        (
+            RefusesItsHparams,
+            {"hidden": 128},
+            "RefusesItsHparams(hidden=128) refused its hparams: hidden=128 is more than this "
+            "model takes (64)",
+        ),
+        (StepsByHand, {}, "StepsByHand sets automatic_optimization = False"),
+    ],
+    ids=["a constructor refusing its hparams", "manual optimisation"],
+)
+def test_what_fails_as_the_workers_start_ends_the_run_on_the_first_start(
+    ray_session, digits, tmp_path, engine_log, module, hparams, named
+):
+    with pytest.raises(ModelError) as failed:
+        _fit(digits, tmp_path, module, **hparams)
+    assert named in str(failed.value)
+    assert "\n" not in str(failed.value)
+    _assert_no_worker_lost(engine_log)  # one start of the group, not four
+
+
+@pytest.mark.integration  # a private Ray and Prefect of its own
+def test_through_the_command_line_the_run_fails_once_without_a_retry(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "ringflow.flows.train_pipeline"]
+        + ["--model", "tests.test_failures:RaisesAtTheThirdStep", "--workers", "2"]
+        + ["--tune-trials", "0", "--epochs", "1", "--no-serve"]
+        + ["--hparams", f'{{"marker": "{tmp_path / "raised"}"}}']
+        + ["--storage-url", str(tmp_path / "storage")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "COLUMNS": "250"},
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert "ModelError: RaisesAtTheThirdStep.training_step raised ValueError" in error, error
+    assert "AwaitingRetry" not in out, out[-3000:]  # no flow retry
+    assert "lost" not in out, out[-3000:]
+    assert (tmp_path / "raised").exists(), out[-3000:]
