@@ -1261,6 +1261,17 @@ def _keep_replica_grpc_on_node_address() -> None:
     serve_replica.add_port_to_grpc_server = add_port
 
 
+def _shipped_code_first() -> None:
+    """Put the code shipped with this deployment's job (Ray's ``py_modules``, on
+    ``PYTHONPATH``) ahead of the directories of the job that started Serve on the cluster:
+    a replica imports the trained project's own ``models`` package, not a package of that
+    name where an earlier run of another project worked."""
+    import sys
+
+    shipped = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = shipped + [p for p in sys.path if p not in shipped]
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(_api)
 class ModelServer:
@@ -1282,6 +1293,7 @@ class ModelServer:
         deployment: str = "",
     ) -> None:
         _keep_replica_grpc_on_node_address()
+        _shipped_code_first()
         self._deployment = deployment
         self._max_body_bytes = options.max_body_bytes
         self._batching = options.batching

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import socket
 import urllib.parse
 
 import torch.distributed as dist
 
-__all__ = ["open_store", "same_host"]
+__all__ = ["open_store", "same_host", "tcp_store"]
 
 
 def open_store(init_method: str, *, rank: int, world_size: int, timeout_s: float) -> dist.Store:
@@ -20,12 +21,27 @@ def open_store(init_method: str, *, rank: int, world_size: int, timeout_s: float
     url = urllib.parse.urlparse(init_method)
     if url.scheme != "tcp" or not url.hostname or not url.port:
         raise ValueError(f"init_method must look like tcp://host:port, got {init_method!r}")
+    return tcp_store(init_method, is_master=rank == 0, timeout_s=timeout_s, world_size=world_size)
+
+
+def tcp_store(
+    address: str, *, is_master: bool, timeout_s: float, world_size: int | None = None
+) -> dist.Store:
+    """The TCP store at ``address`` (``tcp://host:port``); the master listens on that host
+    only, not on every interface as torch's own store does."""
+    url = urllib.parse.urlparse(address)
+    timeout = dt.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(url.hostname, url.port, world_size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in url.hostname else socket.AF_INET
+    listening = socket.create_server((url.hostname, url.port), family=family, backlog=128)
     return dist.TCPStore(
         url.hostname,
         url.port,
         world_size,
-        is_master=rank == 0,
-        timeout=dt.timedelta(seconds=timeout_s),
+        is_master=True,
+        timeout=timeout,
+        master_listen_fd=listening.detach(),  # the store owns the socket from here
     )
 
 

@@ -7,7 +7,6 @@ The same class runs in a Ray actor (``fit_pipeline``) or in a thread of the call
 from __future__ import annotations
 
 import datetime as dt
-import urllib.parse
 from collections import defaultdict
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ringflow.engine.collective import Collective, create_collective
+from ringflow.engine.collective._rendezvous import tcp_store
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.data import Samples
 from ringflow.engine.metrics import Logged
@@ -116,7 +116,7 @@ class PipelineWorker:
         (replica 0's pipeline store), in which each pipeline and each stage's ring get NCCL
         groups of their own.
         """
-        store = _tcp_store(
+        store = tcp_store(
             pipeline_address, is_master=self.stage.is_first, timeout_s=self.config.timeout_s
         )
         self._stores.append(store)
@@ -163,7 +163,7 @@ class PipelineWorker:
         if self.replica == 0:
             store = pipeline_store  # replica 0's stage 0 hosts it
         else:
-            store = _tcp_store(world_address, is_master=False, timeout_s=self.config.timeout_s)
+            store = tcp_store(world_address, is_master=False, timeout_s=self.config.timeout_s)
             self._stores.append(store)
         # NCCL's own watchdog stays behind our deadlines (see engine.collective._p2p).
         timeout = dt.timedelta(
@@ -367,10 +367,3 @@ class PipelineWorker:
         if dist.is_initialized() and self.device.type == "cuda":
             dist.destroy_process_group()
         self._stores = []
-
-
-def _tcp_store(address: str, *, is_master: bool, timeout_s: float) -> dist.Store:
-    url = urllib.parse.urlparse(address)
-    return dist.TCPStore(
-        url.hostname, url.port, is_master=is_master, timeout=dt.timedelta(seconds=timeout_s)
-    )
