@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The test command: install what the tests need (deployments/setup.sh), then run them all.
-# Extra arguments go to pytest, e.g. `./tests/run.sh -m "not e2e"`.
+# The test command: install what the tests need (deployments/setup.sh), then run them all,
+# in parallel (pytest-xdist: RINGFLOW_TEST_WORKERS processes, each test module whole on one of
+# them, every e2e test on the first, on one stack; tests/conftest.py).
+# Extra arguments go to pytest, e.g. `./tests/run.sh -m "not e2e"` or `-m unit`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$ROOT/deployments/setup.sh"
@@ -9,4 +11,4 @@ export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENA
 bin="${RINGFLOW_VENV:-$ROOT/.venv}/bin"
 "$bin/ruff" check .
 "$bin/ruff" format --check .
-exec "$bin/python" -m pytest "$@"
+exec "$bin/python" -m pytest -n "${RINGFLOW_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"

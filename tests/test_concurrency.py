@@ -1,7 +1,7 @@
 """Overlapping runs of one deployment, and runs of different keys on one storage URL.
 
-The e2e test starts the real stack (Prefect server, Ray head, process worker) through
-deployments/start.sh and deploy.sh, on ports and state of its own. It runs
+The e2e test takes the run's real stack (Prefect server, Ray head, process worker, started
+through deployments/start.sh and deploy.sh: tests/support/stack.py). It runs
 ``train-pipeline/nightly`` and triggers it twice more while that first run trains. The policy
 that deployments/prefect.yaml gives the deployment (one run at a time, the others queued)
 must show in Prefect's own run states. The other tests check, without a server, that what
@@ -11,7 +11,6 @@ two runs of different keys write on one storage URL never meets.
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
 from datetime import datetime
@@ -20,8 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import free_port, prefect_api
-from tests.test_preemption import _training_paused
+from tests.support.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,70 +33,14 @@ PARAMS = {"tune_trials": 0, "serve": False, "hparams": {"hidden": 16}, "workers"
 _FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
 
 
-class _Stack:
-    """The stack of one test: its environment, and calls into its scripts and API."""
-
-    def __init__(self, state: Path) -> None:
-        self.state = state
-        port = free_port()
-        self.api = f"http://127.0.0.1:{port}/api"
-        self.env = {
-            **{
-                k: v
-                for k, v in os.environ.items()
-                if not k.startswith(("PREFECT_", "RAY_ADDRESS", "RINGFLOW_"))
-            },
-            "RINGFLOW_STATE": str(state),
-            "RINGFLOW_POOL": "ringflow-concurrency-test",
-            "RINGFLOW_PREFECT_PORT": str(port),
-            "RINGFLOW_RAY_PORT": str(free_port(6)),
-            "RINGFLOW_CPUS": "2",
-            "PREFECT_UI_ENABLED": "false",
-            # A queued run asks for its slot again this often (Prefect's default is 30 s).
-            "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "3",
-            "COLUMNS": "250",
-        }
-
-    def script(self, name: str) -> None:
-        done = subprocess.run(
-            [f"./deployments/{name}"],
-            cwd=ROOT,
-            env=self.env,
-            text=True,
-            capture_output=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-
-    def submit(self, deployment_id: str, **params) -> str:
-        body = {"parameters": {**PARAMS, **params}}
-        reply = prefect_api(
-            "POST", f"{self.api}/deployments/{deployment_id}/create_flow_run", json=body
-        )
-        return reply.json()["id"]
-
-    def get(self, path: str) -> dict:
-        return prefect_api("GET", f"{self.api}/{path}").json()
-
-    def states(self, run_id: str) -> list[dict]:
-        reply = prefect_api("GET", f"{self.api}/flow_run_states/", params={"flow_run_id": run_id})
-        return sorted(reply.json(), key=lambda s: s["timestamp"])
-
-    def logs(self) -> str:
-        return "".join(
-            f"\n--- {log.name} (tail)\n{log.read_text(errors='replace')[-3000:]}"
-            for log in sorted((self.state / "logs").glob("*.log"))
-        )
-
-
-def _wait(what: str, check, stack: _Stack, seconds: float = 240) -> None:
+def _wait(what: str, check, stack: Stack, seconds: float = 240) -> None:
     deadline = time.monotonic() + seconds
     while not check():
         assert time.monotonic() < deadline, f"{what} within {seconds} s" + stack.logs()
         time.sleep(0.2)
 
 
-def _running_spans(stack: _Stack, run_id: str) -> list[tuple[datetime, datetime]]:
+def _running_spans(stack: Stack, run_id: str) -> list[tuple[datetime, datetime]]:
     """``(from, to)`` times of each stretch the run spent Running."""
     spans, began = [], None
     for state in stack.states(run_id):
@@ -183,44 +125,38 @@ def test_nightly_policy_is_one_run_at_a_time_with_the_others_queued():
 
 
 @pytest.mark.e2e
-def test_nightly_triggered_twice_while_it_trains_queues_both(tmp_path):
+def test_nightly_triggered_twice_while_it_trains_queues_both(stack):
     from ringflow.storage import CheckpointStore
 
-    stack = _Stack(tmp_path / "state")
-    try:
-        stack.script("start.sh")
-        stack.script("deploy.sh")
-        deployment = stack.get("deployments/name/train-pipeline/nightly")
-        assert deployment["global_concurrency_limit"]["limit"] == 1
-        assert deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
+    deployment = stack.get("deployments/name/train-pipeline/nightly")
+    assert deployment["global_concurrency_limit"]["limit"] == 1
+    assert deployment["concurrency_options"]["collision_strategy"] == "ENQUEUE"
 
-        first = stack.submit(deployment["id"], **FIRST)
-        store = CheckpointStore(str(tmp_path / "state" / "storage" / "checkpoints"))
-        _wait("the first run's first checkpoint", lambda: store.checkpoints(first), stack)
-        # Held mid-training (not finished) while the others are triggered and turned away.
-        with _training_paused(stack):
-            later = [stack.submit(deployment["id"], **QUEUED) for _ in range(2)]
-            for run_id in later:  # queued by the server while the first one trains
-                _wait(
-                    f"{run_id} waiting for the deployment's slot",
-                    lambda run_id=run_id: any(
-                        s["name"] == "AwaitingConcurrencySlot" for s in stack.states(run_id)
-                    ),
-                    stack,
-                )
-            assert stack.get(f"flow_runs/{first}")["state"]["type"] == "RUNNING"
-        runs = [first, *later]
-        _wait(
-            "every run's end",
-            lambda: all(stack.get(f"flow_runs/{r}")["state"]["type"] in _FINAL for r in runs),
-            stack,
-            seconds=420,
-        )
-        final = {r: stack.get(f"flow_runs/{r}")["state"]["type"] for r in runs}
-        spans = {r: _running_spans(stack, r) for r in runs}
-        names = {r: [s["name"] for s in stack.states(r)] for r in runs}
-    finally:
-        subprocess.run(["./deployments/stop.sh"], cwd=ROOT, env=stack.env, timeout=180)
+    first = stack.create_run(deployment["id"], {**PARAMS, **FIRST})
+    store = CheckpointStore(str(stack.storage / "checkpoints"))
+    _wait("the first run's first checkpoint", lambda: store.checkpoints(first), stack)
+    # Held mid-training (not finished) while the others are triggered and turned away.
+    with stack.training_paused():
+        later = [stack.create_run(deployment["id"], {**PARAMS, **QUEUED}) for _ in range(2)]
+        for run_id in later:  # queued by the server while the first one trains
+            _wait(
+                f"{run_id} waiting for the deployment's slot",
+                lambda run_id=run_id: any(
+                    s["name"] == "AwaitingConcurrencySlot" for s in stack.states(run_id)
+                ),
+                stack,
+            )
+        assert stack.flow_run(first)["state"]["type"] == "RUNNING"
+    runs = [first, *later]
+    _wait(
+        "every run's end",
+        lambda: all(stack.flow_run(r)["state"]["type"] in _FINAL for r in runs),
+        stack,
+        seconds=420,
+    )
+    final = {r: stack.flow_run(r)["state"]["type"] for r in runs}
+    spans = {r: _running_spans(stack, r) for r in runs}
+    names = {r: [s["name"] for s in stack.states(r)] for r in runs}
 
     assert set(final.values()) == {"COMPLETED"}, (final, names)
     ordered = sorted(span for r in runs for span in spans[r])
@@ -229,4 +165,4 @@ def test_nightly_triggered_twice_while_it_trains_queues_both(tmp_path):
         assert ended <= began, f"two runs of nightly ran at once: {spans}"
     assert ordered[0] == spans[first][0], spans  # the queued ones ran after the first
     for run_id in runs:  # each trained under its own run key, the flow run's id
-        assert (tmp_path / "state" / "storage" / "runs" / run_id / "model").is_dir(), run_id
+        assert (stack.storage / "runs" / run_id / "model").is_dir(), run_id

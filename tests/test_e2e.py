@@ -1,7 +1,7 @@
 """The whole pipeline, started the way a user starts it: the CLI with no server, and the demo.
 
-Each test starts real processes (Prefect server, Ray head, process worker, Ray Serve) on ports
-of its own, so they run beside a developer's demo without touching it.
+The CLI tests start their own private Ray and Prefect, on ports of their own; the demo runs
+on the run's stack (tests/support/stack.py). Neither touches a developer's own demo.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ import torch
 from sklearn.datasets import load_digits
 
 from ringflow.models.digits import write_digits_csv
-from tests.conftest import free_port
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.e2e
 
 
 def _a_digit() -> tuple[list[int], int]:
@@ -108,6 +107,7 @@ def _serving_run(tmp_path: Path, *args: str):
     assert proc.returncode == 0
 
 
+@pytest.mark.integration  # a private Ray and Prefect of its own
 def test_cli_runs_the_flow_with_no_server(tmp_path):
     bad_rows = _digits_with_bad_rows(tmp_path / "drop.csv")
     args = [
@@ -125,6 +125,7 @@ def test_cli_runs_the_flow_with_no_server(tmp_path):
         _assert_serves_digits(result["endpoint"])
 
 
+@pytest.mark.integration  # a private Ray and Prefect of its own
 def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
     """The whole process tree of a run is killed mid-training, as on a preempted machine."""
     from ringflow.engine import DataSpec, TrainConfig, fit
@@ -182,6 +183,7 @@ def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
 _QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 
 
+@pytest.mark.integration  # a private Ray and Prefect of its own
 def test_cli_trains_in_pipeline_stages_and_resumes_under_its_run_key(tmp_path):
     def run(epochs: int) -> dict:
         result = subprocess.run(
@@ -218,6 +220,7 @@ def test_cli_trains_in_pipeline_stages_and_resumes_under_its_run_key(tmp_path):
     assert longer["resumed_from_step"] == 6 * 23  # 6 epochs of 23 steps (1,437 rows, 64 a batch)
 
 
+@pytest.mark.integration  # a private Ray and Prefect of its own
 def test_the_sequence_model_trains_in_stages_of_two_replicas_and_serves_its_predict_step(
     tmp_path,
 ):
@@ -248,6 +251,7 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_and_serves_its_pred
         assert httpx.post(result["endpoint"], json=short, timeout=30).status_code == 400
 
 
+@pytest.mark.integration  # a private Ray and Prefect of its own
 def test_missing_data_url_fails_the_run_naming_it(tmp_path):
     missing = tmp_path / "nowhere.csv"
     result = subprocess.run(
@@ -272,35 +276,27 @@ def test_missing_data_url_fails_the_run_naming_it(tmp_path):
     assert not (tmp_path / "storage" / "runs").exists()
 
 
-def test_demo_command_from_the_readme(tmp_path):
-    ports = {
-        "RINGFLOW_PREFECT_PORT": str(free_port()),
-        "RINGFLOW_RAY_PORT": str(free_port(6)),
-        "RINGFLOW_SERVE_PORT": str(free_port()),
-    }
-    env = _clean_env(RINGFLOW_STATE=str(tmp_path / "state"), RINGFLOW_POOL="ringflow-test", **ports)
-    try:
-        demo = subprocess.run(
-            ["./deployments/demo.sh"],
-            cwd=ROOT,
-            env=env,
-            text=True,
-            capture_output=True,
-            timeout=900,
-        )
-        assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
-        assert "Flow run finished successfully in 'Completed'" in demo.stdout
-        _assert_summary(demo.stdout, ports["RINGFLOW_SERVE_PORT"])
-        assert '"digit":' in demo.stdout.rsplit("Asking it about", 1)[-1]
-        # The endpoint outlives the flow run: it is hosted by the Ray head.
-        _assert_serves_digits(f"http://127.0.0.1:{ports['RINGFLOW_SERVE_PORT']}/predict")
-        _check_deployments(env)
-        _deploys_the_sequence_model_in_stages(env, ports["RINGFLOW_SERVE_PORT"])
-    finally:
-        subprocess.run(["./deployments/stop.sh"], cwd=ROOT, env=env, timeout=180)
-    for port in ports.values():
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"http://127.0.0.1:{port}/", timeout=5)
+@pytest.mark.e2e
+def test_demo_command_from_the_readme(stack):
+    """demo.sh on the run's stack: its start.sh finds the stack up and keeps it; the rest is
+    what a new user sees (stop.sh is checked when the stack stops, at the end of the run)."""
+    port = str(stack.serve_port)
+    demo = subprocess.run(
+        ["./deployments/demo.sh"],
+        cwd=ROOT,
+        env=stack.env,
+        text=True,
+        capture_output=True,
+        timeout=900,
+    )
+    assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
+    assert "Flow run finished successfully in 'Completed'" in demo.stdout
+    _assert_summary(demo.stdout, port)
+    assert '"digit":' in demo.stdout.rsplit("Asking it about", 1)[-1]
+    # The endpoint outlives the flow run: it is hosted by the Ray head.
+    _assert_serves_digits(f"http://127.0.0.1:{port}/predict")
+    _check_deployments(stack.env)
+    _deploys_the_sequence_model_in_stages(stack.env, port)
 
 
 def _assert_summary(stdout: str, port: str) -> None:

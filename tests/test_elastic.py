@@ -21,7 +21,7 @@ from ringflow.engine.elastic.coordinator import (
     WaitForWorkers,
 )
 from ringflow.models.digits import DigitsClassifier
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 
 # ---------------------------------------------------------------------------- coordinator
 

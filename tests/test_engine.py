@@ -9,7 +9,7 @@ from ringflow.engine import EngineError, TrainConfig, evaluate, fit
 from ringflow.engine.collective import available_collectives, create_collective
 from ringflow.engine.worker import split_global_batch
 from ringflow.models.digits import DigitsClassifier
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 
 
 @pytest.mark.parametrize(("size", "world"), [(64, 1), (64, 2), (29, 2), (7, 3), (2, 5)])

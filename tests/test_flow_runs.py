@@ -8,20 +8,13 @@ import time
 
 import pytest
 from prefect import get_client
-from prefect.testing.utilities import prefect_test_harness
 
 from ringflow.flows.result import main as show_result
 from ringflow.flows.train_pipeline import train_pipeline
 from ringflow.storage import read_checkpoint
 from tests.test_own_model import write_table
 
-pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]  # on the run's stack's Prefect server
 
 
 @pytest.fixture(scope="module")

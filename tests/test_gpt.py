@@ -21,7 +21,7 @@ from ringflow.models.gpt import (
     warmup_cosine,
 )
 from ringflow.storage.checkpoint import read_checkpoint
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 
 BLOCK, BATCH, EPOCHS = 32, 8, 2
 HPARAMS = {"preset": "tiny", "overrides": {"block_size": BLOCK}, "lr": 3e-3, "warmup_steps": 2}

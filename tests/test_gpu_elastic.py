@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ringflow.engine import TrainConfig, fit
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 from tests.test_elastic import HPARAMS, PacedDigits, _strike
 
 WORKERS = int(os.environ.get("RINGFLOW_GPU_WORLD", "4"))

@@ -17,7 +17,7 @@ from ringflow.engine import EngineError, TrainConfig, fit
 from ringflow.engine.group import RayWorkerGroup, _worker_bundle
 from ringflow.engine.worker import worker_device
 from ringflow.models.digits import DigitsClassifier
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 
 HPARAMS = {"hidden": 32, "lr": 0.01}
 

@@ -28,7 +28,7 @@ from ringflow.engine.serving import serve_registry, shutdown_serving
 from ringflow.storage.fs import join
 from ringflow.storage.registry import ModelRegistry
 from ringflow.tasks import registry as registry_tasks
-from tests.conftest import free_port
+from tests.support.net import free_port
 from tests.support.trust import clear_marks, marks, name_planted_class
 from tests.test_registry import _corrupt_training_labels, _train
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from ringflow.engine import ModelError, TensorData, TrainConfig, fit
 from ringflow.engine.module import Optimization
 from ringflow.storage import CheckpointStore
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 
 FEATURES, CLASSES, BATCH, EPOCHS, SEED = 8, 3, 16, 3, 7
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ringflow.engine import DatasetData, TrainConfig, fit
 from ringflow.storage import CheckpointStore
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 from tests.test_lightning_contract import EpochOrder, under_trainer
 
 BATCH, EPOCHS, SEED, VOCAB, CLASSES = 12, 2, 3, 20, 3

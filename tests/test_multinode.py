@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import free_port, relative_difference
+from tests.support.fitting import relative_difference
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.integration  # a Ray cluster of its own
 
 # The driver: 2 workers of 1 CPU spread over the head and node "b" (1 CPU each), so losing
 # "b" leaves one worker until "b" is back. ``on_epoch`` paces the epochs from the driver

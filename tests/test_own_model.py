@@ -16,7 +16,7 @@ from ringflow.engine.pipeline import PipelineConfig
 from ringflow.engine.spec import ModelRef, build_module, import_model, model_hparams
 from ringflow.models.tabular import TabularMLP
 from ringflow.storage.dataset import infer_schema, preprocess
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 
 ROOT = Path(__file__).resolve().parents[1]
 

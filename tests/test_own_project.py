@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port
-from tests.test_preemption import Stack, _descendants
+from tests.support.net import free_port
+from tests.support.stack import Stack, descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -123,7 +123,7 @@ def _assert_answers_prices(endpoint: str) -> float:
     return value
 
 
-@pytest.mark.e2e
+@pytest.mark.integration  # a private Ray and Prefect of its own
 def test_the_walkthrough_trains_tunes_and_serves_your_model_locally(tmp_path):
     project = _houses_project(tmp_path)
     bad_rows = runpy.run_path(str(project / "make_data.py"))["BAD_ROWS"]
@@ -191,64 +191,32 @@ def test_the_walkthrough_trains_tunes_and_serves_your_model_locally(tmp_path):
 # ----------------------------------------------------------------- deployed, on a real stack
 
 
-class ProjectStack(Stack):
-    """tests/test_preemption.py's stack, deploying a user's project from its own directory."""
-
-    def __init__(self, state: Path) -> None:
-        super().__init__(state)
-        self.env["RINGFLOW_POOL"] = "ringflow-own-project-test"
-        self.serve_port = free_port()
-        """Serve's HTTP port on the Ray head: fixed once the first run serves."""
-
-    def prefect_in(self, project: Path, command: str, *params: str, timeout: float = 120):
-        """A documented ``prefect ...`` command run in a shell in ``project``, as a user runs
-        it there after ``. deployments/env.sh`` (so ``$PWD`` is the project)."""
-        args = [*command.split()[1:], *(a for p in params for a in ("--param", p))]
-        return subprocess.run(
-            ["bash", "-c", '. "$0" && cd "$1" && shift && exec prefect "$@"']
-            + [str(ROOT / "deployments" / "env.sh"), str(project), *args],
-            cwd=ROOT,
-            env=self.env,
-            text=True,
-            capture_output=True,
-            timeout=timeout,
-        )
-
-    def deploy(self, project: Path, deployment: str) -> dict:
-        done = self.prefect_in(project, DEPLOY)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        reply = httpx.get(f"{self.api}/deployments/name/{deployment}", timeout=30)
-        return reply.raise_for_status().json()
-
-    def run(self, project: Path, command: str, *params: str) -> dict:
-        """Run a deployment and watch it to the end; return the flow run."""
-        done = self.prefect_in(project, command, *params, timeout=420)
-        out = done.stdout + done.stderr
-        assert done.returncode == 0, out[-3000:] + self.logs()
-        assert "Flow run finished successfully in 'Completed'" in out, out[-3000:]
-        run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
-        run = self.flow_run(run_id)
-        assert run["state"]["type"] == "COMPLETED", run["state"]
-        return run
+def _deploy(stack: Stack, project: Path, deployment: str) -> dict:
+    done = stack.prefect_in(project, DEPLOY)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reply = httpx.get(f"{stack.api}/deployments/name/{deployment}", timeout=30)
+    return reply.raise_for_status().json()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """One stack for the deployed projects: Prefect server, Ray head and process worker."""
-    stack = ProjectStack(tmp_path_factory.mktemp("own-project") / "state")
-    try:
-        stack.script("start.sh")
-        yield stack
-    finally:
-        subprocess.run(["./deployments/stop.sh"], cwd=ROOT, env=stack.env, timeout=180)
+def _run(stack: Stack, project: Path, command: str, *params: str) -> dict:
+    """Run a deployment from ``project`` and watch it to the end; return the flow run."""
+    flags = [a for p in params for a in ("--param", p)]
+    done = stack.prefect_in(project, command, *flags, timeout=420)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:] + stack.logs()
+    assert "Flow run finished successfully in 'Completed'" in out, out[-3000:]
+    run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+    run = stack.flow_run(run_id)
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    return run
 
 
-def _replica_code(stack: ProjectStack) -> list[Path]:
+def _replica_code(stack: Stack) -> list[Path]:
     """The PYTHONPATH folders of the serving replicas under the stack's Ray head: where the
     code shipped with the job (Ray's py_modules) is unpacked."""
-    head = int((stack.state / "run" / "ray-head.pid").read_text())
+    head = stack.ray_head()
     found = []
-    for pid in _descendants(head):
+    for pid in descendants(head):
         try:
             if b"ServeReplica" not in Path(f"/proc/{pid}/cmdline").read_bytes():
                 continue
@@ -271,12 +239,12 @@ def test_your_own_flow_deployed_from_your_project_trains_on_the_ray_head_and_ser
     stack, tmp_path
 ):
     project = shutil.copytree(EXAMPLES / "user-project", tmp_path / "wine")
-    deployment = stack.deploy(project, "wine-pipeline/lab")
+    deployment = _deploy(stack, project, "wine-pipeline/lab")
     # {{ $PWD }} was resolved when deploying: the worker's run works in this directory.
     assert _working_directory(deployment) == str(project)
     assert deployment["work_pool_name"] == stack.env["RINGFLOW_POOL"]
 
-    stack.run(project, RUN_WINE, "epochs=30", f"serve_port={stack.serve_port}")
+    _run(stack, project, RUN_WINE, "epochs=30", f"serve_port={stack.serve_port}")
 
     # The project's own task ran first: it wrote its features under the storage URL, and
     # they are what the model was trained on and what serving takes.
@@ -323,7 +291,7 @@ def test_your_own_flow_deployed_from_your_project_trains_on_the_ray_head_and_ser
 @pytest.mark.e2e
 def test_the_regression_project_deploys_ringflows_own_flow(stack, tmp_path):
     project = _houses_project(tmp_path)
-    deployment = stack.deploy(project, "train-pipeline/houses")
+    deployment = _deploy(stack, project, "train-pipeline/houses")
     assert _working_directory(deployment) == str(project)
     assert deployment["parameters"] == {
         "model": "houses:HousePrice",
@@ -331,7 +299,8 @@ def test_the_regression_project_deploys_ringflows_own_flow(stack, tmp_path):
         "label": "price",
     }
 
-    stack.run(
+    _run(
+        stack,
         project,
         RUN_HOUSES,
         "tune_trials=0",

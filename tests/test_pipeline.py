@@ -30,7 +30,8 @@ from ringflow.engine.pipeline import (
 )
 from ringflow.storage.reshard import load_pipeline_stage, load_training_state, pipeline_shards
 from ringflow.storage.store import CheckpointStore
-from tests.conftest import free_port, relative_difference
+from tests.support.fitting import relative_difference
+from tests.support.net import free_port
 
 FEATURES, CLASSES = 8, 3
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port
+from tests.support.net import free_port
 from tests.test_gpu_workers import needs_2_gpus
 
 DEADLINE_S = 3.0

@@ -15,7 +15,7 @@ from ringflow.engine.pipeline import PipelineConfig, TensorData, fit_pipeline
 from ringflow.storage.checkpoint import load_model
 from ringflow.storage.dataset import read_split
 from tests import test_pipeline
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 from tests.test_pipeline import ToyNet, toy_data
 
 pytestmark = pytest.mark.ray

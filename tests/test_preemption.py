@@ -1,7 +1,7 @@
 """A deployed train-pipeline run comes back by itself after its process or its host is killed.
 
-The e2e tests start the real stack (Prefect server, Ray head, process worker) through
-deployments/start.sh and deploy.sh on ports and state of their own, submit a
+The e2e tests take the run's real stack (Prefect server, Ray head, process worker, started
+through deployments/start.sh and deploy.sh: tests/support/stack.py), submit a
 ``train-pipeline/local`` run, kill it mid-training with SIGKILL and then only watch: the
 automations that deploy.sh applies must bring the same flow run back, and it must end with
 the weights of an uninterrupted run, bit for bit. The loop guards are tested without a server.
@@ -17,7 +17,6 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -27,7 +26,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import free_port, prefect_api
+from tests.support.stack import Stack, descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,99 +41,9 @@ PARAMS = {
 }
 
 
-class Stack:
-    """The stack of one test: its environment, and calls into its scripts and API."""
-
-    def __init__(self, state: Path) -> None:
-        self.state = state
-        self.storage = state / "storage"
-        port = free_port()
-        self.api = f"http://127.0.0.1:{port}/api"
-        self.env = {
-            **{
-                k: v
-                for k, v in os.environ.items()
-                if not k.startswith(("PREFECT_", "RAY_ADDRESS", "RINGFLOW_"))
-            },
-            "RINGFLOW_STATE": str(state),
-            "RINGFLOW_POOL": "ringflow-preemption-test",
-            "RINGFLOW_PREFECT_PORT": str(port),
-            "RINGFLOW_RAY_PORT": str(free_port(6)),
-            "RINGFLOW_CPUS": "2",
-            "PREFECT_UI_ENABLED": "false",
-            # Prefect's shortest heartbeat; a lost host is noticed after two missed ones.
-            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
-            "RINGFLOW_HEARTBEAT_GRACE_SECONDS": "60",
-            "COLUMNS": "250",
-        }
-
-    def script(self, name: str, timeout: float = 300) -> str:
-        done = subprocess.run(
-            [f"./deployments/{name}"],
-            cwd=ROOT,
-            env=self.env,
-            text=True,
-            capture_output=True,
-            timeout=timeout,
-        )
-        assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-        return done.stdout
-
-    def prefect(self, *args: str) -> str:
-        done = subprocess.run(
-            ["bash", "-c", '. deployments/env.sh && exec prefect "$@"', "prefect", *args],
-            cwd=ROOT,
-            env=self.env,
-            text=True,
-            capture_output=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return done.stdout
-
-    def submit(self, **extra: str) -> str:
-        params = [a for k, v in {**PARAMS, **extra}.items() for a in ("--param", f"{k}={v}")]
-        out = self.prefect("deployment", "run", "train-pipeline/local", *params)
-        return re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
-
-    def flow_run(self, run_id: str) -> dict:
-        return prefect_api("GET", f"{self.api}/flow_runs/{run_id}").json()
-
-    def states(self, run_id: str) -> list[dict]:
-        reply = prefect_api("GET", f"{self.api}/flow_run_states/", params={"flow_run_id": run_id})
-        return sorted(reply.json(), key=lambda s: s["timestamp"])
-
-    def artifact(self, run_id: str, key: str) -> str:
-        body = {"artifacts": {"flow_run_id": {"any_": [run_id]}, "key": {"any_": [key]}}}
-        reply = httpx.post(f"{self.api}/artifacts/filter", json=body, timeout=30)
-        found = reply.raise_for_status().json()
-        assert found, f"flow run {run_id} has no {key!r} artifact"
-        return found[0]["data"]
-
-    def worker(self) -> int:
-        return int((self.state / "run" / "prefect-worker.pid").read_text())
-
-    def automations(self) -> list[dict]:
-        reply = httpx.post(f"{self.api}/automations/filter", json={}, timeout=30)
-        return reply.raise_for_status().json()
-
-    def logs(self) -> str:
-        return "".join(
-            f"\n--- {log.name} (tail)\n{log.read_text(errors='replace')[-3000:]}"
-            for log in sorted((self.state / "logs").glob("*.log"))
-        )
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """One stack for the module's tests: starting and deploying it takes over a minute."""
-    stack = Stack(tmp_path_factory.mktemp("preemption") / "state")
-    try:
-        stack.script("start.sh")
-        stack.script("deploy.sh")
-        yield stack
-    finally:
-        subprocess.run(["./deployments/stop.sh"], cwd=ROOT, env=stack.env, timeout=180)
+def _submit(stack: Stack, **extra: str) -> str:
+    """A ``train-pipeline/local`` run of :data:`PARAMS` (and ``extra``); its id."""
+    return stack.run_deployment("train-pipeline/local", {**PARAMS, **extra})
 
 
 def _wait_for_first_checkpoint(stack: Stack, run_id: str) -> None:
@@ -151,28 +60,11 @@ def _wait_for_first_checkpoint(stack: Stack, run_id: str) -> None:
     time.sleep(random.uniform(0, 2))
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid``, parents before children (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(0), [])
-        found += kids
-        todo += kids
-    return found
-
-
 def _flow_processes(stack: Stack, run_id: str) -> list[int]:
     """The processes the worker started for ``run_id``: the outermost ones with its id."""
     wanted = f"PREFECT__FLOW_RUN_ID={run_id}".encode()
     mine = []
-    for pid in _descendants(stack.worker()):
+    for pid in descendants(stack.worker()):
         try:
             if wanted in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 mine.append(pid)
@@ -217,23 +109,6 @@ class _Overlap:
         self._thread.join()
 
 
-@contextlib.contextmanager
-def _training_paused(stack: Stack):
-    """SIGSTOP the Ray training workers of the stack's head while inside: the flow process
-    stays alive, heartbeating and holding its run key's lease, and trains no further."""
-    head = int((stack.state / "run" / "ray-head.pid").read_text())
-    workers = [pid for pid in _descendants(head) if _cmdline(pid).startswith("ray::RankWorker")]
-    assert workers, "no training worker under the stack's Ray head"
-    for pid in workers:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -243,7 +118,7 @@ def _cmdline(pid: int) -> str:
 
 def _kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and its descendants at once, as a preempted machine would."""
-    procs = [pid, *_descendants(pid)]
+    procs = [pid, *descendants(pid)]
     for proc in procs:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc, signal.SIGKILL)
@@ -343,7 +218,7 @@ def test_a_killed_flow_process_is_rescheduled_and_resumes_bit_for_bit(stack, tmp
     from ringflow.storage import CheckpointStore
     from ringflow.storage.lease import read_lease
 
-    run_id = stack.submit()
+    run_id = _submit(stack)
     overlap = _Overlap(stack, run_id)
     _wait_for_first_checkpoint(stack, run_id)
     process = _flow_process(stack, run_id)
@@ -351,8 +226,8 @@ def test_a_killed_flow_process_is_rescheduled_and_resumes_bit_for_bit(stack, tmp
     # A second run given this run's key while it trains is refused at once and writes
     # nothing. The first one's training is paused meanwhile (its process alive and holding
     # the lease), so that training, a few seconds long, cannot end before the second arrives.
-    with _training_paused(stack):
-        intruder = _wait_until_final(stack, stack.submit(run_key=run_id), 180)
+    with stack.training_paused():
+        intruder = _wait_until_final(stack, _submit(stack, run_key=run_id), 180)
         assert intruder["state"]["type"] == "FAILED", intruder["state"]
         assert f"being trained by flow run {run_id}" in intruder["state"]["message"]
         store = CheckpointStore(str(stack.storage / "checkpoints"))
@@ -405,7 +280,7 @@ def _kill_once(stack: Stack, tmp_path: Path) -> dict:
     wait for it to complete; check it as the issue asks and return what was seen."""
     from ringflow.storage import CheckpointStore
 
-    run_id = stack.submit()
+    run_id = _submit(stack)
     overlap = _Overlap(stack, run_id)
     _wait_for_first_checkpoint(stack, run_id)
     store = CheckpointStore(str(stack.storage / "checkpoints"))
@@ -442,13 +317,15 @@ def test_repeated_kills_each_restart_once_and_resume_bit_for_bit(stack, tmp_path
     for kill in range(kills):
         seen = _kill_once(stack, tmp_path / str(kill))
         print(f"kill {kill + 1}/{kills}: {json.dumps(seen)}", flush=True)
+        # Each kill brought the run back exactly once, and it completed.
+        assert (seen["state"], seen["run_count"]) == ("COMPLETED", 2), seen
 
 
 @pytest.mark.e2e
 def test_a_duplicate_start_of_a_running_run_steps_aside_and_the_run_completes(stack, tmp_path):
-    run_id = stack.submit()
+    run_id = _submit(stack)
     _wait_for_first_checkpoint(stack, run_id)
-    with _training_paused(stack):  # the first start stays alive, holding the run key
+    with stack.training_paused():  # the first start stays alive, holding the run key
         # What a duplicate crash report used to do: reschedule the run while it runs.
         reply = httpx.post(
             f"{stack.api}/flow_runs/{run_id}/set_state",
@@ -481,7 +358,7 @@ def test_a_duplicate_start_of_a_running_run_steps_aside_and_the_run_completes(st
 
 @pytest.mark.e2e
 def test_a_run_on_a_lost_host_is_crashed_rescheduled_and_resumes_bit_for_bit(stack, tmp_path):
-    run_id = stack.submit()
+    run_id = _submit(stack)
     _wait_for_first_checkpoint(stack, run_id)
     _kill_tree(stack.worker())  # the worker and the flow process with it: the host is gone
     assert stack.flow_run(run_id)["state"]["type"] == "RUNNING"

@@ -25,7 +25,7 @@ from ringflow.storage.dataset import (
     choose_engine,
     preprocess,
 )
-from tests.conftest import free_port
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -242,7 +242,7 @@ DRIVER = textwrap.dedent(
 )
 
 
-@pytest.mark.e2e
+@pytest.mark.integration  # a Ray cluster of its own
 def test_on_a_two_node_cluster_the_ray_data_path_writes_the_same_dataset(tmp_path):
     csv = _csv_with_rejects(tmp_path / "rows.csv", rows=3_000)
     directory = _parquet_directory(tmp_path / "drop")

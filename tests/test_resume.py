@@ -16,7 +16,7 @@ import torch
 from ringflow.engine import TrainConfig, fit
 from ringflow.models.digits import DigitsClassifier
 from ringflow.storage import CheckpointStorageError, CheckpointStore
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 
 HPARAMS = {"hidden": 64, "lr": 0.01}
 

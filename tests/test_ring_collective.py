@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringflow.engine.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
-from tests.conftest import free_port
+from tests.support.net import free_port
 
 POOL_SIZE = 5
 SEGMENT_BYTES = 256  # 64 float32 per segment: even short tensors take many pipelined hops

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests.support.net import free_port
 
 WORLD = 3
 DEADLINE_S = 2.0

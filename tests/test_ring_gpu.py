@@ -15,7 +15,7 @@ import traceback
 import pytest
 import torch
 
-from tests.conftest import free_port
+from tests.support.net import free_port
 
 WORLD = int(os.environ.get("RINGFLOW_GPU_WORLD", "2"))
 pytestmark = [

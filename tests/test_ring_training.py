@@ -7,7 +7,7 @@ import torch
 
 from ringflow.engine import TrainConfig, fit
 from ringflow.models.digits import DigitsClassifier
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 
 
 def _train(digits, tmp_path, **config) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ from ringflow.models.digits import DigitsClassifier
 from ringflow.models.tabular import TabularMLP
 from ringflow.storage.checkpoint import CheckpointError, save_model
 from ringflow.storage.dataset import Column, TableSchema
-from tests.conftest import free_port
+from tests.support.net import free_port
 
 APP = "ringflow-test"
 SECURE_APP = "ringflow-test-secure"
@@ -126,8 +126,29 @@ def test_port_in_use_is_an_error_and_leaves_no_serve(ray_session, model):
 
 
 @pytest.mark.ray
-def test_endpoint_is_loopback_url(endpoint, port):
+def test_the_model_listens_on_loopback_only(endpoint, port, http):
     assert endpoint == f"http://127.0.0.1:{port}"
+    assert http.get("/healthz").status_code == 200
+    listening = _listening_addresses(port)
+    assert listening == {"127.0.0.1"}, f"Serve's HTTP proxy listens on {listening}"
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses with a socket listening on ``port`` (from /proc/net/tcp{,6})."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                address, hex_port = local.split(":")
+                if state != "0A" or int(hex_port, 16) != port:
+                    continue
+                raw = bytes.fromhex(address)
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+                found.add(str(ipaddress.ip_address(words)))
+    return found
 
 
 @pytest.mark.ray

@@ -179,7 +179,7 @@ _NO_TOKEN_IN_RAY = textwrap.dedent(
 
 @pytest.mark.ray
 def test_no_ray_process_of_a_local_run_holds_the_serving_token(digits, tmp_path):
-    from tests.conftest import free_port
+    from tests.support.net import free_port
 
     token = "canary-" + os.urandom(16).hex()
     done = subprocess.run(

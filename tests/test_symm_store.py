@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from ringflow.engine.collective._symm_store import GroupSequenceStore
-from tests.conftest import free_port
+from tests.support.net import free_port
 
 GROUP = "nccl/0//1//"
 """The prefix the ring's process group adds to its store's keys."""

@@ -20,7 +20,7 @@ from ringflow.engine.timeline import (
 )
 from ringflow.engine.trainer import check_layout
 from ringflow.models.digits import DigitsClassifier
-from tests.conftest import relative_difference
+from tests.support.fitting import relative_difference
 
 US = 1000  # nanoseconds
 
@@ -249,28 +249,29 @@ def test_two_gpu_workers_time_their_steps_with_cuda_events(gpu_ray, digits, tmp_
 
 
 @pytest.mark.ray
-def test_a_flow_run_with_timeline_writes_the_trace_and_its_artifact(ray_session, tmp_path):
+@pytest.mark.e2e
+def test_a_flow_run_with_timeline_writes_the_trace_and_its_artifact(
+    ray_session, prefect_server, tmp_path
+):
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-    from prefect.testing.utilities import prefect_test_harness
 
     from ringflow.flows.train_pipeline import train_pipeline
     from ringflow.storage.layout import Workspace
 
-    with prefect_test_harness(server_startup_timeout=180):
-        state = train_pipeline(
-            storage_url=str(tmp_path),
-            epochs=1,
-            tune_trials=0,
-            serve=False,
-            run_key="timed",
-            timeline=True,
-            return_state=True,
-        )
-        assert state.is_completed(), state.message
-        run = ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
-        with get_client(sync_client=True) as client:
-            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=run))
+    state = train_pipeline(
+        storage_url=str(tmp_path),
+        epochs=1,
+        tune_trials=0,
+        serve=False,
+        run_key="timed",
+        timeline=True,
+        return_state=True,
+    )
+    assert state.is_completed(), state.message
+    run = ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=run))
     (artifact,) = [a for a in artifacts if a.key == "training-timeline"]
     trace_url = Workspace(str(tmp_path)).timeline("timed")
     assert os.path.exists(trace_url)

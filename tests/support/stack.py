@@ -1,0 +1,187 @@
+"""The one real stack of a test run: Prefect server, Ray head and process worker.
+
+Started once for the run by the project's own scripts (``deployments/start.sh`` and
+``deploy.sh``) on ports and state of its own, and stopped by ``deployments/stop.sh`` at the
+end of the run; the ``stack`` fixture (``tests/conftest.py``) hands it to every e2e test,
+which all run on one pytest-xdist worker. Its settings are what every e2e test needs:
+Prefect's shortest heartbeat and a short grace for a lost host (preemption), a queued run
+asking for its slot every 3 s (concurrency), no UI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from tests.support.net import free_port, prefect_api
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Stack:
+    """The run's stack: its environment, and calls into its scripts and API."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.storage = state / "storage"
+        port = free_port()
+        self.api = f"http://127.0.0.1:{port}/api"
+        self.serve_port = free_port()
+        """Serve's HTTP port on the Ray head: fixed once the first run serves."""
+        self.env = {
+            **{
+                k: v
+                for k, v in os.environ.items()
+                if not k.startswith(("PREFECT_", "RAY_ADDRESS", "RINGFLOW_"))
+            },
+            "RINGFLOW_STATE": str(state),
+            "RINGFLOW_POOL": "ringflow-e2e-test",
+            "RINGFLOW_PREFECT_PORT": str(port),
+            "RINGFLOW_RAY_PORT": str(free_port(6)),
+            "RINGFLOW_SERVE_PORT": str(self.serve_port),
+            "RINGFLOW_CPUS": "2",
+            "PREFECT_UI_ENABLED": "false",
+            # Prefect's shortest heartbeat; a lost host is noticed after two missed ones.
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
+            "RINGFLOW_HEARTBEAT_GRACE_SECONDS": "60",
+            # A queued run asks for its slot again this often (Prefect's default is 30 s).
+            "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "3",
+            "COLUMNS": "250",
+        }
+
+    # ------------------------------------------------------------------ scripts and CLI
+
+    def script(self, name: str, timeout: float = 300) -> str:
+        done = subprocess.run(
+            [f"./deployments/{name}"],
+            cwd=ROOT,
+            env=self.env,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
+        assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        return done.stdout
+
+    def stop(self) -> None:
+        subprocess.run(["./deployments/stop.sh"], cwd=ROOT, env=self.env, timeout=180)
+
+    def prefect(self, *args: str) -> str:
+        done = self.prefect_in(ROOT, "prefect", *args)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    def prefect_in(
+        self, project: Path, command: str, *args: str, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
+        """A documented ``prefect ...`` command run in a shell in ``project``, as a user runs
+        it there after ``. deployments/env.sh`` (so ``$PWD`` is the project)."""
+        return subprocess.run(
+            ["bash", "-c", '. "$0" && cd "$1" && shift && exec prefect "$@"']
+            + [str(ROOT / "deployments" / "env.sh"), str(project), *command.split()[1:], *args],
+            cwd=ROOT,
+            env=self.env,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
+
+    def run_deployment(self, name: str, params: dict) -> str:
+        """``prefect deployment run NAME --param k=v ...``; the new flow run's id."""
+        flags = [a for k, v in params.items() for a in ("--param", f"{k}={v}")]
+        out = self.prefect("deployment", "run", name, *flags)
+        return re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+
+    # ------------------------------------------------------------------ API
+
+    def get(self, path: str) -> dict:
+        return prefect_api("GET", f"{self.api}/{path}").json()
+
+    def create_run(self, deployment_id: str, parameters: dict) -> str:
+        reply = prefect_api(
+            "POST",
+            f"{self.api}/deployments/{deployment_id}/create_flow_run",
+            json={"parameters": parameters},
+        )
+        return reply.json()["id"]
+
+    def flow_run(self, run_id: str) -> dict:
+        return self.get(f"flow_runs/{run_id}")
+
+    def states(self, run_id: str) -> list[dict]:
+        reply = prefect_api("GET", f"{self.api}/flow_run_states/", params={"flow_run_id": run_id})
+        return sorted(reply.json(), key=lambda s: s["timestamp"])
+
+    def artifact(self, run_id: str, key: str) -> str:
+        body = {"artifacts": {"flow_run_id": {"any_": [run_id]}, "key": {"any_": [key]}}}
+        reply = httpx.post(f"{self.api}/artifacts/filter", json=body, timeout=30)
+        found = reply.raise_for_status().json()
+        assert found, f"flow run {run_id} has no {key!r} artifact"
+        return found[0]["data"]
+
+    def automations(self) -> list[dict]:
+        reply = httpx.post(f"{self.api}/automations/filter", json={}, timeout=30)
+        return reply.raise_for_status().json()
+
+    # ------------------------------------------------------------------ processes and logs
+
+    def worker(self) -> int:
+        return int((self.state / "run" / "prefect-worker.pid").read_text())
+
+    def ray_head(self) -> int:
+        return int((self.state / "run" / "ray-head.pid").read_text())
+
+    @contextlib.contextmanager
+    def training_paused(self) -> Iterator[None]:
+        """SIGSTOP the Ray training workers of the head while inside: a flow process stays
+        alive, heartbeating and holding its run key's lease, and trains no further."""
+        workers = [pid for pid in descendants(self.ray_head()) if _is_training_worker(pid)]
+        assert workers, "no training worker under the stack's Ray head"
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+    def logs(self) -> str:
+        return "".join(
+            f"\n--- {log.name} (tail)\n{log.read_text(errors='replace')[-3000:]}"
+            for log in sorted((self.state / "logs").glob("*.log"))
+        )
+
+
+def _is_training_worker(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RankWorker")
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s live descendants, parents before children, by ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
