@@ -113,9 +113,10 @@ class DataParallel(Layout):
         return RankWorker
 
     def prepare(self, module_cls: type, hparams: dict[str, Any], data: Any) -> None:
+        from ringflow.engine.module import refuse_manual_optimisation
         from ringflow.engine.spec import build_module
 
-        build_module(module_cls, hparams)
+        refuse_manual_optimisation(build_module(module_cls, hparams))
 
     def worker_kwargs(self, index: int) -> dict[str, Any]:
         return {"rank": index}

@@ -36,6 +36,7 @@ __all__ = [
     "CLIP_ALGORITHMS",
     "PRECISIONS",
     "Optimization",
+    "refuse_manual_optimisation",
     "Precision",
     "clip_gradients",
     "compile_in_place",
@@ -100,6 +101,20 @@ class _Schedule:
     plateau: bool
 
 
+def refuse_manual_optimisation(module: torch.nn.Module) -> None:
+    """Refuse a module that steps its optimizer itself: checked by the driver on the module
+    it builds before any worker starts, and by each worker.
+
+    Raises:
+        ModelError: the module sets ``automatic_optimization = False``.
+    """
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ModelError(
+            f"{type(module).__name__} sets automatic_optimization = False: manual optimisation "
+            "is not supported by ringflow yet; let Lightning's automatic optimisation step"
+        )
+
+
 class Optimization:
     """The one optimizer of a module and its learning-rate schedulers.
 
@@ -115,11 +130,7 @@ class Optimization:
         from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
         name = type(module).__name__
-        if getattr(module, "automatic_optimization", True) is False:
-            raise ModelError(
-                f"{name} sets automatic_optimization = False: manual optimisation is not "
-                "supported by ringflow yet; let Lightning's automatic optimisation step"
-            )
+        refuse_manual_optimisation(module)
         try:
             optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
             configs = _configure_schedulers_automatic_opt(schedulers, monitor)

@@ -114,6 +114,7 @@ def test_what_fails_as_the_workers_start_ends_the_run_on_the_first_start(
         _fit(digits, tmp_path, module, **hparams)
     assert named in str(failed.value)
     assert "\n" not in str(failed.value)
+    assert "worker rank" not in str(failed.value)  # refused by the driver, before any worker
     _assert_no_worker_lost(engine_log)  # one start of the group, not four
 
 
