@@ -17,6 +17,7 @@ run's end, like the user's code.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import traceback
@@ -30,6 +31,7 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+, in (?P<func>\S+)')
 _RAISED = re.compile(r"^(?P<name>[A-Za-z_][\w.]*): ?(?P<message>.*)$")
 
 
+@functools.cache
 def _not_users() -> tuple[str, ...]:
     """Folders whose frames are not the user's: ringflow's packages, the installed
     libraries and Python's own."""
@@ -88,10 +90,8 @@ def start_failure(text: str, *, where: str, module_cls: type | None = None) -> E
     GPU, a dataset it cannot read), as an :class:`EngineError` naming the cause. Neither is
     what a new start fixes."""
     frames = _frames(_Raised(), text)
-    not_users = _not_users()
-    raised = user_error_from_text(text, where=where, module_cls=module_cls)
-    if "ModelError:" in text or any(not file.startswith(not_users) for file, _ in frames):
-        return raised
+    if "ModelError:" in text or any(not file.startswith(_not_users()) for file, _ in frames):
+        return user_error_from_text(text, where=where, module_cls=module_cls)
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return EngineError(f"{where}: it failed to start: {lines[-1] if lines else 'no reason given'}")
 

@@ -7,7 +7,7 @@ import functools
 import logging
 import os
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from ringflow.engine.config import PLACEMENTS, TrainConfig
 from ringflow.engine.elastic.coordinator import (
@@ -129,10 +129,7 @@ class LocalGroup(WorkerGroup):
                     module_cls, hparams=hparams, data=data, config=config, **layout.worker_kwargs(i)
                 )
             except Exception as err:
-                raised = self._raised(i, err)
-                if raised is err:
-                    raise
-                raise raised from err
+                self._reraise(i, err)
             self._workers.append(worker)
         try:
             layout.connect(self)
@@ -152,10 +149,7 @@ class LocalGroup(WorkerGroup):
             try:
                 return [call() for call in calls]
             except Exception as err:
-                raised = self._raised(0, err)
-                if raised is err:
-                    raise
-                raise raised from err
+                self._reraise(0, err)
         return self._gather([self._pool.submit(call) for call in calls])
 
     def call_first(self, count: int, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -169,15 +163,15 @@ class LocalGroup(WorkerGroup):
             index, err = next(
                 ((i, e) for i, e in failed if not isinstance(e, PeerLostError)), failed[0]
             )
-            raised = self._raised(index, err)
-            raise raised from (err if raised is not err else err.__cause__)
+            self._reraise(index, err)
         return [f.result() for f in futures]
 
-    def _raised(self, index: int, err: Exception) -> Exception:
-        """In this process ringflow's own errors stay as they are; see :func:`_worker_raised`."""
+    def _reraise(self, index: int, err: Exception) -> NoReturn:
+        """In this process ringflow's own errors are raised as they are; the module's as
+        :func:`_worker_raised` says."""
         if _not_the_models(err):
-            return err
-        return _worker_raised(err, self._layout.describe(index), index, self._module_cls)
+            raise err
+        raise _worker_raised(err, self._layout.describe(index), index, self._module_cls) from err
 
     def shutdown(self) -> None:
         for worker in getattr(self, "_workers", []):
