@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -63,8 +64,9 @@ def _digits_with_bad_rows(path: Path) -> int:
     return 3
 
 
-def _result_line(proc: subprocess.Popen, timeout_s: float = 600) -> dict:
-    """The JSON result a ``--keep-serving`` run prints before it waits for Ctrl-C."""
+def _result_line(proc: subprocess.Popen, on_line=None, timeout_s: float = 600) -> dict:
+    """The JSON result a ``--keep-serving`` run prints before it waits for Ctrl-C; ``on_line``
+    sees every line before it as it arrives."""
     output: list[str] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -73,13 +75,16 @@ def _result_line(proc: subprocess.Popen, timeout_s: float = 600) -> dict:
         output.append(line)
         if line.startswith("{"):
             return json.loads(line)
+        if on_line is not None:
+            on_line(line)
     raise AssertionError(f"no result within {timeout_s:.0f} s")
 
 
 @contextlib.contextmanager
-def _serving_run(tmp_path: Path, *args: str):
+def _serving_run(tmp_path: Path, *args: str, on_line=None):
     """A ``--keep-serving`` CLI run of the flow with ``args``; yields its JSON result while the
-    model serves, then stops it with Ctrl-C, as a user would, and checks it exited cleanly."""
+    model serves, then stops it with Ctrl-C, as a user would, and checks it exited cleanly.
+    ``on_line`` sees each line the run prints before its result, as it arrives."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -98,7 +103,7 @@ def _serving_run(tmp_path: Path, *args: str):
         env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
     )
     try:
-        result = _result_line(proc)
+        result = _result_line(proc, on_line)
         assert result["endpoint"] == f"http://127.0.0.1:{port}/predict"
         yield result
     finally:
@@ -107,22 +112,68 @@ def _serving_run(tmp_path: Path, *args: str):
     assert proc.returncode == 0
 
 
+_TRIAL_LINE = re.compile(r"trial (\d{5})(?: \(base\))? (started|completed|stopped early|failed)")
+
+
 @pytest.mark.integration  # a private Ray and Prefect of its own
 def test_cli_runs_the_flow_with_no_server(tmp_path):
+    """The whole flow from the command line, with what a user sees of its search: a line as
+    each trial starts and ends, printed while the search runs and kept in the Prefect run's
+    logs, and no TensorBoard hint into Ray's temp dir."""
     bad_rows = _digits_with_bad_rows(tmp_path / "drop.csv")
     args = [
         "--workers=2",
-        "--tune-trials=2",
-        "--tune-epochs=2",
+        "--tune-trials=3",
+        "--tune-epochs=1",  # ASHA stops nothing: every trial completes
+        "--tune-max-concurrent=1",  # one trial after the other
         f"--data-url={tmp_path / 'drop.csv'}",
     ]
-    with _serving_run(tmp_path, *args) as result:
+    storage = tmp_path / "storage"
+    lines, events = [], []
+
+    def seen(line: str) -> None:
+        lines.append(line)
+        match = _TRIAL_LINE.search(line)
+        if match:  # with what the run had done when the line arrived
+            events.append((*match.groups(), _search_progress(storage)))
+
+    with _serving_run(tmp_path, *args, on_line=seen) as result:
         assert result["test_accuracy"] >= 0.95
         assert result["rejected_rows"] == bad_rows
         assert Path(result["dataset_url"], "rejected.parquet").exists()
-        assert result["checkpoint"].startswith(str(tmp_path / "storage"))
+        assert result["checkpoint"].startswith(str(storage))
         assert Path(result["model_uri"], "manifest.json").exists()
+        assert result["tune"]["best_params"]
         _assert_serves_digits(result["endpoint"])
+
+    trials = ("00000", "00001", "00002")
+    out = "".join(lines)
+    assert [(t, what) for t, what, _ in events] == [
+        (trial, what) for trial in trials for what in ("started", "completed")
+    ], out[-4000:]
+    for trial, what, (started, done, registered) in events:
+        # Read while the search ran: a trial's start before it finished, its end before the
+        # trial after next started, and all of them before the flow went on to register.
+        if what == "started":
+            assert trial not in done, (trial, what, done)
+        assert not {t for t in started if int(t) >= int(trial) + 2}, (trial, what, started)
+        assert not registered, (trial, what)
+    assert "tensorboard" not in out.lower()
+    assert "ringflow-tune-" not in out  # nor anything else pointing into Tune's scratch dir
+    (database,) = (tmp_path / "prefect").glob("*.db")
+    with sqlite3.connect(database) as db:
+        logged = [m for (m,) in db.execute("SELECT message FROM log")]
+    for trial in trials:
+        for what in ("started", "completed"):
+            assert any(re.match(rf"trial {trial}( \(base\))? {what}", m) for m in logged), what
+
+
+def _search_progress(storage: Path) -> tuple[set[str], set[str], bool]:
+    """Trials started, trials done, and whether the flow registered a model after the search."""
+    trials = storage / "tune"
+    started = {p.parent.name for p in trials.glob("*/trials/*/starts")}
+    done = {p.parent.name for p in trials.glob("*/trials/*/done.json")}
+    return started, done, (storage / "registry").exists()
 
 
 @pytest.mark.integration  # a private Ray and Prefect of its own
@@ -184,59 +235,43 @@ _QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 
 
 @pytest.mark.integration  # a private Ray and Prefect of its own
-def test_cli_trains_in_pipeline_stages_and_resumes_under_its_run_key(tmp_path):
-    def run(epochs: int) -> dict:
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ringflow.flows.train_pipeline",
-                "--workers=1",
-                "--pipeline-stages=2",
-                "--micro-batches=4",
-                "--tune-trials=0",
-                "--no-serve",
-                f"--epochs={epochs}",
-                "--run-key=staged",
-                f"--storage-url={tmp_path / 'storage'}",
-            ],
-            cwd=ROOT,
-            env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        return json.loads(result.stdout.strip().splitlines()[-1])
-
-    summary = run(6)
-    assert summary["resumed_from_step"] is None
-    assert summary["test_accuracy"] > 0.9
-    assert summary["promoted"] is True
-    assert "first version" in summary["gate_reason"] or "promoted" in summary["gate_reason"]
-    # Started again under the same run key, as a retried flow run is: it goes on after the
-    # 6 epochs its checkpoint holds, instead of training from scratch.
-    longer = run(7)
-    assert longer["resumed_from_step"] == 6 * 23  # 6 epochs of 23 steps (1,437 rows, 64 a batch)
-
-
-@pytest.mark.integration  # a private Ray and Prefect of its own
-def test_the_sequence_model_trains_in_stages_of_two_replicas_and_serves_its_predict_step(
+def test_the_sequence_model_trains_in_stages_of_two_replicas_resumes_and_serves_its_predict_step(
     tmp_path,
 ):
     """The character LM, named like any model of one's own: its example data, tuning, two
-    replicas of two pipeline stages, and serving its ``predict_step`` by feature name."""
+    replicas of two pipeline stages; started again under its run key with more epochs, as a
+    retried flow run is, it goes on from its checkpoint instead of training from scratch, and
+    serves its ``predict_step`` by feature name."""
+    from ringflow.storage import CheckpointStore
+
     hparams = {"context": 16, "width": 32, "depth": 2, "heads": 2}
     args = [
         "--model=ringflow.models.charlm:CharLM",
         f"--hparams={json.dumps(hparams)}",
         "--workers=2",
         "--pipeline-stages=2",
-        "--epochs=1",
         "--tune-trials=2",
         "--tune-epochs=1",
+        "--run-key=staged",
     ]
-    with _serving_run(tmp_path, *args) as result:
+    first = subprocess.run(
+        [sys.executable, "-m", "ringflow.flows.train_pipeline", *args, "--epochs=1"]
+        + ["--no-serve", f"--storage-url={tmp_path / 'storage'}"],
+        cwd=ROOT,
+        env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads(first.stdout.strip().splitlines()[-1])
+    assert summary["resumed_from_step"] is None
+    assert summary["promoted"] is True
+    trained_to = CheckpointStore(str(tmp_path / "storage" / "checkpoints")).latest("staged").step
+    assert trained_to > 0
+
+    with _serving_run(tmp_path, *args, "--epochs=2") as result:
+        assert result["resumed_from_step"] == trained_to
         assert result["model_name"] == "char_lm"
         assert result["test_loss"] < 3.0  # ln(128) = 4.85 is a uniform guess
         assert set(result["tune"]["best_params"]) == {"lr", "batch_size"}
