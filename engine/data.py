@@ -30,6 +30,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ringflow.storage.stream import Layout
+
 __all__ = [
     "DataModuleData",
     "DatasetData",
@@ -61,22 +63,6 @@ class Samples(Protocol):
 
     def batch(self, indices: torch.Tensor) -> Any:
         """The batch of the samples at ``indices`` (in host memory)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a split is stored, as far as its order depends on it."""
-
-    blocks: tuple[int, ...]
-    """Rows in each block (a Parquet row group), in the split's row order."""
-    window: int = 1
-    """Blocks whose rows are shuffled together (``DataSpec.shuffle_window``)."""
-
-    def __post_init__(self) -> None:
-        if not self.blocks or min(self.blocks) < 0 or self.window < 1:
-            raise ValueError(
-                f"a layout has blocks of 0 or more rows and a window of 1 or more: {self}"
-            )
 
 
 def layout_of(samples: Samples) -> Layout:

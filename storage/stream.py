@@ -39,13 +39,29 @@ from ringflow.storage.dataset import (
 )
 from ringflow.storage.fs import join, resolve, sha256
 
-__all__ = ["ParquetSplit", "SplitStream"]
+__all__ = ["Layout", "ParquetSplit", "SplitStream"]
 
 _LOOKAHEAD = 16
 """Planned batches whose row groups the reader keeps: a row group used again within this many
 batches is not read twice."""
 _DIRECT_BLOCKS = 2
 """Row groups kept for reads outside a plan (evaluation reads its rows in order)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a split is stored, as far as its order depends on it (``engine.data.EpochOrder``)."""
+
+    blocks: tuple[int, ...]
+    """Rows in each block (a Parquet row group), in the split's row order."""
+    window: int = 1
+    """Blocks whose rows are shuffled together (``DataSpec.shuffle_window``)."""
+
+    def __post_init__(self) -> None:
+        if not self.blocks or min(self.blocks) < 0 or self.window < 1:
+            raise ValueError(
+                f"a layout has blocks of 0 or more rows and a window of 1 or more: {self}"
+            )
 
 
 class ParquetSplit:
@@ -286,8 +302,6 @@ class SplitStream:
         window: int,
         prefetch: int,
     ) -> None:
-        from ringflow.engine.data import Layout
-
         self._rows = _Rows(ParquetSplit(dataset_url, split, schema))
         self.layout = Layout(self._rows.split.blocks or (0,), window)
         self.prefetch = prefetch
