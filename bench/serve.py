@@ -203,8 +203,8 @@ def _bench_main(args: argparse.Namespace) -> int:
     import torch
     from ray import serve
 
-    from ringflow.engine.serving import serve_model, shutdown_serving
     from ringflow.models.digits import DigitsClassifier
+    from ringflow.serving import serve_model, shutdown_serving
     from ringflow.storage.checkpoint import save_model
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -334,7 +334,7 @@ def _redeploy_main(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from ringflow.engine.serving import shutdown_serving
+    from ringflow.serving import shutdown_serving
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.setdefault("PREFECT_HOME", f"{tmp}/prefect")  # a throwaway local server

@@ -222,7 +222,7 @@ def _wait_for_interrupt(endpoint: str | None) -> None:
 
     import ray
 
-    from ringflow.engine.serving import shutdown_serving
+    from ringflow.serving import shutdown_serving
 
     # Our own handlers: the libraries loaded by then have replaced Python's SIGINT handler.
     stop = threading.Event()

@@ -8,7 +8,7 @@
     {storage_url}/runs/{run key}/model      the model a run trained
     {storage_url}/runs/{run key}/logs/      what its loggers wrote (csv/, tensorboard/)
     {storage_url}/runs/{run key}/timeline/  its Chrome trace, with TrainConfig.timeline
-    {storage_url}/tune/{run key}/           a search's records (engine.tuning)
+    {storage_url}/tune/{run key}/           a search's records (ringflow.tuning)
     {storage_url}/registry/{model name}/    versions and the production pointer (storage.registry)
 """
 

@@ -8,7 +8,7 @@ import io
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from ringflow.engine import EpochMetrics
-from ringflow.engine.tuning import SearchResult, TrialSummary
+from ringflow.tuning import SearchResult, TrialSummary
 
 
 def epoch_table(history: list[EpochMetrics], *, key: str) -> None:

@@ -16,7 +16,7 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from ringflow.engine.cluster import connect
-from ringflow.engine.serving import serve_model, serve_registry
+from ringflow.serving import serve_model, serve_registry
 from ringflow.storage.dataset import DataError, TableSchema, dataset_schema
 from ringflow.storage.layout import Workspace
 from ringflow.storage.stream import ParquetSplit
@@ -54,7 +54,7 @@ def serve_production(
     A promotion moves the pointer and the running replicas swap to it within ``poll_s``. So
     when the next flow run gets here and finds this same deployment up, it does not
     redeploy. It returns once the app answers with the production version, and no request
-    fails on the way (``engine.serving.serve_registry``).
+    fails on the way (``serving.serve_registry``).
 
     The replicas load only checkpoints of ``model_path`` (the class's import path) or of a
     class in ``allowed``: a version naming any other class is logged and skipped, never

@@ -12,8 +12,9 @@ from prefect.logging import get_run_logger
 from ringflow.engine import DataSpec, TrainConfig
 from ringflow.engine.cluster import connect
 from ringflow.engine.spec import ModelRef
-from ringflow.engine.tuning import TUNABLE_CONFIG, SearchConfig, reported_metrics, search
 from ringflow.tasks.report import best_configuration, trial_curves, trial_table
+from ringflow.tuning.run import SearchConfig, reported_metrics, search
+from ringflow.tuning.space import TUNABLE_CONFIG
 
 
 def default_space(model: ModelRef, batch_size: int) -> dict[str, Any]:

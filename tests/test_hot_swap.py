@@ -24,7 +24,7 @@ import pytest
 
 from ringflow.engine import DataSpec
 from ringflow.engine import evaluate as evaluate_model
-from ringflow.engine.serving import serve_registry, shutdown_serving
+from ringflow.serving import serve_registry, shutdown_serving
 from ringflow.storage.fs import join
 from ringflow.storage.registry import ModelRegistry
 from ringflow.tasks import registry as registry_tasks

@@ -22,17 +22,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringflow.engine.serving import (
-    ServingError,
-    _check_compatible,
-    _forward,
-    _load_served,
-    serve_model,
-    shutdown_serving,
-)
 from ringflow.models.digits import SCHEMA as DIGITS_SCHEMA
 from ringflow.models.digits import DigitsClassifier
 from ringflow.models.tabular import TabularMLP
+from ringflow.serving import ServingError, serve_model, shutdown_serving
+from ringflow.serving.replica import _check_compatible, _forward, _load_served
 from ringflow.storage.checkpoint import CheckpointError, save_model
 from ringflow.storage.dataset import Column, TableSchema
 from tests.support.net import free_port

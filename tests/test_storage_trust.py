@@ -132,7 +132,7 @@ _NO_TOKEN_IN_RAY = textwrap.dedent(
     import psutil
     from ringflow.engine import DataSpec, TrainConfig, fit
     from ringflow.engine.cluster import connect
-    from ringflow.engine.serving import serve_model
+    from ringflow.serving import serve_model
     from ringflow.models.digits import SCHEMA, DigitsClassifier
 
     token = os.environ["RINGFLOW_SERVE_TOKEN"]

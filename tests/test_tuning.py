@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from ringflow.engine import TrainConfig
-from ringflow.engine.tuning import SearchConfig, parse_space, search
 from ringflow.models.digits import DigitsClassifier
+from ringflow.tuning import SearchConfig, parse_space, search
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"lr": 0.01, "hidden": 16}
@@ -82,7 +82,7 @@ def test_search_config_names_the_bad_field(field, value, message):
 
 
 def test_evolution_starts_from_the_base_is_seeded_and_climbs_from_the_best():
-    from ringflow.engine.tuning import _Evolution
+    from ringflow.tuning.space import _Evolution
 
     def run(seed):
         evo = _Evolution(parse_space(SPACE), BASE, metric="acc", mode="max", seed=seed, initial=2)
@@ -109,10 +109,12 @@ def _tune_trial(trial_id, tune_id=None):
 
 
 def _layout(path):
-    from ringflow.engine.tuning import _Layout, _Storage
     from ringflow.storage.retry import RetryPolicy
+    from ringflow.tuning.records import RecordStorage, SearchLayout
 
-    return _Layout(storage_url=str(path), run_key="search", storage=_Storage(RetryPolicy()))
+    return SearchLayout(
+        storage_url=str(path), run_key="search", storage=RecordStorage(RetryPolicy())
+    )
 
 
 def _files(layout):
@@ -137,7 +139,7 @@ def _run_sequentially(layout, *, kill=None, skip=0):
     ends it once that epoch is recorded, before ASHA sees it (and returns ``None``);
     ``skip``: a resumed trial reports only its epochs after this one (its checkpoint was taken
     at that epoch's end). Returns ASHA's answer to every result."""
-    from ringflow.engine.tuning import _resumable_asha
+    from ringflow.tuning.run import _resumable_asha
 
     history = layout.history()
     asha = _resumable_asha(
@@ -212,7 +214,7 @@ def test_a_recorded_stop_without_stopped_json_is_a_stopped_trial_and_is_replayed
     """Killed after ASHA's stop was recorded but before ``stopped.json`` was written: the
     trial counts as stopped after that epoch and is not run again; reporting that epoch again
     gets the recorded stop, not the continue Ray gives a rung it has seen."""
-    from ringflow.engine.tuning import _resumable_asha
+    from ringflow.tuning.run import _resumable_asha
 
     layout = _layout(tmp_path)
     _run_sequentially(layout, kill=("00002", 1))
@@ -232,7 +234,8 @@ def test_a_search_recorded_before_decisions_were_resumes_from_its_results():
     """Records with epochs but no decisions: finished trials' results fill the rungs, so a
     new trial below a rung's cutoff is stopped, as it would have been; an unfinished trial's
     recorded results are decided when the scheduler is rebuilt."""
-    from ringflow.engine.tuning import _recorded, _resumable_asha
+    from ringflow.tuning.records import _recorded
+    from ringflow.tuning.run import _resumable_asha
 
     def trial(trial_id, values, **more):
         epochs = {f"epochs/{e:06d}.json": {"epoch": e, "val_accuracy": v} for e, v in values}
@@ -264,7 +267,8 @@ def test_a_search_recorded_before_decisions_were_resumes_from_its_results():
 
 
 def test_the_base_trial_is_never_stopped_early():
-    from ringflow.engine.tuning import _recorded, _resumable_asha
+    from ringflow.tuning.records import _recorded
+    from ringflow.tuning.run import _resumable_asha
 
     other_stopped = _recorded(
         "00003",
@@ -289,7 +293,7 @@ def test_the_base_trial_is_never_stopped_early():
 def test_random_search_proposes_by_trial_number_the_base_first():
     """Trial i's configuration depends on the seed and i only: a resumed search proposes the
     trials it had not started exactly as the uninterrupted one would have."""
-    from ringflow.engine.tuning import _random_search
+    from ringflow.tuning.space import _random_search
 
     dims = parse_space(SPACE)
 
@@ -331,18 +335,19 @@ def test_a_search_keeps_the_base_trial_and_returns_the_best_checkpoint(
 _SCRIPT = """
 import json, sys, time
 import ray
-from ringflow.engine import DataSpec, TrainConfig, tuning
-from ringflow.engine.tuning import SearchConfig, search
+from ringflow.engine import DataSpec, TrainConfig
+from ringflow.tuning import SearchConfig, search
+from ringflow.tuning import records as tune_records
 from ringflow.models.digits import SCHEMA, DigitsClassifier
 
 dataset_url, storage_url, state_dir, run_key, space, hang = sys.argv[1:7]
 if hang:  # the driver hangs as it records ASHA's decision on this trial: killed meanwhile
-    record = tuning._TrialRecords.decided
+    record = tune_records._TrialRecords.decided
     def decided(records, decision):
         if records.url.endswith("/" + hang):
             time.sleep(3600)
         record(records, decision)
-    tuning._TrialRecords.decided = decided
+    tune_records._TrialRecords.decided = decided
 ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 result = search(
     DigitsClassifier,

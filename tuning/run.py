@@ -1,84 +1,44 @@
-"""Hyperparameter search with Ray Tune; every trial trains through ``engine.fit``.
-
-A search is identified by its run key. Under ``storage_url`` it keeps JSON records and
-safetensors checkpoints only::
-
-    {storage_url}/tune/{run_key}/trials/{trial}/starts/   one file per execution of the trial,
-                                                          with its parameters and the step it
-                                                          resumes from
-    {storage_url}/tune/{run_key}/trials/{trial}/epochs/   the metrics of every epoch it trained
-    {storage_url}/tune/{run_key}/trials/{trial}/rungs/    every decision the early-stopping
-                                                          scheduler made on it, by epoch: the
-                                                          metric and continue or stop
-    {storage_url}/tune/{run_key}/trials/{trial}/stopped.json  the epoch the scheduler stopped it
-    {storage_url}/tune/{run_key}/trials/{trial}/done.json  written once its training finished
-    {storage_url}/checkpoints/{run_key}-trial-{trial}/    its training state (``CheckpointStore``)
-    {storage_url}/runs/{run_key}/trials/{trial}/model     its trained model
-
-Trials are numbered ``00000`` (the base configuration), ``00001``... Ray Tune runs them, and
-keeps its own experiment state (pickles) in a scratch directory on the machine that drives
-the search; it is never read back. Calling :func:`search` again with the same run key, on
-this machine or another, rebuilds the search from the records: finished and stopped trials
-are kept, unfinished ones resume from their newest checkpoint, the early-stopping scheduler
-is given back every decision it made (and makes the ones the interruption cut off), the
-searcher every result recorded, and trials never started are proposed again. Every storage
-call is retried under ``SearchConfig.storage_retry``; a file under the search's directory
-that is not one of these JSON records is reported and ignored.
+"""Running a search on Ray Tune: :func:`search` with its :class:`SearchConfig`, each trial
+training through ``engine.fit``, the early-stopping scheduler given back its recorded
+decisions, a line per trial as it starts and ends, and the :class:`SearchResult`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import json
 import logging
 import math
 import os
-import random
-import re
 import shutil
 import tempfile
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringflow.engine.config import DataSpec, TrainConfig
 from ringflow.engine.spec import model_hparams
 from ringflow.engine.trainer import EpochMetrics, fit
-from ringflow.storage.fs import atomic_write, join, read_bytes, resolve
-from ringflow.storage.layout import Workspace
-from ringflow.storage.retry import RetryPolicy, call_with_retries
+from ringflow.storage.retry import RetryPolicy
 from ringflow.storage.store import CheckpointStore
+from ringflow.tuning.records import RecordedTrial, RecordStorage, SearchLayout, trial_id_of
+from ringflow.tuning.space import (
+    EPOCH,
+    SEARCH_ALGORITHMS,
+    TUNABLE_CONFIG,
+    check_names,
+    is_finite,
+    is_number,
+    parse_space,
+)
 
-__all__ = [
-    "SEARCH_ALGORITHMS",
-    "SearchConfig",
-    "SearchResult",
-    "TrialSummary",
-    "parse_space",
-    "search",
-]
+if TYPE_CHECKING:
+    from ringflow.tuning.records import History
+    from ringflow.tuning.space import Dimension
 
 log = logging.getLogger("ringflow.engine")
-
-_SEARCH_OWNED = ("workers", "epochs", "cpus_per_worker", "checkpoint_every")
-TUNABLE_CONFIG = tuple(
-    f.name for f in dataclasses.fields(TrainConfig) if f.name not in _SEARCH_OWNED
-)
-"""``TrainConfig`` fields a search space may name besides the model's keywords (batch size,
-seed, collective, compression, bucket size...). Workers, epochs, CPUs and checkpointing are
-the search's own settings (:class:`SearchConfig`)."""
-
-_KINDS = ("choice", "uniform", "loguniform", "randint")
-_EPOCH = "epoch"
-"""Reported with every result (1-based); the scheduler's clock, so a resumed trial that
-skips the epochs restored from its checkpoint still reports consistent times."""
-
-
-# --------------------------------------------------------------------------- settings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,192 +157,6 @@ class SearchResult:
     pickle, say), relative to it: reported and never opened."""
 
 
-# --------------------------------------------------------------------------- search spaces
-
-
-@dataclass(frozen=True)
-class _Dimension:
-    """One searched name: a list of choices or a numeric range."""
-
-    name: str
-    kind: str
-    values: tuple[Any, ...]
-    """The choices, or ``(low, high)`` (``high`` excluded for ``randint``)."""
-
-    def samples(self) -> list[Any]:
-        """Values that probe the range's ends, for validation."""
-        if self.kind == "choice":
-            return list(self.values)
-        low, high = self.values
-        return [low, high - 1] if self.kind == "randint" else [low, high]
-
-    def sample(self, rng: random.Random) -> Any:
-        low, high = self.values if self.kind != "choice" else (0, 0)
-        if self.kind == "choice":
-            return rng.choice(self.values)
-        if self.kind == "uniform":
-            return rng.uniform(low, high)
-        if self.kind == "loguniform":
-            return math.exp(rng.uniform(math.log(low), math.log(high)))
-        return rng.randrange(low, high)
-
-    def mutate(self, rng: random.Random, value: Any) -> Any:
-        """A neighbour of ``value``: the next choice, or a step of a quarter of the range."""
-        if self.kind == "choice":
-            if value not in self.values or len(self.values) == 1:
-                return rng.choice(self.values)
-            i = self.values.index(value) + rng.choice((-1, 1))
-            return self.values[min(max(i, 0), len(self.values) - 1)]
-        low, high = self.values
-        if self.kind == "loguniform":
-            moved = math.exp(math.log(value) + rng.gauss(0, 0.25 * math.log(high / low)))
-            return min(max(moved, low), high)
-        moved = value + rng.gauss(0, 0.25 * (high - low))
-        if self.kind == "randint":
-            return min(max(round(moved), low), high - 1)
-        return min(max(moved, low), high)
-
-
-def parse_space(space: dict[str, Any]) -> list[_Dimension]:
-    """Read a JSON search space: name to a list of choices or ``{kind: [low, high]}``.
-
-    Kinds: ``{"choice": [...]}`` (a bare list means the same), ``{"uniform": [low, high]}``,
-    ``{"loguniform": [low, high]}`` (low > 0), ``{"randint": [low, high]}`` (high excluded).
-
-    Raises:
-        ValueError: an empty space or an entry of another shape.
-    """
-    if not isinstance(space, dict) or not space:
-        raise ValueError(
-            "the search space is empty: give at least one name, e.g. "
-            '{"lr": {"loguniform": [0.001, 0.1]}, "hidden": [32, 64, 128]}'
-        )
-    return [_dimension(name, spec) for name, spec in space.items()]
-
-
-def _dimension(name: str, spec: Any) -> _Dimension:
-    if isinstance(spec, list):
-        spec = {"choice": spec}
-    if isinstance(spec, dict) and len(spec) == 1:
-        kind, values = next(iter(spec.items()))
-        if kind == "choice" and isinstance(values, list) and values:
-            return _Dimension(name, kind, tuple(values))
-        if kind in _KINDS and _is_range(kind, values):
-            return _Dimension(name, kind, (values[0], values[1]))
-    raise ValueError(
-        f"search space entry {name!r} must be a non-empty list of choices or one of "
-        "{'choice': [...]}, {'uniform' | 'loguniform' | 'randint': [low, high]} with "
-        f"low < high (low > 0 for loguniform, integers for randint); got {spec!r}"
-    )
-
-
-def _is_range(kind: str, values: Any) -> bool:
-    if not (isinstance(values, list | tuple) and len(values) == 2):
-        return False
-    low, high = values
-    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
-    if not numbers or not low < high:
-        return False
-    if kind == "loguniform":
-        return low > 0
-    return kind != "randint" or all(isinstance(v, int) for v in values)
-
-
-# --------------------------------------------------------------------------- algorithms
-
-
-class _Random:
-    """The base configuration as trial ``00000``, then independent samples: trial ``i`` is
-    drawn from a generator seeded by ``(seed, i)``, so a resumed search proposes exactly what
-    the uninterrupted one would have."""
-
-    def __init__(self, dims: list[_Dimension], base: dict[str, Any], *, seed: int):
-        self.dims, self.base, self.seed = dims, base, seed
-
-    def suggest(self, trial_id: str) -> dict[str, Any]:
-        index = int(trial_id)
-        if index == 0:
-            return dict(self.base)
-        rng = random.Random(f"{self.seed}:{index}")
-        return {d.name: d.sample(rng) for d in self.dims}
-
-    def observe(self, trial_id: str, result: dict) -> None:
-        pass  # proposals do not depend on results
-
-    def resume(self, history: _History, *, base_trial: str) -> None:
-        pass
-
-
-def _random_search(dims: list[_Dimension], base: dict[str, Any], cfg: SearchConfig, seed: int):
-    """Random sampling, the base configuration first (see :class:`_Random`)."""
-    return _Random(dims, base, seed=seed)
-
-
-def _evolution_search(dims: list[_Dimension], base: dict[str, Any], cfg: SearchConfig, seed: int):
-    """Seeded mutation of the best trial so far (see :class:`_Evolution`)."""
-    return _Evolution(dims, base, metric=cfg.metric, mode=cfg.mode, seed=seed)
-
-
-SEARCH_ALGORITHMS: dict[str, Callable[..., Any]] = {
-    "random": _random_search,
-    "evolution": _evolution_search,
-}
-"""Search algorithms by name: each returns a proposer with ``suggest(trial_id)``,
-``observe(trial_id, result)`` and ``resume(history, base_trial=...)``. Both are plain Python,
-rebuilt from the search's records when it resumes: the Ray searchers that model the metric
-(Optuna, HyperOpt, BayesOpt, ...) each need a package not installed here, and keep their
-state only as pickles."""
-
-
-class _Evolution:
-    """The base configuration, then ``initial`` random ones, then mutations of the best.
-
-    "Best" ranks trials by how far the early-stopping scheduler let them go, then by the
-    metric there, so a trial stopped early never outranks one that outlived it. Seeded: the
-    same results give the same proposals. Plain Python, so it is tested without Ray.
-    """
-
-    def __init__(self, dims, base, *, metric: str, mode: str, seed: int, initial: int = 3):
-        self.dims, self.queue, self.initial = dims, [dict(base)], initial
-        self.metric, self.sign = metric, 1.0 if mode == "max" else -1.0
-        self.rng = random.Random(seed)
-        self.configs: dict[str, dict[str, Any]] = {}
-        self.scores: dict[str, tuple[int, float]] = {}
-
-    def suggest(self, trial_id: str) -> dict[str, Any]:
-        if self.queue:
-            config = self.queue.pop(0)
-        elif len(self.configs) <= self.initial or not self.scores:
-            config = {d.name: d.sample(self.rng) for d in self.dims}
-        else:
-            config = self._mutate(self.configs[max(self.scores, key=self.scores.__getitem__)])
-        self.configs[trial_id] = config
-        return dict(config)
-
-    def _mutate(self, parent: dict[str, Any]) -> dict[str, Any]:
-        child = dict(parent)
-        changed = [d for d in self.dims if self.rng.random() < 1 / len(self.dims)]
-        for dim in changed or [self.rng.choice(self.dims)]:
-            child[dim.name] = dim.mutate(self.rng, parent[dim.name])
-        return child
-
-    def observe(self, trial_id: str, result: dict) -> None:
-        value = result.get(self.metric)
-        if trial_id in self.configs and _EPOCH in result and _finite(value):
-            self.scores[trial_id] = (int(result[_EPOCH]), self.sign * float(value))
-
-    def resume(self, history: _History, *, base_trial: str) -> None:
-        """Take back the configurations and results of the trials recorded so far."""
-        for trial_id, trial in history.trials.items():
-            if trial.params is None:
-                continue
-            self.configs[trial_id] = dict(trial.params)
-            for result in trial.curve():
-                self.observe(trial_id, result)
-        if base_trial in self.configs:
-            self.queue.clear()
-
-
 def _searcher_cls() -> type:
     """Ray's ``Searcher`` handing out the trials a search still has to run; built on first use,
     as Ray is imported only when a search runs.
@@ -436,7 +210,7 @@ def _searcher_cls() -> type:
 
 def _resumable_asha(
     cfg: SearchConfig,
-    trials: dict[str, _Recorded] | None = None,
+    trials: dict[str, RecordedTrial] | None = None,
     *,
     base_trial: str | None = None,
     on_stop: Callable[[str, dict], None] | None = None,
@@ -473,7 +247,7 @@ def _resumable_asha(
             super().on_trial_error(tune_controller, alias(trial))
 
     asha = ResumableASHA(
-        time_attr=_EPOCH,
+        time_attr=EPOCH,
         metric=cfg.metric,
         mode=cfg.mode,
         max_t=cfg.epochs,
@@ -494,6 +268,8 @@ def _resumable_asha(
 
 
 _STOP, _CONTINUE = "STOP", "CONTINUE"
+
+
 """Ray's ``TrialScheduler.STOP`` and ``TrialScheduler.CONTINUE``."""
 
 
@@ -543,12 +319,12 @@ class _Decisions:
         return decision
 
     def early(self, result: dict) -> bool:
-        return result.get(_EPOCH, self.cfg.epochs) < self.cfg.epochs
+        return result.get(EPOCH, self.cfg.epochs) < self.cfg.epochs
 
     def replayed(self, trial_id: str, result: dict) -> str | None:
         """The decision made at this result's epoch in an earlier attempt, or ``None``."""
         decided = self.decided.get(trial_id, {})
-        epoch = result.get(_EPOCH)
+        epoch = result.get(EPOCH)
         if epoch is None or not decided or epoch > max(decided):
             return None
         return _STOP if decided.get(int(epoch)) == "stop" else _CONTINUE
@@ -560,19 +336,19 @@ class _Decisions:
         if trial_id == self.base_trial and self.early(result):
             decision = _CONTINUE
         if [trial_id in recorded for _, recorded in self.bracket._rungs] != placed:
-            epoch = int(result[_EPOCH])
+            epoch = int(result[EPOCH])
             word = "stop" if decision == _STOP else "continue"
             self.decided.setdefault(trial_id, {})[epoch] = word
             if self.on_decision is not None:
                 value = float(result[self.cfg.metric])
-                self.on_decision(trial_id, {_EPOCH: epoch, "value": value, "decision": word})
+                self.on_decision(trial_id, {EPOCH: epoch, "value": value, "decision": word})
         return decision
 
     def place(self, trial_id: str, epoch: int, value: float) -> str:
         """Ray's bracket's answer to a result: it puts it in a rung, or not."""
         return self.bracket.on_result(_Alias(trial_id=trial_id), epoch, self.metric_op * value)
 
-    def rebuild(self, trials: dict[str, _Recorded]) -> None:
+    def rebuild(self, trials: dict[str, RecordedTrial]) -> None:
         """The rungs as the records left them."""
         for trial_id, trial in trials.items():
             # In epoch order, so each value lands in the rung its decision was made in.
@@ -590,7 +366,7 @@ class _Decisions:
 
     def cut_off(self, trial_id: str, epoch: int, value: float) -> bool:
         """Decide on a result recorded before ASHA saw it; whether the trial is stopped."""
-        result = {_EPOCH: epoch, self.cfg.metric: value}
+        result = {EPOCH: epoch, self.cfg.metric: value}
         ask = functools.partial(self.place, trial_id, epoch, value)
         if self.decide(trial_id, result, ask) != _STOP:
             return False
@@ -600,9 +376,9 @@ class _Decisions:
         return True
 
 
-def _results(trial: _Recorded, metric: str) -> list[tuple[int, float]]:
+def _results(trial: RecordedTrial, metric: str) -> list[tuple[int, float]]:
     """The epoch and metric of every result of ``trial`` that reported the metric."""
-    return [(int(m[_EPOCH]), float(m[metric])) for m in trial.curve() if _number(m.get(metric))]
+    return [(int(m[EPOCH]), float(m[metric])) for m in trial.curve() if is_number(m.get(metric))]
 
 
 @dataclass(frozen=True)
@@ -617,201 +393,6 @@ def _our_id(trial: Any) -> str:
     return config.get("trial", trial.trial_id)
 
 
-# --------------------------------------------------------------------------- records
-
-
-_RECORD = re.compile(
-    r"^trials/(?P<trial>\d{5})/(?:starts/[0-9a-f]{32}|epochs/\d{6}|rungs/\d{6}|done|stopped)\.json$"
-)
-"""Every file ringflow writes under a search's directory; anything else there is foreign."""
-
-
-@dataclass(frozen=True)
-class _Storage:
-    """Small JSON reads and writes on any fsspec URL, each retried under ``policy``."""
-
-    policy: RetryPolicy
-
-    def write(self, url: str, value: Any) -> None:
-        data = json.dumps(value, sort_keys=True).encode()
-        call_with_retries(self.policy, f"writing {url}", lambda: atomic_write(url, data))
-
-    def read(self, url: str) -> Any:
-        """The JSON at ``url``, or ``None`` (with a warning) if it is not JSON."""
-        data = call_with_retries(self.policy, f"reading {url}", lambda: read_bytes(url))
-        try:
-            return json.loads(data)
-        except ValueError:  # undecodable text included
-            log.warning("%s is not JSON; it is ignored (ringflow never unpickles it)", url)
-            return None
-
-    def find(self, url: str) -> list[str]:
-        """Every file under ``url``, relative to it, as the storage lists it now."""
-        fs, root = resolve(url)
-
-        def listing() -> list[str]:
-            fs.invalidate_cache()  # other processes write here: never trust a cached listing
-            try:
-                found = fs.find(root)
-            except FileNotFoundError:
-                return []
-            return [p[len(root.rstrip("/")) + 1 :] for p in found]
-
-        return call_with_retries(self.policy, f"listing {url}", listing)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _TrialRecords:
-    """What one trial wrote under ``{tune dir}/trials/{trial}``: JSON only, ours."""
-
-    url: str
-    storage: _Storage
-
-    def started(self, **info: Any) -> None:
-        self.storage.write(join(self.url, "starts", f"{uuid.uuid4().hex}.json"), info)
-
-    def epoch(self, metrics: dict[str, float]) -> None:
-        self.storage.write(join(self.url, "epochs", f"{int(metrics[_EPOCH]):06d}.json"), metrics)
-
-    def decided(self, decision: dict[str, Any]) -> None:
-        """An early-stopping decision: ``{"epoch", "value", "decision"}``."""
-        self.storage.write(join(self.url, "rungs", f"{int(decision[_EPOCH]):06d}.json"), decision)
-
-    def finish(self, **info: Any) -> None:
-        self.storage.write(join(self.url, "done.json"), info)
-
-    def stopped(self, **info: Any) -> None:
-        self.storage.write(join(self.url, "stopped.json"), info)
-
-    def done(self) -> dict[str, Any] | None:
-        if "done.json" not in self.storage.find(self.url):
-            return None
-        done = self.storage.read(join(self.url, "done.json"))
-        return done if _is_done(done) else None
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Recorded:
-    """One trial as its records describe it."""
-
-    trial_id: str
-    params: dict[str, Any] | None = None
-    executions: int = 0
-    epochs: list[dict[str, Any]] = field(default_factory=list)
-    done: dict[str, Any] | None = None
-    stopped_at: int | None = None
-    """The epoch after which the scheduler stopped it."""
-    decisions: dict[int, dict[str, Any]] = field(default_factory=dict)
-    """The scheduler's decisions on it, by epoch: ``{"value", "decision"}``."""
-
-    @property
-    def finished(self) -> bool:
-        return self.done is not None or self.stopped_at is not None
-
-    def curve(self) -> list[dict[str, Any]]:
-        """Its epochs, up to the one it was stopped after."""
-        last = self.stopped_at or math.inf
-        return [m for m in self.epochs if m.get(_EPOCH, 0) <= last]
-
-
-@dataclass(frozen=True, kw_only=True)
-class _History:
-    """Every trial of a search, read from its records, and what else lies in its directory."""
-
-    trials: dict[str, _Recorded]
-    foreign: list[str]
-    """Files under the search's directory that ringflow did not write (or not as JSON)."""
-
-    @property
-    def resumed(self) -> bool:
-        return bool(self.trials)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Layout:
-    storage_url: str
-    run_key: str
-    storage: _Storage
-
-    @property
-    def tune_dir(self) -> str:
-        return Workspace(self.storage_url).tune(self.run_key)
-
-    @property
-    def checkpoints(self) -> str:
-        return Workspace(self.storage_url).checkpoints
-
-    def trial(self, trial_id: str) -> _TrialRecords:
-        return _TrialRecords(url=join(self.tune_dir, "trials", trial_id), storage=self.storage)
-
-    def trial_run_key(self, trial_id: str) -> str:
-        return f"{self.run_key}-trial-{trial_id}"
-
-    def model(self, trial_id: str) -> str:
-        return Workspace(self.storage_url).trial_model(self.run_key, trial_id)
-
-    def history(self) -> _History:
-        """Read every record: one listing, then the JSON files. Nothing else is opened."""
-        files: dict[str, dict[str, Any]] = {}
-        foreign = []
-        for rel in sorted(self.storage.find(self.tune_dir)):
-            match = _RECORD.match(rel)
-            value = self.storage.read(join(self.tune_dir, rel)) if match else None
-            if not isinstance(value, dict):
-                foreign.append(rel)
-                continue
-            files.setdefault(match["trial"], {})[rel.split("/", 2)[2]] = value
-        return _History(
-            trials={t: _recorded(t, records) for t, records in sorted(files.items())},
-            foreign=foreign,
-        )
-
-
-def _recorded(trial_id: str, records: dict[str, dict[str, Any]]) -> _Recorded:
-    starts = [v for k, v in records.items() if k.startswith("starts/")]
-    epochs = sorted(
-        (v for k, v in records.items() if k.startswith("epochs/") and _EPOCH in v),
-        key=lambda m: m[_EPOCH],
-    )
-    params = next((s["params"] for s in starts if isinstance(s.get("params"), dict)), None)
-    done = records.get("done.json")
-    decisions = {
-        int(v[_EPOCH]): {"value": float(v["value"]), "decision": v["decision"]}
-        for k, v in records.items()
-        if k.startswith("rungs/")
-        and _number(v.get(_EPOCH))
-        and _number(v.get("value"))
-        and v.get("decision") in ("continue", "stop")
-    }
-    stopped = records.get("stopped.json", {}).get(_EPOCH)
-    if not _number(stopped):  # stopped before its stop was recorded as stopped.json
-        stopped = min((e for e, d in decisions.items() if d["decision"] == "stop"), default=None)
-    return _Recorded(
-        trial_id=trial_id,
-        params=params,
-        executions=len(starts),
-        epochs=epochs,
-        done=done if _is_done(done) else None,
-        stopped_at=None if stopped is None else int(stopped),
-        decisions=decisions,
-    )
-
-
-def _is_done(value: Any) -> bool:
-    return (
-        isinstance(value, dict)
-        and isinstance(value.get("checkpoint"), str)
-        and isinstance(value.get("last"), dict)
-    )
-
-
-def _trial_id(index: int) -> str:
-    return f"{index:05d}"
-
-
-# --------------------------------------------------------------------------- the trial
-
-
 @dataclass(frozen=True, kw_only=True)
 class _Trial:
     """The Tune trainable: one ``fit`` of a configuration, resumed from its own checkpoint."""
@@ -821,7 +402,7 @@ class _Trial:
     data: DataSpec
     train_config: TrainConfig
     cfg: SearchConfig
-    layout: _Layout
+    layout: SearchLayout
 
     def __call__(self, config: dict[str, Any]) -> None:
         from ray import tune
@@ -839,7 +420,7 @@ class _Trial:
         hparams, train_config = self.configure(params)
 
         def on_epoch(m: EpochMetrics) -> None:
-            metrics = {**m.metrics, _EPOCH: m.epoch + 1}
+            metrics = {**m.metrics, EPOCH: m.epoch + 1}
             records.epoch(metrics)
             if m.epoch + 1 < train_config.epochs:  # the last is reported once the model is saved
                 tune.report(metrics)
@@ -856,7 +437,7 @@ class _Trial:
             run_key=run_key,
             meta={"tune_trial": trial_id},
         )
-        last = {**result.metrics, _EPOCH: len(result.history)}
+        last = {**result.metrics, EPOCH: len(result.history)}
         records.finish(checkpoint=result.checkpoint, last=last, resumed_from=result.resumed_from)
         tune.report(last)
 
@@ -875,9 +456,6 @@ class _Trial:
         return hparams, config
 
 
-# --------------------------------------------------------------------------- progress
-
-
 class _Progress:
     """One line as each trial starts and as it ends, through ``emit``, while the search runs."""
 
@@ -886,7 +464,7 @@ class _Progress:
         self.ended = 0
         self.stopped: dict[str, int] = {}
 
-    def kept(self, trial: _Recorded) -> None:
+    def kept(self, trial: RecordedTrial) -> None:
         self.ended += 1
         last = trial.done["last"] if trial.done else (trial.curve() or [{}])[-1]
         how = self._ending(trial.trial_id, last)
@@ -898,7 +476,7 @@ class _Progress:
         self.emit(f"trial {self._name(trial_id)} {verb}: {shown}")
 
     def stop(self, trial_id: str, result: dict) -> None:
-        self.stopped[trial_id] = int(result[_EPOCH])
+        self.stopped[trial_id] = int(result[EPOCH])
 
     def ended_with(self, trial_id: str, result: dict | None, error: str | None = None) -> None:
         self.ended += 1
@@ -907,8 +485,8 @@ class _Progress:
 
     def _ending(self, trial_id: str, result: dict) -> str:
         metric = result.get(self.cfg.metric)
-        value = f"{self.cfg.metric}={metric:.4f}" if _finite(metric) else "no metric"
-        epoch = result.get(_EPOCH, 0)
+        value = f"{self.cfg.metric}={metric:.4f}" if is_finite(metric) else "no metric"
+        epoch = result.get(EPOCH, 0)
         if trial_id in self.stopped or epoch < self.cfg.epochs:
             return f"stopped early after epoch {epoch}, {value}"
         return f"completed {epoch} epoch{'' if epoch == 1 else 's'}, {value}"
@@ -948,9 +526,6 @@ def _first_line(error_file: str | None) -> str:
     except (OSError, TypeError):
         return "see the trial's log"
     return lines[-1] if lines else "see the trial's log"
-
-
-# --------------------------------------------------------------------------- search
 
 
 def search(
@@ -997,9 +572,11 @@ def search(
     cfg = config or SearchConfig()
     dims = parse_space(space)
     base_hparams = model_hparams(module_cls, base_hparams, data.schema)
-    base = _check_names(module_cls, base_hparams, train_config, dims)
+    base = check_names(module_cls, base_hparams, train_config, dims)
     _check_metric(module_cls, base_hparams, data, train_config, cfg.metric)
-    layout = _Layout(storage_url=storage_url, run_key=run_key, storage=_Storage(cfg.storage_retry))
+    layout = SearchLayout(
+        storage_url=storage_url, run_key=run_key, storage=RecordStorage(cfg.storage_retry)
+    )
     history = layout.history()
     if history.foreign:
         log.warning(
@@ -1017,7 +594,7 @@ def search(
         cfg=cfg,
         layout=layout,
     )
-    lines = _Progress(progress or log.info, cfg, total=cfg.trials, base=_trial_id(0))
+    lines = _Progress(progress or log.info, cfg, total=cfg.trials, base=trial_id_of(0))
     errors = _run_trials(trainable, dims, base, history, cfg, lines, seed=train_config.seed)
     trials = _summaries(layout.history(), errors, cfg, base)
     return _best(
@@ -1027,9 +604,9 @@ def search(
 
 def _run_trials(
     trainable: _Trial,
-    dims: list[_Dimension],
+    dims: list[Dimension],
     base: dict[str, Any],
-    history: _History,
+    history: History,
     cfg: SearchConfig,
     lines: _Progress,
     *,
@@ -1044,13 +621,13 @@ def _run_trials(
 
     def stop(trial_id: str, result: dict) -> None:
         lines.stop(trial_id, result)
-        layout.trial(trial_id).stopped(**{_EPOCH: int(result[_EPOCH])})
+        layout.trial(trial_id).stopped(**{EPOCH: int(result[EPOCH])})
 
     def decided(trial_id: str, decision: dict[str, Any]) -> None:
         layout.trial(trial_id).decided(decision)
 
     scheduler = _resumable_asha(
-        cfg, history.trials, base_trial=_trial_id(0), on_stop=stop, on_decision=decided
+        cfg, history.trials, base_trial=trial_id_of(0), on_stop=stop, on_decision=decided
     )
     if scheduler.decisions.stopped_on_resume:  # decided while it was rebuilt: now finished
         history = layout.history()
@@ -1064,7 +641,7 @@ def _run_trials(
     if not queue:
         return {}
     proposer = SEARCH_ALGORITHMS[cfg.algorithm](dims, base, cfg, seed)
-    proposer.resume(history, base_trial=_trial_id(0))
+    proposer.resume(history, base_trial=trial_id_of(0))
     with _tune_scratch(cfg) as scratch:
         return _fit_tuner(trainable, queue, proposer, scheduler, cfg, lines, scratch)
 
@@ -1169,53 +746,6 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[-1] if text else ''}".rstrip(": ")
 
 
-# --------------------------------------------------------------------------- validation
-
-
-def _check_names(
-    module_cls: type, base_hparams: dict, train_config: TrainConfig, dims: list[_Dimension]
-) -> dict[str, Any]:
-    """Every searched name is taken by the model or the config and accepts its values.
-
-    Returns:
-        The base configuration's value of every searched name.
-    """
-    params = inspect.signature(module_cls.__init__).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    model_names = {n for n in params if n != "self"}
-    base: dict[str, Any] = {}
-    for dim in dims:
-        if dim.name in TUNABLE_CONFIG:
-            base[dim.name] = getattr(train_config, dim.name)
-            for value in dim.samples():
-                _try(dim, value, lambda v, d=dim: dataclasses.replace(train_config, **{d.name: v}))
-        elif dim.name in model_names or takes_any:
-            if dim.name not in base_hparams and dim.name in params:
-                default = params[dim.name].default
-                if default is inspect.Parameter.empty:
-                    raise ValueError(f"{dim.name!r} has no base value: add it to base_hparams")
-                base[dim.name] = default
-            else:
-                base[dim.name] = base_hparams[dim.name]
-            for value in dim.samples():
-                _try(dim, value, lambda v, d=dim: module_cls(**{**base_hparams, d.name: v}))
-        else:
-            raise ValueError(
-                f"search space names {dim.name!r}, which {module_cls.__name__} does not take; "
-                f"it takes {sorted(model_names)}, and the search may also set {TUNABLE_CONFIG}"
-            )
-    return base
-
-
-def _try(dim: _Dimension, value: Any, build: Callable[[Any], Any]) -> None:
-    try:
-        build(value)
-    except (TypeError, ValueError) as err:
-        raise ValueError(
-            f"search space entry {dim.name!r} allows {value!r}, which is rejected: {err}"
-        ) from err
-
-
 def reported_metrics(
     module_cls: type, hparams: dict[str, Any], data: DataSpec, config: TrainConfig
 ) -> list[str]:
@@ -1241,27 +771,24 @@ def _check_metric(
         )
 
 
-# --------------------------------------------------------------------------- results
-
-
 def _summaries(
-    history: _History, errors: dict[str, str], cfg: SearchConfig, base: dict[str, Any]
+    history: History, errors: dict[str, str], cfg: SearchConfig, base: dict[str, Any]
 ) -> list[TrialSummary]:
     return [_summary(t, history.trials.get(t), errors.get(t), cfg, base) for t in _ids(cfg)]
 
 
 def _ids(cfg: SearchConfig) -> list[str]:
-    return [_trial_id(i) for i in range(cfg.trials)]
+    return [trial_id_of(i) for i in range(cfg.trials)]
 
 
 def _summary(
     trial_id: str,
-    trial: _Recorded | None,
+    trial: RecordedTrial | None,
     error: str | None,
     cfg: SearchConfig,
     base: dict[str, Any],
 ) -> TrialSummary:
-    trial = trial or _Recorded(trial_id=trial_id)
+    trial = trial or RecordedTrial(trial_id=trial_id)
     epochs = trial.curve()
     curve = [float(m.get(cfg.metric, math.nan)) for m in epochs]
     if trial.done is not None:
@@ -1274,13 +801,13 @@ def _summary(
     return TrialSummary(
         trial_id=trial_id,
         params=params,
-        metric=curve[-1] if curve and _finite(curve[-1]) else None,
+        metric=curve[-1] if curve and is_finite(curve[-1]) else None,
         epochs=len(epochs),
         state=state,
         curve=curve,
         executions=trial.executions,
         checkpoint=trial.done["checkpoint"] if trial.done else None,
-        is_base=trial_id == _trial_id(0),
+        is_base=trial_id == trial_id_of(0),
         error=error,
     )
 
@@ -1311,11 +838,3 @@ def _best(
         experiment_path=path,
         ignored_files=list(ignored),
     )
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _finite(value: Any) -> bool:
-    return _number(value) and math.isfinite(value)
