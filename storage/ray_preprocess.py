@@ -7,7 +7,7 @@ path lists them):
 1. every file's SHA-256, one task per file, streamed: the fingerprint, hence the dataset's
    directory, is known before anything is parsed, and a committed dataset is returned as is;
 2. every file is read and validated in ``map_batches``, one task per file, by the same
-   functions the single-process path calls (``_file_rows``, ``_validate``, ``_rejects_table``):
+   functions the single-process path calls (``file_rows``, ``validate_rows``, ``rejects_table``):
    each output row carries its file index and 1-based row number within the file, valid rows
    their parsed values, rejected rows their reason and raw strings;
 3. the driver collects ``(file, row, valid, label)`` of every row, numbers the rows globally
@@ -34,31 +34,28 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ringflow.storage.dataset import (
-    SPLITS,
-    DataError,
-    PreprocessResult,
-    TableSchema,
-    _assign_splits,
-    _check_arguments,
-    _check_some_valid,
-    _commit,
-    _committed_result,
-    _file_rows,
-    _fingerprint,
-    _list_source,
-    _Listing,
-    _manifest,
-    _rejects_table,
-    _remove_leftovers,
-    _sorted_rejects,
-    _typed_table,
-    _validate,
-    _write_parquet,
-    _write_rejects,
-    _write_split,
-)
 from ringflow.storage.fs import join, resolve
+from ringflow.storage.rows import (
+    Listing,
+    assign_splits,
+    check_arguments,
+    check_some_valid,
+    commit_dataset,
+    committed_result,
+    dataset_manifest,
+    file_rows,
+    fingerprint_of,
+    list_source,
+    rejects_table,
+    remove_leftovers,
+    sorted_rejects,
+    typed_table,
+    validate_rows,
+    write_parquet,
+    write_rejects,
+    write_split,
+)
+from ringflow.storage.schema import SPLITS, DataError, PreprocessResult, TableSchema
 
 __all__ = ["preprocess_with_ray"]
 
@@ -87,25 +84,25 @@ def preprocess_with_ray(
 
     Runs on the Ray this process is connected to; Ray Data starts a local one otherwise.
     """
-    _check_arguments(fractions, seed, rows_per_shard)
+    check_arguments(fractions, seed, rows_per_shard)
     fractions = (float(fractions[0]), float(fractions[1]), float(fractions[2]))
-    listing = _list_source(source_url)
+    listing = list_source(source_url)
     with _data_errors():
         digests = _digests(listing)
-        fingerprint = _fingerprint(listing.kind, digests, schema, fractions, seed, rows_per_shard)
+        fingerprint = fingerprint_of(listing.kind, digests, schema, fractions, seed, rows_per_shard)
         dataset_url = join(output_url, "datasets", fingerprint)
-        existing = _committed_result(dataset_url, fingerprint)
+        existing = committed_result(dataset_url, fingerprint)
         if existing is not None:
             return existing
         parsed = _parse(listing, schema)
         keys = _row_keys(parsed, schema)
         rejected = _collect_rejects(parsed, keys.offsets, schema)
-        files = _write_rejects(dataset_url, rejected)
-        _check_some_valid(source_url, dataset_url, int(keys.valid.sum()), rejected.num_rows)
+        files = write_rejects(dataset_url, rejected)
+        check_some_valid(source_url, dataset_url, int(keys.valid.sum()), rejected.num_rows)
         destinations = _destinations(keys, schema, fractions, seed)
         files += _write_shards(parsed, destinations, dataset_url, schema, rows_per_shard)
-    _remove_leftovers(dataset_url, files)
-    manifest = _manifest(
+    remove_leftovers(dataset_url, files)
+    manifest = dataset_manifest(
         source_url=source_url,
         fingerprint=fingerprint,
         schema=schema,
@@ -115,7 +112,7 @@ def preprocess_with_ray(
         source_rows=int(keys.offsets[-1]),
         rejected_rows=rejected.num_rows,
     )
-    return _commit(dataset_url, manifest)
+    return commit_dataset(dataset_url, manifest)
 
 
 @contextmanager
@@ -158,7 +155,7 @@ def _data_error_in(err: BaseException) -> DataError | None:
 # --------------------------------------------------------------------------- 1. fingerprint
 
 
-def _digests(listing: _Listing) -> list[tuple[str, str]]:
+def _digests(listing: Listing) -> list[tuple[str, str]]:
     """``(name, SHA-256)`` of every file, in listing order."""
     import ray.data
 
@@ -183,7 +180,7 @@ def _digest(row: dict[str, Any], *, source_url: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- 2. read, validate
 
 
-def _parse(listing: _Listing, schema: TableSchema) -> Any:
+def _parse(listing: Listing, schema: TableSchema) -> Any:
     """Every row of every file, validated, as a materialized Ray Dataset of ``file``, ``row``
     (1-based in its file), ``reason`` (null for a valid row), ``text``, ``value{i}`` (float64,
     schema column ``i`` parsed) and ``raw{i}`` (its string, rejected rows only)."""
@@ -210,15 +207,15 @@ def _parse_files(
     names = [c.name for c in schema.columns]
     for file, name in zip(batch["file"].to_pylist(), batch["name"].to_pylist(), strict=True):
         url = join(source_url, name) if name else source_url
-        table = _validated(file, _file_rows(url, kind, read_bytes(url), names), schema)
+        table = _validated(file, file_rows(url, kind, read_bytes(url), names), schema)
         for start in range(0, table.num_rows, _BLOCK_ROWS):
             yield table.slice(start, _BLOCK_ROWS)
 
 
 def _validated(file: int, rows: Any, schema: TableSchema) -> pa.Table:
     """One file's rows, checked by the single-process path's validation."""
-    values, problems = _validate(rows.table, schema)
-    rejected = _rejects_table(rows, problems, schema)
+    values, problems = validate_rows(rows.table, schema)
+    rejected = rejects_table(rows, problems, schema)
     valid = np.ones(rows.table.num_rows, dtype=bool)
     valid[np.fromiter(problems, np.int64, count=len(problems))] = False
     valid_rows = np.flatnonzero(valid)
@@ -310,7 +307,7 @@ def _collect_rejects(parsed: Any, offsets: np.ndarray, schema: TableSchema) -> p
         "text": table["text"].cast(pa.string()),
         **{c.name: table[f"raw{i}"].cast(pa.string()) for i, c in enumerate(schema.columns)},
     }
-    return _sorted_rejects([pa.table(rejects)])
+    return sorted_rejects([pa.table(rejects)])
 
 
 def _rejected_only(batch: pa.Table) -> pa.Table:
@@ -339,7 +336,7 @@ def _destinations(
     valid_rows = np.flatnonzero(keys.valid)
     split = np.full(len(keys.valid), -1, dtype=np.int8)
     position = np.zeros(len(keys.valid), dtype=np.int64)
-    splits = _assign_splits(schema, keys.labels, fractions, seed)
+    splits = assign_splits(schema, keys.labels, fractions, seed)
     for index, name in enumerate(SPLITS):
         rows = valid_rows[splits[name]]
         split[rows] = index
@@ -371,8 +368,8 @@ def _write_shards(
     files = []
     for index, split in enumerate(SPLITS):
         if not entries[split]:  # an empty split still gets one (empty) shard with the schema
-            empty = _typed_table(_empty_values(schema), schema, np.zeros(0, dtype=np.int64))
-            files += _write_split(dataset_url, split, empty, rows_per_shard)
+            empty = typed_table(_empty_values(schema), schema, np.zeros(0, dtype=np.int64))
+            files += write_split(dataset_url, split, empty, rows_per_shard)
             continue
         found = sorted(entries[split], key=lambda e: e[0])
         expected = int(np.ceil((destinations["split"] == index).sum() / rows_per_shard))
@@ -457,7 +454,7 @@ def _write_shard(
     if not np.array_equal(position[order], np.arange(first, first + len(order))):
         raise RuntimeError(f"shard {number} of split {SPLITS[split]} is not contiguous")
     values = {c.name: group[f"value{i}"].to_numpy() for i, c in enumerate(schema.columns)}
-    table = _typed_table(values, schema, order)
+    table = typed_table(values, schema, order)
     path = f"{SPLITS[split]}/part-{number:05d}.parquet"
-    entry = _write_parquet(dataset_url, path, table, SPLITS[split])
+    entry = write_parquet(dataset_url, path, table, SPLITS[split])
     return pa.table({"split": [split], "number": [number], "entry": [json.dumps(entry)]})

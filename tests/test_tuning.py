@@ -298,7 +298,7 @@ def test_random_search_proposes_by_trial_number_the_base_first():
     dims = parse_space(SPACE)
 
     def proposals(seed, order):
-        proposer = _random_search(dims, BASE, SearchConfig(), seed)
+        proposer = _random_search(dims, BASE, metric="val_loss", mode="min", seed=seed)
         return {i: proposer.suggest(f"{i:05d}") for i in order}
 
     first = proposals(3, [0, 1, 2, 3])

@@ -16,15 +16,25 @@ from typing import Any
 from ringflow.storage.fs import atomic_write, join, read_bytes, resolve
 from ringflow.storage.layout import Workspace
 from ringflow.storage.retry import RetryPolicy, call_with_retries
-from ringflow.tuning.space import EPOCH, is_number
+
+EPOCH = "epoch"
+"""Reported with every result (1-based); the scheduler's clock, so a resumed trial that
+skips the epochs restored from its checkpoint still reports consistent times."""
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_finite(value: Any) -> bool:
+    return is_number(value) and math.isfinite(value)
+
 
 log = logging.getLogger("ringflow.engine")
 
 _RECORD = re.compile(
     r"^trials/(?P<trial>\d{5})/(?:starts/[0-9a-f]{32}|epochs/\d{6}|rungs/\d{6}|done|stopped)\.json$"
 )
-
-
 """Every file ringflow writes under a search's directory; anything else there is foreign."""
 
 

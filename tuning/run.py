@@ -23,16 +23,16 @@ from ringflow.engine.spec import model_hparams
 from ringflow.engine.trainer import EpochMetrics, fit
 from ringflow.storage.retry import RetryPolicy
 from ringflow.storage.store import CheckpointStore
-from ringflow.tuning.records import RecordedTrial, RecordStorage, SearchLayout, trial_id_of
-from ringflow.tuning.space import (
+from ringflow.tuning.records import (
     EPOCH,
-    SEARCH_ALGORITHMS,
-    TUNABLE_CONFIG,
-    check_names,
+    RecordedTrial,
+    RecordStorage,
+    SearchLayout,
     is_finite,
     is_number,
-    parse_space,
+    trial_id_of,
 )
+from ringflow.tuning.space import SEARCH_ALGORITHMS, TUNABLE_CONFIG, check_names, parse_space
 
 if TYPE_CHECKING:
     from ringflow.tuning.records import History
@@ -268,8 +268,6 @@ def _resumable_asha(
 
 
 _STOP, _CONTINUE = "STOP", "CONTINUE"
-
-
 """Ray's ``TrialScheduler.STOP`` and ``TrialScheduler.CONTINUE``."""
 
 
@@ -640,7 +638,9 @@ def _run_trials(
     queue = [(t, recorded.get(t)) for t in _ids(cfg) if t not in kept]
     if not queue:
         return {}
-    proposer = SEARCH_ALGORITHMS[cfg.algorithm](dims, base, cfg, seed)
+    proposer = SEARCH_ALGORITHMS[cfg.algorithm](
+        dims, base, metric=cfg.metric, mode=cfg.mode, seed=seed
+    )
     proposer.resume(history, base_trial=trial_id_of(0))
     with _tune_scratch(cfg) as scratch:
         return _fit_tuner(trainable, queue, proposer, scheduler, cfg, lines, scratch)

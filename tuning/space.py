@@ -13,13 +13,10 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ringflow.engine.config import TrainConfig
-
-if TYPE_CHECKING:
-    from ringflow.tuning.records import History
-    from ringflow.tuning.run import SearchConfig
+from ringflow.tuning.records import EPOCH, History, is_finite
 
 log = logging.getLogger("ringflow.engine")
 
@@ -29,21 +26,12 @@ _SEARCH_OWNED = ("workers", "epochs", "cpus_per_worker", "checkpoint_every")
 TUNABLE_CONFIG = tuple(
     f.name for f in dataclasses.fields(TrainConfig) if f.name not in _SEARCH_OWNED
 )
-
-
 """``TrainConfig`` fields a search space may name besides the model's keywords (batch size,
 seed, collective, compression, bucket size...). Workers, epochs, CPUs and checkpointing are
 the search's own settings (:class:`SearchConfig`)."""
 
 
 _KINDS = ("choice", "uniform", "loguniform", "randint")
-
-
-EPOCH = "epoch"
-
-
-"""Reported with every result (1-based); the scheduler's clock, so a resumed trial that
-skips the epochs restored from its checkpoint still reports consistent times."""
 
 
 @dataclass(frozen=True)
@@ -156,22 +144,24 @@ class _Random:
         pass
 
 
-def _random_search(dims: list[Dimension], base: dict[str, Any], cfg: SearchConfig, seed: int):
+def _random_search(
+    dims: list[Dimension], base: dict[str, Any], *, metric: str, mode: str, seed: int
+) -> _Random:
     """Random sampling, the base configuration first (see :class:`_Random`)."""
     return _Random(dims, base, seed=seed)
 
 
-def _evolution_search(dims: list[Dimension], base: dict[str, Any], cfg: SearchConfig, seed: int):
+def _evolution_search(
+    dims: list[Dimension], base: dict[str, Any], *, metric: str, mode: str, seed: int
+) -> _Evolution:
     """Seeded mutation of the best trial so far (see :class:`_Evolution`)."""
-    return _Evolution(dims, base, metric=cfg.metric, mode=cfg.mode, seed=seed)
+    return _Evolution(dims, base, metric=metric, mode=mode, seed=seed)
 
 
 SEARCH_ALGORITHMS: dict[str, Callable[..., Any]] = {
     "random": _random_search,
     "evolution": _evolution_search,
 }
-
-
 """Search algorithms by name: each returns a proposer with ``suggest(trial_id)``,
 ``observe(trial_id, result)`` and ``resume(history, base_trial=...)``. Both are plain Python,
 rebuilt from the search's records when it resumes: the Ray searchers that model the metric
@@ -270,11 +260,3 @@ def _try(dim: Dimension, value: Any, build: Callable[[Any], Any]) -> None:
         raise ValueError(
             f"search space entry {dim.name!r} allows {value!r}, which is rejected: {err}"
         ) from err
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def is_finite(value: Any) -> bool:
-    return is_number(value) and math.isfinite(value)
