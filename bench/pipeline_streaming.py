@@ -78,14 +78,14 @@ class ProbedMLP(nn.Module):
 
 
 def _run(dataset_url: str, *, stream: bool, batch_size: int) -> dict[str, Any]:
-    from ringflow.engine import DataSpec, TrainConfig
-    from ringflow.engine.pipeline import PipelineConfig, fit_pipeline
+    from ringflow.engine import DataSpec, TrainConfig, fit
+    from ringflow.engine.pipeline import PipelineConfig
 
     out = os.environ[_RSS_DIR]
     data = DataSpec(dataset_url=dataset_url, stream=stream)
     classes = int(data.schema.label.max) + 1
     start = time.perf_counter()
-    result = fit_pipeline(
+    result = fit(
         ProbedMLP,
         hparams={"input_dim": data.schema.input_dim, "classes": classes},
         data=data,

@@ -12,7 +12,7 @@ how the whole model is gathered at the end.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -21,11 +21,20 @@ from ringflow.storage.reshard import merge_optimizer_metadata, pipeline_shards
 from ringflow.storage.store import CheckpointStore
 
 if TYPE_CHECKING:
-    from ringflow.engine.group import WorkerGroup
     from ringflow.engine.pipeline.config import PipelineConfig
     from ringflow.engine.pipeline.partition import Partition
 
-__all__ = ["DataParallel", "Layout", "Pipeline", "layout_of"]
+__all__ = ["DataParallel", "Layout", "Pipeline", "Workers", "layout_of"]
+
+
+class Workers(Protocol):
+    """What a layout calls on its started workers: the worker group (``engine.group``)."""
+
+    def call_each(self, method: str, arguments: list[tuple]) -> list[Any]: ...
+
+    def call_first(self, count: int, method: str, *args: Any) -> list[Any]: ...
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
 
 class Layout:
@@ -55,7 +64,7 @@ class Layout:
         """Worker ``index`` in words, for errors: ``worker rank 1``, ``replica 0 stage 1``."""
         raise NotImplementedError
 
-    def connect(self, group: WorkerGroup) -> None:
+    def connect(self, group: Workers) -> None:
         """Connect the started workers: collectives, pipeline links."""
         raise NotImplementedError
 
@@ -78,7 +87,7 @@ class Layout:
 
     def checkpoint(
         self,
-        group: WorkerGroup,
+        group: Workers,
         store_url: str,
         run_key: str,
         *,
@@ -89,11 +98,11 @@ class Layout:
         """Commit the training state of ``step`` to the store (manifest last)."""
         raise NotImplementedError
 
-    def flush(self, group: WorkerGroup) -> list[str]:
+    def flush(self, group: Workers) -> list[str]:
         """Wait for checkpoints still being written; return their errors."""
         return []
 
-    def model_state(self, group: WorkerGroup) -> dict[str, torch.Tensor]:
+    def model_state(self, group: Workers) -> dict[str, torch.Tensor]:
         """The whole model's weights, as CPU tensors."""
         raise NotImplementedError
 
@@ -124,7 +133,7 @@ class DataParallel(Layout):
     def describe(self, index: int) -> str:
         return f"worker rank {index}"
 
-    def connect(self, group: WorkerGroup) -> None:
+    def connect(self, group: Workers) -> None:
         # One worker has no peers to meet (and may run where there is no Ray).
         init_method = group.call_rank0("rendezvous_address") if self.size > 1 else ""
         group.call("connect", init_method)
@@ -135,10 +144,10 @@ class DataParallel(Layout):
             "checkpoint", store_url, run_key, step=step, metadata=metadata, metrics=metrics
         )
 
-    def flush(self, group: WorkerGroup) -> list[str]:
+    def flush(self, group: Workers) -> list[str]:
         return group.call_rank0("flush_checkpoints")["errors"]
 
-    def model_state(self, group: WorkerGroup) -> dict[str, torch.Tensor]:
+    def model_state(self, group: Workers) -> dict[str, torch.Tensor]:
         return group.call_rank0("state_dict")
 
 
@@ -164,7 +173,7 @@ class Pipeline(Layout):
         return PipelineWorker
 
     def prepare(self, module_cls: type, hparams: dict[str, Any], data: Any) -> None:
-        from ringflow.engine.pipeline.fit import check_pipeline
+        from ringflow.engine.pipeline.checks import check_pipeline
 
         self.partition = check_pipeline(
             module_cls, hparams=hparams, data=data, config=self.config, pipeline=self.pipeline
@@ -183,7 +192,7 @@ class Pipeline(Layout):
         replica, stage = divmod(index, self.pipeline.stages)
         return f"replica {replica} stage {stage}"
 
-    def connect(self, group: WorkerGroup) -> None:
+    def connect(self, group: Workers) -> None:
         """Each replica meets at its stage 0's store, each stage's ring at replica 0's
         worker of that stage, and (on GPUs) the whole run at replica 0's stage 0."""
         stages = self.pipeline.stages
@@ -258,7 +267,7 @@ class Pipeline(Layout):
             metrics=metrics,
         )
 
-    def model_state(self, group: WorkerGroup) -> dict[str, torch.Tensor]:
+    def model_state(self, group: Workers) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
         for part in group.call_first(self.pipeline.stages, "state_dict"):
             state.update(part)

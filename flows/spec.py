@@ -16,7 +16,7 @@ from typing import Any
 from ringflow.engine import TrainConfig
 from ringflow.engine.errors import ModelError
 from ringflow.engine.pipeline import PipelineConfig
-from ringflow.engine.pipeline.fit import check_micro_batches
+from ringflow.engine.pipeline.checks import check_micro_batches
 from ringflow.engine.spec import ModelRef
 from ringflow.engine.trainer import check_layout
 from ringflow.flows.preflight import check_data_file

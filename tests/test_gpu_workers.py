@@ -62,11 +62,11 @@ def test_gpus_are_reserved_only_when_asked_for():
 
 
 def test_in_process_pipeline_stages_refuse_gpus_before_any_worker_starts(digits, tmp_path):
-    from ringflow.engine.pipeline import PipelineConfig, fit_pipeline
+    from ringflow.engine.pipeline import PipelineConfig
     from tests.test_pipeline_ray import DigitsPipe
 
     with pytest.raises(ValueError, match="in_process runs the stages as threads on CPU"):
-        fit_pipeline(
+        fit(
             DigitsPipe,
             hparams={},
             data=digits,
@@ -110,14 +110,14 @@ def test_more_gpus_than_the_cluster_has_are_refused_before_any_worker_starts(
 def test_pipeline_stages_on_more_gpus_than_the_cluster_has_are_refused_before_placing(
     ray_session, digits, tmp_path
 ):
-    from ringflow.engine.pipeline import PipelineConfig, fit_pipeline
+    from ringflow.engine.pipeline import PipelineConfig
     from tests.test_pipeline_ray import DigitsPipe
 
     gpus = int(ray_session.cluster_resources().get("GPU", 0))
     per_worker = gpus // 4 + 1  # 2 replicas x 2 stages need more than the cluster has
     placed = len(ray_session.util.placement_group_table())
     with pytest.raises(EngineError, match="add Ray nodes with GPUs") as refused:
-        fit_pipeline(
+        fit(
             DigitsPipe,
             hparams={},
             data=digits,
@@ -394,11 +394,11 @@ def test_pipeline_stages_train_on_a_gpu_each_as_on_cpu(digits, tmp_path, stages,
     """Two stages on two GPUs (activations over NCCL), or two one-stage replicas (gradients
     through the ring over an NCCL group of the run's world), end where the CPU does; a run
     resumed from its GPU checkpoint ends where the uninterrupted one does."""
-    from ringflow.engine.pipeline import PipelineConfig, fit_pipeline
+    from ringflow.engine.pipeline import PipelineConfig
     from tests.test_pipeline_ray import DigitsPipe
 
     def run(name: str, *, gpus: int, epochs: int, store: str | None = None) -> dict:
-        result = fit_pipeline(
+        result = fit(
             DigitsPipe,
             hparams={},
             data=digits,

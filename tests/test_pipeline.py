@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from ringflow.engine import CollectiveTimeoutError, TrainConfig
+from ringflow.engine import CollectiveTimeoutError, TrainConfig, fit
 from ringflow.engine.pipeline import (
     Action,
     MicroBatches,
@@ -22,7 +22,6 @@ from ringflow.engine.pipeline import (
     TensorData,
     balanced_bounds,
     check_pipeline,
-    fit_pipeline,
     max_in_flight,
     partition_model,
     run_schedule,
@@ -314,10 +313,10 @@ def unsplit_training(data: TensorData, config: TrainConfig) -> dict[str, torch.T
 
 
 @pytest.mark.parametrize(("stages", "schedule", "micro"), [(2, "gpipe", 3), (3, "1f1b", 4)])
-def test_fit_pipeline_in_process_ends_with_the_unsplit_weights(stages, schedule, micro, tmp_path):
+def test_a_pipeline_fit_in_process_ends_with_the_unsplit_weights(stages, schedule, micro, tmp_path):
     data = toy_data()  # 61 samples in batches of 16: the last global batch has 13
     config = TrainConfig(workers=1, epochs=2, batch_size=16, seed=3)
-    result = fit_pipeline(
+    result = fit(
         ToyNet,
         hparams={},
         data=data,
@@ -429,7 +428,7 @@ def merge(metadatas):
 
 
 def test_a_pipeline_run_resumes_after_its_last_committed_epoch_bit_for_bit(tmp_path):
-    """``fit_pipeline`` commits every stage's weights and optimizer state at each epoch end;
+    """``fit`` with a pipeline commits every stage's weights and optimizer state at each epoch end;
     a run started again under the same run key (as a retried flow run is) goes on from there
     and ends exactly where an uninterrupted run ends. Another run key starts afresh, and a
     checkpoint of another configuration is refused."""
@@ -437,7 +436,7 @@ def test_a_pipeline_run_resumes_after_its_last_committed_epoch_bit_for_bit(tmp_p
     layout = PipelineConfig(stages=2, micro_batches=3, schedule="1f1b")
 
     def run(epochs: int, store: str, run_key: str, seed: int = 3):
-        return fit_pipeline(
+        return fit(
             ToyNet,
             hparams={},
             data=data,

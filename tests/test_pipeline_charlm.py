@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from ringflow.engine import DataSpec, TrainConfig, evaluate
-from ringflow.engine.pipeline import PipelineConfig, fit_pipeline, model_layers
+from ringflow.engine import DataSpec, TrainConfig, evaluate, fit
+from ringflow.engine.pipeline import PipelineConfig, model_layers
 from ringflow.models.charlm import CharLM, charlm_schema, stdlib_text, write_charlm_parquet
 from ringflow.storage.dataset import preprocess, read_split
 
@@ -43,7 +43,7 @@ def test_layers_are_embedding_blocks_then_head():
 
 def test_two_stage_charlm_learns_and_evaluates_like_the_whole_model(charlm_data, tmp_path):
     hparams = {"context": CONTEXT, "width": 32, "depth": 2, "heads": 2, "lr": 3e-3}
-    result = fit_pipeline(
+    result = fit(
         CharLM,
         hparams=hparams,
         data=charlm_data,

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ringflow.engine import TrainConfig, WorkerFailedError
-from ringflow.engine.pipeline import PipelineConfig, TensorData, fit_pipeline
+from ringflow.engine import TrainConfig, WorkerFailedError, fit
+from ringflow.engine.pipeline import PipelineConfig, TensorData
 from ringflow.storage.checkpoint import load_model
 from ringflow.storage.dataset import read_split
 from tests import test_pipeline
@@ -84,7 +84,7 @@ def unsplit_training(model: nn.Module, x, y, config: TrainConfig) -> dict[str, t
 
 def test_two_stage_actors_train_the_digits_to_the_unsplit_weights(digits, tmp_path):
     config = TrainConfig(workers=1, epochs=2, batch_size=128, seed=5, cpus_per_worker=0.5)
-    result = fit_pipeline(
+    result = fit(
         DigitsPipe,
         hparams={},
         data=digits,
@@ -105,7 +105,7 @@ def test_two_stage_actors_train_the_digits_to_the_unsplit_weights(digits, tmp_pa
 def test_two_replicas_of_two_stages_match_the_unsplit_model(tmp_path):
     data = toy_data(samples=70)  # batches of 24: the last global batch (22) splits 11 + 11
     config = TrainConfig(workers=2, epochs=2, batch_size=24, seed=2, cpus_per_worker=0.5)
-    result = fit_pipeline(
+    result = fit(
         ToyNet,
         hparams={},
         data=data,
@@ -123,7 +123,7 @@ def test_a_stage_that_dies_fails_the_run_naming_it(tmp_path):
         workers=1, epochs=1, batch_size=8, cpus_per_worker=0.5, collective_timeout_s=5
     )
     with pytest.raises(WorkerFailedError, match="replica 0 stage 1 is lost: its process died"):
-        fit_pipeline(
+        fit(
             DiesInStageOne,
             hparams={},
             data=TensorData(splits=toy_data(samples=40).splits),

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ringflow.engine import DataSpec, TrainConfig
+from ringflow.engine import DataSpec, TrainConfig, fit
 from ringflow.engine.data import layout_of
-from ringflow.engine.pipeline import PipelineConfig, PipelineWorker, check_pipeline, fit_pipeline
+from ringflow.engine.pipeline import PipelineConfig, PipelineWorker, check_pipeline
 from ringflow.engine.pipeline.data import SplitShape, first_rows, stage_split
 from ringflow.engine.worker import epoch_batches
 from ringflow.models.digits import SCHEMA, write_digits_csv
@@ -87,7 +87,7 @@ def _digits(result, stream: bool) -> DataSpec:
 
 def _fit(data: DataSpec, tmp_path, name: str, **kwargs):
     config = TrainConfig(workers=1, epochs=3, batch_size=64, seed=5, checkpoint_every=4)
-    return fit_pipeline(
+    return fit(
         DigitsPipe,
         hparams={},
         data=data,

@@ -4,13 +4,14 @@ neighbouring stages, optionally replicated data-parallel (DP x PP).
 
 Layout: ``partition`` (which layers each stage owns), ``schedule`` (the order of forwards
 and backwards), ``stage`` (one stage's compute), ``p2p`` (transfers with deadlines),
-``execute`` (a stage through a schedule), ``worker`` + ``fit`` (training runs).
+``execute`` (a stage through a schedule), ``worker`` (a stage's training), ``checks`` (what
+is checked before any worker starts). ``engine.fit`` with a ``PipelineConfig`` trains one.
 """
 
 from ringflow.engine.config import TensorData
+from ringflow.engine.pipeline.checks import check_pipeline
 from ringflow.engine.pipeline.config import BALANCES, PipelineConfig
 from ringflow.engine.pipeline.execute import MicroBatches, StepTiming, run_forward, run_schedule
-from ringflow.engine.pipeline.fit import check_pipeline, fit_pipeline
 from ringflow.engine.pipeline.p2p import StageLink
 from ringflow.engine.pipeline.partition import (
     Partition,
@@ -43,7 +44,6 @@ __all__ = [
     "available_schedules",
     "balanced_bounds",
     "check_pipeline",
-    "fit_pipeline",
     "max_in_flight",
     "model_layers",
     "partition_model",

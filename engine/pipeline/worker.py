@@ -1,7 +1,8 @@
 """One pipeline stage of one data-parallel replica: its layers, optimizer, links and data.
 
-The same class runs in a Ray actor (``fit_pipeline``) or in a thread of the caller's process
-(``in_process=True``). Every worker is called with the same methods in the same order.
+The same class runs in a Ray actor (``engine.fit`` with a ``PipelineConfig``) or in a thread
+of the caller's process (``in_process=True``). Every worker is called with the same methods in
+the same order.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Pipeline-parallel training: ``fit`` with the ``Pipeline`` layout (``engine.layout``).
-
-``check_pipeline`` checks a model for pipelining and cuts it into stages before any worker
-starts; ``fit_pipeline`` is ``engine.fit`` with a ``PipelineConfig``.
+"""What is checked of a pipeline before any worker starts: ``check_pipeline`` checks a model
+for pipelining and cuts it into stages (``engine.layout.Pipeline`` calls it; ``engine.fit``
+with a ``PipelineConfig`` trains it), ``check_micro_batches`` that every micro-batch has rows.
 """
 
 from __future__ import annotations
@@ -18,17 +17,7 @@ from ringflow.engine.pipeline.partition import Partition, model_layers, partitio
 from ringflow.engine.pipeline.worker import pipeline_batch
 from ringflow.engine.spec import build_module
 
-__all__ = ["check_micro_batches", "check_pipeline", "fit_pipeline"]
-
-
-def fit_pipeline(module_cls: type[torch.nn.Module], *, pipeline: PipelineConfig, **kwargs: Any):
-    """``engine.fit(module_cls, pipeline=pipeline, ...)``: train ``module_cls`` cut into
-    ``pipeline.stages`` stages, replicated ``config.workers`` times (data parallel over the
-    replicas). The module is a layer sequence (``pipeline_layers()`` or ``nn.Sequential``)
-    with ``pipeline_loss(output, target)``; see docs/pipeline.md."""
-    from ringflow.engine.trainer import fit
-
-    return fit(module_cls, pipeline=pipeline, **kwargs)
+__all__ = ["check_micro_batches", "check_pipeline"]
 
 
 def check_micro_batches(config: TrainConfig, pipeline: PipelineConfig) -> None:
