@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from ringflow.storage.commit import commit_record
 from ringflow.storage.fs import atomic_write, join, read_bytes, resolve, sha256
 
 __all__ = [
@@ -92,7 +93,7 @@ def save_model(
         "meta": meta or {},
         "files": {_TENSORS: {"size": len(blob), "sha256": sha256(blob)}},
     }
-    atomic_write(join(uri, _MANIFEST), json.dumps(manifest, indent=2, sort_keys=True).encode())
+    commit_record(join(uri, _MANIFEST), json.dumps(manifest, indent=2, sort_keys=True).encode())
     return uri
 
 

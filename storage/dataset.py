@@ -20,7 +20,6 @@ front: preprocessing (in this process, or as a Ray Data job by
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -34,7 +33,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ringflow.storage.fs import atomic_write, join, read_bytes, resolve, sha256
+from ringflow.storage.commit import commit_record
+from ringflow.storage.fs import join, read_bytes, resolve, sha256
 from ringflow.storage.rows import (
     assign_splits,
     check_arguments,
@@ -621,7 +621,7 @@ def commit_manifest(
         "rejected_rows": 0,
         "files": files,
     }
-    atomic_write(join(dataset_url, MANIFEST), json.dumps(manifest, indent=2).encode())
+    commit_record(join(dataset_url, MANIFEST), manifest)
     return dataset_result(dataset_url, manifest)
 
 

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import fsspec
 
 from ringflow.storage.checkpoint import ModelClassRefused, read_checkpoint
+from ringflow.storage.commit import SealBroken, seal, unseal
 from ringflow.storage.fs import create_once, join, publish, read_bytes, sha256
 
 __all__ = [
@@ -803,22 +804,17 @@ def _sequence(pointer: Production | None) -> int:
 
 
 def _sealed(body: dict[str, Any]) -> bytes:
-    """``body`` as JSON carrying a SHA-256 of its own canonical form."""
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    sealed = {**body, "checksum": "sha256:" + sha256(canonical.encode())}
-    return json.dumps(sealed, indent=1, sort_keys=True, allow_nan=False).encode()
+    """A registry record: ``body`` sealed (``storage.commit.seal``), numbers finite."""
+    return seal(body, indent=1, allow_nan=False)
 
 
 def _unseal(data: bytes, url: str) -> dict[str, Any]:
     try:
-        body = json.loads(data)
-        checksum = body.pop("checksum")
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as err:
+        return unseal(data)
+    except SealBroken as err:
+        if err.damaged:
+            raise RegistryError(f"{url} fails its checksum (damaged or edited by hand)") from err
         raise RegistryError(f"{url} is not a registry record: {err}") from err
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    if checksum != "sha256:" + sha256(canonical.encode()):
-        raise RegistryError(f"{url} fails its checksum (damaged or edited by hand)")
-    return body
 
 
 def _finite_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

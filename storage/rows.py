@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pv
 import pyarrow.parquet as pq
 
+from ringflow.storage.commit import commit_record
 from ringflow.storage.fs import atomic_write, join, read_bytes, resolve, sha256
 from ringflow.storage.schema import (
     FORMAT,
@@ -83,7 +84,7 @@ class _Rows:
 def commit_dataset(dataset_url: str, manifest: dict[str, Any]) -> PreprocessResult:
     """Write the manifest, last: until it exists the directory is not a dataset, whatever
     else it holds."""
-    atomic_write(join(dataset_url, MANIFEST), json.dumps(manifest, indent=2).encode())
+    commit_record(join(dataset_url, MANIFEST), manifest)
     return dataset_result(dataset_url, manifest)
 
 

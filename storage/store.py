@@ -50,7 +50,8 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from ringflow.storage.checkpoint import CheckpointError
-from ringflow.storage.fs import absolute, join, publish, sha256
+from ringflow.storage.commit import SealBroken, seal, unseal
+from ringflow.storage.fs import absolute, join, publish
 from ringflow.storage.lease import check_writer
 from ringflow.storage.retry import CheckpointStorageError, RetryPolicy, call_with_retries
 from ringflow.storage.tensorfile import (
@@ -660,12 +661,7 @@ def _manifest_bytes(checkpoint: CommittedCheckpoint) -> bytes:
     # No indent: json's C encoder serves only unindented output, and the manifest carries the
     # optimizer's metadata (a few entries per parameter), which the pure-Python one takes
     # milliseconds to write while holding the GIL the training thread needs.
-    return json.dumps({**body, "checksum": _checksum(body)}, sort_keys=True).encode()
-
-
-def _checksum(body: dict[str, Any]) -> str:
-    """The manifest's own checksum: SHA-256 of the canonical JSON of everything else."""
-    return "sha256:" + sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return seal(body)
 
 
 def _parse_manifest(data: bytes, *, url: str, run_key: str, step: int) -> CommittedCheckpoint:
@@ -676,12 +672,11 @@ def _parse_manifest(data: bytes, *, url: str, run_key: str, step: int) -> Commit
             structure checks against a manifest forged or written by another program.
     """
     try:
-        body = json.loads(data)
-        checksum = body.pop("checksum")
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as err:
+        body = unseal(data)
+    except SealBroken as err:
+        if err.damaged:
+            raise CheckpointCorruptError(url, "fails its checksum (damaged or edited)") from err
         raise CheckpointCorruptError(url, f"is not a manifest: {err}") from err
-    if checksum != _checksum(body):
-        raise CheckpointCorruptError(url, "fails its checksum (damaged or edited)")
     if body.get("format") != _FORMAT:
         raise CheckpointCorruptError(url, f"has unknown format {body.get('format')!r}")
     if body.get("run_key") != run_key or body.get("step") != step:
