@@ -21,7 +21,7 @@ from ringflow.engine.spec import ModelRef
 from ringflow.engine.trainer import check_layout
 from ringflow.flows.preflight import check_data_file
 from ringflow.storage.fs import absolute
-from ringflow.storage.layout import Workspace
+from ringflow.storage.layout import TRIAL_MARK, Workspace
 
 __all__ = ["RunSpec"]
 
@@ -73,9 +73,9 @@ class RunSpec:
                 "use_best_checkpoint takes the best tuning trial's model, but tune_trials is 0: "
                 "set tune_trials to 1 or more, or leave use_best_checkpoint off"
             )
-        if "-trial-" in (p["run_key"] or ""):
+        if TRIAL_MARK in (p["run_key"] or ""):
             raise ValueError(
-                f"run_key {p['run_key']!r} contains '-trial-', which names the checkpoints of "
+                f"run_key {p['run_key']!r} contains {TRIAL_MARK!r}, which names the checkpoints of "
                 "a run's tuning trials; choose a key without it"
             )
         config = TrainConfig(

@@ -5,6 +5,7 @@
     {storage_url}/raw/                      example data dropped for a model without data_url
     {storage_url}/datasets/{fingerprint}/   validated, split Parquet shards (storage.dataset)
     {storage_url}/checkpoints/{run key}/    training state, resumable (storage.store)
+    {storage_url}/checkpoints/{run key}-trial-{trial}/   a search trial's (trial_run_key)
     {storage_url}/runs/{run key}/model      the model a run trained
     {storage_url}/runs/{run key}/logs/      what its loggers wrote (csv/, tensorboard/)
     {storage_url}/runs/{run key}/timeline/  its Chrome trace, with TrainConfig.timeline
@@ -18,7 +19,16 @@ from dataclasses import dataclass
 
 from ringflow.storage.fs import absolute, join
 
-__all__ = ["Workspace"]
+__all__ = ["TRIAL_MARK", "Workspace", "trial_run_key"]
+
+TRIAL_MARK = "-trial-"
+"""What a search trial's run key holds between the search's run key and the trial's number;
+a run key of one's own may not hold it."""
+
+
+def trial_run_key(run_key: str, trial_id: str) -> str:
+    """The run key a search's trial keeps its checkpoints under: ``nightly-trial-00003``."""
+    return f"{run_key}{TRIAL_MARK}{trial_id}"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringflow.storage.fs import atomic_write, join, read_bytes, resolve
-from ringflow.storage.layout import Workspace
+from ringflow.storage.layout import Workspace, trial_run_key
 from ringflow.storage.retry import RetryPolicy, call_with_retries
 
 EPOCH = "epoch"
@@ -157,7 +157,7 @@ class SearchLayout:
         return _TrialRecords(url=join(self.tune_dir, "trials", trial_id), storage=self.storage)
 
     def trial_run_key(self, trial_id: str) -> str:
-        return f"{self.run_key}-trial-{trial_id}"
+        return trial_run_key(self.run_key, trial_id)
 
     def model(self, trial_id: str) -> str:
         return Workspace(self.storage_url).trial_model(self.run_key, trial_id)
