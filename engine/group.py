@@ -9,6 +9,8 @@ import os
 import time
 from typing import Any, NamedTuple, NoReturn
 
+import torch
+
 from ringflow.engine.config import PLACEMENTS, TrainConfig
 from ringflow.engine.elastic.coordinator import (
     Coordinator,
@@ -115,6 +117,9 @@ class LocalGroup(WorkerGroup):
             )
         self._layout = layout
         self._module_cls = module_cls
+        # A worker sets torch's thread count to its cpus_per_worker; the caller's comes back
+        # at shutdown, so what it runs afterwards rounds as it did before.
+        self._caller_threads = torch.get_num_threads()
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(layout.size, "ringflow-stage")
             if layout.size > 1
@@ -129,6 +134,7 @@ class LocalGroup(WorkerGroup):
                     module_cls, hparams=hparams, data=data, config=config, **layout.worker_kwargs(i)
                 )
             except Exception as err:
+                self.shutdown()
                 self._reraise(i, err)
             self._workers.append(worker)
         try:
@@ -178,6 +184,7 @@ class LocalGroup(WorkerGroup):
             worker.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        torch.set_num_threads(self._caller_threads)
 
 
 class RayWorkerGroup(WorkerGroup):

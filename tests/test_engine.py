@@ -70,6 +70,43 @@ def test_in_process_single_worker_matches_its_own_rerun(digits, tmp_path):
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
+class _FailsInItsSecondStep(DigitsClassifier):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            raise ValueError("the second batch is wrong")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_in_process_fit_gives_the_caller_its_torch_thread_count_back(digits, tmp_path):
+    """The worker trains on cpus_per_worker threads; what the caller runs afterwards runs on
+    as many threads as before (and so rounds as before), whether fit ends or fails."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0, cpus_per_worker=1)
+    try:
+        fit(
+            DigitsClassifier,
+            hparams={},
+            data=digits,
+            config=config,
+            checkpoint_uri=str(tmp_path / "a"),
+            in_process=True,
+        )
+        assert torch.get_num_threads() == 3
+        with pytest.raises(ValueError, match="the second batch is wrong"):
+            fit(
+                _FailsInItsSecondStep,
+                hparams={},
+                data=digits,
+                config=config,
+                checkpoint_uri=str(tmp_path / "b"),
+                in_process=True,
+            )
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     ("field", "kwargs"),
     [
