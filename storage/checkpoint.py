@@ -93,7 +93,7 @@ def save_model(
         "meta": meta or {},
         "files": {_TENSORS: {"size": len(blob), "sha256": sha256(blob)}},
     }
-    commit_record(join(uri, _MANIFEST), json.dumps(manifest, indent=2, sort_keys=True).encode())
+    commit_record(join(uri, _MANIFEST), manifest, sort_keys=True)
     return uri
 
 

@@ -25,11 +25,10 @@ class SealBroken(ValueError):
         """``True``: it parsed, but its content is not what was sealed (damage, an edit)."""
 
 
-def commit_record(url: str, record: dict[str, Any] | bytes, *, indent: int | None = 2) -> None:
-    """Write ``record`` at ``url`` whole (readers see the old file or the new one, never a
-    part), after every file it names: the commit itself."""
-    data = record if isinstance(record, bytes) else json.dumps(record, indent=indent).encode()
-    atomic_write(url, data)
+def commit_record(url: str, record: dict[str, Any], *, sort_keys: bool = False) -> None:
+    """Write ``record`` at ``url`` as indented JSON, whole (readers see the old file or the new
+    one, never a part), after every file it names: the commit itself."""
+    atomic_write(url, json.dumps(record, indent=2, sort_keys=sort_keys).encode())
 
 
 def seal(body: dict[str, Any], *, indent: int | None = None, allow_nan: bool = True) -> bytes:

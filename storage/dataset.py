@@ -33,7 +33,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ringflow.storage.commit import commit_record
 from ringflow.storage.fs import join, read_bytes, resolve, sha256
 from ringflow.storage.rows import (
     assign_splits,
@@ -43,7 +42,6 @@ from ringflow.storage.rows import (
     committed_result,
     csv_header,
     dataset_manifest,
-    dataset_result,
     fingerprint_of,
     gunzip,
     list_source,
@@ -56,7 +54,6 @@ from ringflow.storage.rows import (
     require_columns,
     row_group_entries,
     row_group_range,
-    schema_json,
     sorted_rejects,
     typed_table,
     validate_rows,
@@ -65,7 +62,6 @@ from ringflow.storage.rows import (
 )
 from ringflow.storage.schema import (
     ENGINES,
-    FORMAT,
     LIMITS,
     MANIFEST,
     NUMBER_PATTERN,
@@ -609,20 +605,17 @@ def commit_manifest(
             ``rows``, ``size`` and ``sha256`` of its bytes, and ``row_groups``
             (:func:`row_group_entries`) for a streaming reader to check what it reads.
     """
-    manifest = {
-        "format": FORMAT,
-        "fingerprint": fingerprint,
-        "source_url": source_url,
-        "schema": schema_json(schema),
-        "fractions": list(fractions),
-        "seed": seed,
-        "rows": {s: sum(f["rows"] for f in files if f["split"] == s) for s in SPLITS},
-        "source_rows": sum(f["rows"] for f in files),
-        "rejected_rows": 0,
-        "files": files,
-    }
-    commit_record(join(dataset_url, MANIFEST), manifest)
-    return dataset_result(dataset_url, manifest)
+    manifest = dataset_manifest(
+        source_url=source_url,
+        fingerprint=fingerprint,
+        schema=schema,
+        fractions=fractions,
+        seed=seed,
+        files=files,
+        source_rows=sum(f["rows"] for f in files),
+        rejected_rows=0,
+    )
+    return commit_dataset(dataset_url, manifest)
 
 
 def dataset_schema(dataset_url: str) -> TableSchema:
