@@ -118,14 +118,14 @@ class _Training:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.on_gpu):
             logits = self.model(ids)
         F.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
-        if self.landed is not None:  # as RankWorker._after_copies
+        if self.landed is not None:  # as Worker.after_copies
             torch.cuda.current_stream().wait_event(self.landed)
             self.landed = None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
 
     def queue_deferred(self) -> None:
-        """A deferred commit's copies, behind the input (as ``RankWorker._queue_deferred``)."""
+        """A deferred commit's copies, behind the input (as ``Worker.queue_deferred``)."""
         from ringflow.storage.checkpointer import copy_to_host
 
         if self.deferred is not None:
@@ -144,7 +144,7 @@ class _Training:
             if step % self.every == 0:
                 # Where a worker's call of steps ends: the host waits for the steps; a queued
                 # commit's copies were queued before, while the GPU still ran them; a deferred
-                # one's go behind the next step's input (RankWorker.train_steps); a waited-for
+                # one's go behind the next step's input (Worker.train_steps); a waited-for
                 # one's come after the wait.
                 if kind == "queued":
                     _, self.tensors, self.landed = _host_copy(

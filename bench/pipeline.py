@@ -21,7 +21,7 @@ The stages run in spawned processes with the engine's own stage code (``Pipeline
 Layouts (``--layouts 1x2,2x2,1x4,4x1``): ``DxP`` is D data-parallel replicas of a P-stage
 pipeline, D*P processes. After each step every stage's gradients are summed over its D
 replicas through our ring (``RingCollective``, one flat buffer, as
-``engine.pipeline.PipelineWorker`` does); the bubble is measured on the schedule alone, the
+``engine.pipeline.step.PipelineStep`` does); the bubble is measured on the schedule alone, the
 throughput (samples/s = D x M x micro-size / step) over the whole step, all-reduce included.
 
 With ``--device cuda`` the same stages also run under torch.distributed.pipelining's

@@ -77,7 +77,7 @@ def _run_ours(args: argparse.Namespace, root: str) -> Recovery:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     killed: list[float] = []
     try:
-        killer = _Killer("ray::RankWorker", killed, after_s=args.kill_after_s)
+        killer = _Killer("ray::Worker", killed, after_s=args.kill_after_s)
         started = threading.Event()
 
         def on_epoch(_metrics) -> None:

@@ -101,7 +101,7 @@ def _workers(child: subprocess.Popen) -> list[int]:
     pids = []
     for proc in procs:
         try:
-            if " ".join(proc.cmdline()).startswith("ray::RankWorker"):
+            if " ".join(proc.cmdline()).startswith("ray::Worker"):
                 pids.append(proc.pid)
         except psutil.Error:
             continue

@@ -299,7 +299,7 @@ class RayWorkerGroup(WorkerGroup):
         then_runs_next: bool = False,
     ) -> list[Any]:
         """As :meth:`WorkerGroup.train_steps`, each worker committing at the end of its own
-        call (``RankWorker.train_steps``), and the steps ``then`` sent before these return.
+        call (``Worker.train_steps``), and the steps ``then`` sent before these return.
 
         A worker runs its calls in turn, so it starts the next steps the moment these end:
         its GPU does not wait for a round trip through the driver between calls. They are
@@ -309,7 +309,7 @@ class RayWorkerGroup(WorkerGroup):
         the driver asks next queues behind them.
 
         Sending ``then``, the workers also run its first step before waiting for these steps
-        to end (``RankWorker.train_steps``'s ``run_next``), and with ``then_runs_next`` the
+        to end (``Worker.train_steps``'s ``run_next``), and with ``then_runs_next`` the
         first after ``then`` where ``then`` ends: no replacement joins at a commit where the
         members are a step past it.
         """
@@ -482,7 +482,7 @@ class RayWorkerGroup(WorkerGroup):
 
     def _rewire(self) -> None:
         """Rebuild the ring among the members, in their order, without restarting them."""
-        init_method = self._call_one(self.members[0], "rendezvous_address")
+        init_method = self._call_one(self.members[0], "addresses")[0]
         size = len(self.members)
         refs = {
             w: self._actors[w].reconfigure.remote(rank, size, init_method)

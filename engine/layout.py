@@ -4,10 +4,11 @@
 ``Pipeline``: every replica is ``stages`` workers, each holding a contiguous run of layers.
 
 Both train through the same driver (``engine.trainer``), the same worker group
-(``engine.group``), the same checkpoint store and the same resume. A layout says which worker
-class runs, with which arguments, how the workers connect, which ``TrainConfig`` options it
-cannot honour (refused before anything starts), how its training state is checkpointed and
-how the whole model is gathered at the end.
+(``engine.group``), the same worker (``engine.worker.Worker``), the same checkpoint store and
+the same resume. A layout says which step each worker runs (the ``plan`` in its
+``worker_kwargs``), how the workers connect, which ``TrainConfig`` options it cannot honour
+(refused before anything starts), how its training state is checkpointed and how the whole
+model is gathered at the end.
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ class Layout:
         raise NotImplementedError
 
     def worker_cls(self) -> type:
-        raise NotImplementedError
+        """The one worker class (``engine.worker.Worker``), whatever the layout."""
+        from ringflow.engine.worker import Worker
+
+        return Worker
 
     def worker_kwargs(self, index: int) -> dict[str, Any]:
-        """Keyword arguments of worker ``index`` besides module, hparams, data and config."""
+        """Keyword arguments of worker ``index`` besides module, hparams, data and config:
+        its ``rank`` and the ``plan`` of its step."""
         raise NotImplementedError
 
     def describe(self, index: int) -> str:
@@ -116,11 +121,6 @@ class DataParallel(Layout):
     def size(self) -> int:
         return self.config.workers
 
-    def worker_cls(self) -> type:
-        from ringflow.engine.worker import RankWorker
-
-        return RankWorker
-
     def prepare(self, module_cls: type, hparams: dict[str, Any], data: Any) -> None:
         from ringflow.engine.module import refuse_manual_optimisation
         from ringflow.engine.spec import build_module
@@ -128,14 +128,16 @@ class DataParallel(Layout):
         refuse_manual_optimisation(build_module(module_cls, hparams))
 
     def worker_kwargs(self, index: int) -> dict[str, Any]:
-        return {"rank": index}
+        from ringflow.engine.data_parallel import WholeModel
+
+        return {"rank": index, "plan": WholeModel()}
 
     def describe(self, index: int) -> str:
         return f"worker rank {index}"
 
     def connect(self, group: Workers) -> None:
         # One worker has no peers to meet (and may run where there is no Ray).
-        init_method = group.call_rank0("rendezvous_address") if self.size > 1 else ""
+        init_method = group.call_rank0("addresses")[0] if self.size > 1 else ""
         group.call("connect", init_method)
 
     def checkpoint(self, group, store_url, run_key, *, step, metadata, metrics) -> None:
@@ -167,11 +169,6 @@ class Pipeline(Layout):
     def size(self) -> int:
         return self.config.workers * self.pipeline.stages
 
-    def worker_cls(self) -> type:
-        from ringflow.engine.pipeline.worker import PipelineWorker
-
-        return PipelineWorker
-
     def prepare(self, module_cls: type, hparams: dict[str, Any], data: Any) -> None:
         from ringflow.engine.pipeline.checks import check_pipeline
 
@@ -180,13 +177,10 @@ class Pipeline(Layout):
         )
 
     def worker_kwargs(self, index: int) -> dict[str, Any]:
-        stages = self.pipeline.stages
-        return {
-            "pipeline": self.pipeline,
-            "partition": self.partition,
-            "replica": index // stages,
-            "stage": index % stages,
-        }
+        from ringflow.engine.pipeline.step import StagePlan
+
+        replica, stage = divmod(index, self.pipeline.stages)
+        return {"rank": replica, "plan": StagePlan(self.pipeline, self.partition, stage)}
 
     def describe(self, index: int) -> str:
         replica, stage = divmod(index, self.pipeline.stages)
@@ -196,7 +190,7 @@ class Pipeline(Layout):
         """Each replica meets at its stage 0's store, each stage's ring at replica 0's
         worker of that stage, and (on GPUs) the whole run at replica 0's stage 0."""
         stages = self.pipeline.stages
-        addresses = group.call("rendezvous_addresses")
+        addresses = group.call("addresses")
         group.call_each(
             "connect",
             [
@@ -222,34 +216,16 @@ class Pipeline(Layout):
         "max_failures": "a lost pipeline stage fails the run (no in-run replacement)",
         "commit_every": "pipeline stages keep no in-memory commits",
         "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule",
-        "accumulate_grad_batches": "pipeline stages step every batch; raise micro_batches "
-        "and batch_size instead",
-        "precision": "activations travel between stages in float32",
         "timeline": "the timeline records data-parallel workers' steps",
     }
 
-    def _clips_by_norm(self) -> bool:
-        return (
-            self.pipeline.stages > 1
-            and self.config.gradient_clip_val is not None
-            and self.config.gradient_clip_algorithm == "norm"
-        )
-
     def refused(self, *, init_from: str | None) -> list[str]:
         defaults = TrainConfig()
-        refused = [
+        return [
             f"{name}={getattr(self.config, name)!r} ({why})"
             for name, why in self._UNSUPPORTED.items()
             if getattr(self.config, name) != getattr(defaults, name)
         ]
-        if init_from is not None:
-            refused.append("a warm start (init_from) (pipeline stages start from fresh weights)")
-        if self._clips_by_norm():
-            refused.append(
-                "gradient_clip_algorithm='norm' (each stage holds a part of the gradient; "
-                "clip by 'value' instead)"
-            )
-        return refused
 
     def checkpoint(self, group, store_url, run_key, *, step, metadata, metrics) -> None:
         # Replica 0's stages hold the whole state between them, one shard per stage.

@@ -165,16 +165,28 @@ class Optimization:
                 )
 
     def step(
-        self, batch_idx: int, *, last: bool, clip_val: float | None, clip_algorithm: str
+        self,
+        batch_idx: int,
+        *,
+        last: bool,
+        clip_val: float | None,
+        clip_algorithm: str,
+        across: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """The optimizer step of batch ``batch_idx`` on the averaged gradients, as Trainer
         takes it: unscale (``16-mixed``), clip, step (skipped by the scaler on non-finite
-        gradients), then the schedulers due."""
+        gradients), then the schedulers due.
+
+        ``across`` sums a tensor over the workers that hold the other parts of the model (a
+        pipeline's stages): the gradient's norm is then the whole model's, and a step is
+        skipped on every stage where any stage's gradients overflowed."""
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
+            if across is not None:
+                _agree_on_overflow(scaler, self.optimizer, across)
         call_hook(self.module, "on_before_optimizer_step", self.optimizer)
-        clip_gradients(self.optimizer, clip_val, clip_algorithm)
+        clip_gradients(self.optimizer, clip_val, clip_algorithm, across=across)
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()
@@ -476,15 +488,43 @@ def attach(module: torch.nn.Module, trainer: TrainerView, log: Any) -> None:
     module.log, module.log_dict = log.log, log.log_dict
 
 
-def clip_gradients(optimizer: torch.optim.Optimizer, value: float | None, algorithm: str) -> None:
-    """Clip the (already averaged) gradients of ``optimizer``'s parameters as Lightning does."""
+def clip_gradients(
+    optimizer: torch.optim.Optimizer,
+    value: float | None,
+    algorithm: str,
+    *,
+    across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Clip the (already averaged) gradients of ``optimizer``'s parameters as Lightning does;
+    by norm, by the norm of the whole model's gradient where ``across`` sums the squared
+    norms of the parts other workers hold."""
     if value is None:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if algorithm == "norm":
+    if algorithm != "norm":
+        torch.nn.utils.clip_grad_value_(params, value)
+    elif across is None:
         torch.nn.utils.clip_grad_norm_(params, value)
     else:
-        torch.nn.utils.clip_grad_value_(params, value)
+        grads = [p.grad for p in params if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        total = across(local.float().square()).sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, value, total.to(local.device))
+
+
+def _agree_on_overflow(
+    scaler: torch.amp.GradScaler,
+    optimizer: torch.optim.Optimizer,
+    across: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Make the scaler skip this step where any part's gradients overflowed: the parts of
+    one model step together, and their scalers then keep one scale."""
+    # GradScaler keeps what unscale_ found per device; step() and update() read it there.
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    mine = sum(v.float().sum() for v in found.values()) if found else torch.zeros(())
+    overflowed = float(across(torch.as_tensor(mine, dtype=torch.float32).reshape(())))
+    for v in found.values():
+        v.fill_(1.0 if overflowed > 0 else 0.0)
 
 
 def compile_in_place(module: torch.nn.Module) -> int:

@@ -227,7 +227,7 @@ class _SplitRows:
         self._order, self._position = order, where
 
     def restart(self) -> None:
-        """The members changed (``RankWorker.reconfigure``): every member asks for new splits
+        """The members changed (``Worker.reconfigure``): every member asks for new splits
         at its next step, even one whose own position did not move (a loss while rank 0
         checkpoints), so that all read the same ``streaming_split``."""
         self._columns = None

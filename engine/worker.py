@@ -1,7 +1,10 @@
-"""One data-parallel rank: the user's LightningModule, its shard of every batch, its optimizer.
+"""One worker of a run, whatever its layout: the user's LightningModule (or the stage of it
+that a pipeline worker holds), its part of every batch, its optimizer, commits and checkpoints.
 
-The same class runs inside a Ray actor (``engine.group``) or, for one worker, in the caller's
-own process, so a tuning trial trains through exactly the code ``train`` uses.
+The same class runs inside a Ray actor (``engine.group``) or in the caller's own process, so
+a tuning trial trains through exactly the code ``train`` uses. What differs between layouts is
+a ``Step`` (``engine.data_parallel``, ``engine.pipeline.step``); the helpers below are shared
+by both: the global batches of an epoch, the seeds, the device, the rendezvous address.
 """
 
 from __future__ import annotations
@@ -11,31 +14,28 @@ import copy
 import os
 import socket
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ringflow.engine.collective import Collective, GradientBuckets, create_collective
+from ringflow.engine.collective import Collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
-from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of, samples_of
+from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of
 from ringflow.engine.errors import EngineError, PeerLostError
-from ringflow.engine.metrics import Logged, MetricLog, logged_number
+from ringflow.engine.metrics import Logged, MetricLog
 from ringflow.engine.module import (
     Optimization,
     Precision,
     TrainerView,
     attach,
     call_hook,
-    compile_in_place,
-    compiled_in_buckets,
     module_checkpoint,
 )
-from ringflow.engine.timeline import UNTIMED, WorkerTimeline
+from ringflow.engine.timeline import WorkerTimeline
 from ringflow.storage.checkpoint import read_checkpoint
 from ringflow.storage.checkpointer import AsyncCheckpointer, copy_to_host, host_buffer
 from ringflow.storage.reshard import (
     REPLICATED,
-    load_data_parallel,
     load_training_state,
     training_state,
 )
@@ -43,7 +43,10 @@ from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 __all__ = [
     "NOSET_VISIBLE_DEVICES",
-    "RankWorker",
+    "Batch",
+    "Plan",
+    "Step",
+    "Worker",
     "evaluate_module",
     "epoch_batches",
     "free_address",
@@ -52,7 +55,6 @@ __all__ = [
     "worker_device",
 ]
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 Commit = tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]
 """A worker's state at a step, in host memory: model, optimizer, schedulers and scaler."""
 
@@ -203,16 +205,88 @@ def _assigned_gpu() -> int:
     return visible.split(",").index(ids[0]) if visible else int(ids[0])
 
 
-class RankWorker:
-    """Trains one rank. All ranks are called with the same methods in the same order.
+class Batch(NamedTuple):
+    """One training batch as the worker hands it to its layout's step (``Step.train``)."""
+
+    epoch: int
+    step: int
+    """The batch's index in the epoch."""
+    mine: torch.Tensor
+    """This worker's part of the global batch (sample indices; empty where it has none)."""
+    global_size: int
+    window: int
+    """``accumulate_grad_batches``: the loss is scaled by its inverse where it is above 1."""
+    opens_window: bool
+    """The gradients are zeroed before this batch."""
+    steps: bool
+    """The optimizer steps after this batch (the last of its window or of the epoch)."""
+    last: bool
+    """The epoch's last batch (epoch-interval schedulers step after it)."""
+    log_step: int | None
+    """The loggers' step, where this batch's values go to them."""
+
+    @property
+    def weight(self) -> float:
+        """This worker's share of the global batch."""
+        return len(self.mine) / self.global_size
+
+
+class Step(Protocol):
+    """What a layout supplies a worker (``engine.data_parallel``, ``engine.pipeline.step``):
+    how a batch becomes an update, how the worker meets its peers, what it evaluates and
+    which tensors of a checkpoint it holds. The worker holds everything else."""
+
+    calls_hooks: bool
+    """Whether the module's own hooks run (a pipeline stage holds only part of the module)."""
+    collective: Collective | None
+    """The ring the worker's gradients are reduced over, checked once its steps ran."""
+
+    def split(self, split: str) -> Any: ...
+
+    def prepare(self, module: torch.nn.Module) -> torch.nn.Module: ...
+
+    def addresses(self) -> tuple[str, ...]: ...
+
+    def connect(self, *addresses: str) -> None: ...
+
+    def reconfigure(self, *addresses: str) -> None: ...
+
+    def train(self, batch: Batch) -> int: ...
+
+    def evaluate(self, split: str, samples: Any) -> Logged: ...
+
+    def own(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def load(self, store: CheckpointStore, checkpoint: CommittedCheckpoint) -> dict[str, Any]: ...
+
+    def transport(self) -> str | None: ...
+
+    def close(self) -> None: ...
+
+
+class Plan(Protocol):
+    """A layout's description of one worker's step, sent to the worker, which builds it."""
+
+    def build(self, worker: Worker) -> Step: ...
+
+
+class Worker:
+    """One worker of a run, whatever the layout: the device, the module and its optimizer,
+    membership, in-memory commits, checkpoints, hooks, evaluation and logging. ``plan`` (from
+    ``engine.layout``) supplies what differs: how a batch becomes an update and how the
+    worker meets its peers (``Step``). Every worker is called with the same methods in the
+    same order, in a Ray actor (``engine.group``) or in the caller's own process.
 
     Args:
         module_cls: the user's ``LightningModule`` class.
         hparams: keyword arguments for ``module_cls``.
         data: the preprocessed dataset.
         config: the run's engine configuration; with ``gpus_per_worker`` the worker trains
-            on ``cuda:0`` (see :func:`worker_device`) and its collective runs over NCCL.
-        rank: this worker's rank, 0 to ``world_size - 1``.
+            on a GPU (see :func:`worker_device`) and its collective runs over NCCL.
+        rank: this worker's data-parallel rank (a pipeline stage: its replica's), 0 to
+            ``config.workers - 1``.
+        plan: the layout's step: ``engine.data_parallel.WholeModel()`` for a data-parallel
+            worker, ``engine.pipeline.step.StagePlan`` for a pipeline stage.
 
     Raises:
         EngineError: ``config.gpus_per_worker`` is set but this process cannot use CUDA.
@@ -226,19 +300,29 @@ class RankWorker:
         data: DataSpec | TensorData,
         config: TrainConfig,
         rank: int,
+        plan: Plan,
     ) -> None:
         torch.set_num_threads(max(1, int(config.cpus_per_worker)))
         self.rank, self.world_size, self.config = rank, config.workers, config
         self.data = data
         self.device = worker_device(config)
-        torch.manual_seed(config.seed)
-        # Built on the CPU, so the initial weights are the same wherever the worker trains;
-        # then moved, before the optimizer exists, so its state is created on the device.
+        torch.manual_seed(config.seed)  # every worker builds the same initial weights
         self.precision = Precision(config.precision, self.device)
+        self.step: Step = plan.build(self)
         module = module_cls(**hparams)
-        self.train = samples_of(data, "train")
-        self._evaluated: dict[str, Samples] = {}
+        self.train = self.step.split("train")
+        self._evaluated: dict[str, Any] = {}
         self.steps_per_epoch = -(-len(self.train) // config.batch_size)
+        self.timeline = (  # None when off: a batch then costs one test, no allocation
+            WorkerTimeline(
+                device=self.device,
+                warmup=config.timeline_warmup,
+                steps=config.timeline_steps,
+                steps_per_epoch=self.steps_per_epoch,
+            )
+            if config.timeline
+            else None
+        )
         # What the module's own code reads of its Trainer, and its ``self.log``: set before
         # ``configure_optimizers`` runs, which may ask for ``estimated_stepping_batches``.
         self.trainer = TrainerView(
@@ -250,17 +334,11 @@ class RankWorker:
         )
         self.metric_log = MetricLog()
         attach(module, self.trainer, self.metric_log)
-        call_hook(module, "setup", "fit")  # as Trainer: then configure_model, then the device
-        call_hook(module, "configure_model")
-        compile_in_place(module)  # eager state names, whatever configure_model compiled
-        self.module = self.precision.convert_module(module.to(self.device))
+        self.module = self.step.prepare(module)
         self.optimization = Optimization(self.module, self.precision)
         self.optimizer = self.optimization.optimizer
         self.trainer.adopt(self.optimization)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.bucket_bytes = int(config.bucket_mb * 2**20)
-        self.collective: Collective | None = None
-        self.buckets: GradientBuckets | None = None
         self.checkpointer: AsyncCheckpointer | None = None
         self._commits: dict[int, Commit] = {}
         self._commit_tensors: dict[int, list[torch.Tensor]] = {}
@@ -276,22 +354,12 @@ class RankWorker:
         self._deferred: _Copies | None = None
         """A commit at the end of a call of steps whose copies wait for the next step's input
         to be on its way (:meth:`commit`)."""
-        self._has_buffers = any(True for _ in self.module.buffers())
+        self.has_buffers = any(True for _ in self.module.buffers())
         self._ran_ahead: _RanAhead | None = None
         """The next call's first step, run where the last call ended (``train_steps``)."""
         self._failed: BaseException | None = None
         """Why the last call of steps failed, until a rollback: the steps the driver sent
         ahead of it are not run (``train_steps``)."""
-        self.timeline = (  # None when off: a batch then costs one test, no allocation
-            WorkerTimeline(
-                device=self.device,
-                warmup=config.timeline_warmup,
-                steps=config.timeline_steps,
-                steps_per_epoch=self.steps_per_epoch,
-            )
-            if config.timeline
-            else None
-        )
 
     def epoch_steps(self) -> int:
         """Steps (global batches) in one epoch of the training split."""
@@ -307,69 +375,36 @@ class RankWorker:
             info["bus"] = (
                 f"{properties.pci_domain_id}:{properties.pci_bus_id}:{properties.pci_device_id}"
             )
-        if self.collective is not None:
-            info["transport"] = getattr(self.collective, "transport", self.config.collective)
+        if self.step.collective is not None:
+            info["transport"] = self.step.transport() or self.config.collective
         return info
 
-    def rendezvous_address(self) -> str:
-        """A ``tcp://host:port`` on this worker's node where rank 0 can host the rendezvous."""
-        return free_address()
+    # ------------------------------------------------------------------ membership
 
-    def connect(self, init_method: str = "") -> None:
-        """Join the collective and start from rank 0's weights, as DDP does."""
-        self._join_ring(init_method)
-        with torch.no_grad():
-            for tensor in self.module.state_dict().values():
-                self.collective.broadcast_(tensor, src=0)
+    def addresses(self) -> tuple[str, ...]:
+        """``tcp://host:port`` addresses on this worker's node where it can host the
+        rendezvous of the peers it meets (``engine.layout`` says which are used)."""
+        return self.step.addresses()
 
-    def _join_ring(self, init_method: str) -> None:
-        # CUDA tensors travel over NCCL: the ring then picks its NCCL transport, and native
-        # joins an NCCL process group. Only then is the argument passed, so a collective that
-        # knows no backend keeps working on CPU.
-        backend = {"backend": "nccl"} if self.device.type == "cuda" else {}
-        if self.config.collective == "ring":
-            backend["transport"] = self.config.ring_transport
-        self.collective = create_collective(
-            self.config.collective,
-            rank=self.rank,
-            world_size=self.world_size,
-            init_method=init_method,
-            timeout_s=self.config.collective_timeout_s,
-            connect_timeout_s=self.config.timeout_s,
-            compression=self.config.compression,
-            **backend,
-        )
-        self._prepare_buckets()
+    def connect(self, *addresses: str) -> None:
+        """Meet the peers at ``addresses`` (the layout's) and start from the same state."""
+        self.step.connect(*addresses)
 
-    def _prepare_buckets(self) -> None:
-        self.buckets = GradientBuckets(self.params, self.collective, bucket_bytes=self.bucket_bytes)
-        self.buckets.timeline = self.timeline
-        # While the last bucket (the first layers') reduces, step the parameters whose sums
-        # are in: the optimizer then hides the all-reduce that backward could not.
-        last = {id(p) for p in self.buckets.last_params}
-        self._ready_first = [p for p in self.params if id(p) not in last]
-        self._steps_in_two = (
-            self.world_size > 1
-            and self.config.accumulate_grad_batches == 1
-            and bool(last)
-            and bool(self._ready_first)
-            and self.optimization.steps_in_two(clip_val=self.config.gradient_clip_val)
-        )
-
-    def reconfigure(self, rank: int, world_size: int, init_method: str = "") -> None:
+    def reconfigure(self, rank: int, world_size: int, *addresses: str) -> None:
         """Leave the old ring and join a new one as ``rank`` of ``world_size``, keeping state.
 
         The elastic group calls it on survivors after a membership change; every member then
         rolls back to (or adopts) the same commit, so no weights need to be broadcast.
         """
-        self._leave_ring()
         restart = getattr(self.train, "restart", None)
         if restart is not None:  # a stream per rank is split again among the new members
             restart()
         self.rank, self.world_size = rank, world_size
         self.trainer.global_rank, self.trainer.world_size = rank, world_size
         self.trainer.is_global_zero = rank == 0
-        self._join_ring(init_method)
+        self.step.reconfigure(*addresses)
+
+    # ------------------------------------------------------------------ commits
 
     def commit(self, step: int, *, defer: bool = False) -> None:
         """Keep a copy of the model and optimizer state at ``step`` in host memory.
@@ -395,13 +430,13 @@ class RankWorker:
         and backward passes.
         """
         with self._kept_if_done(self._stage_commit(step, defer=defer)):
-            collectives_succeeded(self.collective, self.device)
+            collectives_succeeded(self.step.collective, self.device)
 
     def _stage_commit(self, step: int, *, defer: bool) -> _Staged:
         """:meth:`commit` up to the check of the collectives: the state's host copy, its
         copies queued (or, with ``defer``, waiting for the next step's input)."""
         self._undo_ahead()
-        self._queue_deferred()  # an earlier commit's copies, before its tensors may be reused
+        self.queue_deferred()  # an earlier commit's copies, before its tensors may be reused
         # The newest commit before ``step`` stays; older ones, and any at or after ``step``
         # (made by steps a rollback undid), go.
         keep = max((s for s in self._commits if s < step), default=None)
@@ -447,7 +482,7 @@ class RankWorker:
             self._copying = landed
         return landed
 
-    def _queue_deferred(self) -> None:
+    def queue_deferred(self) -> None:
         """Queue the copies of a deferred commit (:meth:`commit`), if one waits."""
         copies, self._deferred = self._deferred, None
         if copies is not None:
@@ -455,10 +490,10 @@ class RankWorker:
             if landed is not None:
                 self._landed[copies.step] = landed
 
-    def _after_copies(self) -> None:
+    def after_copies(self) -> None:
         """Before the state may change: what the compute stream queues next waits for the
         newest commit's copies, and the host for a background checkpoint's copy."""
-        self._queue_deferred()
+        self.queue_deferred()
         if self._copying is not None:
             torch.cuda.current_stream(self.device).wait_event(self._copying)
             self._copying = None
@@ -467,7 +502,7 @@ class RankWorker:
 
     def _copies_landed(self) -> None:
         """Wait (on the host) until every commit's copies have landed."""
-        self._queue_deferred()
+        self.queue_deferred()
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 
@@ -494,7 +529,7 @@ class RankWorker:
         for a worker joining."""
         if step not in self._commits:
             raise RuntimeError(f"no commit of step {step}; this worker has {sorted(self._commits)}")
-        self._queue_deferred()
+        self.queue_deferred()
         landed = self._landed.pop(step, None)
         if landed is not None:
             landed.synchronize()
@@ -507,6 +542,8 @@ class RankWorker:
         self._commit_tensors, self._landed = {}, {}
         self.rollback(step)
 
+    # ------------------------------------------------------------------ hooks
+
     def add_callbacks(self, callbacks: list[Any], *, loggers: bool) -> None:
         """Callbacks that read the optimizer (``LearningRateMonitor``) run here, on rank 0;
         with ``loggers``, what they log goes with the steps' records to the driver's loggers."""
@@ -514,24 +551,31 @@ class RankWorker:
         if loggers:
             self.trainer.use_loggers(self.config.log_every_n_steps)
 
-    def _callbacks(self, hook: str, *args: Any) -> None:
+    def callbacks_run(self, hook: str, *args: Any) -> None:
         for callback in getattr(self, "callbacks", ()):
             getattr(callback, hook)(self.trainer, self.module, *args)
+
+    def _hook(self, name: str, *args: Any) -> None:
+        """The module's hook ``name``, where the layout runs the module's hooks."""
+        if self.step.calls_hooks:
+            call_hook(self.module, name, *args)
 
     def fit_start(self) -> None:
         """Trainer's ``on_fit_start`` and ``on_train_start`` hooks (again when a run resumes,
         as after a Trainer restart)."""
-        call_hook(self.module, "on_fit_start")
-        self._callbacks("on_train_start")
-        call_hook(self.module, "on_train_start")
+        self._hook("on_fit_start")
+        self.callbacks_run("on_train_start")
+        self._hook("on_train_start")
 
     def fit_end(self, epochs: int) -> None:
         """Trainer's ``on_train_end`` and ``on_fit_end``, after ``epochs`` whole epochs."""
         self._undo_ahead()
         self.trainer.current_epoch = epochs
-        call_hook(self.module, "on_train_end")
-        call_hook(self.module, "on_fit_end")
-        call_hook(self.module, "teardown", "fit")
+        self._hook("on_train_end")
+        self._hook("on_fit_end")
+        self._hook("teardown", "fit")
+
+    # ------------------------------------------------------------------ training
 
     def train_steps(
         self,
@@ -554,7 +598,6 @@ class RankWorker:
         Returns:
             What the module logged (``engine.metrics``), and how many samples this rank saw.
         """
-        assert self.buckets is not None, "connect() must run before training"
         if self._failed is not None:
             # Sent ahead, behind steps that failed: a peer is gone. Run, they could wait on it
             # outside any collective's deadline (a Ray Dataset's split is handed out to all).
@@ -586,8 +629,8 @@ class RankWorker:
         self.trainer.at(epoch, first)
         if first == 0:
             self.metric_log.enter("on_train_epoch_start")
-            self._callbacks("on_train_epoch_start")
-            call_hook(self.module, "on_train_epoch_start")
+            self.callbacks_run("on_train_epoch_start")
+            self._hook("on_train_epoch_start")
         samples += self._run(epoch, first, count)
         ended = _stream_mark(self.device)
         # On a GPU the host is still steps ahead: what was logged is queued to the host now,
@@ -600,17 +643,20 @@ class RankWorker:
             if run_next:
                 after = first + count
                 self._ran_ahead = _RanAhead(epoch, after, self._run(epoch, after, 1), commit_at)
-            collectives_succeeded(self.collective, self.device, until=ended)
+            collectives_succeeded(self.step.collective, self.device, until=ended)
         logged = self.metric_log.take()
         logged.samples = samples
         logged.rows = rows
         return logged
 
     def _run(self, epoch: int, first: int, count: int) -> int:
-        """Run steps ``first .. first + count - 1`` of ``epoch``; the samples this rank saw."""
+        """Run steps ``first .. first + count - 1`` of ``epoch``; the samples this worker
+        counted (a pipeline's last stage counts its replica's)."""
         if count == 0:
             return 0
         samples = 0
+        window = self.config.accumulate_grad_batches
+        every = self.config.log_every_n_steps
         for step, mine, global_size in epoch_batches(
             self.train,
             self.config,
@@ -621,8 +667,26 @@ class RankWorker:
             world_size=self.world_size,
             device=self.device,
         ):
-            self._train_step(mine, global_size, epoch, step)
-            samples += len(mine)
+            self.module.train()
+            last = step == self.steps_per_epoch - 1
+            steps = step % window == window - 1 or last
+            self.trainer.at(epoch, step)
+            # Trainer asks at every batch whether the next optimizer step is due for the
+            # loggers (LearningRateMonitor reads it); the module's values are taken at the
+            # stepping batch.
+            self.trainer.logs_due = every > 0 and (self.trainer.global_step + 1) % every == 0
+            batch = Batch(
+                epoch=epoch,
+                step=step,
+                mine=mine,
+                global_size=global_size,
+                window=window,
+                opens_window=step % window == 0,
+                steps=steps,
+                last=last,
+                log_step=self.trainer.global_step if steps and self.trainer.logs_due else None,
+            )
+            samples += self.step.train(batch)
         return samples
 
     def _undo_ahead(self) -> None:
@@ -638,107 +702,12 @@ class RankWorker:
             )
         self.rollback(ahead.commit)
 
-    def _train_step(self, mine: torch.Tensor, global_size: int, epoch: int, step: int) -> None:
-        """One batch; the optimizer steps at the last batch of an accumulation window.
-
-        Each rank's loss is a mean over its part; weighting it by the part's share of the
-        global batch (and by 1/``accumulate_grad_batches``, as Lightning scales the loss)
-        makes the sum over ranks and batches the gradient Trainer computes on one process.
-        Without accumulation the weight is applied to each gradient on its way into a bucket
-        (where every share is alike, the buckets' all-reduces average instead); with it, to
-        the loss, and the buckets reduce the window's summed gradients once.
-        The module's hooks run where Trainer runs them (``on_after_backward`` sees the
-        averaged gradients of a window's last batch). Where nothing reads every gradient
-        before the step, the optimizer steps the parameters whose buckets are reduced while
-        the last bucket still reduces, then the rest (``Optimization.step_in_two``).
-        """
-        self.module.train()
-        window = self.config.accumulate_grad_batches
-        weight = len(mine) / global_size
-        steps = step % window == window - 1 or step == self.steps_per_epoch - 1
-        self.trainer.at(epoch, step)
-        every = self.config.log_every_n_steps
-        # Trainer asks at every batch whether the next optimizer step is due for the loggers
-        # (LearningRateMonitor reads it); the module's values are taken at the stepping batch.
-        self.trainer.logs_due = every > 0 and (self.trainer.global_step + 1) % every == 0
-        log_step = self.trainer.global_step if steps and self.trainer.logs_due else None
-        timeline = UNTIMED if self.timeline is None else self.timeline.begin(epoch, step)
-        if self._has_buffers:
-            self._after_copies()
-        batch = None
-        if len(mine):
-            timeline.start("data")
-            batch = to_device(self.train.batch(mine), self.device)
-            timeline.stop("data")
-            self._queue_deferred()  # behind the input's copy, not ahead of it
-            self.metric_log.enter("on_train_batch_start", batch_size=len(mine), log_step=log_step)
-            self._callbacks("on_train_batch_start", batch, step)
-            call_hook(self.module, "on_train_batch_start", batch, step)
-        if step % window == 0:
-            call_hook(self.module, "on_before_zero_grad", self.optimizer)
-            self.optimizer.zero_grad(set_to_none=False)
-        if steps:  # buckets start their all-reduces from inside backward
-            self._start_buckets(window=window, weight=weight, global_size=global_size)
-        out = None
-        if batch is not None:
-            self.metric_log.enter("training_step", batch_size=len(mine), log_step=log_step)
-            timeline.start("forward")
-            # What the step compiles is split at buckets: a module compiled whole overlaps too.
-            with self.precision.forward_context(), compiled_in_buckets(self.bucket_bytes):
-                out = self.module.training_step(self.precision.convert_input(batch), step)
-            timeline.stop("forward")
-            loss = out["loss"] if isinstance(out, Mapping) else out
-            call_hook(self.module, "on_before_backward", loss)
-            timeline.start("backward")
-            self.precision.backward(loss if window == 1 else loss * (weight / window))
-            timeline.stop("backward")
-            self.metric_log.record("train_loss", logged_number(loss), len(mine))
-        in_two = steps and self._steps_in_two
-        if steps:
-            timeline.start("gradient_wait")
-            self.buckets.finish(leave_last=in_two)
-            timeline.stop("gradient_wait")
-        self._after_copies()  # the module's hooks and the optimizer may change the weights
-        if batch is not None:
-            call_hook(self.module, "on_after_backward")
-        if steps:
-            self._optimizer_step(step, in_two=in_two, timeline=timeline)
-        if batch is not None:
-            self.metric_log.enter("on_train_batch_end", batch_size=len(mine), log_step=log_step)
-            call_hook(self.module, "on_train_batch_end", out, batch, step)
-        timeline.end()
-
-    def _start_buckets(self, *, window: int, weight: float, global_size: int) -> None:
-        if window > 1:
-            self.buckets.start()  # the loss carried the weight
-        elif global_size % self.world_size == 0:
-            self.buckets.start(average=True)  # every rank's share alike: the mean of the sums
-        else:
-            self.buckets.start(weight=weight)
-
-    def _optimizer_step(self, step: int, *, in_two: bool, timeline: Any) -> None:
-        last = step == self.steps_per_epoch - 1
-        timeline.start("optimizer")  # with the last bucket's wait, when in two
-        if in_two:
-            self.optimization.step_in_two(
-                step, last=last, ready=self._ready_first, wait=self.buckets.finish_last
-            )
-        else:
-            self.optimization.step(
-                step,
-                last=last,
-                clip_val=self.config.gradient_clip_val,
-                clip_algorithm=self.config.gradient_clip_algorithm,
-            )
-        timeline.stop("optimizer")
-        self.trainer.global_step += 1
-
     def train_epoch_end(self, epoch: int) -> Logged:
         """Trainer's ``on_train_epoch_end`` (after the epoch's validation); what it logged."""
         self._undo_ahead()
         self.trainer.at(epoch, self.steps_per_epoch)  # after the epoch's last optimizer step
         self.metric_log.enter("on_train_epoch_end")
-        call_hook(self.module, "on_train_epoch_end")
+        self._hook("on_train_epoch_end")
         return self.metric_log.take()
 
     def end_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
@@ -748,38 +717,28 @@ class RankWorker:
         self.optimization.after_validation(epoch, metrics)
 
     def evaluate(self, split: str) -> Logged:
-        """Evaluate this rank's part of ``split`` with the module's validation or test step."""
+        """Evaluate this worker's part of ``split`` (the module's validation or test step, or
+        a pipeline's loss and metrics)."""
         self._undo_ahead()
-        if split not in self._evaluated:  # read once: evaluation runs every epoch
-            self._evaluated[split] = samples_of(self.data, split)
-        samples = self._evaluated[split]
-        mine = split_global_batch(
-            torch.arange(len(samples)), rank=self.rank, world_size=self.world_size
-        )
-        return evaluate_module(
-            self.module,
-            samples,
-            mine,
-            split=split,
-            batch_size=self.config.batch_size,
-            device=self.device,
-            precision=self.precision,
-            log=self.metric_log,
-        )
+        if split not in self._evaluated:  # opened once: evaluation runs every epoch
+            self._evaluated[split] = self.step.split(split)
+        return self.step.evaluate(split, self._evaluated[split])
+
+    # ------------------------------------------------------------------ checkpoints
 
     def warm_start(self, model_uri: str) -> None:
-        """Start from the weights of the committed model at ``model_uri`` (fresh optimizer)."""
-        self.module.load_state_dict(read_checkpoint(model_uri).state_dict, strict=True)
+        """Start from the weights of the committed model at ``model_uri`` (fresh optimizer);
+        a pipeline stage takes those of its layers."""
+        state = self.step.own(read_checkpoint(model_uri).state_dict)
+        self.module.load_state_dict(state, strict=True)
 
     def restore(self, store_url: str, checkpoint: CommittedCheckpoint) -> int:
-        """Load the model and optimizer state of ``checkpoint``; return its step."""
-        store = CheckpointStore(store_url)
-        state = load_data_parallel(store, checkpoint, rank=self.rank, world_size=self.world_size)
-        load_training_state(
-            self.module, self.optimizer, state.replicated, checkpoint.metadata["optimizer"]
-        )
+        """Load the model and optimizer state of ``checkpoint``, whatever layout wrote it;
+        return its step."""
+        tensors = self.step.load(CheckpointStore(store_url), checkpoint)
+        load_training_state(self.module, self.optimizer, tensors, checkpoint.metadata["optimizer"])
         self.optimization.load_state_dict(checkpoint.metadata.get("optimization", {}))
-        call_hook(self.module, "on_load_checkpoint", dict(checkpoint.metadata.get("module", {})))
+        self._hook("on_load_checkpoint", dict(checkpoint.metadata.get("module", {})))
         return checkpoint.step
 
     def checkpoint(
@@ -815,6 +774,14 @@ class RankWorker:
         # module with buffers) waits for it.
         self.checkpointer.save(run_key, step=step, collect=collect, metrics=metrics, overlap=True)
 
+    def training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+        """This worker's model and optimizer state by full name, on the host, and its
+        schedulers' states (a pipeline's stages each give theirs: ``engine.layout``)."""
+        self._undo_ahead()
+        tensors, metadata = training_state(self.module, self.optimizer)
+        tensors = {k: v.detach().cpu().clone() for k, v in tensors.items()}
+        return tensors, metadata, self.optimization.state_dict()
+
     def flush_checkpoints(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Wait for background saves; return the last committed step and any failures."""
         if self.checkpointer is None:
@@ -830,7 +797,8 @@ class RankWorker:
         }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's weights as CPU tensors: the driver may have no GPU."""
+        """The model's weights (a pipeline stage's: its layers') as CPU tensors: the driver
+        may have no GPU."""
         self._undo_ahead()
         return _host_copy(self.module.state_dict())[0]
 
@@ -844,15 +812,10 @@ class RankWorker:
             self.checkpointer = None
         if self.timeline is not None:
             self.timeline.close()
-        self._leave_ring()
-
-    def _leave_ring(self) -> None:
-        if self.buckets is not None:
-            self.buckets.close()
-            self.buckets = None
-        if self.collective is not None:
-            self.collective.close()
-            self.collective = None
+        for samples in (self.train, *self._evaluated.values()):
+            if hasattr(samples, "close"):  # a stream's reading thread
+                samples.close()
+        self.step.close()
 
 
 @torch.no_grad()
@@ -948,7 +911,7 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
 
 
 class _Staged(NamedTuple):
-    """A commit made up to the check of its steps' collectives (``RankWorker.commit``)."""
+    """A commit made up to the check of its steps' collectives (``Worker.commit``)."""
 
     step: int
     state: Commit
@@ -957,7 +920,7 @@ class _Staged(NamedTuple):
 
 class _RanAhead(NamedTuple):
     """Step ``step`` of ``epoch``, run ahead of its call where the call before it ended,
-    committing ``commit`` (``RankWorker.train_steps``)."""
+    committing ``commit`` (``Worker.train_steps``)."""
 
     epoch: int
     step: int

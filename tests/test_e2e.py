@@ -239,7 +239,7 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_resumes_and_serves_
     tmp_path,
 ):
     """The character LM, named like any model of one's own: its example data, tuning, two
-    replicas of two pipeline stages; started again under its run key with more epochs, as a
+    replicas of two pipeline stages in bf16-mixed, accumulating and clipping by norm; started again under its run key with more epochs, as a
     retried flow run is, it goes on from its checkpoint instead of training from scratch, and
     serves its ``predict_step`` by feature name."""
     from ringflow.storage import CheckpointStore
@@ -250,6 +250,11 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_resumes_and_serves_
         f"--hparams={json.dumps(hparams)}",
         "--workers=2",
         "--pipeline-stages=2",
+        # Every option means the same under both layouts (docs/pipeline.md).
+        "--precision=bf16-mixed",
+        "--accumulate-grad-batches=2",
+        "--gradient-clip-val=1.0",
+        "--gradient-clip-algorithm=norm",
         "--tune-trials=2",
         "--tune-epochs=1",
         "--run-key=staged",

@@ -148,7 +148,7 @@ def _worker_pids() -> list[int]:
     pids = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if " ".join(p.cmdline()).startswith("ray::RankWorker"):
+            if " ".join(p.cmdline()).startswith("ray::Worker"):
                 pids.append(p.pid)
         except psutil.Error:
             continue
@@ -339,21 +339,24 @@ def test_steps_whose_collective_failed_after_its_wait_fail_and_are_never_committ
     """The steps raise the collective's error, and no commit holds what they left: the
     survivors then roll back to the commit before, not to weights stepped with garbage. Steps
     queued behind them are refused until then (run, they could wait on the lost peer)."""
+    from ringflow.engine.data_parallel import WholeModel
     from ringflow.engine.errors import PeerLostError
-    from ringflow.engine.worker import RankWorker
+    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
-    worker = RankWorker(DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0)
+    worker = Worker(
+        DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0, plan=WholeModel()
+    )
     worker.connect()
     worker.commit(0)
-    worker.collective = _FailedOnTheDevice(worker.collective)
+    worker.step.collective = _FailedOnTheDevice(worker.step.collective)
     with pytest.raises(PeerLostError, match="rank 1 stopped answering"):
         worker.train_steps(0, 0, 2)
     with pytest.raises(PeerLostError):
         worker.commit(2)
     assert sorted(worker._commits) == [0]
     # Steps sent ahead of the failed ones are not run (a peer is gone) until a rollback.
-    worker.collective = worker.collective._ring
+    worker.step.collective = worker.step.collective._ring
     with pytest.raises(PeerLostError, match="not run: the steps before them failed"):
         worker.train_steps(0, 2, 2)
     worker.rollback(0)
@@ -366,10 +369,13 @@ def test_commits_reuse_the_host_tensors_of_those_dropped_and_keep_the_one_to_rol
     more than the copy), never into the one a rollback may still need: after rolling back
     to step 4 and training again, the new commit of step 6 replaces the undone one, and 4
     stays. Every commit holds its own step's state, bit for bit."""
-    from ringflow.engine.worker import RankWorker
+    from ringflow.engine.data_parallel import WholeModel
+    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
-    worker = RankWorker(DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0)
+    worker = Worker(
+        DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0, plan=WholeModel()
+    )
     worker.connect()
 
     def train_and_commit(first: int) -> dict[str, torch.Tensor]:
@@ -423,10 +429,13 @@ def test_a_commit_where_steps_end_is_copied_behind_the_next_input_and_holds_its_
     """The commit a call of steps ends with is copied only once the next step's input is on
     its way (on a GPU the state's copies would hold that input up), yet before that step
     changes the state: rolled back to after more steps, it holds its step bit for bit."""
-    from ringflow.engine.worker import RankWorker
+    from ringflow.engine.data_parallel import WholeModel
+    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
-    worker = RankWorker(DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0)
+    worker = Worker(
+        DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0, plan=WholeModel()
+    )
     worker.connect()
     worker.commit(0)
 
@@ -451,17 +460,20 @@ def test_a_step_run_ahead_of_its_call_changes_nothing_the_calls_return_or_keep(d
     its own to end; the next call then starts after it. Weights, commits and what each call
     returns are those of calls that ran their own steps; any other call comes back to the
     commit first, and so does a rollback."""
-    from ringflow.engine.worker import RankWorker
+    from ringflow.engine.data_parallel import WholeModel
+    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0, log_every_n_steps=1)
 
-    def worker() -> RankWorker:
-        made = RankWorker(DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0)
+    def worker() -> Worker:
+        made = Worker(
+            DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0, plan=WholeModel()
+        )
         made.connect()
         made.commit(0)
         return made
 
-    def weights(of: RankWorker) -> dict[str, torch.Tensor]:
+    def weights(of: Worker) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in of.module.state_dict().items()}
 
     def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -509,10 +521,13 @@ def test_a_step_run_ahead_that_fails_fails_its_call_and_leaves_no_commit(digits)
     """The commit a call ends with is kept only once everything before the host's wait
     succeeded, the step run ahead included: the call fails and the commit is not there to
     roll back to; the one before it is."""
-    from ringflow.engine.worker import RankWorker
+    from ringflow.engine.data_parallel import WholeModel
+    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
-    worker = RankWorker(FailsAtStepTwo, hparams=HPARAMS, data=digits, config=config, rank=0)
+    worker = Worker(
+        FailsAtStepTwo, hparams=HPARAMS, data=digits, config=config, rank=0, plan=WholeModel()
+    )
     worker.connect()
     worker.commit(0)
     with pytest.raises(RuntimeError, match="step 2 failed"):
@@ -528,12 +543,15 @@ def test_steps_that_commit_hand_over_what_they_logged_as_steps_that_do_not(digit
     """Committing at the end of its steps (what was logged is handed over before the commit's
     copies are queued) changes nothing in what the steps return; a rollback forgets what
     was logged and not yet taken."""
-    from ringflow.engine.worker import RankWorker
+    from ringflow.engine.data_parallel import WholeModel
+    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0, log_every_n_steps=1)
 
     def run(commit_at: int | None):
-        worker = RankWorker(DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0)
+        worker = Worker(
+            DigitsClassifier, hparams=HPARAMS, data=digits, config=config, rank=0, plan=WholeModel()
+        )
         worker.connect()
         worker.commit(0)
         logged = worker.train_steps(0, 0, 3, commit_at=commit_at)

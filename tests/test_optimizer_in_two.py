@@ -97,7 +97,8 @@ def test_a_worker_of_two_steps_in_two_parts_when_it_has_several_buckets(digits):
     from ringflow.engine import TrainConfig
     from ringflow.engine.collective import Collective
     from ringflow.engine.collective.base import CompletedWork
-    from ringflow.engine.worker import RankWorker
+    from ringflow.engine.data_parallel import WholeModel
+    from ringflow.engine.worker import Worker
     from ringflow.models.digits import DigitsClassifier
 
     class Mirror(Collective):  # a peer with the same gradients: the mean is one's own
@@ -113,10 +114,12 @@ def test_a_worker_of_two_steps_in_two_parts_when_it_has_several_buckets(digits):
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0, bucket_mb=0.001)
     hparams = {"hidden": 32}
-    worker = RankWorker(DigitsClassifier, hparams=hparams, data=digits, config=config, rank=0)
-    worker.world_size, worker.collective = 2, Mirror(rank=0, world_size=2)
-    worker._prepare_buckets()
-    assert len(worker.buckets.bucket_sizes) > 1
+    worker = Worker(
+        DigitsClassifier, hparams=hparams, data=digits, config=config, rank=0, plan=WholeModel()
+    )
+    worker.world_size, worker.step.collective = 2, Mirror(rank=0, world_size=2)
+    worker.step.prepare_buckets()
+    assert len(worker.step.buckets.bucket_sizes) > 1
     steps = []
     step = worker.optimizer.step
     worker.optimizer.step = lambda *args, **kwargs: steps.append(1) or step(*args, **kwargs)

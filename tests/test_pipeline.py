@@ -9,6 +9,7 @@ import datetime as dt
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.nn import functional as F
 
@@ -496,3 +497,73 @@ def test_the_bench_replay_turns_one_slow_action_into_idle_time_on_the_neighbour(
     swapped[0][0], swapped[0][2] = swapped[0][2], swapped[0][0]  # B0 before F0: deadlock
     with pytest.raises(ValueError, match="not a valid schedule"):
         replay([tuple(a) for a in swapped])
+
+
+class LightningToyNet(ToyNet, LightningModule):
+    """ToyNet as a LightningModule: the same layers train data-parallel or as a pipeline."""
+
+    def pipeline_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.float(), target)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.pipeline_loss(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", self.pipeline_loss(self(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+EVERY_OPTION = {
+    "accumulate_grad_batches": 2,
+    "gradient_clip_val": 0.05,  # below the gradients' norm: every step is clipped
+    "gradient_clip_algorithm": "norm",
+}
+
+
+def _fit_toy(tmp_path, name: str, *, pipeline: PipelineConfig | None = None, **config):
+    settings = {"workers": 1, "epochs": 3, "batch_size": 24, "seed": 2, **EVERY_OPTION, **config}
+    return fit(
+        LightningToyNet,
+        hparams={},
+        data=toy_data(samples=96),
+        config=TrainConfig(**settings),
+        checkpoint_uri=str(tmp_path / name),
+        pipeline=pipeline,
+        in_process=settings["workers"] == 1,
+    )
+
+
+def test_a_pipeline_accumulates_and_clips_by_the_whole_models_norm_as_one_worker_does(tmp_path):
+    """Two stages of three micro-batches each, stepping every second batch and clipping by
+    the norm of the whole gradient (the stages sum their squared norms), end where one
+    data-parallel worker does: the options mean the same under both layouts."""
+    staged = PipelineConfig(stages=2, micro_batches=3)
+    whole = _fit_toy(tmp_path, "whole")
+    piped = _fit_toy(tmp_path, "piped", pipeline=staged)
+    assert relative_difference(piped.state_dict, whole.state_dict) < 1e-6
+    # Each option changes the result: clipping each stage by its own norm would not match.
+    unclipped = _fit_toy(tmp_path, "unclipped", gradient_clip_val=None)
+    every_batch = _fit_toy(tmp_path, "every-batch", accumulate_grad_batches=1)
+    assert relative_difference(unclipped.state_dict, whole.state_dict) > 1e-2
+    assert relative_difference(every_batch.state_dict, whole.state_dict) > 1e-2
+
+
+def test_a_pipeline_in_bf16_mixed_runs_its_stages_under_autocast(tmp_path):
+    """bf16-mixed: the stages run under autocast and send bfloat16 activations, ending where
+    one worker does for the same batches (one micro-batch: autocast rounds each
+    micro-batch's weight gradient to bfloat16, so M micro-batches match a data-parallel run
+    of the same parts, not of the whole batch; docs/pipeline.md)."""
+    whole = _fit_toy(tmp_path, "whole", precision="bf16-mixed")
+    piped = _fit_toy(
+        tmp_path,
+        "piped",
+        precision="bf16-mixed",
+        pipeline=PipelineConfig(stages=2, micro_batches=1),
+    )
+    fp32 = _fit_toy(tmp_path, "fp32")
+    assert relative_difference(piped.state_dict, whole.state_dict) < 1e-6
+    assert relative_difference(piped.state_dict, fp32.state_dict) > 1e-5  # bf16 did run

@@ -131,3 +131,20 @@ def test_a_stage_that_dies_fails_the_run_naming_it(tmp_path):
             pipeline=PipelineConfig(stages=2, micro_batches=2),
             checkpoint_uri=str(tmp_path / "model"),
         )
+
+
+def test_two_replicas_of_two_stages_in_bf16_accumulating_and_clipping_match_data_parallel(
+    tmp_path,
+):
+    """2 replicas x 2 stages in bf16-mixed, stepping every second batch and clipping by the
+    whole model's norm, end where 2 data-parallel workers do on the same global batches
+    (each replica's part of a batch is the part a worker holds: autocast rounds each part's
+    weight gradient alike; docs/pipeline.md)."""
+    options = {"precision": "bf16-mixed", "workers": 2, "cpus_per_worker": 0.5}
+    replicas = test_pipeline._fit_toy(
+        tmp_path, "replicas", pipeline=PipelineConfig(stages=2, micro_batches=1), **options
+    )
+    workers = test_pipeline._fit_toy(tmp_path, "workers", **options)
+    assert relative_difference(replicas.state_dict, workers.state_dict) < 1e-5
+    one = test_pipeline._fit_toy(tmp_path, "one", precision="bf16-mixed")
+    assert relative_difference(workers.state_dict, one.state_dict) < 1e-3  # bf16's rounding

@@ -11,9 +11,9 @@ from torch.nn import functional as F
 
 from ringflow.engine import DataSpec, TrainConfig, fit
 from ringflow.engine.data import layout_of
-from ringflow.engine.pipeline import PipelineConfig, PipelineWorker, check_pipeline
+from ringflow.engine.pipeline import PipelineConfig, StagePlan, check_pipeline
 from ringflow.engine.pipeline.data import SplitShape, first_rows, stage_split
-from ringflow.engine.worker import epoch_batches
+from ringflow.engine.worker import Worker, epoch_batches
 from ringflow.models.digits import SCHEMA, write_digits_csv
 from ringflow.storage import CheckpointStore, dataset
 from ringflow.storage.dataset import preprocess
@@ -176,16 +176,14 @@ def test_each_replica_streams_its_part_of_every_batch_into_its_micro_batches(
     data = _digits(sharded_digits, False)
     partition = check_pipeline(DigitsPipe, hparams={}, data=data, config=config, pipeline=pipeline)
 
-    def worker(stream: bool, stage: int) -> PipelineWorker:
-        return PipelineWorker(
+    def worker(stream: bool, stage: int) -> Worker:
+        return Worker(
             DigitsPipe,
             hparams={},
             data=_digits(sharded_digits, stream),
             config=config,
-            pipeline=pipeline,
-            partition=partition,
-            replica=replica,
-            stage=stage,
+            rank=replica,
+            plan=StagePlan(pipeline, partition, stage),
         )
 
     for stage in (0, 2):
@@ -203,8 +201,8 @@ def test_each_replica_streams_its_part_of_every_batch_into_its_micro_batches(
                 world_size=2,
                 device=torch.device("cpu"),
             ):
-                got = streamed._micro_batches(streamed.train, mine, size)
-                expected = whole._micro_batches(whole.train, mine, size)
+                got = streamed.step._micro_batches(streamed.train, mine, size)
+                expected = whole.step._micro_batches(whole.train, mine, size)
                 assert streamed.train._plans, "read outside the reader's plan"
                 assert got.sizes == expected.sizes
                 assert len(got.sizes) == 3
@@ -227,22 +225,20 @@ def test_a_stages_steps_fail_when_its_replicas_all_reduce_failed_after_its_wait(
     config = TrainConfig(workers=2, batch_size=64, seed=2)
     data = _digits(sharded_digits, False)
     partition = check_pipeline(DigitsPipe, hparams={}, data=data, config=config, pipeline=PIPELINE)
-    worker = PipelineWorker(
+    worker = Worker(
         DigitsPipe,
         hparams={},
         data=data,
         config=config,
-        pipeline=PIPELINE,
-        partition=partition,
-        replica=0,
-        stage=2,
+        rank=0,
+        plan=StagePlan(PIPELINE, partition, 2),
     )
 
     class FailedOnTheDevice:
         def check(self) -> None:
             raise PeerLostError("replica 1 is lost", peer=1, op="allreduce", rank=0)
 
-    worker.train_step = lambda mine, *, global_size: 0.0  # the schedule itself ran
-    worker.collective = FailedOnTheDevice()
+    worker.step.train = lambda batch: 0  # the schedule itself ran
+    worker.step.collective = FailedOnTheDevice()
     with pytest.raises(PeerLostError, match="replica 1 is lost"):
         worker.train_steps(0, 0, 2)

@@ -169,7 +169,7 @@ _NO_TOKEN_IN_RAY = textwrap.dedent(
     }
     print(json.dumps({
         "asked": asked,
-        "workers": sum("RankWorker" in cmd for cmd, _ in seen.values()),
+        "workers": sum("ray::Worker" in cmd for cmd, _ in seen.values()),
         "replicas": sum("ServeReplica" in cmd for cmd, _ in seen.values()),
         "holding": sorted(cmd[:80] for cmd, env in seen.values() if token.encode() in env),
     }))

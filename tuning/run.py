@@ -751,11 +751,12 @@ def reported_metrics(
 ) -> list[str]:
     """The metrics a trial of ``module_cls`` reports: what its ``validation_step`` logs
     (found by evaluating an untrained module once, in this process) and ``train_loss``."""
-    from ringflow.engine.worker import RankWorker
+    from ringflow.engine.data_parallel import WholeModel
+    from ringflow.engine.worker import Worker
 
     hparams = model_hparams(module_cls, hparams, data.schema)
     one = dataclasses.replace(config, workers=1, epochs=1)
-    worker = RankWorker(module_cls, hparams=hparams, data=data, config=one, rank=0)
+    worker = Worker(module_cls, hparams=hparams, data=data, config=one, rank=0, plan=WholeModel())
     reported = worker.evaluate("validation").results()
     return sorted({*reported, "train_loss"})
 

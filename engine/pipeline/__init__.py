@@ -4,7 +4,7 @@ neighbouring stages, optionally replicated data-parallel (DP x PP).
 
 Layout: ``partition`` (which layers each stage owns), ``schedule`` (the order of forwards
 and backwards), ``stage`` (one stage's compute), ``p2p`` (transfers with deadlines),
-``execute`` (a stage through a schedule), ``worker`` (a stage's training), ``checks`` (what
+``execute`` (a stage through a schedule), ``step`` (what a stage's worker does), ``checks`` (what
 is checked before any worker starts). ``engine.fit`` with a ``PipelineConfig`` trains one.
 """
 
@@ -28,7 +28,7 @@ from ringflow.engine.pipeline.schedule import (
     stage_actions,
 )
 from ringflow.engine.pipeline.stage import PipelineStage
-from ringflow.engine.pipeline.worker import PipelineWorker
+from ringflow.engine.pipeline.step import PipelineStep, StagePlan
 
 __all__ = [
     "BALANCES",
@@ -37,8 +37,9 @@ __all__ = [
     "Partition",
     "PipelineConfig",
     "PipelineStage",
-    "PipelineWorker",
+    "PipelineStep",
     "StageLink",
+    "StagePlan",
     "StepTiming",
     "TensorData",
     "available_schedules",

@@ -14,7 +14,7 @@ from ringflow.engine.module import refuse_manual_optimisation
 from ringflow.engine.pipeline.config import PipelineConfig
 from ringflow.engine.pipeline.data import first_rows
 from ringflow.engine.pipeline.partition import Partition, model_layers, partition_model
-from ringflow.engine.pipeline.worker import pipeline_batch
+from ringflow.engine.pipeline.step import pipeline_batch
 from ringflow.engine.spec import build_module
 
 __all__ = ["check_micro_batches", "check_pipeline"]

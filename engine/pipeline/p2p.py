@@ -31,6 +31,8 @@ from ringflow.engine.errors import CollectiveTimeoutError, PeerLostError
 __all__ = ["PendingReceive", "StageLink"]
 
 FORWARD, BACKWARD = "activation", "gradient"
+_SUM_TAG = 1 << 21
+"""The tag of :meth:`StageLink.sum_over_stages`' transfers, apart from the steps'."""
 
 
 @dataclass
@@ -159,6 +161,26 @@ class StageLink:
             self._wait(work, peer, "pipeline send")
         if self._watchdog is not None:
             self._watchdog.drain()
+
+    def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the pipeline's stages, in stage order, the same on every
+        stage: passed forward from stage to stage, the total then back (the whole model's
+        gradient norm, a gradient scaler's overflow)."""
+        if self.stages == 1:
+            return value
+        total = value.detach().reshape(1).clone()
+        shape, dtype, device = total.shape, total.dtype, total.device
+        if self.stage > 0:
+            pending = self.post_receive(shape, dtype, device, what=FORWARD, micro=_SUM_TAG)
+            total = self.wait(pending) + total
+        if self.stage < self.stages - 1:
+            self.send(total, what=FORWARD, micro=_SUM_TAG)
+            pending = self.post_receive(shape, dtype, device, what=BACKWARD, micro=_SUM_TAG)
+            total = self.wait(pending)
+        if self.stage > 0:
+            self.send(total, what=BACKWARD, micro=_SUM_TAG)
+        self.flush()
+        return total.reshape(value.shape)
 
     def barrier(self) -> None:
         """All stages of the pipeline meet (benchmarks line up their steps with it)."""

@@ -7,7 +7,9 @@ training, a spawned process for the GPU benchmark, or a thread in tests.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,10 @@ class PipelineStage:
         loss_fn: applied by the last stage to its output and the micro-batch's target.
         recompute: keep only inputs in forward; recompute the activations in backward.
         device: where the stage's layers and activations live.
+        context: what every forward runs in (autocast, for mixed precision); it also fixes
+            the dtypes of the activations sent between stages.
+        scale: applied by the last stage to its weighted loss before backward (a gradient
+            scaler's ``scale``, for ``16-mixed``).
 
     Attributes:
         in_flight: micro-batches whose activations this stage holds now.
@@ -63,6 +69,8 @@ class PipelineStage:
         loss_fn: LossFn | None = None,
         recompute: bool = False,
         device: str | torch.device = "cpu",
+        context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+        scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if not 0 <= stage < partition.stages:
             raise ValueError(f"stage must be in [0, {partition.stages}), got {stage}")
@@ -71,8 +79,10 @@ class PipelineStage:
         if self.is_last and loss_fn is None:
             raise ValueError("the last stage needs a loss_fn")
         self.loss_fn, self.recompute = loss_fn, recompute
+        self.context, self.scale = context, scale
         self.device = torch.device(device)
-        self.input_spec, self.output_spec = _boundary_specs(module, partition, stage, example)
+        with context():
+            self.input_spec, self.output_spec = _boundary_specs(module, partition, stage, example)
         self.layers = trim_to_stage(module, partition, stage)
         self.module = module.to(self.device)
         self._in_flight: dict[int, _InFlight] = {}
@@ -107,11 +117,11 @@ class PipelineStage:
         if not self.is_first and x.is_floating_point():
             x.requires_grad_(True)
         rng = _rng_state(self.device) if self.recompute else None
-        with torch.set_grad_enabled(not self.recompute):
+        with torch.set_grad_enabled(not self.recompute), self.context():
             out = self._run(x)
             if self.is_last:
                 loss = self.loss_fn(out, target)
-                out = loss * weight
+                out = self._scaled(loss * weight)
         self._in_flight[micro] = _InFlight(
             input=x, output=None if self.recompute else out, target=target, weight=weight, rng=rng
         )
@@ -139,7 +149,11 @@ class PipelineStage:
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Forward only (evaluation): nothing is kept."""
-        return self._run(x)
+        with self.context():
+            return self._run(x)
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scale is None else self.scale(loss)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -148,11 +162,11 @@ class PipelineStage:
 
     def _recomputed(self, entry: _InFlight) -> torch.Tensor:
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), self.context():
             _set_rng_state(self.device, entry.rng)  # dropout draws the same masks again
             out = self._run(entry.input)
             if self.is_last:
-                out = self.loss_fn(out, entry.target) * entry.weight
+                out = self._scaled(self.loss_fn(out, entry.target) * entry.weight)
         return out
 
 

@@ -162,7 +162,7 @@ class Stack:
 
 def _is_training_worker(pid: int) -> bool:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RankWorker")
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::Worker")
     except OSError:
         return False
 

@@ -1,0 +1,256 @@
+"""What a data-parallel worker does that a pipeline stage does not: it holds the whole model,
+reduces every gradient over the ring in buckets while backward runs, and steps the optimizer
+on the averaged gradients (``engine.worker.Worker`` runs it; ``engine.layout.DataParallel``
+chooses it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ringflow.engine.collective import Collective, GradientBuckets, create_collective
+from ringflow.engine.data import Samples, samples_of
+from ringflow.engine.metrics import Logged, logged_number
+from ringflow.engine.module import call_hook, compile_in_place, compiled_in_buckets
+from ringflow.engine.timeline import UNTIMED
+from ringflow.engine.worker import (
+    Batch,
+    evaluate_module,
+    free_address,
+    split_global_batch,
+    to_device,
+)
+from ringflow.storage.reshard import load_data_parallel
+from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
+
+if TYPE_CHECKING:
+    from ringflow.engine.worker import Worker
+
+__all__ = ["DataParallelStep", "WholeModel"]
+
+
+@dataclass(frozen=True)
+class WholeModel:
+    """The plan of a data-parallel worker: the whole model, a part of every batch."""
+
+    def build(self, worker: Worker) -> DataParallelStep:
+        return DataParallelStep(worker)
+
+
+class DataParallelStep:
+    """A data-parallel worker's part of the training: ``Worker`` holds the rest."""
+
+    calls_hooks = True
+    """The module's own hooks run on every worker, as on every rank under Trainer."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.bucket_bytes = int(worker.config.bucket_mb * 2**20)
+        self.collective: Collective | None = None
+        self.buckets: GradientBuckets | None = None
+        self._steps_in_two = False
+        self._ready_first: list[torch.Tensor] = []
+
+    def split(self, split: str) -> Samples:
+        return samples_of(self.worker.data, split)
+
+    def prepare(self, module: torch.nn.Module) -> torch.nn.Module:
+        """As Trainer: ``setup``, then ``configure_model``, then the device. Built on the CPU,
+        so the initial weights are the same wherever the worker trains; moved before the
+        optimizer exists, so its state is created on the device."""
+        w = self.worker
+        call_hook(module, "setup", "fit")
+        call_hook(module, "configure_model")
+        compile_in_place(module)  # eager state names, whatever configure_model compiled
+        return w.precision.convert_module(module.to(w.device))
+
+    # ------------------------------------------------------------------ membership
+
+    def addresses(self) -> tuple[str, ...]:
+        """A ``tcp://host:port`` on this worker's node where rank 0 can host the rendezvous."""
+        return (free_address(),)
+
+    def connect(self, init_method: str = "") -> None:
+        """Join the collective and start from rank 0's weights, as DDP does."""
+        self.join(init_method)
+        with torch.no_grad():
+            for tensor in self.worker.module.state_dict().values():
+                self.collective.broadcast_(tensor, src=0)
+
+    def join(self, init_method: str = "") -> None:
+        """Join the ring of the worker's current rank and world size."""
+        w = self.worker
+        # CUDA tensors travel over NCCL: the ring then picks its NCCL transport, and native
+        # joins an NCCL process group. Only then is the argument passed, so a collective that
+        # knows no backend keeps working on CPU.
+        backend = {"backend": "nccl"} if w.device.type == "cuda" else {}
+        if w.config.collective == "ring":
+            backend["transport"] = w.config.ring_transport
+        self.collective = create_collective(
+            w.config.collective,
+            rank=w.rank,
+            world_size=w.world_size,
+            init_method=init_method,
+            timeout_s=w.config.collective_timeout_s,
+            connect_timeout_s=w.config.timeout_s,
+            compression=w.config.compression,
+            **backend,
+        )
+        self.prepare_buckets()
+
+    def prepare_buckets(self) -> None:
+        w = self.worker
+        self.buckets = GradientBuckets(w.params, self.collective, bucket_bytes=self.bucket_bytes)
+        self.buckets.timeline = w.timeline
+        # While the last bucket (the first layers') reduces, step the parameters whose sums
+        # are in: the optimizer then hides the all-reduce that backward could not.
+        last = {id(p) for p in self.buckets.last_params}
+        self._ready_first = [p for p in w.params if id(p) not in last]
+        self._steps_in_two = (
+            w.world_size > 1
+            and w.config.accumulate_grad_batches == 1
+            and bool(last)
+            and bool(self._ready_first)
+            and w.optimization.steps_in_two(clip_val=w.config.gradient_clip_val)
+        )
+
+    def leave(self) -> None:
+        if self.buckets is not None:
+            self.buckets.close()
+            self.buckets = None
+        if self.collective is not None:
+            self.collective.close()
+            self.collective = None
+
+    def reconfigure(self, init_method: str = "") -> None:
+        """Join the new ring (the worker has its new rank); the state stays."""
+        self.leave()
+        self.join(init_method)
+
+    # ------------------------------------------------------------------ training
+
+    def train(self, batch: Batch) -> int:
+        """One batch; the optimizer steps at the last batch of an accumulation window.
+
+        Each rank's loss is a mean over its part; weighting it by the part's share of the
+        global batch (and by 1/``accumulate_grad_batches``, as Lightning scales the loss)
+        makes the sum over ranks and batches the gradient Trainer computes on one process.
+        Without accumulation the weight is applied to each gradient on its way into a bucket
+        (where every share is alike, the buckets' all-reduces average instead); with it, to
+        the loss, and the buckets reduce the window's summed gradients once.
+        The module's hooks run where Trainer runs them (``on_after_backward`` sees the
+        averaged gradients of a window's last batch). Where nothing reads every gradient
+        before the step, the optimizer steps the parameters whose buckets are reduced while
+        the last bucket still reduces, then the rest (``Optimization.step_in_two``).
+
+        Returns:
+            The samples of the batch this worker saw.
+        """
+        assert self.buckets is not None, "connect() must run before training"
+        w, mine, step, window = self.worker, batch.mine, batch.step, batch.window
+        module, log_step = w.module, batch.log_step
+        timeline = UNTIMED if w.timeline is None else w.timeline.begin(batch.epoch, step)
+        if w.has_buffers:
+            w.after_copies()
+        data = None
+        if len(mine):
+            timeline.start("data")
+            data = to_device(w.train.batch(mine), w.device)
+            timeline.stop("data")
+            w.queue_deferred()  # behind the input's copy, not ahead of it
+            w.metric_log.enter("on_train_batch_start", batch_size=len(mine), log_step=log_step)
+            w.callbacks_run("on_train_batch_start", data, step)
+            call_hook(module, "on_train_batch_start", data, step)
+        if batch.opens_window:
+            call_hook(module, "on_before_zero_grad", w.optimizer)
+            w.optimizer.zero_grad(set_to_none=False)
+        if batch.steps:  # buckets start their all-reduces from inside backward
+            self._start_buckets(window=window, weight=batch.weight, global_size=batch.global_size)
+        out = None
+        if data is not None:
+            w.metric_log.enter("training_step", batch_size=len(mine), log_step=log_step)
+            timeline.start("forward")
+            # What the step compiles is split at buckets: a module compiled whole overlaps too.
+            with w.precision.forward_context(), compiled_in_buckets(self.bucket_bytes):
+                out = module.training_step(w.precision.convert_input(data), step)
+            timeline.stop("forward")
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            call_hook(module, "on_before_backward", loss)
+            timeline.start("backward")
+            w.precision.backward(loss if window == 1 else loss * (batch.weight / window))
+            timeline.stop("backward")
+            w.metric_log.record("train_loss", logged_number(loss), len(mine))
+        in_two = batch.steps and self._steps_in_two
+        if batch.steps:
+            timeline.start("gradient_wait")
+            self.buckets.finish(leave_last=in_two)
+            timeline.stop("gradient_wait")
+        w.after_copies()  # the module's hooks and the optimizer may change the weights
+        if data is not None:
+            call_hook(module, "on_after_backward")
+        if batch.steps:
+            timeline.start("optimizer")  # with the last bucket's wait, when in two
+            if in_two:
+                w.optimization.step_in_two(
+                    step, last=batch.last, ready=self._ready_first, wait=self.buckets.finish_last
+                )
+            else:
+                w.optimization.step(
+                    step,
+                    last=batch.last,
+                    clip_val=w.config.gradient_clip_val,
+                    clip_algorithm=w.config.gradient_clip_algorithm,
+                )
+            timeline.stop("optimizer")
+            w.trainer.global_step += 1
+        if data is not None:
+            w.metric_log.enter("on_train_batch_end", batch_size=len(mine), log_step=log_step)
+            call_hook(module, "on_train_batch_end", out, data, step)
+        timeline.end()
+        return len(mine)
+
+    def _start_buckets(self, *, window: int, weight: float, global_size: int) -> None:
+        if window > 1:
+            self.buckets.start()  # the loss carried the weight
+        elif global_size % self.worker.world_size == 0:
+            self.buckets.start(average=True)  # every rank's share alike: the mean of the sums
+        else:
+            self.buckets.start(weight=weight)
+
+    # ------------------------------------------------------------------ evaluation, state
+
+    def evaluate(self, split: str, samples: Samples) -> Logged:
+        """This rank's part of ``split`` through the module's validation or test step."""
+        w = self.worker
+        mine = split_global_batch(torch.arange(len(samples)), rank=w.rank, world_size=w.world_size)
+        return evaluate_module(
+            w.module,
+            samples,
+            mine,
+            split=split,
+            batch_size=w.config.batch_size,
+            device=w.device,
+            precision=w.precision,
+            log=w.metric_log,
+        )
+
+    def own(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What of a whole model's ``state`` this worker holds: all of it."""
+        return state
+
+    def load(self, store: CheckpointStore, checkpoint: CommittedCheckpoint) -> dict[str, Any]:
+        """The tensors of ``checkpoint`` this worker trains: the replicated state."""
+        w = self.worker
+        return load_data_parallel(
+            store, checkpoint, rank=w.rank, world_size=w.world_size
+        ).replicated
+
+    def transport(self) -> str | None:
+        return None if self.collective is None else getattr(self.collective, "transport", None)
+
+    def close(self) -> None:
+        self.leave()
