@@ -524,7 +524,9 @@ EVERY_OPTION = {
 }
 
 
-def _fit_toy(tmp_path, name: str, *, pipeline: PipelineConfig | None = None, **config):
+def _fit_toy(
+    tmp_path, name: str, *, pipeline: PipelineConfig | None = None, init_from=None, **config
+):
     settings = {"workers": 1, "epochs": 3, "batch_size": 24, "seed": 2, **EVERY_OPTION, **config}
     return fit(
         LightningToyNet,
@@ -533,6 +535,7 @@ def _fit_toy(tmp_path, name: str, *, pipeline: PipelineConfig | None = None, **c
         config=TrainConfig(**settings),
         checkpoint_uri=str(tmp_path / name),
         pipeline=pipeline,
+        init_from=init_from,
         in_process=settings["workers"] == 1,
     )
 
@@ -567,3 +570,15 @@ def test_a_pipeline_in_bf16_mixed_runs_its_stages_under_autocast(tmp_path):
     fp32 = _fit_toy(tmp_path, "fp32")
     assert relative_difference(piped.state_dict, whole.state_dict) < 1e-6
     assert relative_difference(piped.state_dict, fp32.state_dict) > 1e-5  # bf16 did run
+
+
+def test_a_pipeline_warm_starts_from_a_committed_model_as_one_worker_does(tmp_path):
+    """Each stage takes its layers' weights of a committed model (``init_from``)."""
+    trained = _fit_toy(tmp_path, "trained", epochs=1)
+    whole = _fit_toy(tmp_path, "whole", init_from=trained.checkpoint)
+    piped = _fit_toy(
+        tmp_path, "piped", init_from=trained.checkpoint, pipeline=PipelineConfig(stages=3)
+    )
+    fresh = _fit_toy(tmp_path, "fresh")
+    assert relative_difference(piped.state_dict, whole.state_dict) < 1e-6
+    assert relative_difference(fresh.state_dict, whole.state_dict) > 1e-2
