@@ -234,17 +234,26 @@ class RayWorkerGroup(WorkerGroup):
             ) from None
         self._next_id = 0
         self._actors: dict[str, Any] = {}
-        self._bundles: dict[str, int] = {}
-        self._starting: dict[str, tuple[Any, Any]] = {}
-        """Replacements being started: worker id -> (actor, ref of a call that ends when up)."""
+        self._units: dict[str, list[str]] = {}
+        """The workers of each member unit (one worker, or a pipeline replica's stages), by
+        unit id; the coordinator decides which units are members."""
+        self._places: dict[str, int] = {}
+        """Which place (a run of ``layout.unit`` placement-group bundles) each unit holds."""
+        self._starting: dict[str, tuple[list[Any], list[Any]]] = {}
+        """Replacements being started: unit id -> (actors, refs of calls that end when up)."""
         self._ahead: tuple[Steps, dict[str, Any], bool] | None = None
         """Steps sent before the driver asked for them (``train_steps``'s ``then``), and
         whether their workers run the next step where they end."""
-        ids = [self._spawn(bundle, index=bundle) for bundle in range(layout.size)]
+        units = []
+        for place in range(config.workers):
+            unit, actors = self._start_unit(place, first=True)
+            self._admit_unit(unit, actors)
+            units.append(unit)
+        # The coordinator counts units: data-parallel workers, or pipeline replicas.
         self.coordinator = Coordinator(
-            ids,
-            min_workers=(config.min_workers or layout.size) if layout.elastic else layout.size,
-            max_workers=layout.size,
+            units,
+            min_workers=(config.min_workers or config.workers) if layout.elastic else len(units),
+            max_workers=config.workers,
             policy=FailurePolicy(max_failures=config.max_failures if layout.elastic else 0),
         )
         try:
@@ -255,7 +264,8 @@ class RayWorkerGroup(WorkerGroup):
 
     @property
     def members(self) -> tuple[str, ...]:
-        return self.coordinator.members
+        """The member workers in rank order (a pipeline's replica-major, stage by stage)."""
+        return tuple(w for unit in self.coordinator.members for w in self._units[unit])
 
     @property
     def events(self) -> list[ElasticEvent]:
@@ -361,23 +371,27 @@ class RayWorkerGroup(WorkerGroup):
 
         if not self._layout.elastic:
             raise self._failed(lost) from lost
-        decision = self.coordinator.lost(lost.workers, at_step=at_step, cause=lost.cause)
+        # A unit goes whole: a pipeline replica is of no use without any of its stages.
+        units = list(dict.fromkeys(self._unit_of(w) for w in lost.workers))
+        decision = self.coordinator.lost(units, at_step=at_step, cause=lost.cause)
         log.warning("%s", lost.cause)
-        for worker in lost.workers:
-            actor = self._actors.pop(worker, None)
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
+        for unit in units:
+            for worker in self._units.pop(unit, []):
+                actor = self._actors.pop(worker, None)
+                if actor is not None:
+                    ray.kill(actor, no_restart=True)
         if isinstance(decision, GiveUp):
             raise EngineError(f"training stopped: {decision.reason}")
         step = decision.step
         if isinstance(decision, WaitForWorkers):
             self._fill(decision.count, wait=True)
-        self._rewire()
+        self._rewire(joined=[])
         self.call("rollback", step)
         self._admit_ready(step)
         log.warning(
-            "training goes on with %d workers from the commit at step %d (%d steps lost)",
-            len(self.members),
+            "training goes on with %d %s from the commit at step %d (%d steps lost)",
+            len(self.coordinator.members),
+            self._layout.units,
             step,
             at_step - step,
         )
@@ -393,22 +407,42 @@ class RayWorkerGroup(WorkerGroup):
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in [*self._actors.values(), *(a for a, _ in self._starting.values())]:
+        starting = [actor for actors, _ in self._starting.values() for actor in actors]
+        for actor in [*self._actors.values(), *starting]:
             ray.kill(actor)
         self._actors, self._starting = {}, {}
         remove_placement_group(self._pg)
 
     # ------------------------------------------------------------------------ membership
 
-    def _spawn(self, bundle: int, *, index: int) -> str:
+    def _unit_of(self, worker: str) -> str:
+        return next(unit for unit, workers in self._units.items() if worker in workers)
+
+    def _start_unit(self, place: int, *, first: bool = False) -> tuple[str, list[Any]]:
+        """Start the workers of one unit in ``place``'s bundles; its id and actors. The first
+        units are workers ``place * unit ..``; a replacement's workers are made as replica
+        0's (each joins at its members' rank)."""
+        size = self._layout.unit
+        unit = f"worker-{self._next_id}" if size == 1 else f"replica-{self._next_id}"
+        self._next_id += 1
+        indices = [place * size + i if first else i for i in range(size)]
+        actors = [self._spawn(place * size + i, index=index) for i, index in enumerate(indices)]
+        self._places[unit] = place
+        return unit, actors
+
+    def _admit_unit(self, unit: str, actors: list[Any]) -> None:
+        names = [unit] if len(actors) == 1 else [f"{unit}-stage-{i}" for i in range(len(actors))]
+        for name, actor in zip(names, actors, strict=True):
+            self._actors[name] = actor
+        self._units[unit] = names
+
+    def _spawn(self, bundle: int, *, index: int) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        worker = f"worker-{self._next_id}"
-        self._next_id += 1
         env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         if self._config.gpus_per_worker:
             env[NOSET_VISIBLE_DEVICES] = "1"  # workers see each other's GPUs (worker_device)
-        actor = self._actor_cls.options(
+        return self._actor_cls.options(
             num_cpus=self._config.cpus_per_worker,
             num_gpus=self._config.gpus_per_worker,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -417,30 +451,32 @@ class RayWorkerGroup(WorkerGroup):
             runtime_env={"env_vars": env} if _single_node() else None,
             name=None,
         ).remote(self._module_cls, **self._layout.worker_kwargs(index), **self._spec)
-        self._actors[worker] = actor
-        self._bundles[worker] = bundle
-        return worker
 
     def _fill(self, count: int, *, wait: bool) -> None:
-        """Start replacements in free bundles; with ``wait``, until ``count`` are up."""
+        """Start replacement units in free places; with ``wait``, until ``count`` are up."""
         import ray
 
-        used = {self._bundles[w] for w in (*self.members, *self._starting)}
-        free = [b for b in range(self._config.workers) if b not in used]
-        for bundle in free[: max(0, self.coordinator.vacancies() - len(self._starting))]:
-            worker = self._spawn(bundle, index=0)
-            actor = self._actors.pop(worker)
-            self._starting[worker] = (actor, actor.epoch_steps.remote())
+        used = {self._places[u] for u in (*self.coordinator.members, *self._starting)}
+        free = [p for p in range(self._config.workers) if p not in used]
+        for place in free[: max(0, self.coordinator.vacancies() - len(self._starting))]:
+            unit, actors = self._start_unit(place)
+            self._starting[unit] = (actors, [actor.epoch_steps.remote() for actor in actors])
         if not wait:
             return
-        refs = [ref for _, ref in self._starting.values()]
-        ready, _ = ray.wait(refs, num_returns=min(count, len(refs)), timeout=self._config.timeout_s)
-        if len(ready) < count:
-            raise EngineError(
-                self.coordinator.wait_failed(
-                    f"{count} replacement(s) not up within timeout_s={self._config.timeout_s:g}"
-                ).reason
-            )
+        pending = list(self._starting.values())
+        deadline = time.monotonic() + self._config.timeout_s
+        up = 0
+        for _, refs in pending:
+            left = max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=left)
+            up += len(ready) == len(refs)
+            if up >= count:
+                return
+        raise EngineError(
+            self.coordinator.wait_failed(
+                f"{count} replacement(s) not up within timeout_s={self._config.timeout_s:g}"
+            ).reason
+        )
 
     def _admit_ready(self, step: int) -> None:
         """Replacements that are up adopt the commit of ``step`` and join the ring."""
@@ -449,46 +485,73 @@ class RayWorkerGroup(WorkerGroup):
         if self.coordinator.vacancies() > len(self._starting):
             self._fill(0, wait=False)
         ready = []
-        for worker, (actor, ref) in list(self._starting.items()):
-            done, _ = ray.wait([ref], timeout=0)
-            if not done:
+        for unit, (actors, refs) in list(self._starting.items()):
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(done) < len(refs):
                 continue
-            del self._starting[worker]
+            del self._starting[unit]
             try:
-                ray.get(ref)
+                ray.get(refs)
             except ray.exceptions.RayError as err:
-                self.coordinator.spawn_failed(f"{worker} did not start: {err}")
+                for actor in actors:
+                    ray.kill(actor)
+                self.coordinator.spawn_failed(f"{unit} did not start: {err}")
                 continue
-            ready.append((worker, actor))
+            ready.append((unit, actors))
         if not ready:
             return
-        state = self._actors[self.members[0]].committed_state.remote(step)
-        self._gather_new([actor.adopt.remote(step, state) for _, actor in ready])
-        for worker, actor in ready:
-            self._actors[worker] = actor
-        self.coordinator.joined([w for w, _ in ready])
-        log.warning(
-            "%s joined at step %d; %d workers",
-            ", ".join(w for w, _ in ready),
-            step,
-            len(self.members),
+        # Each new worker takes the commit of the member that holds the same part (a
+        # pipeline's stage) of the model.
+        first = self._units[self.coordinator.members[0]]
+        states = [self._actors[w].committed_state.remote(step) for w in first]
+        self._gather_new(
+            [a.adopt.remote(step, states[i]) for _, actors in ready for i, a in enumerate(actors)]
         )
-        self._rewire()
+        for unit, actors in ready:
+            self._admit_unit(unit, actors)
+        self.coordinator.joined([unit for unit, _ in ready])
+        log.warning(
+            "%s joined at step %d; %d %s",
+            ", ".join(unit for unit, _ in ready),
+            step,
+            len(self.coordinator.members),
+            self._layout.units,
+        )
+        self._rewire(joined=[unit for unit, _ in ready])
 
     def _gather_new(self, refs: list) -> None:
         import ray
 
         ray.get(refs, timeout=self._config.timeout_s)
 
-    def _rewire(self) -> None:
-        """Rebuild the ring among the members, in their order, without restarting them."""
-        init_method = self._call_one(self.members[0], "addresses")[0]
-        size = len(self.members)
+    def _rewire(self, *, joined: list[str]) -> None:
+        """Rebuild the rings among the members, in their order, without restarting them
+        (units that ``joined`` first meet each other as the layout says)."""
+        self._layout.rewire(
+            self,
+            [[self.members.index(w) for w in self._units[unit]] for unit in joined],
+        )
+
+    def _blamed_peers(
+        self, called: list[str], blamed: list[tuple[str, CollectiveError]]
+    ) -> dict[str, str]:
+        """The workers the survivors' errors name as the lost peer (their ``peer`` is a rank
+        in the ring or the pipeline that raised it: the layout says which worker that is)."""
+        lost: dict[str, str] = {}
+        for worker, error in blamed:
+            peer = self._layout.peer_of(called.index(worker), error)
+            if peer is not None and 0 <= peer < len(called):
+                lost.setdefault(called[peer], f"peers report: {error}")
+        return lost
+
+    def call_ranked(self, method: str, arguments: list[tuple], workers: list[int]) -> list[Any]:
+        """Call ``method`` on the members at positions ``workers``, each with its arguments."""
+        members = self.members
         refs = {
-            w: self._actors[w].reconfigure.remote(rank, size, init_method)
-            for rank, w in enumerate(self.members)
+            members[i]: getattr(self._actors[members[i]], method).remote(*a)
+            for i, a in zip(workers, arguments, strict=True)
         }
-        self._gather("reconfigure", refs)
+        return self._gather(method, refs)
 
     def _gather(self, method: str, refs: dict[str, Any]) -> list[Any]:
         """Results in rank order, or :class:`MembershipLost` naming the lost workers.
@@ -536,7 +599,7 @@ class RayWorkerGroup(WorkerGroup):
         for worker in pending.values():
             lost[worker] = "it stopped answering"
         if not lost:
-            lost = _blamed_peers(list(refs), [error for _, error in blamed])
+            lost = self._blamed_peers(list(refs), blamed)
         if lost:
             raise MembershipLost(lost, during=method)
         if blamed:
@@ -586,16 +649,6 @@ def _why_gone(err: Exception) -> str:
     if isinstance(err, ray.exceptions.ActorUnavailableError):
         return f"it stopped answering ({type(err).__name__})"
     return f"its process died ({type(err).__name__})"
-
-
-def _blamed_peers(ranks: list[str], errors: list[CollectiveError]) -> dict[str, str]:
-    """The workers the survivors' errors name as the lost peer (by rank in this call)."""
-    lost: dict[str, str] = {}
-    for error in errors:
-        peer = getattr(error, "peer", None)
-        if peer is not None and 0 <= peer < len(ranks):
-            lost.setdefault(ranks[peer], f"peers report: {error}")
-    return lost
 
 
 class MembershipLost(EngineError):

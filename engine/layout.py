@@ -37,6 +37,11 @@ class Workers(Protocol):
 
     def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
+    def call_ranked(self, method: str, arguments: list[tuple], workers: list[int]) -> list[Any]: ...
+
+    @property
+    def members(self) -> tuple[str, ...]: ...
+
 
 class Layout:
     """What differs between layouts; see the module docstring."""
@@ -45,6 +50,10 @@ class Layout:
     """Whether lost workers are replaced while the others roll back (in-memory commits)."""
     what = "workers"
     """The workers in words, for messages."""
+    units = "workers"
+    """What the elastic group counts, in words: workers, or pipeline replicas."""
+    unit = 1
+    """Workers lost together and replaced together (a pipeline replica's stages)."""
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
@@ -72,6 +81,16 @@ class Layout:
     def connect(self, group: Workers) -> None:
         """Connect the started workers: collectives, pipeline links."""
         raise NotImplementedError
+
+    def rewire(self, group: Workers, joined: list[list[int]]) -> None:
+        """Rebuild the rings among the members after a change of membership, keeping their
+        state; ``joined`` lists the positions of each unit that just joined."""
+        raise NotImplementedError
+
+    def peer_of(self, index: int, error: Exception) -> int | None:
+        """The position of the worker that ``error`` (raised by worker ``index`` of a call)
+        names as its lost peer, if it names one."""
+        return getattr(error, "peer", None)
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint's fingerprint records of the layout: resuming into another is
@@ -140,6 +159,11 @@ class DataParallel(Layout):
         init_method = group.call_rank0("addresses")[0] if self.size > 1 else ""
         group.call("connect", init_method)
 
+    def rewire(self, group: Workers, joined: list[list[int]]) -> None:
+        size = len(group.members)
+        init_method = group.call_ranked("addresses", [()], [0])[0][0]
+        group.call_each("reconfigure", [(rank, size, init_method) for rank in range(size)])
+
     def checkpoint(self, group, store_url, run_key, *, step, metadata, metrics) -> None:
         # Rank 0 copies the replicated state to host memory and writes it in the background.
         group.call_rank0(
@@ -158,6 +182,17 @@ class Pipeline(Layout):
     ``replica * stages + stage`` runs that stage of that replica."""
 
     what = "stage workers"
+    units = "replicas"
+
+    @property
+    def unit(self) -> int:
+        return self.pipeline.stages
+
+    @property
+    def elastic(self) -> bool:
+        """On CPU a lost stage's replica leaves and the others go on; on GPUs the replicas
+        share one NCCL world, which is not rebuilt around a lost one."""
+        return not self.config.gpus_per_worker
 
     def __init__(self, config: TrainConfig, pipeline: PipelineConfig) -> None:
         super().__init__(config)
@@ -199,6 +234,30 @@ class Pipeline(Layout):
             ],
         )
 
+    def rewire(self, group: Workers, joined: list[list[int]]) -> None:
+        """A replica that joined first links its stages; then each stage's ring is made
+        again among the replicas, at replica 0's worker of that stage."""
+        stages, size = self.pipeline.stages, len(group.members)
+        for unit in joined:
+            addresses = group.call_ranked("addresses", [()] * stages, unit)
+            group.call_ranked("connect", [(addresses[0][0], "")] * stages, unit)
+        rings = group.call_ranked("addresses", [()] * stages, list(range(stages)))
+        group.call_each(
+            "reconfigure",
+            [(i // stages, size // stages, rings[i % stages][1]) for i in range(size)],
+        )
+
+    def peer_of(self, index: int, error: Exception) -> int | None:
+        """A link's error names a stage of the worker's replica, a ring's a replica of its
+        stage (workers are replica-major)."""
+        peer, op = getattr(error, "peer", None), str(getattr(error, "op", ""))
+        if peer is None or op == "train_steps":
+            return None
+        replica, stage = divmod(index, self.pipeline.stages)
+        if op.startswith("pipeline"):
+            return replica * self.pipeline.stages + peer
+        return peer * self.pipeline.stages + stage
+
     def identity(self) -> dict[str, Any]:
         return {"pipeline": True}
 
@@ -211,19 +270,22 @@ class Pipeline(Layout):
         }
 
     _UNSUPPORTED = {
-        "min_workers": "pipeline stages do not go on with fewer workers: a lost stage fails "
-        "the run, and a retried run resumes from its last checkpoint",
-        "max_failures": "a lost pipeline stage fails the run (no in-run replacement)",
-        "commit_every": "pipeline stages keep no in-memory commits",
         "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule",
         "timeline": "the timeline records data-parallel workers' steps",
     }
+    _ON_GPUS = (
+        "on GPUs the replicas share one NCCL world, which is not rebuilt around a lost one: "
+        "a lost stage fails the run, and a retried run resumes from its last checkpoint"
+    )
 
     def refused(self, *, init_from: str | None) -> list[str]:
         defaults = TrainConfig()
+        unsupported = dict(self._UNSUPPORTED)
+        if not self.elastic:
+            unsupported.update(dict.fromkeys(("min_workers", "commit_every"), self._ON_GPUS))
         return [
             f"{name}={getattr(self.config, name)!r} ({why})"
-            for name, why in self._UNSUPPORTED.items()
+            for name, why in unsupported.items()
             if getattr(self.config, name) != getattr(defaults, name)
         ]
 

@@ -239,9 +239,10 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_resumes_and_serves_
     tmp_path,
 ):
     """The character LM, named like any model of one's own: its example data, tuning, two
-    replicas of two pipeline stages in bf16-mixed, accumulating and clipping by norm; started again under its run key with more epochs, as a
-    retried flow run is, it goes on from its checkpoint instead of training from scratch, and
-    serves its ``predict_step`` by feature name."""
+    replicas of two pipeline stages in bf16-mixed, accumulating and clipping by norm; started
+    again under its run key with more epochs, as a retried flow run is, it goes on from its
+    checkpoint instead of training from scratch, and serves its ``predict_step`` by feature
+    name."""
     from ringflow.storage import CheckpointStore
 
     hparams = {"context": 16, "width": 32, "depth": 2, "heads": 2}

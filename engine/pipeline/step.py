@@ -134,9 +134,10 @@ class PipelineStep:
         self.join(ring_address)
 
     def join(self, ring_address: str) -> None:
-        """Join this stage's ring over the replicas (the worker's rank and world size)."""
+        """Join this stage's ring over the replicas (the worker's rank and world size); a
+        replica that joins a running group is given none at first (``Pipeline.rewire``)."""
         w = self.worker
-        if w.world_size == 1:
+        if w.world_size == 1 or not ring_address:
             return
         gpu: dict[str, Any] = {}
         if w.device.type == "cuda":
