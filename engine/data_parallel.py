@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ringflow.engine.collective import Collective, GradientBuckets, create_collective
+from ringflow.engine.collective import Collective, GradientBuckets
 from ringflow.engine.data import Samples, samples_of
 from ringflow.engine.metrics import Logged, logged_number
 from ringflow.engine.module import call_hook, compile_in_place, compiled_in_buckets
@@ -83,23 +83,7 @@ class DataParallelStep:
 
     def join(self, init_method: str = "") -> None:
         """Join the ring of the worker's current rank and world size."""
-        w = self.worker
-        # CUDA tensors travel over NCCL: the ring then picks its NCCL transport, and native
-        # joins an NCCL process group. Only then is the argument passed, so a collective that
-        # knows no backend keeps working on CPU.
-        backend = {"backend": "nccl"} if w.device.type == "cuda" else {}
-        if w.config.collective == "ring":
-            backend["transport"] = w.config.ring_transport
-        self.collective = create_collective(
-            w.config.collective,
-            rank=w.rank,
-            world_size=w.world_size,
-            init_method=init_method,
-            timeout_s=w.config.collective_timeout_s,
-            connect_timeout_s=w.config.timeout_s,
-            compression=w.config.compression,
-            **backend,
-        )
+        self.collective = self.worker.ring(init_method)
         self.prepare_buckets()
 
     def prepare_buckets(self) -> None:

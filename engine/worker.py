@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ringflow.engine.collective import Collective
+from ringflow.engine.collective import Collective, create_collective
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of
 from ringflow.engine.errors import EngineError, PeerLostError
@@ -389,6 +389,29 @@ class Worker:
     def connect(self, *addresses: str) -> None:
         """Meet the peers at ``addresses`` (the layout's) and start from the same state."""
         self.step.connect(*addresses)
+
+    def ring(self, init_method: str, *, group: Any = None) -> Collective:
+        """Join the ring of this worker's rank and world size, rendezvous at ``init_method``:
+        ``config.collective`` with its transport, over NCCL on a GPU (in ``group``, a
+        pipeline stage's NCCL group over the replicas, where given)."""
+        # CUDA tensors travel over NCCL: the ring then picks its NCCL transport, and native
+        # joins an NCCL process group. Only then is the argument passed, so a collective that
+        # knows no backend keeps working on CPU.
+        backend: dict[str, Any] = {"backend": "nccl"} if self.device.type == "cuda" else {}
+        if backend and group is not None:
+            backend["group"] = group
+        if self.config.collective == "ring":
+            backend["transport"] = self.config.ring_transport
+        return create_collective(
+            self.config.collective,
+            rank=self.rank,
+            world_size=self.world_size,
+            init_method=init_method,
+            timeout_s=self.config.collective_timeout_s,
+            connect_timeout_s=self.config.timeout_s,
+            compression=self.config.compression,
+            **backend,
+        )
 
     def reconfigure(self, rank: int, world_size: int, *addresses: str) -> None:
         """Leave the old ring and join a new one as ``rank`` of ``world_size``, keeping state.

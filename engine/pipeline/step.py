@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ringflow.engine.collective import Collective, create_collective
+from ringflow.engine.collective import Collective
 from ringflow.engine.collective._rendezvous import tcp_store
 from ringflow.engine.data import Samples
 from ringflow.engine.metrics import Logged
@@ -136,24 +136,8 @@ class PipelineStep:
     def join(self, ring_address: str) -> None:
         """Join this stage's ring over the replicas (the worker's rank and world size); a
         replica that joins a running group is given none at first (``Pipeline.rewire``)."""
-        w = self.worker
-        if w.world_size == 1 or not ring_address:
-            return
-        gpu: dict[str, Any] = {}
-        if w.device.type == "cuda":
-            gpu = {"backend": "nccl", "group": self._ring_group}
-            if w.config.collective == "ring":
-                gpu["transport"] = w.config.ring_transport
-        self.collective = create_collective(
-            w.config.collective,
-            rank=w.rank,
-            world_size=w.world_size,
-            init_method=ring_address,
-            timeout_s=w.config.collective_timeout_s,
-            connect_timeout_s=w.config.timeout_s,
-            compression=w.config.compression,
-            **gpu,
-        )
+        if self.worker.world_size > 1 and ring_address:
+            self.collective = self.worker.ring(ring_address, group=self._ring_group)
 
     def reconfigure(self, ring_address: str = "") -> None:
         """Join this stage's new ring among the replicas left (the pipeline stays)."""
