@@ -178,6 +178,7 @@ def fit(
         history = _train(group, layout, config, resume, on_epoch, callbacks, writers)
         timeline = _write_timeline(group, config, timeline_url or _trace_url(checkpoint_uri))
         state = layout.model_state(group)
+        environment = group.call_rank0("environment")
         events = resume.events() + group.events
     except BaseException:
         writers.finish("failed")
@@ -195,6 +196,7 @@ def fit(
         metrics=history[-1].metrics,
         meta={
             **run_meta(config, data),
+            "environment": environment,
             **layout.meta(),
             **({"run_key": run_key} if run_key else {}),
             **(meta or {}),

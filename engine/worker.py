@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ringflow.engine.collective import Collective, create_collective
+from ringflow.engine.collective import Collective, create_collective, environment_overrides
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of
 from ringflow.engine.errors import EngineError, PeerLostError
@@ -378,6 +378,11 @@ class Worker:
         if self.step.collective is not None:
             info["transport"] = self.step.transport() or self.config.collective
         return info
+
+    def environment(self) -> dict[str, str]:
+        """The environment variables of this worker's process that override the
+        collective's settings (``engine.collective.ENVIRONMENT_KNOBS``)."""
+        return environment_overrides()
 
     # ------------------------------------------------------------------ membership
 

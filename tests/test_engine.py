@@ -179,3 +179,29 @@ def test_warm_start_begins_from_the_given_model(digits, tmp_path):
             in_process=True,
             init_from=first.checkpoint,
         )
+
+
+def test_a_runs_record_names_the_environment_overrides_its_workers_had(
+    digits, tmp_path, monkeypatch
+):
+    """The GPU ring's settings an environment variable overrides are in the committed
+    model's record, beside the TrainConfig: a run is reproducible from what it records."""
+    from ringflow.storage.checkpoint import read_checkpoint
+
+    config = TrainConfig(workers=1, epochs=1, batch_size=256, seed=0)
+
+    def recorded(name: str) -> dict:
+        result = fit(
+            DigitsClassifier,
+            hparams={},
+            data=digits,
+            config=config,
+            checkpoint_uri=str(tmp_path / name),
+            in_process=True,
+        )
+        return read_checkpoint(result.checkpoint).meta["environment"]
+
+    assert recorded("plain") == {}
+    monkeypatch.setenv("RINGFLOW_SYMM_DEPTH", "3")
+    monkeypatch.setenv("RINGFLOW_UNRELATED", "1")
+    assert recorded("overridden") == {"RINGFLOW_SYMM_DEPTH": "3"}

@@ -7,11 +7,13 @@ ranks on one host, gloo or NCCL otherwise), with deadlines on every collective.
 
 from ringflow.engine.collective.base import (
     COMPRESSIONS,
+    ENVIRONMENT_KNOBS,
     Collective,
     CollectiveWork,
     ReduceOp,
     available_collectives,
     create_collective,
+    environment_overrides,
     register_collective,
 )
 from ringflow.engine.collective.buckets import GradientBuckets
@@ -21,6 +23,7 @@ from ringflow.engine.errors import CollectiveError, CollectiveTimeoutError, Peer
 
 __all__ = [
     "COMPRESSIONS",
+    "ENVIRONMENT_KNOBS",
     "TRANSPORTS",
     "Collective",
     "CollectiveError",
@@ -33,5 +36,6 @@ __all__ = [
     "RingCollective",
     "available_collectives",
     "create_collective",
+    "environment_overrides",
     "register_collective",
 ]

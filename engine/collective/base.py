@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -10,6 +11,7 @@ import torch
 
 __all__ = [
     "COMPRESSIONS",
+    "ENVIRONMENT_KNOBS",
     "Collective",
     "CollectiveWork",
     "CompletedWork",
@@ -17,6 +19,7 @@ __all__ = [
     "check_reduce_op",
     "available_collectives",
     "create_collective",
+    "environment_overrides",
     "register_collective",
     "wire_dtype",
 ]
@@ -170,3 +173,24 @@ def create_collective(name: str, **kwargs: object) -> Collective:
             f"unknown collective {name!r}; choose one of {available_collectives()}"
         ) from None
     return cls(**kwargs)  # type: ignore[arg-type]
+
+
+ENVIRONMENT_KNOBS = (
+    "RINGFLOW_SYMM_BUCKETS",
+    "RINGFLOW_SYMM_DEPTH",
+    "RINGFLOW_SYMM_FUSED_BELOW",
+    "RINGFLOW_SYMM_FUSED_BLOCKS",
+    "RINGFLOW_SYMM_GRAPHS",
+    "RINGFLOW_SYMM_OVERLAP",
+    "RINGFLOW_SYMM_PIECE_MB",
+    "RINGFLOW_SYMM_ROUNDS",
+    "RINGFLOW_SYMM_ROUNDS_FROM_MB",
+)
+"""The environment variables the ring's GPU transport reads in place of its defaults
+(``engine.collective._symm``, ``engine.collective._fused``)."""
+
+
+def environment_overrides() -> dict[str, str]:
+    """Those of :data:`ENVIRONMENT_KNOBS` set in this process: a run records what its workers
+    had (``engine.trainer``), since each changes how the gradients are reduced."""
+    return {name: os.environ[name] for name in ENVIRONMENT_KNOBS if name in os.environ}
