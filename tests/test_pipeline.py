@@ -582,3 +582,30 @@ def test_a_pipeline_warm_starts_from_a_committed_model_as_one_worker_does(tmp_pa
     fresh = _fit_toy(tmp_path, "fresh")
     assert relative_difference(piped.state_dict, whole.state_dict) < 1e-6
     assert relative_difference(fresh.state_dict, whole.state_dict) > 1e-2
+
+
+@pytest.mark.parametrize("others_overflowed", [False, True])
+def test_a_stage_skips_its_16_mixed_step_when_another_stages_gradients_overflowed(
+    others_overflowed,
+):
+    """The stages of one model step together: a stage whose own gradients are finite skips
+    the step, and halves its scale, where another stage's overflowed (``across`` sums the
+    stages' overflow counts), so every stage keeps one scale."""
+    from ringflow.engine.module import Optimization, Precision
+
+    module = LightningToyNet()
+    precision = Precision("16-mixed", torch.device("cpu"))
+    optimization = Optimization(module, precision)
+    precision.backward(module(torch.ones(2, FEATURES)).sum())
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    scale = precision.scaler.get_scale()
+    optimization.step(
+        0,
+        last=False,
+        clip_val=None,
+        clip_algorithm="norm",
+        across=lambda found: found + float(others_overflowed),
+    )
+    unchanged = all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+    assert unchanged == others_overflowed
+    assert precision.scaler.get_scale() == (scale / 2 if others_overflowed else scale)
