@@ -215,16 +215,17 @@ class StageLink:
 
     @contextlib.contextmanager
     def _checked(self, peer: int | None, op: str):
-        """Raise the watchdog's verdict, before and instead of what NCCL raises after an
-        abort (it refuses work on an aborted communicator)."""
-        if self._watchdog is None:
-            yield
-            return
-        self._watchdog.raise_failure()
+        """A transfer refused because the link to ``peer`` broke raises ``PeerLostError``:
+        gloo refuses one on a pair it closed (the neighbour died, or an earlier transfer
+        passed its deadline), NCCL on an aborted communicator, after which the watchdog's
+        verdict is raised instead."""
+        if self._watchdog is not None:
+            self._watchdog.raise_failure()
         try:
             yield
         except RuntimeError as err:
-            self._watchdog.raise_failure()
+            if self._watchdog is not None:
+                self._watchdog.raise_failure()
             raise PeerLostError(
                 f"pipeline stage {peer} was lost during {op} (stage {self.stage} saw: {err})",
                 peer=peer,
