@@ -376,6 +376,7 @@ class RayWorkerGroup(WorkerGroup):
         decision = self.coordinator.lost(units, at_step=at_step, cause=lost.cause)
         log.warning("%s", lost.cause)
         for unit in units:
+            self._places.pop(unit, None)  # its place is free for a replacement
             for worker in self._units.pop(unit, []):
                 actor = self._actors.pop(worker, None)
                 if actor is not None:

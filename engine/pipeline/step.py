@@ -311,9 +311,6 @@ class PipelineStep:
         names = self.worker.module.state_dict().keys()
         return load_pipeline_stage(store, checkpoint, names=names)
 
-    def peak_in_flight(self) -> int:
-        return 0 if self.stage is None else self.stage.peak_in_flight
-
     def transport(self) -> str | None:
         return None if self.collective is None else getattr(self.collective, "transport", None)
 
