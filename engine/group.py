@@ -371,6 +371,21 @@ class RayWorkerGroup(WorkerGroup):
 
         if not self._layout.elastic:
             raise self._failed(lost) from lost
+        if isinstance(lost, Stalled):
+            decision = self.coordinator.stalled(at_step=at_step, cause=lost.cause)
+            log.warning("%s", lost.cause)
+            if isinstance(decision, GiveUp):
+                raise EngineError(f"training stopped: {decision.reason}")
+            # The units link their own workers again too: a deadline closed those links.
+            self._rewire(joined=list(dict.fromkeys(self._unit_of(w) for w in lost.workers)))
+            self.call("rollback", decision.step)
+            log.warning(
+                "every worker is alive: training goes on from the commit at step %d "
+                "(%d steps redone)",
+                decision.step,
+                at_step - decision.step,
+            )
+            return decision.step
         # A unit goes whole: a pipeline replica is of no use without any of its stages.
         units = list(dict.fromkeys(self._unit_of(w) for w in lost.workers))
         decision = self.coordinator.lost(units, at_step=at_step, cause=lost.cause)
@@ -417,7 +432,8 @@ class RayWorkerGroup(WorkerGroup):
     # ------------------------------------------------------------------------ membership
 
     def _unit_of(self, worker: str) -> str:
-        return next(unit for unit, workers in self._units.items() if worker in workers)
+        """The unit ``worker`` belongs to (itself while it is not admitted yet)."""
+        return next((unit for unit, workers in self._units.items() if worker in workers), worker)
 
     def _start_unit(self, place: int, *, first: bool = False) -> tuple[str, list[Any]]:
         """Start the workers of one unit in ``place``'s bundles; its id and actors. The first
@@ -533,6 +549,24 @@ class RayWorkerGroup(WorkerGroup):
             [[self.members.index(w) for w in self._units[unit]] for unit in joined],
         )
 
+    def _raise_lost(
+        self,
+        method: str,
+        called: list[str],
+        lost: dict[str, str],
+        blamed: list[tuple[str, CollectiveError]],
+    ) -> None:
+        """:class:`MembershipLost` for the workers gone, else for those the others blame;
+        :class:`Stalled` when every unit is blamed by another, all alive and answering (a
+        deadline passed on a slow host or a starved core: there is nobody to leave out)."""
+        if lost:
+            raise MembershipLost(lost, during=method)
+        lost = self._blamed_peers(called, blamed)
+        if lost and {self._unit_of(w) for w in lost} == {self._unit_of(w) for w in called}:
+            raise Stalled(lost, during=method)
+        if lost:
+            raise MembershipLost(lost, during=method)
+
     def _blamed_peers(
         self, called: list[str], blamed: list[tuple[str, CollectiveError]]
     ) -> dict[str, str]:
@@ -599,10 +633,8 @@ class RayWorkerGroup(WorkerGroup):
                 grace_until = time.monotonic() + self._config.collective_timeout_s + 2.0
         for worker in pending.values():
             lost[worker] = "it stopped answering"
-        if not lost:
-            lost = self._blamed_peers(list(refs), blamed)
-        if lost:
-            raise MembershipLost(lost, during=method)
+        if lost or blamed:
+            self._raise_lost(method, list(refs), lost, blamed)
         if blamed:
             raise blamed[0][1]
         return [results[w] for w in refs]
@@ -655,10 +687,21 @@ def _why_gone(err: Exception) -> str:
 class MembershipLost(EngineError):
     """Workers were lost during a call; ``workers`` maps each to why."""
 
+    verb = "lost"
+
     def __init__(self, workers: dict[str, str], *, during: str) -> None:
         self.workers = dict(workers)
-        self.cause = "; ".join(f"{w} lost during {during}: {why}" for w, why in workers.items())
+        self.cause = "; ".join(
+            f"{w} {self.verb} during {during}: {why}" for w, why in workers.items()
+        )
         super().__init__(self.cause)
+
+
+class Stalled(MembershipLost):
+    """Every member answered, each blaming another for a missed deadline: none is lost, all
+    roll back (``workers`` are the blamed ones)."""
+
+    verb = "was late"
 
 
 def _worker_bundle(config: TrainConfig) -> dict[str, float]:

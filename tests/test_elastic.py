@@ -85,6 +85,19 @@ def test_the_failure_budget_ends_the_run_with_the_reason():
     assert c.vacancies() == 0
 
 
+def test_a_deadline_passed_with_every_member_alive_rolls_all_back_and_counts():
+    c = _coordinator(min_workers=3, max_failures=1)
+    c.committed(10)
+    decision = c.stalled(at_step=14, cause="w0 was late; w1 was late")
+    assert decision == Continue(("w0", "w1", "w2"), 10)  # nobody left out, no wait
+    assert [(e.kind, e.steps_lost) for e in c.events] == [("stalled", 4), ("rollback", 4)]
+    assert c.vacancies() == 0
+    decision = c.stalled(at_step=12, cause="again")
+    assert isinstance(decision, GiveUp)
+    assert "max_failures=1" in decision.reason
+    assert "collective_timeout_s" in decision.reason
+
+
 def test_replacements_that_fail_to_start_back_off_exponentially():
     c = _coordinator(backoff_s=2.0, max_backoff_s=5.0)
     c.lost(["w2"], at_step=0, cause="gone")

@@ -60,5 +60,6 @@ def test_repeated_runs_count_each_runners_fastest(capsys):
     assert "run 2/2" in out
     (result,) = summary["results"]
     assert len(result["runs"]) == 2
-    assert round(result["tokens_per_s"]) == max(result["runs"])
+    # The summary keeps one decimal, each run none: 3221.46 is 3221.5 there and 3221 here.
+    assert abs(result["tokens_per_s"] - max(result["runs"])) <= 0.5
     assert summary["spec"]["repeats"] == 2

@@ -209,3 +209,61 @@ def test_a_replica_that_loses_a_stage_leaves_the_other_going_on_and_a_new_one_jo
     assert "joined" in kinds, result.events
     assert result.events[kinds.index("joined")].workers == 2  # replicas
     assert relative_difference(result.state_dict, reference.state_dict) < 1e-5
+
+
+class _LateOnce(nn.Module):
+    """A layer whose sixth call takes longer than the collective deadline, once per marker."""
+
+    def __init__(self, layer: nn.Module, marker: str) -> None:
+        super().__init__()
+        self.layer, self.marker, self.calls = layer, marker, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 6 and not os.path.exists(self.marker):
+            with open(self.marker, "w") as late:
+                late.write(str(time.time()))
+            time.sleep(4.0)  # past the 3 s deadline, back before the margin after it ends
+        return self.layer(x)
+
+
+class LateFirstStage(ToyNet):
+    def __init__(self, *, marker: str, **hparams) -> None:
+        super().__init__(**hparams)
+        self.inp = _LateOnce(self.inp, marker)
+
+
+def test_two_stages_that_blame_each_other_for_a_deadline_both_go_on(tmp_path):
+    """Stage 1 gives up waiting for stage 0's activation; stage 0, late but alive, then finds
+    the link closed: each blames the other and both answer. Nobody is lost (before, both
+    were, and the run ended "every worker was lost"): the replica rolls back to its commit
+    and ends where a run on time does."""
+    marker = tmp_path / "late"
+
+    def run(name: str):
+        return fit(
+            LateFirstStage,
+            hparams={"marker": str(marker)},
+            data=toy_data(samples=96),
+            config=TrainConfig(
+                workers=1,
+                epochs=3,
+                batch_size=24,
+                seed=2,
+                collective_timeout_s=3.0,
+                commit_every=2,
+            ),
+            pipeline=PipelineConfig(stages=2, micro_batches=2),
+            checkpoint_uri=str(tmp_path / name),
+        )
+
+    marker.touch()  # on time
+    reference = run("reference")
+    marker.unlink()
+    result = run("stalled")
+    assert marker.exists(), "stage 0 was never late"
+    kinds = [e.kind for e in result.events]
+    assert kinds[:3] == ["stalled", "rollback", "recovered"], result.events
+    assert "was late during train_steps" in result.events[0].cause
+    for name, tensor in reference.state_dict.items():
+        assert torch.equal(result.state_dict[name], tensor), name

@@ -68,8 +68,8 @@ class ElasticEvent:
     """One membership change, rollback or resume, as logged and reported."""
 
     kind: str
-    """``lost``, ``rollback``, ``recovered`` (the first commit after a loss), ``joined``,
-    ``resumed`` or ``gave_up``."""
+    """``lost``, ``stalled`` (a deadline passed with every member alive), ``rollback``,
+    ``recovered`` (the first commit after a loss), ``joined``, ``resumed`` or ``gave_up``."""
     step: int
     """The training step the group is at after the event."""
     workers: int
@@ -189,6 +189,30 @@ class Coordinator:
             count = self.min_workers - len(self.members)
             return WaitForWorkers(self.members, count, self.committed_step)
         self.phase = Phase.RUNNING
+        return Continue(self.members, self.committed_step)
+
+    def stalled(self, *, at_step: int, cause: str) -> Decision:
+        """A collective passed its deadline while every member was alive and answered: they
+        blame each other, so nobody is lost. All roll back to the last commit and go on, as
+        after a loss (it counts against the failure budget: a deadline too short for the
+        load would otherwise stall the run for ever).
+        """
+        self.failures += 1
+        lost_steps = max(0, at_step - self.committed_step)
+        self._record("stalled", len(self.members), cause, lost_steps)
+        if self.failures > self.policy.max_failures:
+            return self._give_up(
+                f"{self.failures} failures, more than max_failures={self.policy.max_failures}; "
+                f"last: every worker was alive but a collective passed its deadline ({cause}): "
+                "raise collective_timeout_s if the workers are this slow"
+            )
+        self._record(
+            "rollback",
+            len(self.members),
+            f"back to the commit at step {self.committed_step}",
+            lost_steps,
+        )
+        self._recovering = True
         return Continue(self.members, self.committed_step)
 
     def joined(self, workers: Iterable[str], *, cause: str = "capacity came back") -> None:

@@ -92,6 +92,10 @@ class PipelineStage:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def drop_in_flight(self) -> None:
+        """Forget the micro-batches of a step that will not finish (the run rolls back)."""
+        self._in_flight.clear()
+
     def reset_peak(self) -> None:
         self.peak_in_flight = len(self._in_flight)
 

@@ -118,6 +118,9 @@ class PipelineStep:
         groups of their own.
         """
         w = self.worker
+        if self.link is not None:  # linked again after a stall: what was in flight is gone
+            self.link.close()
+            self.stage.drop_in_flight()
         store = tcp_store(pipeline_address, is_master=self.index == 0, timeout_s=w.config.timeout_s)
         self._stores.append(store)
         links, self._ring_group = self._nccl_groups(world_address or pipeline_address, store)
