@@ -3,14 +3,45 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
-import torch
+from annotated_types import Ge, Gt
 
-from ringflow.engine.collective import COMPRESSIONS, TRANSPORTS, available_collectives
-from ringflow.storage.dataset import TableSchema
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["PLACEMENTS", "STREAM_ABOVE_BYTES", "DataSpec", "TensorData", "TrainConfig"]
+    from ringflow.storage.dataset import TableSchema
+
+__all__ = [
+    "PLACEMENTS",
+    "PRECISIONS",
+    "STREAM_ABOVE_BYTES",
+    "TRANSPORTS",
+    "WIRE_FORMATS",
+    "DataSpec",
+    "TensorData",
+    "TrainConfig",
+]
+
+# This module imports neither torch nor the rest of the engine: the flow's command line
+# builds and checks a TrainConfig before anything heavy is imported.
+
+Precision = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+"""Precisions as Lightning spells them (``engine.module`` applies them)."""
+Compression = Literal["none", "bf16", "fp16"]
+WIRE_FORMATS: tuple[str, ...] = get_args(Compression)
+"""Wire formats of float32 all-reduces (``engine.collective`` maps each to its dtype)."""
+RingTransport = Literal["auto", "shm", "gloo", "nccl", "symm"]
+TRANSPORTS: tuple[str, ...] = get_args(RingTransport)
+"""How the ring moves data; ``auto`` picks shared memory when every rank shares this host
+(``shm`` on CPU, ``symm`` on GPUs, each rank on a GPU of its own), and ``gloo`` or ``nccl``
+otherwise."""
+Placement = Literal["pack", "spread", "strict_spread"]
+ClipAlgorithm = Literal["norm", "value"]
+_SHIPPED_COLLECTIVES = ("ring", "native")
+"""Registered by ``engine.collective.ring`` and ``.native``; another name is looked up in
+the registry (``engine.collective.register_collective``)."""
 
 STREAM_ABOVE_BYTES = 256 * 2**20
 """``DataSpec(stream=None)`` streams a split whose Parquet shards hold more bytes than this."""
@@ -23,75 +54,80 @@ PLACEMENTS = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREA
 class TrainConfig:
     """How the engine trains, independent of the model.
 
-    Every field is validated on construction; the error names the field.
+    Every field is validated on construction; the error names the field. It is the flow's
+    ``training`` parameter as it is: a JSON object of these fields, validated by pydantic
+    (unknown fields refused; the bounds in the types are in the parameter schema a
+    deployment enforces) and handed down unchanged.
     """
 
-    workers: int = 2
+    __pydantic_config__ = {"extra": "forbid"}
+
+    workers: Annotated[int, Ge(1)] = 2
     """Data-parallel workers (Ray actors), one process each."""
-    epochs: int = 10
+    epochs: Annotated[int, Ge(1)] = 10
     """Passes over the training split."""
-    batch_size: int = 64
+    batch_size: Annotated[int, Ge(1)] = 64
     """Global batch: split across the workers, so the math does not depend on their number."""
-    seed: int = 0
+    seed: Annotated[int, Ge(0)] = 0
     """Seeds weight initialisation and the per-epoch shuffle."""
     collective: str = "ring"
     """Gradient averaging by name: ``ring`` (ours) or ``native`` (``torch.distributed``); see
     ``engine.collective.available_collectives()``."""
-    bucket_mb: float = 25.0
+    bucket_mb: Annotated[float, Gt(0)] = 25.0
     """Gradients are reduced in buckets of about this many MiB, each while backward runs."""
-    compression: str = "none"
+    compression: Compression = "none"
     """Gradients travel as ``none`` (float32), ``bf16`` or ``fp16``; summed in float32."""
-    placement: str = "pack"
+    placement: Placement = "pack"
     """How workers spread over Ray nodes: ``pack`` (as few nodes as possible), ``spread``
     (as many as possible) or ``strict_spread`` (one worker per node)."""
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: Annotated[float, Gt(0)] = 1.0
     """Ray CPUs reserved for each worker; also its torch thread count (at least 1)."""
-    gpus_per_worker: int = 0
+    gpus_per_worker: Annotated[int, Ge(0)] = 0
     """Ray GPUs reserved for each worker: 0 trains on CPU; more trains on the first of them
     (see ``engine.worker.worker_device``), and gradients travel over NCCL."""
-    ring_transport: str = "auto"
-    """How the ``ring`` collective moves data (``engine.collective.TRANSPORTS``). ``auto``:
+    ring_transport: RingTransport = "auto"
+    """How the ``ring`` collective moves data (:data:`TRANSPORTS`). ``auto``:
     through shared memory between workers of one host (``shm`` on CPU; ``symm`` on GPU, where
     they write into each other's GPU memory), else ``gloo`` or ``nccl``."""
-    timeout_s: float = 120.0
+    timeout_s: Annotated[float, Gt(0)] = 120.0
     """How long a worker start (placement, rendezvous) may wait before the run fails."""
-    min_workers: int | None = None
+    min_workers: Annotated[int, Ge(1)] | None = None
     """Training goes on after losing workers while at least this many remain (elastic);
     ``None`` means ``workers``: a lost worker is replaced before training goes on."""
-    commit_every: int = 10
+    commit_every: Annotated[int, Ge(1)] = 10
     """Workers commit their state in memory every this many steps (and at epoch ends); a
     lost worker costs at most the steps since the last commit."""
-    max_failures: int = 3
+    max_failures: Annotated[int, Ge(0)] = 3
     """Worker losses a run survives; one more fails it."""
-    checkpoint_every: int = 0
+    checkpoint_every: Annotated[int, Ge(0)] = 0
     """Checkpoint the training state every this many steps (and at every epoch end) when
     ``fit`` is given a store; 0 checkpoints at epoch ends only."""
-    precision: str = "32-true"
+    precision: Precision = "32-true"
     """As Lightning spells it: ``32-true``, ``bf16-mixed`` (autocast to bfloat16),
     ``16-mixed`` (autocast to float16 with a gradient scaler; GPU only) or ``bf16-true``
     (the module in bfloat16); see ``engine.module``."""
-    accumulate_grad_batches: int = 1
+    accumulate_grad_batches: Annotated[int, Ge(1)] = 1
     """Step the optimizer every this many batches, on their summed gradients (Lightning's
     ``accumulate_grad_batches``); windows start at every epoch's start, and the last window of
     an epoch may be shorter. ``commit_every`` and ``checkpoint_every`` must be multiples."""
-    gradient_clip_val: float | None = None
+    gradient_clip_val: Annotated[float, Gt(0)] | None = None
     """Clip the averaged gradient (Lightning's ``gradient_clip_val``); ``None`` does not clip."""
-    gradient_clip_algorithm: str = "norm"
+    gradient_clip_algorithm: ClipAlgorithm = "norm"
     """``norm`` (the gradients' global 2-norm to at most ``gradient_clip_val``) or ``value``
     (each element into ``[-gradient_clip_val, gradient_clip_val]``), as Lightning's."""
-    log_every_n_steps: int = 50
+    log_every_n_steps: Annotated[int, Ge(0)] = 50
     """Values a module logs every step reach the loggers every this many optimizer steps, as
     Lightning's ``log_every_n_steps``; 0 sends only epoch values."""
-    collective_timeout_s: float = 10.0
+    collective_timeout_s: Annotated[float, Gt(0)] = 10.0
     """Every collective's deadline: a worker that died or stopped answering makes the others
     fail with ``PeerLostError`` within this time."""
     timeline: bool = False
     """Record each worker's forward, backward, bucket all-reduces, gradient wait, optimizer
     step and data loading as a Chrome trace, with a summary of the communication hidden behind
     backward (``engine.timeline``; docs/timeline.md)."""
-    timeline_warmup: int = 5
+    timeline_warmup: Annotated[int, Ge(0)] = 5
     """Batches each worker trains before the timeline records (compilation, warm-up)."""
-    timeline_steps: int = 50
+    timeline_steps: Annotated[int, Ge(1)] = 50
     """Batches the timeline records per worker after the warm-up: the trace stays small."""
 
     def __post_init__(self) -> None:
@@ -103,14 +139,9 @@ class TrainConfig:
                 f"batch_size ({self.batch_size}) must be at least workers ({self.workers}): "
                 "each worker takes a part of every global batch"
             )
-        if self.collective not in available_collectives():
-            raise ValueError(
-                f"collective must be one of {available_collectives()}, got {self.collective!r}"
-            )
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(
-                f"compression must be one of {sorted(COMPRESSIONS)}, got {self.compression!r}"
-            )
+        self._check_collective()
+        if self.compression not in WIRE_FORMATS:
+            raise ValueError(f"compression must be one of {WIRE_FORMATS}, got {self.compression!r}")
         self._check_elastic()
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int):
             raise ValueError(f"checkpoint_every must be an integer, got {self.checkpoint_every!r}")
@@ -146,6 +177,16 @@ class TrainConfig:
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
             )
         self._check_timeline()
+
+    def _check_collective(self) -> None:
+        if self.collective in _SHIPPED_COLLECTIVES:
+            return
+        from ringflow.engine.collective import available_collectives
+
+        if self.collective not in available_collectives():
+            raise ValueError(
+                f"collective must be one of {available_collectives()}, got {self.collective!r}"
+            )
 
     def _check_timeline(self) -> None:
         if not isinstance(self.timeline, bool):
@@ -186,8 +227,6 @@ class TrainConfig:
                 )
 
     def _check_precision(self) -> None:
-        from ringflow.engine.module import PRECISIONS
-
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.precision == "16-mixed" and not self.gpus_per_worker:
@@ -255,6 +294,8 @@ class DataSpec:
 
     def read(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(features, labels)`` of ``split``, verified against the dataset's manifest."""
+        import torch
+
         from ringflow.storage.dataset import read_split
 
         x, y = read_split(self.dataset_url, split, self.schema)

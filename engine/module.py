@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ringflow.engine.config import PRECISIONS
 from ringflow.engine.errors import ModelError
 from ringflow.engine.jsonstate import from_json, to_json
 
@@ -45,7 +46,6 @@ __all__ = [
 
 CLIP_ALGORITHMS = ("norm", "value")
 """``TrainConfig.gradient_clip_algorithm``, as Lightning names them."""
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 """``TrainConfig.precision``, as Lightning names them."""
 
 

@@ -29,6 +29,8 @@ from ringflow.flows.preflight import (
     PreflightError,
     check_data_file,
     check_parameters,
+    field_docs,
+    nested_parameters,
     parameter_docs,
     parameter_model,
 )
@@ -71,7 +73,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(fn: Callable[..., Any]) -> argparse.ArgumentParser:
-    """An ``argparse`` parser with one ``--option`` per parameter of the flow function."""
+    """An ``argparse`` parser with one ``--option`` per parameter of the flow function, and
+    one per field of a configuration it takes whole (``--workers`` sets ``training``'s)."""
     fn = getattr(fn, "fn", fn)  # a Prefect Flow, or the function it wraps
     docs = parameter_docs(fn)
     parser = _Parser(
@@ -80,31 +83,19 @@ def build_parser(fn: Callable[..., Any]) -> argparse.ArgumentParser:
         epilog="The flow's result is printed as one JSON object on the last line. A refused "
         "option is one line on stderr; --debug or RINGFLOW_DEBUG=1 adds the traceback.",
     )
-    properties = parameter_model(fn).model_json_schema()["properties"]
-    for name, prop in properties.items():
-        option = "--" + name.replace("_", "-")
-        kind = _json_type(prop)
-        help_text = f"{docs.get(name, '')} (default: {prop.get('default')})"
-        if kind == "boolean":
-            parser.add_argument(
-                option,
-                dest=name,
-                action=argparse.BooleanOptionalAction,
-                default=prop.get("default"),
-                help=help_text,
-            )
+    schema = parameter_model(fn).model_json_schema()
+    nested = nested_parameters(fn)
+    for name, prop in schema["properties"].items():
+        if name not in nested:
+            _add_option(parser, name, name, prop, docs.get(name, ""), prop.get("default"))
             continue
-        choices = prop.get("enum")
-        parser.add_argument(
-            option,
-            dest=name,
-            type=_TYPES[kind],
-            default=prop.get("default"),
-            choices=choices,
-            # argparse shows the choices themselves where no metavar hides them.
-            metavar=None if choices else {"object": "JSON", "array": "A,B"}.get(kind, kind.upper()),
-            help=help_text,
-        )
+        fields = _resolved(schema, prop)["properties"]
+        described = field_docs(nested[name])
+        for field, field_prop in fields.items():
+            default = (prop.get("default") or {}).get(field, field_prop.get("default"))
+            doc = f"{described.get(field, '')} ({name}.{field})"
+            dest = f"{name}.{field}"
+            _add_option(parser, field, dest, field_prop, doc, default, only_given=True)
     parser.add_argument(
         "--keep-serving",
         action="store_true",
@@ -117,6 +108,48 @@ def build_parser(fn: Callable[..., Any]) -> argparse.ArgumentParser:
         help="show the traceback of an error (also RINGFLOW_DEBUG=1)",
     )
     return parser
+
+
+def _add_option(
+    parser: argparse.ArgumentParser,
+    name: str,
+    dest: str,
+    prop: dict[str, Any],
+    doc: str,
+    default: Any,
+    *,
+    only_given: bool = False,
+) -> None:
+    """``--name`` for one parameter (or field: ``only_given`` leaves it out when not
+    given, so its configuration's other fields keep their defaults)."""
+    option = "--" + name.replace("_", "-")
+    kind = _json_type(prop)
+    help_text = f"{doc} (default: {default})"
+    unset = argparse.SUPPRESS if only_given else default
+    if kind == "boolean":
+        parser.add_argument(
+            option, dest=dest, action=argparse.BooleanOptionalAction, default=unset, help=help_text
+        )
+        return
+    choices = prop.get("enum") or next(
+        (p["enum"] for p in prop.get("anyOf", []) if "enum" in p), None
+    )
+    parser.add_argument(
+        option,
+        dest=dest,
+        type=_TYPES[kind],
+        default=unset,
+        choices=choices,
+        # argparse shows the choices themselves where no metavar hides them.
+        metavar=None if choices else {"object": "JSON", "array": "A,B"}.get(kind, kind.upper()),
+        help=help_text,
+    )
+
+
+def _resolved(schema: dict[str, Any], prop: dict[str, Any]) -> dict[str, Any]:
+    """The schema ``prop`` refers to (``{"$ref": "#/$defs/TrainConfig"}``)."""
+    ref = prop.get("$ref") or next(p["$ref"] for p in prop.get("allOf", []) if "$ref" in p)
+    return schema["$defs"][ref.rsplit("/", 1)[-1]]
 
 
 def _module_name(fn: Callable[..., Any]) -> str:
@@ -169,6 +202,9 @@ def _check_command_line(flow: Callable[..., Any], argv: list[str]) -> tuple[dict
     args = vars(build_parser(fn).parse_args(argv))
     keep_serving = args.pop("keep_serving")
     args.pop("debug")
+    for key in [key for key in args if "." in key]:  # --workers 4: training={"workers": 4}
+        outer, field = key.split(".", 1)
+        args.setdefault(outer, {})[field] = args.pop(key)
     params = check_parameters(fn, args)
     if keep_serving and not params.get("serve", True):
         raise PreflightError(

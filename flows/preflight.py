@@ -9,9 +9,12 @@ signature, :func:`parameter_docs` their meaning from its docstring.
 
 from __future__ import annotations
 
+import ast
 import csv
+import dataclasses
 import inspect
 import re
+import textwrap
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +25,8 @@ __all__ = [
     "PreflightError",
     "check_data_file",
     "check_parameters",
+    "field_docs",
+    "nested_parameters",
     "parameter_docs",
     "parameter_model",
 ]
@@ -45,6 +50,33 @@ def parameter_model(fn: Callable[..., Any]) -> type[pydantic.BaseModel]:
     return pydantic.create_model(
         fn.__name__, __config__=pydantic.ConfigDict(extra="forbid"), **fields
     )
+
+
+def nested_parameters(fn: Callable[..., Any]) -> dict[str, type]:
+    """The parameters of ``fn`` that are configuration dataclasses (``training``): their
+    fields are options of their own on the command line."""
+    hints = typing.get_type_hints(fn)
+    return {
+        name: hint
+        for name in inspect.signature(fn).parameters
+        if dataclasses.is_dataclass(hint := hints.get(name))
+    }
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's description: the docstring under it in the class body."""
+    docs: dict[str, str] = {}
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    for field, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[field.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
+    return docs
 
 
 def parameter_docs(fn: Callable[..., Any]) -> dict[str, str]:
@@ -81,11 +113,14 @@ def _first_error(err: pydantic.ValidationError, docs: dict[str, str]) -> str:
     """The first refusal as ``name = value: the rule``; a pattern's rule is its meaning."""
     errors = err.errors(include_url=False)
     first = errors[0]
-    name = str(first["loc"][0]) if first["loc"] else "parameters"
+    # ``training.workers``, but ``allowed_models`` rather than its item's index.
+    name = ".".join(part for part in first["loc"] if isinstance(part, str)) or "parameters"
     rule = first["msg"]
     if first["type"] == "string_pattern_mismatch" and name in docs:
         rule = f"expected {docs[name]}"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    if first["type"] == "value_error":  # a configuration's own check: it names the field
+        return f"{name}: {rule.removeprefix('Value error, ')}{more}"
     return f"{name} = {first['input']!r}: {rule}{more}"
 
 

@@ -1,7 +1,8 @@
 """A flow's parameters, typed and checked once at the edge, then handed to the tasks as such.
 
-:class:`RunSpec` turns ``train-pipeline``'s flat parameters into the engine's own objects
-(``ModelRef``, ``TrainConfig``, ``PipelineConfig``) before anything runs, so a bad
+:class:`RunSpec` turns ``train-pipeline``'s parameters into the engine's own objects
+(``ModelRef``, ``PipelineConfig``; ``training`` already is a ``TrainConfig``, handed down as
+it came) before anything runs, so a bad
 combination fails the run at once. It needs the engine but not Prefect or Ray: the command
 line builds one to check its options before either starts.
 """
@@ -78,24 +79,9 @@ class RunSpec:
                 f"run_key {p['run_key']!r} contains {TRIAL_MARK!r}, which names the checkpoints of "
                 "a run's tuning trials; choose a key without it"
             )
-        config = TrainConfig(
-            workers=p["workers"],
-            epochs=p["epochs"],
-            batch_size=p["batch_size"],
-            seed=p["seed"],
-            checkpoint_every=p["checkpoint_every"],
-            min_workers=p["min_workers"],
-            commit_every=p["commit_every"],
-            precision=p["precision"],
-            accumulate_grad_batches=p["accumulate_grad_batches"],
-            gradient_clip_val=p["gradient_clip_val"],
-            gradient_clip_algorithm=p["gradient_clip_algorithm"],
-            log_every_n_steps=p["log_every_n_steps"],
-            timeline=p["timeline"],
-            placement=p["placement"],
-            gpus_per_worker=p["gpus_per_worker"],
-            **({"cpus_per_worker": p["cpus_per_worker"]} if p["cpus_per_worker"] else {}),
-        )
+        config = p["training"]
+        if not isinstance(config, TrainConfig):  # the JSON object a caller gave
+            config = TrainConfig(**(config or {}))
         pipeline = None
         if p["pipeline_stages"] > 1:
             pipeline = PipelineConfig(

@@ -4,7 +4,8 @@ The model is named by its import path (``model``) with its constructor's keyword
 (``hparams``); the data is any CSV or Parquet (``data_url``) whose schema is read from the
 file. Run it locally with no server: ``python -m ringflow.flows.train_pipeline --help``.
 
-The flow's function comes first, undecorated, with only pydantic imported: run as a script,
+The flow's function comes first, undecorated, with only pydantic and the engine's
+configuration (``engine.config``, which needs no torch) imported: run as a script,
 the command line is checked against its signature before Prefect, Ray and torch are imported
 (``flows/cli.py``). Imported as a module, it becomes the Prefect flow below.
 """
@@ -16,8 +17,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from ringflow.engine.config import TrainConfig
+
 Positive = Annotated[int, Field(ge=1, le=1_000_000)]
 DEMO_MODEL = "ringflow.models.digits:DigitsClassifier"
+TRAINING = TrainConfig()
+"""``training``'s default: TrainConfig's own (frozen, so one instance serves every run)."""
 
 
 def train_pipeline(
@@ -33,9 +38,7 @@ def train_pipeline(
     categorical: list[str] | None = None,
     preprocess_engine: Literal["auto", "local", "ray"] = "auto",
     storage_url: str = ".ringflow/storage",
-    workers: Annotated[int, Field(ge=1, le=1024)] = 2,
-    epochs: Annotated[int, Field(ge=1, le=100_000)] = 20,
-    batch_size: Positive = 64,
+    training: TrainConfig = TRAINING,
     tune_trials: Annotated[int, Field(ge=0, le=1000)] = 8,
     tune_epochs: Annotated[int, Field(ge=1, le=100_000)] = 4,
     tune_space: dict | None = None,
@@ -45,19 +48,8 @@ def train_pipeline(
     use_best_checkpoint: bool = False,
     serve: bool = True,
     serve_port: Annotated[int, Field(ge=1, le=65_535)] = 8000,
-    seed: Annotated[int, Field(ge=0)] = 0,
-    checkpoint_every: Annotated[int, Field(ge=0)] = 0,
     run_key: Annotated[str | None, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._=-]{0,199}$")] = None,
     max_restarts: Annotated[int, Field(ge=0, le=100)] = 3,
-    min_workers: Annotated[int | None, Field(ge=1, le=1024)] = None,
-    commit_every: Positive = 10,
-    precision: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"] = "32-true",
-    accumulate_grad_batches: Positive = 1,
-    gradient_clip_val: Annotated[float | None, Field(gt=0)] = None,
-    gradient_clip_algorithm: Literal["norm", "value"] = "norm",
-    placement: Literal["pack", "spread", "strict_spread"] = "pack",
-    cpus_per_worker: Annotated[float | None, Field(gt=0, le=1024)] = None,
-    gpus_per_worker: Annotated[int, Field(ge=0, le=64)] = 0,
     pipeline_stages: Annotated[int, Field(ge=1, le=64)] = 1,
     micro_batches: Positive = 4,
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b",
@@ -66,8 +58,6 @@ def train_pipeline(
     allowed_models: list[Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")]]
     | None = None,
     loggers: list[Literal["csv", "tensorboard", "mlflow"]] | None = None,
-    log_every_n_steps: Annotated[int, Field(ge=0, le=1_000_000)] = 50,
-    timeline: bool = False,
 ) -> dict:
     """Train a model end to end, promote it if it beats production, serve it.
 
@@ -90,9 +80,10 @@ def train_pipeline(
             job on the cluster) or auto (Ray Data for 1 GiB of data or more, 64 MiB when
             RAY_ADDRESS names a cluster). Both write the same dataset.
         storage_url: where datasets, checkpoints and the model registry go (any fsspec URL).
-        workers: data-parallel Ray workers for training (pipeline replicas with stages).
-        epochs: training epochs.
-        batch_size: global batch size, split across the workers.
+        training: how the engine trains, as a JSON object of TrainConfig's fields (workers,
+            epochs, batch_size, seed, precision, min_workers, checkpoint_every...: the
+            reference lists them all); a field not given keeps its default. On the command
+            line each field is an option of its own: --workers 4 --epochs 30.
         tune_trials: hyperparameter-search trials; 0 skips the search.
         tune_epochs: epochs of each search trial (bad trials stop earlier).
         tune_space: the search space as JSON over hparams keys and TrainConfig fields, e.g.
@@ -106,31 +97,11 @@ def train_pipeline(
         use_best_checkpoint: use the best trial's model as it is instead of training again.
         serve: serve the production model over HTTP with Ray Serve.
         serve_port: HTTP port of the served model on 127.0.0.1.
-        seed: seeds data splits, weight initialisation and shuffling.
-        checkpoint_every: checkpoint the training state every this many steps (0: at epoch
-            ends only); a retried run resumes from the newest checkpoint.
         run_key: what checkpoints are kept under; empty means this flow run's id, which
             stays the same across its retries. Give the key of a killed local run to resume it.
         max_restarts: how often this flow run may start again after a failure or a crash
             (flow retries and automatic rescheduling together); a run started more often
             fails at once without training, which ends any crash loop.
-        min_workers: training goes on after losing workers while this many remain; empty
-            means all of them (a lost worker is replaced first).
-        commit_every: steps between in-memory commits; a lost worker costs at most these.
-        precision: as Lightning spells it: 32-true, bf16-mixed (autocast to bfloat16), 16-mixed
-            (float16 with a gradient scaler, GPU only) or bf16-true (the model in bfloat16).
-        accumulate_grad_batches: step the optimizer every this many batches, on their summed
-            gradients (Lightning's accumulate_grad_batches).
-        gradient_clip_val: clip the averaged gradient to this (Lightning's
-            gradient_clip_val); empty does not clip.
-        gradient_clip_algorithm: norm (the gradient's 2-norm) or value (each element).
-        placement: workers on as few Ray nodes as possible (pack), on as many as possible
-            (spread), or one per node (strict_spread).
-        cpus_per_worker: CPUs each worker reserves; empty means 1 (a fair share of the
-            cluster per pipeline stage).
-        gpus_per_worker: GPUs each worker reserves; it trains on the first of them and
-            gradients travel over NCCL. 0 trains on CPU. With pipeline_stages, each stage
-            of each replica is a worker: workers x pipeline_stages x this many GPUs.
         pipeline_stages: split the model into this many pipeline stages (1: no pipeline).
         micro_batches: micro-batches per global batch and replica, with pipeline stages.
         pipeline_schedule: 1f1b (at most as many micro-batches in flight as stages) or gpipe.
@@ -143,11 +114,6 @@ def train_pipeline(
             never imported: the gate keeps production, the server keeps its version.
         loggers: Lightning loggers for what the model logs: csv and tensorboard write under
             storage_url's runs/<run key>/logs/, mlflow to MLFLOW_TRACKING_URI (needs mlflow).
-        log_every_n_steps: values the model logs every step reach the loggers every this many
-            optimizer steps (Lightning's log_every_n_steps).
-        timeline: record each worker's forward, backward, gradient all-reduces and optimizer
-            step as a Chrome trace under storage_url's runs/<run key>/timeline/, summarised
-            in the training-timeline artifact (docs/timeline.md).
     """
     attempt = flow_run.get_run_count() or 1
     if attempt > max_restarts + 1:

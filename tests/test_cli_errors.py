@@ -13,6 +13,7 @@ import typing
 
 import pytest
 
+from ringflow.engine.config import TrainConfig
 from ringflow.flows.preflight import parameter_model
 from ringflow.flows.train_pipeline import train_pipeline
 
@@ -59,11 +60,19 @@ def _assert_one_line_error(result: subprocess.CompletedProcess, *named: str) -> 
         assert text in lines[0], lines[0]
 
 
+def _options() -> dict[str, dict]:
+    """Each command-line option's schema by name: the flow's parameters, and the fields of
+    ``training`` (a TrainConfig), which are options of their own."""
+    schema = parameter_model(train_pipeline.fn).model_json_schema()
+    options = {k: v for k, v in schema["properties"].items() if k != "training"}
+    return {**options, **schema["$defs"]["TrainConfig"]["properties"]}
+
+
 def _out_of_bounds() -> list[tuple[str, str]]:
     """For every parameter with a bound, a value just past it: read from the flow's
     signature, so a parameter added later is covered too."""
     cases = []
-    for name, prop in parameter_model(train_pipeline.fn).model_json_schema()["properties"].items():
+    for name, prop in _options().items():
         options = [prop, *prop.get("anyOf", [])]
         for option in [*options, *(o["items"] for o in options if "items" in o)]:
             if "minimum" in option:
@@ -84,7 +93,11 @@ def test_every_parameter_with_a_bound_in_the_signature_has_a_value_past_it():
     """Read from the annotations, not the JSON schema the cases come from: a bound the schema
     scan misses (inside a list, say) would go untested."""
     bounded = set()
-    for name, hint in typing.get_type_hints(train_pipeline.fn, include_extras=True).items():
+    hints = {
+        **typing.get_type_hints(train_pipeline.fn, include_extras=True),
+        **typing.get_type_hints(TrainConfig, include_extras=True),
+    }
+    for name, hint in hints.items():
         if any(
             getattr(m, attr, None) is not None
             for m in _field_metadata(hint)
@@ -173,9 +186,15 @@ def test_a_missing_or_malformed_data_file_is_refused_in_one_line_at_once(
     assert imported == set()  # answered before any of them was imported
 
 
-def test_a_combination_the_engine_refuses_is_one_line_before_prefect_or_ray_start():
+def test_fields_that_contradict_each_other_are_one_line_before_anything_heavy():
     result, imported = _cli("--workers", "2", "--min-workers", "3", "--tune-trials", "0")
-    _assert_one_line_error(result, "min_workers (3) must not exceed workers (2)")
+    _assert_one_line_error(result, "training: min_workers (3) must not exceed workers (2)")
+    assert imported == set()  # TrainConfig's own check needs no torch
+
+
+def test_a_combination_the_engine_refuses_is_one_line_before_prefect_or_ray_start():
+    result, imported = _cli("--pipeline-stages", "2", "--timeline", "--tune-trials", "0")
+    _assert_one_line_error(result, "with 2 pipeline stages", "timeline=True")
     assert "torch" in imported  # the engine's own check ran
     assert not {"prefect", "ray"} & imported
 
@@ -189,7 +208,7 @@ def test_debug_shows_the_traceback():
     result, _ = _cli("--workers", "0", "--debug")
     assert result.returncode != 0
     assert "Traceback" in result.stderr
-    assert "PreflightError: workers = 0" in result.stderr
+    assert "PreflightError: training.workers = 0" in result.stderr
     result, _ = _cli("--workers", "0", env={"RINGFLOW_DEBUG": "1"})
     assert "Traceback" in result.stderr
 
@@ -199,13 +218,7 @@ def test_help_lists_the_choices_of_every_option_that_has_them():
     assert result.returncode == 0
     assert imported == set()  # answered before any of them was imported
     help_text = " ".join(result.stdout.split())
-    choices = {
-        name: prop["enum"]
-        for name, prop in parameter_model(train_pipeline.fn)
-        .model_json_schema()["properties"]
-        .items()
-        if "enum" in prop
-    }
+    choices = {name: prop["enum"] for name, prop in _options().items() if "enum" in prop}
     assert {"placement", "precision", "task", "tune_algorithm"} <= set(choices)
     for name, values in choices.items():
         assert f"--{name.replace('_', '-')} {{{','.join(values)}}}" in help_text, name

@@ -370,8 +370,7 @@ def _deploys_the_sequence_model_in_stages(env: dict[str, str], port: str) -> Non
         "model": "ringflow.models.charlm:CharLM",
         "hparams": hparams,
         "pipeline_stages": 2,
-        "workers": 2,
-        "epochs": 1,
+        "training": json.dumps({"workers": 2, "epochs": 1}),
         "tune_trials": 0,
         "serve_port": port,
     }
@@ -400,7 +399,7 @@ def _check_deployments(env: dict[str, str]) -> None:
     artifacts = _prefect(env, "artifact", "ls")
     for key in ("training-metrics", "training-loss-curve", "best-hyperparameters", "tuning-trials"):
         assert key in artifacts.stdout, artifacts.stdout
-    for param, named in (("workers=-1", "workers"), ("bogus=1", "bogus")):
+    for param, named in (('training={"workers": -1}', "workers"), ("bogus=1", "bogus")):
         submitted = _prefect(env, "deployment", "run", "train-pipeline/local", "--param", param)
         out = submitted.stdout + submitted.stderr
         assert named in out, out

@@ -3,6 +3,7 @@ line's refusals are in test_cli_errors.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 from prefect.exceptions import ParameterTypeError, SignatureMismatchError
 from prefect.utilities.callables import parameter_schema
 
+from ringflow.engine.config import TrainConfig
 from ringflow.flows.train_pipeline import train_pipeline
 
 PARAMETERS = list(inspect.signature(train_pipeline.fn).parameters)
@@ -36,26 +38,48 @@ def test_every_parameter_is_documented_in_the_schema_a_deployment_shows():
 def test_cli_help_lists_every_parameter():
     result = _cli("--help")
     assert result.returncode == 0
-    for name in PARAMETERS:
+    options = [name for name in PARAMETERS if name != "training"]  # its fields instead
+    options += [field.name for field in dataclasses.fields(TrainConfig)]
+    for name in options:
         assert "--" + name.replace("_", "-") in result.stdout
 
 
 @pytest.mark.parametrize(
     ("params", "named"),
     [
-        ({"workers": -1}, "workers"),
-        ({"epochs": 0}, "epochs"),
+        ({"training": {"workers": -1}}, "workers"),
+        ({"training": {"epochs": 0}}, "epochs"),
         ({"model": "not a path"}, "model"),
         ({"task": "ranking"}, "task"),
         ({"serve_port": 70000}, "serve_port"),
-        ({"workers": "two"}, "workers"),
-        ({"gpus_per_worker": -1}, "gpus_per_worker"),
-        ({"gpus_per_worker": 0.5}, "gpus_per_worker"),
+        ({"training": {"workers": "two"}}, "workers"),
+        ({"training": {"gpus_per_worker": -1}}, "gpus_per_worker"),
+        ({"training": {"gpus_per_worker": 0.5}}, "gpus_per_worker"),
+        ({"training": {"wokers": 2}}, "wokers"),
+        ({"training": {"batch_size": 1, "workers": 2}}, "batch_size"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_parameter(params, named):
     with pytest.raises(ParameterTypeError, match=named):
         train_pipeline.validate_parameters(params)
+
+
+def test_training_is_one_typed_parameter_handed_down_as_it_came_every_way_in():
+    """Every TrainConfig field can be set from a deployment's parameters (a JSON object) and
+    from the command line (an option each); a field not given keeps its default, and the
+    run's parts get the very TrainConfig the edge built."""
+    from ringflow.flows.cli import _check_command_line
+    from ringflow.flows.spec import RunSpec
+
+    given = {"workers": 3, "batch_size": 30, "compression": "bf16", "collective_timeout_s": 5.0}
+    from_json = train_pipeline.validate_parameters({"training": given})["training"]
+    assert from_json == TrainConfig(**given)
+    argv = ["--workers", "3", "--batch-size", "30", "--compression", "bf16"]
+    params, _ = _check_command_line(train_pipeline.fn, [*argv, "--collective-timeout-s", "5"])
+    assert params["training"] == from_json
+    assert _check_command_line(train_pipeline.fn, [])[0]["training"] == TrainConfig()
+    spec = RunSpec.build(**{**params, "run_key": "k", "tune_trials": 0})
+    assert spec.config is params["training"]
 
 
 def test_unknown_parameter_is_rejected():

@@ -75,15 +75,12 @@ def test_the_configuration_a_search_picks_is_the_one_training_uses(
         data_url=houses,
         label="target",
         storage_url=str(tmp_path),
-        workers=1,
-        epochs=1,
-        batch_size=256,
+        training={"workers": 1, "epochs": 1, "batch_size": 256, "log_every_n_steps": 10},
         tune_trials=2,
         tune_epochs=2,
         tune_space={"batch_size": [16], "compression": ["bf16"], "lr": [0.02]},
         serve=False,
         loggers=["csv"],
-        log_every_n_steps=10,
         return_state=True,
     )
     result = state.result()

@@ -304,7 +304,7 @@ def test_the_regression_project_deploys_ringflows_own_flow(stack, tmp_path):
         project,
         RUN_HOUSES,
         "tune_trials=0",
-        "epochs=10",
+        'training={"epochs": 10}',
         f"serve_port={stack.serve_port}",
     )
     # houses.csv and the `houses` module were found in the project's directory, and the

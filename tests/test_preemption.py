@@ -34,10 +34,8 @@ EPOCHS, CHECKPOINT_EVERY, HIDDEN = 60, 5, 32
 PARAMS = {
     "tune_trials": 0,
     "serve": "false",
-    "epochs": EPOCHS,
-    "checkpoint_every": CHECKPOINT_EVERY,
+    "training": {"epochs": EPOCHS, "checkpoint_every": CHECKPOINT_EVERY, "workers": 1},
     "hparams": json.dumps({"hidden": HIDDEN}),
-    "workers": 1,
 }
 
 

@@ -68,6 +68,19 @@ def test_the_reference_names_every_knob_of_the_code():
     )
 
 
+def test_every_train_config_field_is_a_flow_parameter():
+    """``training`` is the engine's TrainConfig itself: each of its fields is in the schema a
+    deployment enforces (bounds and choices included), none copied or left out."""
+    from prefect.utilities.callables import parameter_schema
+
+    schema = parameter_schema(train_pipeline)
+    (definition,) = [d for name, d in schema.definitions.items() if name == "TrainConfig"]
+    assert list(definition["properties"]) == [f.name for f in dataclasses.fields(TrainConfig)]
+    assert definition["additionalProperties"] is False
+    assert definition["properties"]["workers"]["minimum"] == 1
+    assert "bf16-mixed" in definition["properties"]["precision"]["enum"]
+
+
 def test_the_scan_finds_the_variables_the_code_reads():
     found = _environment_variables()
     assert {"RINGFLOW_STATE", "RINGFLOW_SERVE_TOKEN", "RINGFLOW_SYMM_GRAPHS"} <= set(found)

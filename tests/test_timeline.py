@@ -261,11 +261,10 @@ def test_a_flow_run_with_timeline_writes_the_trace_and_its_artifact(
 
     state = train_pipeline(
         storage_url=str(tmp_path),
-        epochs=1,
+        training={"epochs": 1, "timeline": True},
         tune_trials=0,
         serve=False,
         run_key="timed",
-        timeline=True,
         return_state=True,
     )
     assert state.is_completed(), state.message

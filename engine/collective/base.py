@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 
+from ringflow.engine.config import WIRE_FORMATS
+
 __all__ = [
     "COMPRESSIONS",
     "ENVIRONMENT_KNOBS",
@@ -26,12 +28,11 @@ __all__ = [
 
 ReduceOp = Literal["sum", "avg"]
 
-COMPRESSIONS: dict[str, torch.dtype | None] = {
-    "none": None,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
-"""Wire formats for float32 all-reduces, by the name ``compression`` takes."""
+COMPRESSIONS: dict[str, torch.dtype | None] = dict(
+    zip(WIRE_FORMATS, (None, torch.bfloat16, torch.float16), strict=True)
+)
+"""Wire formats for float32 all-reduces (``none``, ``bf16``, ``fp16``: the names
+``TrainConfig.compression`` takes) and the dtype each travels as."""
 
 _REGISTRY: dict[str, type[Collective]] = {}
 

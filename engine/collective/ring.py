@@ -40,13 +40,10 @@ from ringflow.engine.collective.base import (
     register_collective,
     wire_dtype,
 )
+from ringflow.engine.config import TRANSPORTS
 from ringflow.engine.errors import CollectiveError, CollectiveTimeoutError
 
 __all__ = ["TRANSPORTS", "RingCollective"]
-
-TRANSPORTS = ("auto", "shm", "gloo", "nccl", "symm")
-"""``auto`` picks shared memory when every rank shares this host (``shm`` on CPU, ``symm`` on
-GPUs, each rank on a GPU of its own), and ``gloo`` or ``nccl`` otherwise."""
 
 
 _Started = tuple[torch.Tensor, Completion | None]

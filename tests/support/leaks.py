@@ -45,6 +45,8 @@ _BENIGN_ENV = {
     "RAY_CLIENT_MODE": "Ray sets it when it is first imported",
     "PYTEST_CURRENT_TEST": "pytest's own, naming the phase of the test it runs",
     "CRC32C_SW_MODE": "tensorboardX sets it when first imported",
+    "PYTORCH_NVML_BASED_CUDA_CHECK": "Lightning sets it when first imported",
+    "TORCHINDUCTOR_CACHE_DIR": "Lightning sets it when first imported",
 }
 """Variables a library sets for itself when a test first uses it; changing them is not a
 test's doing."""

@@ -11,6 +11,7 @@ asking for its slot every 3 s (concurrency), no UI.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -95,7 +96,7 @@ class Stack:
 
     def run_deployment(self, name: str, params: dict) -> str:
         """``prefect deployment run NAME --param k=v ...``; the new flow run's id."""
-        flags = [a for k, v in params.items() for a in ("--param", f"{k}={v}")]
+        flags = [a for k, v in params.items() for a in ("--param", f"{k}={_json(v)}")]
         out = self.prefect("deployment", "run", name, *flags)
         return re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
 
@@ -185,3 +186,9 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def _json(value: object) -> str:
+    """A ``--param`` value: strings as they are, anything else (``training``'s object) as
+    JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
