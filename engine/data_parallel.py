@@ -15,7 +15,12 @@ import torch
 from ringflow.engine.collective import Collective, GradientBuckets
 from ringflow.engine.data import Samples, samples_of
 from ringflow.engine.metrics import Logged, logged_number
-from ringflow.engine.module import call_hook, compile_in_place, compiled_in_buckets
+from ringflow.engine.module import (
+    call_hook,
+    compile_in_place,
+    compiled_in_buckets,
+    step_arguments,
+)
 from ringflow.engine.timeline import UNTIMED
 from ringflow.engine.worker import (
     Batch,
@@ -99,6 +104,7 @@ class DataParallelStep:
             and w.config.accumulate_grad_batches == 1
             and bool(last)
             and bool(self._ready_first)
+            and not w.optimization.manual
             and w.optimization.steps_in_two(clip_val=w.config.gradient_clip_val)
         )
 
@@ -135,6 +141,8 @@ class DataParallelStep:
             The samples of the batch this worker saw.
         """
         assert self.buckets is not None, "connect() must run before training"
+        if self.worker.optimization.manual:
+            return self._train_manual(batch)
         w, mine, step, window = self.worker, batch.mine, batch.step, batch.window
         module, log_step = w.module, batch.log_step
         timeline = UNTIMED if w.timeline is None else w.timeline.begin(batch.epoch, step)
@@ -160,7 +168,9 @@ class DataParallelStep:
             timeline.start("forward")
             # What the step compiles is split at buckets: a module compiled whole overlaps too.
             with w.precision.forward_context(), compiled_in_buckets(self.bucket_bytes):
-                out = module.training_step(w.precision.convert_input(data), step)
+                out = module.training_step(
+                    *step_arguments(module.training_step, w.precision.convert_input(data), step)
+                )
             timeline.stop("forward")
             loss = out["loss"] if isinstance(out, Mapping) else out
             call_hook(module, "on_before_backward", loss)
@@ -194,6 +204,46 @@ class DataParallelStep:
         if data is not None:
             w.metric_log.enter("on_train_batch_end", batch_size=len(mine), log_step=log_step)
             call_hook(module, "on_train_batch_end", out, data, step)
+        timeline.end()
+        return len(mine)
+
+    def _train_manual(self, batch: Batch) -> int:
+        """One batch under manual optimisation: the module's ``training_step`` steps its own
+        optimizers, and each ``self.manual_backward(loss)`` in it returns with the gradients
+        of the parameters that take one (``toggle_optimizer``) reduced over the ring, as
+        DDP's are under Trainer. Every worker has a part of every batch
+        (``check_manual_optimisation``), so all call it alike."""
+        w, mine, step = self.worker, batch.mine, batch.step
+        module, log_step = w.module, batch.log_step
+        timeline = UNTIMED if w.timeline is None else w.timeline.begin(batch.epoch, step)
+        timeline.start("data")
+        data = to_device(w.train.batch(mine), w.device)
+        timeline.stop("data")
+        w.after_copies()  # the step changes the weights: a commit's copies go first
+        w.metric_log.enter("on_train_batch_start", batch_size=len(mine), log_step=log_step)
+        w.callbacks_run("on_train_batch_start", data, step)
+        call_hook(module, "on_train_batch_start", data, step)
+        w.metric_log.enter("training_step", batch_size=len(mine), log_step=log_step)
+
+        def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            call_hook(module, "on_before_backward", loss)
+            self._start_buckets(window=1, weight=batch.weight, global_size=batch.global_size)
+            w.precision.backward(loss, *args, **kwargs)
+            self.buckets.finish()
+            call_hook(module, "on_after_backward")
+
+        w.trainer.manual_backward(backward)
+        timeline.start("forward")
+        with w.precision.forward_context():
+            out = module.training_step(
+                *step_arguments(module.training_step, w.precision.convert_input(data), step)
+            )
+        timeline.stop("forward")
+        loss = out["loss"] if isinstance(out, Mapping) else out
+        if isinstance(loss, torch.Tensor):
+            w.metric_log.record("train_loss", logged_number(loss), len(mine))
+        w.metric_log.enter("on_train_batch_end", batch_size=len(mine), log_step=log_step)
+        call_hook(module, "on_train_batch_end", out, data, step)
         timeline.end()
         return len(mine)
 

@@ -141,10 +141,10 @@ class DataParallel(Layout):
         return self.config.workers
 
     def prepare(self, module_cls: type, hparams: dict[str, Any], data: Any) -> None:
-        from ringflow.engine.module import refuse_manual_optimisation
+        from ringflow.engine.module import check_manual_optimisation
         from ringflow.engine.spec import build_module
 
-        refuse_manual_optimisation(build_module(module_cls, hparams))
+        check_manual_optimisation(build_module(module_cls, hparams), self.config, pipeline=False)
 
     def worker_kwargs(self, index: int) -> dict[str, Any]:
         from ringflow.engine.data_parallel import WholeModel

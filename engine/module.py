@@ -16,14 +16,22 @@ with ``lr_scheduler`` (a scheduler or a dict with ``interval``, ``frequency``, `
 - ``ReduceLROnPlateau`` (``interval="epoch"``): after validation, with the monitored metric
   averaged over every worker's samples.
 
+Under manual optimisation (``automatic_optimization = False``) the module steps its own
+optimizers, one or several, as under Trainer: ``self.optimizers()`` are Lightning's
+``LightningOptimizer`` wrappers, whose ``step()`` comes here (:meth:`Optimization.manual_step`:
+the gradient scaler, ``on_before_optimizer_step``), ``self.manual_backward(loss)`` runs the
+layout's backward (a data-parallel worker's gradients are reduced over the ring before it
+returns), and ``self.lr_schedulers()`` are stepped by the module.
+
 What ringflow does not honour is refused by name when the module is built: several
-optimizers, manual optimisation, and a ``ReduceLROnPlateau`` stepped every batch.
+optimizers without manual optimisation (as Lightning 2 refuses them), and a
+``ReduceLROnPlateau`` stepped every batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +45,9 @@ __all__ = [
     "CLIP_ALGORITHMS",
     "PRECISIONS",
     "Optimization",
-    "refuse_manual_optimisation",
+    "Optimizers",
     "Precision",
+    "check_manual_optimisation",
     "clip_gradients",
     "compile_in_place",
     "compiled_in_buckets",
@@ -87,8 +96,8 @@ class Precision:
         else:
             yield
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward(*args, **kwargs)
 
 
 @dataclass(kw_only=True)
@@ -101,22 +110,122 @@ class _Schedule:
     plateau: bool
 
 
-def refuse_manual_optimisation(module: torch.nn.Module) -> None:
-    """Refuse a module that steps its optimizer itself: checked by the driver on the module
-    it builds before any worker starts, and by each worker.
+def optimises_manually(module: torch.nn.Module) -> bool:
+    """Whether ``module`` steps its optimizers itself (``automatic_optimization = False``)."""
+    return getattr(module, "automatic_optimization", True) is False
+
+
+def check_manual_optimisation(module: torch.nn.Module, config: Any, *, pipeline: bool) -> None:
+    """Refuse what manual optimisation cannot be combined with: checked by the driver on the
+    module it builds before any worker starts.
 
     Raises:
-        ModelError: the module sets ``automatic_optimization = False``.
+        ModelError: the module optimises manually in a pipeline, or with
+            ``accumulate_grad_batches`` or ``gradient_clip_val``, which Lightning refuses
+            under manual optimisation too.
     """
-    if getattr(module, "automatic_optimization", True) is False:
+    if not optimises_manually(module):
+        return
+    name = type(module).__name__
+    if pipeline:
         raise ModelError(
-            f"{type(module).__name__} sets automatic_optimization = False: manual optimisation "
-            "is not supported by ringflow yet; let Lightning's automatic optimisation step"
+            f"{name} sets automatic_optimization = False: manual optimisation trains "
+            "data-parallel only (a pipeline stage holds part of the module and cannot run its "
+            "training_step); train it without pipeline stages"
+        )
+    if config.accumulate_grad_batches != 1:
+        raise ModelError(
+            f"{name} optimises manually, so accumulate_grad_batches="
+            f"{config.accumulate_grad_batches} is refused, as Lightning refuses it: step its "
+            "optimizers every few batches in training_step, or set accumulate_grad_batches=1"
+        )
+    if config.gradient_clip_val is not None:
+        raise ModelError(
+            f"{name} optimises manually, so gradient_clip_val is refused, as Lightning refuses "
+            "it: call self.clip_gradients(optimizer, gradient_clip_val=..., "
+            "gradient_clip_algorithm=...) in training_step instead"
         )
 
 
+def step_arguments(step: Callable[..., Any], batch: Any, batch_idx: int) -> tuple[Any, ...]:
+    """What a ``training_step`` (or a validation or test step) takes, as Trainer passes it:
+    the batch, and its index where the signature asks for one (``training_step(self, batch)``
+    is fine)."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    if is_param_in_hook_signature(step, "batch_idx", min_args=2):
+        return batch, batch_idx
+    return (batch,)
+
+
+class Optimizers:
+    """Several optimizers seen as one where their state is kept (commits, checkpoints): their
+    parameter groups in order, their states, one ``state_dict`` in torch's own layout with
+    the parameters numbered across them. A module optimising manually configures several
+    (a GAN's generator and discriminator); their parameters must not overlap."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+        seen: set[int] = set()
+        for optimizer in self.optimizers:
+            ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if ids & seen:
+                raise ModelError(
+                    "configure_optimizers() returned optimizers that share parameters: each "
+                    "parameter may belong to one optimizer only"
+                )
+            seen |= ids
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Every parameter's state, read-only (each optimizer's own is a ``defaultdict``)."""
+        return {p: entry for o in self.optimizers for p, entry in o.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        offset = 0
+        for optimizer in self.optimizers:
+            saved = optimizer.state_dict()
+            state.update({offset + i: entry for i, entry in saved["state"].items()})
+            for group in saved["param_groups"]:
+                groups.append({**group, "params": [offset + i for i in group["params"]]})
+            offset += sum(len(group["params"]) for group in saved["param_groups"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = iter(state_dict["param_groups"])
+        offset = 0
+        for optimizer in self.optimizers:
+            mine = [next(groups) for _ in optimizer.param_groups]
+            count = sum(len(group["params"]) for group in mine)
+            optimizer.load_state_dict(
+                {
+                    "state": {
+                        i - offset: entry
+                        for i, entry in state_dict["state"].items()
+                        if offset <= i < offset + count
+                    },
+                    "param_groups": [
+                        {**group, "params": [i - offset for i in group["params"]]} for group in mine
+                    ],
+                }
+            )
+            offset += count
+
+
 class Optimization:
-    """The one optimizer of a module and its learning-rate schedulers.
+    """A module's optimizers and learning-rate schedulers: one optimizer stepped where
+    Trainer steps it, or, under manual optimisation, one or several the module steps itself
+    (:meth:`manual_step`).
 
     Raises:
         ModelError: ``configure_optimizers`` returns something ringflow does not honour.
@@ -126,24 +235,34 @@ class Optimization:
         from lightning.pytorch.core.optimizer import (
             _configure_optimizers,
             _configure_schedulers_automatic_opt,
+            _configure_schedulers_manual_opt,
         )
         from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
         name = type(module).__name__
-        refuse_manual_optimisation(module)
+        self.manual = optimises_manually(module)
         try:
             optimizers, schedulers, monitor = _configure_optimizers(module.configure_optimizers())
-            configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+            configs = (
+                _configure_schedulers_manual_opt(schedulers)
+                if self.manual
+                else _configure_schedulers_automatic_opt(schedulers, monitor)
+            )
         except MisconfigurationException as err:
             raise ModelError(f"{name}.configure_optimizers(): {err}") from None
-        if len(optimizers) != 1:
+        if not optimizers or (len(optimizers) != 1 and not self.manual):
             kinds = ", ".join(type(o).__name__ for o in optimizers) or "none"
             raise ModelError(
                 f"{name}.configure_optimizers() returned {len(optimizers)} optimizers ({kinds}): "
-                "ringflow trains with one optimizer (several param groups are fine); several "
-                "optimizers need manual optimisation, which it does not support yet"
+                "automatic optimisation steps one (several param groups are fine); several "
+                "need manual optimisation (automatic_optimization = False), as under Lightning"
             )
-        self.module, self.optimizer = module, optimizers[0]
+        self.module, self.optimizers = module, list(optimizers)
+        self.optimizer: Any = optimizers[0] if len(optimizers) == 1 else Optimizers(optimizers)
+        """The optimizer whose state commits and checkpoints keep (several, as one)."""
+        self.optimizer_steps = 0
+        """Under manual optimisation, the optimizer steps taken so far (Trainer's
+        ``global_step`` then counts them); kept in commits and checkpoints."""
         self.precision = precision or Precision("32-true", torch.device("cpu"))
         self.configs = configs  # Lightning's LRSchedulerConfigs, as Trainer holds them
         self.schedules = [
@@ -158,7 +277,7 @@ class Optimization:
             for c in configs
         ]
         for schedule in self.schedules:
-            if schedule.plateau and schedule.interval == "step":
+            if schedule.plateau and schedule.interval == "step" and not self.manual:
                 raise ModelError(
                     f"{name}: a ReduceLROnPlateau stepped every batch (interval 'step') is not "
                     "supported; step it every epoch on a validation metric"
@@ -232,9 +351,32 @@ class Optimization:
             and not overridden
         )
 
+    def manual_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """A step the module asked for (``optimizer.step()`` under manual optimisation), as
+        Trainer's precision takes it: the closure, then (``16-mixed``) unscaling, the
+        ``on_before_optimizer_step`` hook, and the step (skipped by the scaler on non-finite
+        gradients). Counted: Trainer's ``global_step`` is the steps taken."""
+        out = closure()
+        scaler = self.precision.scaler
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        call_hook(self.module, "on_before_optimizer_step", optimizer)
+        if scaler is not None:
+            out = scaler.step(optimizer, **kwargs)
+            scaler.update()
+        else:
+            out = optimizer.step(**kwargs)
+        self.optimizer_steps += 1
+        return out
+
     def after_batch(self, batch_idx: int, *, last: bool) -> None:
         """Step the schedulers due after the optimizer step of batch ``batch_idx`` of an epoch
-        (``last``: the epoch's last batch, where epoch-interval schedulers step)."""
+        (``last``: the epoch's last batch, where epoch-interval schedulers step); under
+        manual optimisation the module steps its own."""
+        if self.manual:
+            return
         for schedule in self.schedules:
             if schedule.plateau:
                 continue
@@ -245,7 +387,8 @@ class Optimization:
 
     def after_validation(self, epoch: int, metrics: dict[str, float]) -> None:
         """Step the ``ReduceLROnPlateau`` schedulers due after epoch ``epoch``'s validation."""
-        self._epoch_schedules(plateau=True, epoch=epoch, metrics=metrics)
+        if not self.manual:
+            self._epoch_schedules(plateau=True, epoch=epoch, metrics=metrics)
 
     def _epoch_schedules(self, *, plateau: bool, epoch: int | None, metrics: dict) -> None:
         for schedule in self.schedules:
@@ -283,10 +426,12 @@ class Optimization:
                 for s in self.schedules
             ],
             "scaler": None if scaler is None else to_json(scaler.state_dict(), what="scaler"),
+            "optimizer_steps": self.optimizer_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         states = state.get("schedulers", [])
+        self.optimizer_steps = state.get("optimizer_steps", 0)
         if state.get("scaler") is not None and self.precision.scaler is not None:
             self.precision.scaler.load_state_dict(from_json(state["scaler"]))
         if len(states) != len(self.schedules):
@@ -386,8 +531,8 @@ class TrainerView:
     """The ``Trainer`` a module's own code reads in a worker (``self.trainer``,
     ``self.current_epoch``, ``self.global_step``, ``estimated_stepping_batches``...).
 
-    ``global_step`` counts optimizer steps, as Trainer's does; the driver's step counts
-    batches.
+    ``global_step`` counts optimizer steps, as Trainer's does (under manual optimisation,
+    the steps the module took); the driver's step counts batches.
     """
 
     def __init__(
@@ -399,7 +544,9 @@ class TrainerView:
         self.estimated_stepping_batches = max_epochs * self.optimizer_steps_per_epoch
         self.global_rank, self.world_size, self.local_rank, self.node_rank = rank, world_size, 0, 0
         self.is_global_zero = rank == 0
-        self.current_epoch, self.global_step = 0, 0
+        self.current_epoch, self._batches_stepped, self.is_last_batch = 0, 0, False
+        self._optimization: Optimization | None = None
+        self.gradient_clip_val = self.gradient_clip_algorithm = None  # manual: the module's
         self.training, self.sanity_checking, self.fast_dev_run = True, False, False
         self.should_stop = False
         self.recorder = _Recorder()
@@ -420,15 +567,30 @@ class TrainerView:
         return self.logs_due
 
     @property
-    def _batches_that_stepped(self) -> int:  # Trainer's ``fit_loop.epoch_loop``
-        return self.global_step
+    def global_step(self) -> int:
+        manual = self._optimization is not None and self._optimization.manual
+        return self._optimization.optimizer_steps if manual else self._batches_stepped
 
-    def adopt(self, optimization: Optimization) -> None:
-        """The optimizer and schedulers ``self.optimizers()`` and ``self.lr_schedulers()``
+    @global_step.setter
+    def global_step(self, value: int) -> None:  # automatic optimisation: after its step
+        self._batches_stepped = value
+
+    @property
+    def _batches_that_stepped(self) -> int:  # Trainer's ``fit_loop.epoch_loop``
+        return self._batches_stepped
+
+    def adopt(self, optimization: Optimization, module: torch.nn.Module) -> None:
+        """The optimizers and schedulers ``self.optimizers()`` and ``self.lr_schedulers()``
         return (and ``LearningRateMonitor`` reads)."""
-        self.optimizers = [optimization.optimizer]
+        self._optimization = optimization
+        self.optimizers = list(optimization.optimizers)
         self.lr_scheduler_configs = optimization.configs
-        self.strategy = _Strategy(self.optimizers)
+        self.strategy = _Strategy(optimization, module)
+        self.precision_plugin = self.strategy
+
+    def manual_backward(self, backward: Callable[..., None]) -> None:
+        """Where ``self.manual_backward(loss)`` goes: the layout's backward pass."""
+        self.strategy.run_backward = backward
 
     def at(self, epoch: int, batch_idx: int) -> None:
         """Where training is: before batch ``batch_idx`` of ``epoch``."""
@@ -439,7 +601,8 @@ class TrainerView:
             if batch_idx >= self.num_training_batches
             else batch_idx // window
         )
-        self.global_step = epoch * self.optimizer_steps_per_epoch + done
+        self._batches_stepped = epoch * self.optimizer_steps_per_epoch + done
+        self.is_last_batch = batch_idx == self.num_training_batches - 1
 
 
 class _Recorder:
@@ -464,9 +627,39 @@ class _Recorder:
 
 
 class _Strategy:
-    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        self._lightning_optimizers = optimizers
+    """What a module's own code reaches of Trainer's strategy and precision plugin: its
+    optimizers wrapped as Lightning wraps them (``self.optimizers()``), and under manual
+    optimisation the backward pass (``self.manual_backward``), the optimizer step those
+    wrappers take and gradient clipping (``self.clip_gradients``)."""
+
+    def __init__(self, optimization: Optimization, module: torch.nn.Module) -> None:
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        self._optimization = optimization
+        self.lightning_module = module
         self.root_device = torch.device("cpu")
+        self.run_backward: Callable[..., None] | None = None
+        # Each wrapper holds this strategy by a weak reference: the Trainer view holds it.
+        self._lightning_optimizers = [
+            LightningOptimizer._to_lightning_optimizer(o, self) for o in optimization.optimizers
+        ]
+
+    def backward(self, loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        if self.run_backward is None:
+            raise ModelError("manual_backward() is for training_step under manual optimisation")
+        self.run_backward(loss, *args, **kwargs)
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        return self._optimization.manual_step(optimizer, closure, **kwargs)
+
+    def clip_gradients(
+        self, optimizer: torch.optim.Optimizer, clip_val: float, gradient_clip_algorithm: Any
+    ) -> None:
+        """``self.clip_gradients``: Lightning's checks done, a value of 0 clips nothing."""
+        algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)
+        clip_gradients(optimizer, clip_val or None, str(algorithm))
 
     @staticmethod
     def reduce_boolean_decision(decision: bool, all: bool = True) -> bool:  # noqa: A002

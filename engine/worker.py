@@ -21,7 +21,7 @@ import torch
 from ringflow.engine.collective import Collective, create_collective, environment_overrides
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of
-from ringflow.engine.errors import EngineError, PeerLostError
+from ringflow.engine.errors import EngineError, ModelError, PeerLostError
 from ringflow.engine.metrics import Logged, MetricLog
 from ringflow.engine.module import (
     Optimization,
@@ -30,6 +30,7 @@ from ringflow.engine.module import (
     attach,
     call_hook,
     module_checkpoint,
+    step_arguments,
 )
 from ringflow.engine.timeline import WorkerTimeline
 from ringflow.storage.checkpoint import read_checkpoint
@@ -337,7 +338,15 @@ class Worker:
         self.module = self.step.prepare(module)
         self.optimization = Optimization(self.module, self.precision)
         self.optimizer = self.optimization.optimizer
-        self.trainer.adopt(self.optimization)
+        self.trainer.adopt(self.optimization, self.module)
+        last = len(self.train) % config.batch_size
+        if self.optimization.manual and 0 < last < config.workers:
+            raise ModelError(
+                f"{module_cls.__name__} optimises manually, and the epoch's last batch "
+                f"({last} samples) leaves some of the {config.workers} workers nothing to run "
+                "its training_step on: choose a batch_size that divides the "
+                f"{len(self.train)} training samples, or leaves at least {config.workers}"
+            )
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.checkpointer: AsyncCheckpointer | None = None
         self._commits: dict[int, Commit] = {}
@@ -702,7 +711,8 @@ class Worker:
             # Trainer asks at every batch whether the next optimizer step is due for the
             # loggers (LearningRateMonitor reads it); the module's values are taken at the
             # stepping batch.
-            self.trainer.logs_due = every > 0 and (self.trainer.global_step + 1) % every == 0
+            stepped = self.trainer._batches_that_stepped
+            self.trainer.logs_due = every > 0 and (stepped + 1) % every == 0
             batch = Batch(
                 epoch=epoch,
                 step=step,
@@ -712,7 +722,7 @@ class Worker:
                 opens_window=step % window == 0,
                 steps=steps,
                 last=last,
-                log_step=self.trainer.global_step if steps and self.trainer.logs_due else None,
+                log_step=stepped if steps and self.trainer.logs_due else None,
             )
             samples += self.step.train(batch)
         return samples
@@ -885,10 +895,10 @@ def evaluate_module(
         batch = to_device(samples.batch(part), device)
         log.enter(f"{stage}_step", batch_size=len(part))
         if precision is None:
-            step(batch, i)
+            step(*step_arguments(step, batch, i))
         else:
             with precision.forward_context():
-                step(precision.convert_input(batch), i)
+                step(*step_arguments(step, precision.convert_input(batch), i))
     log.enter(f"on_{stage}_epoch_end")
     call_hook(module, f"on_{stage}_epoch_end")
     logged = log.take()

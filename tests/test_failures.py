@@ -47,19 +47,21 @@ class RefusesItsHparams(DigitsClassifier):
 
 
 class StepsByHand(DigitsClassifier):
-    """Manual optimisation, which ringflow refuses (docs/reference.md)."""
+    """Manual optimisation, refused with gradient accumulation (as Lightning refuses it)."""
 
     def __init__(self, **hparams) -> None:
         super().__init__(**hparams)
         self.automatic_optimization = False
 
 
-def _fit(digits, tmp_path, module, **hparams):
+def _fit(digits, tmp_path, module, config=None, **hparams):
     return fit(
         module,
         hparams={"hidden": 16, **hparams},
         data=digits,
-        config=TrainConfig(workers=2, epochs=1, batch_size=64, seed=0, cpus_per_worker=0.5),
+        config=TrainConfig(
+            workers=2, epochs=1, batch_size=64, seed=0, cpus_per_worker=0.5, **(config or {})
+        ),
         checkpoint_uri=str(tmp_path / "model"),
     )
 
@@ -95,23 +97,29 @@ def test_a_step_that_raises_ends_the_run_at_once_naming_the_hook(
 
 @pytest.mark.ray
 @pytest.mark.parametrize(
-    ("module", "hparams", "named"),
+    ("module", "hparams", "config", "named"),
     [
         (
             RefusesItsHparams,
             {"hidden": 128},
+            {},
             "RefusesItsHparams(hidden=128) refused its hparams: hidden=128 is more than this "
             "model takes (64)",
         ),
-        (StepsByHand, {}, "StepsByHand sets automatic_optimization = False"),
+        (
+            StepsByHand,
+            {},
+            {"accumulate_grad_batches": 2},
+            "StepsByHand optimises manually, so accumulate_grad_batches=2 is refused",
+        ),
     ],
-    ids=["a constructor refusing its hparams", "manual optimisation"],
+    ids=["a constructor refusing its hparams", "manual optimisation with accumulation"],
 )
 def test_what_fails_as_the_workers_start_ends_the_run_on_the_first_start(
-    ray_session, digits, tmp_path, engine_log, module, hparams, named
+    ray_session, digits, tmp_path, engine_log, module, hparams, config, named
 ):
     with pytest.raises(ModelError) as failed:
-        _fit(digits, tmp_path, module, **hparams)
+        _fit(digits, tmp_path, module, config, **hparams)
     assert named in str(failed.value)
     assert "\n" not in str(failed.value)
     assert "worker rank" not in str(failed.value)  # refused by the driver, before any worker

@@ -257,10 +257,6 @@ class TwoOptimizers(OneCycle):
         ]
 
 
-class Manual(OneCycle):
-    automatic_optimization = False
-
-
 class PlateauEveryStep(OneCycle):
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
@@ -283,8 +279,7 @@ class PlateauWithoutMonitor(OneCycle):
 @pytest.mark.parametrize(
     ("cls", "message"),
     [
-        (TwoOptimizers, r"returned 2 optimizers \(SGD, Adam\)"),
-        (Manual, "automatic_optimization = False"),
+        (TwoOptimizers, r"returned 2 optimizers \(SGD, Adam\).*need manual optimisation"),
         (PlateauEveryStep, "ReduceLROnPlateau stepped every batch"),
         (PlateauWithoutMonitor, "must include a monitor"),
     ],

@@ -168,7 +168,11 @@ class GradientBuckets:
     def _fill(self, bucket: _Bucket, slot: int, param: torch.Tensor) -> None:
         """Make ``param.grad`` its view in ``bucket``, holding the gradient."""
         view, grad = bucket.view(slot), param.grad
-        if grad is None:  # a parameter this batch did not reach still takes part in the sum
+        if not param.requires_grad:  # switched off (``toggle_optimizer``): not this pass's
+            if grad is not None and grad.data_ptr() == view.data_ptr():
+                param.grad = grad.clone()  # its gradient stays as it was
+            view.zero_()
+        elif grad is None:  # a parameter this batch did not reach still takes part in the sum
             view.zero_()
             param.grad = view
         elif grad.data_ptr() != view.data_ptr():

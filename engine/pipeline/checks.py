@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
-from ringflow.engine.module import refuse_manual_optimisation
+from ringflow.engine.module import check_manual_optimisation
 from ringflow.engine.pipeline.config import PipelineConfig
 from ringflow.engine.pipeline.data import first_rows
 from ringflow.engine.pipeline.partition import Partition, model_layers, partition_model
@@ -51,7 +51,7 @@ def check_pipeline(
     """
     check_micro_batches(config, pipeline)
     module = build_module(module_cls, hparams)
-    refuse_manual_optimisation(module)
+    check_manual_optimisation(module, config, pipeline=True)
     for hook in ("pipeline_loss", "configure_optimizers"):
         if not callable(getattr(module, hook, None)):
             raise ValueError(f"{module_cls.__name__} must define {hook}() to train as a pipeline")

@@ -1,0 +1,352 @@
+"""Manual optimisation (``automatic_optimization = False``) as under ``lightning.Trainer``:
+several optimizers stepped by the module, ``self.manual_backward`` reducing the gradients
+over the workers before the module's ``opt.step()``, ``toggle_optimizer``, the module's own
+clipping and schedulers, and every optimizer's state in commits and checkpoints.
+
+The module is Lightning's own GAN example (``examples/pytorch/domain_templates/
+generative_adversarial_net.py``), its images replaced by synthetic tensors of a small shape
+and its TensorBoard image grid left out. Trainer, the oracle, draws its noise from the same
+per-step seed ringflow reseeds with (``engine.worker.step_seed``)."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from ringflow.engine import ModelError, TensorData, TrainConfig, fit
+from ringflow.engine.module import check_manual_optimisation
+from ringflow.engine.worker import step_seed
+from ringflow.storage import CheckpointStore
+from tests.support.fitting import relative_difference as _relative
+
+SHAPE, LATENT, BATCH, EPOCHS, SEED = (1, 8, 8), 16, 16, 2, 3
+SAMPLES = 96  # 6 batches an epoch, every one whole
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """As ``tests.support.fitting``'s, BatchNorm's counts of batches included."""
+    return _relative({k: v.double() for k, v in a.items()}, {k: v.double() for k, v in b.items()})
+
+
+# ---------------------------------------------------------------- Lightning's example
+
+
+class Generator(nn.Module):
+    def __init__(self, latent_dim: int = 100, img_shape: tuple = (1, 28, 28), norm: bool = True):
+        super().__init__()
+        self.img_shape = img_shape
+
+        def block(in_feat, out_feat, normalize=True):
+            layers = [nn.Linear(in_feat, out_feat)]
+            if normalize and norm:
+                layers.append(nn.BatchNorm1d(out_feat, 0.8))
+            layers.append(nn.LeakyReLU(0.2, inplace=True))
+            return layers
+
+        self.model = nn.Sequential(
+            *block(latent_dim, 128, normalize=False),
+            *block(128, 256),
+            *block(256, 512),
+            nn.Linear(512, int(math.prod(img_shape))),
+            nn.Tanh(),
+        )
+
+    def forward(self, z):
+        img = self.model(z)
+        return img.view(img.size(0), *self.img_shape)
+
+
+class Discriminator(nn.Module):
+    def __init__(self, img_shape):
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Linear(int(math.prod(img_shape)), 256),
+            nn.LeakyReLU(0.2, inplace=True),
+            nn.Linear(256, 128),
+            nn.LeakyReLU(0.2, inplace=True),
+            nn.Linear(128, 1),
+        )
+
+    def forward(self, img):
+        return self.model(img.view(img.size(0), -1))
+
+
+class GAN(L.LightningModule):
+    def __init__(
+        self,
+        img_shape: tuple = SHAPE,
+        lr: float = 0.0002,
+        b1: float = 0.5,
+        b2: float = 0.999,
+        latent_dim: int = LATENT,
+        norm: bool = True,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.generator = Generator(latent_dim=latent_dim, img_shape=img_shape, norm=norm)
+        self.discriminator = Discriminator(img_shape=img_shape)
+        self.validation_z = torch.randn(8, self.hparams.latent_dim)
+        self.example_input_array = torch.zeros(2, self.hparams.latent_dim)
+
+    def forward(self, z):
+        return self.generator(z)
+
+    @staticmethod
+    def adversarial_loss(y_hat, y):
+        return F.binary_cross_entropy_with_logits(y_hat, y)
+
+    def noise(self, batch):
+        imgs, _ = batch
+        return torch.randn(imgs.shape[0], self.hparams.latent_dim).type_as(imgs)
+
+    def training_step(self, batch):  # no batch_idx, as in Lightning's example
+        imgs, _ = batch
+        opt_g, opt_d = self.optimizers()
+        z = self.noise(batch)
+
+        valid = torch.ones(imgs.size(0), 1).type_as(imgs)
+        self.toggle_optimizer(opt_g)
+        g_loss = self.adversarial_loss(self.discriminator(self(z)), valid)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+
+        self.toggle_optimizer(opt_d)
+        real_loss = self.adversarial_loss(self.discriminator(imgs), valid)
+        fake = torch.zeros(imgs.size(0), 1).type_as(imgs)
+        fake_loss = self.adversarial_loss(self.discriminator(self(z).detach()), fake)
+        d_loss = (real_loss + fake_loss) / 2
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+
+        self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
+
+    def configure_optimizers(self):
+        lr, b1, b2 = self.hparams.lr, self.hparams.b1, self.hparams.b2
+        opt_g = torch.optim.Adam(self.generator.parameters(), lr=lr, betas=(b1, b2))
+        opt_d = torch.optim.Adam(self.discriminator.parameters(), lr=lr, betas=(b1, b2))
+        return opt_g, opt_d
+
+
+# ---------------------------------------------------------------- variants
+
+
+class NoiseFromData(GAN):
+    """The noise comes with the batch and the generator has no BatchNorm: the gradients are
+    then a function of the global batch alone, so any number of workers trains alike."""
+
+    def __init__(self, **hparams):
+        super().__init__(norm=False, **hparams)
+
+    def noise(self, batch):
+        return batch[1]
+
+
+class ClippedAndScheduled(GAN):
+    """The module's own clipping (``self.clip_gradients``) and schedulers it steps itself."""
+
+    def training_step(self, batch):
+        imgs, _ = batch
+        opt_g, opt_d = self.optimizers()
+        sched_g, sched_d = self.lr_schedulers()
+        z = self.noise(batch)
+        valid = torch.ones(imgs.size(0), 1)
+        g_loss = self.adversarial_loss(self.discriminator(self(z)), valid)
+        self.toggle_optimizer(opt_g)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        self.clip_gradients(opt_g, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        fake = torch.zeros(imgs.size(0), 1)
+        d_loss = self.adversarial_loss(self.discriminator(self(z).detach()), fake)
+        d_loss = (d_loss + self.adversarial_loss(self.discriminator(imgs), valid)) / 2
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        self.clip_gradients(opt_d, gradient_clip_val=0.01, gradient_clip_algorithm="value")
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+        sched_g.step()
+        if self.trainer.is_last_batch:
+            sched_d.step()
+        return d_loss
+
+    def configure_optimizers(self):
+        opt_g, opt_d = super().configure_optimizers()
+        return [opt_g, opt_d], [
+            torch.optim.lr_scheduler.StepLR(opt_g, step_size=2, gamma=0.5),
+            torch.optim.lr_scheduler.ExponentialLR(opt_d, gamma=0.9),
+        ]
+
+
+class Preempted(NoiseFromData):
+    """Dies (an exception, here) at its ``dies_at``-th batch."""
+
+    dies_at: int | None = None
+
+    def training_step(self, batch):
+        self.batches = getattr(self, "batches", 0) + 1
+        if self.batches == type(self).dies_at:
+            raise RuntimeError("preempted")
+        return super().training_step(batch)
+
+
+# ---------------------------------------------------------------- the oracle
+
+
+def images(samples: int = SAMPLES) -> TensorData:
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand((samples + 16, *SHAPE), generator=g) * 2 - 1
+    z = torch.randn(samples + 16, LATENT, generator=g)
+    return TensorData(
+        splits={"train": (x[:samples], z[:samples]), "validation": (x[-16:], z[-16:])}
+    )
+
+
+class Reseeded(L.Callback):
+    """Trainer's generator reseeded before each batch as ringflow reseeds it."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        steps = SAMPLES // BATCH
+        torch.default_generator.manual_seed(
+            step_seed(SEED, trainer.current_epoch * steps + batch_idx, 0)
+        )
+
+
+def under_trainer(cls, hparams: dict, data: TensorData) -> tuple[dict, L.Trainer]:
+    torch.manual_seed(SEED)
+    module = cls(**hparams)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Reseeded()],
+    )
+    # ringflow's batch order: ``engine.data.EpochOrder`` over one block of samples
+    from ringflow.engine.data import EpochOrder, Layout
+
+    class Order(torch.utils.data.Sampler):
+        def __init__(self):
+            self.epoch = 0
+
+        def __iter__(self):
+            order = EpochOrder(Layout((SAMPLES,)), seed=SEED, epoch=self.epoch, batch_size=BATCH)
+            self.epoch += 1
+            return iter(torch.cat([order.batch(s) for s in range(order.steps)]).tolist())
+
+        def __len__(self):
+            return SAMPLES
+
+    loader = DataLoader(TensorDataset(*data.splits["train"]), batch_size=BATCH, sampler=Order())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as ringflow's worker (cpus_per_worker=1): the same rounding
+    try:
+        trainer.fit(module, loader)
+    finally:
+        torch.set_num_threads(threads)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, trainer
+
+
+def under_ringflow(cls, hparams: dict, data, tmp_path, *, workers: int = 1, **config):
+    return fit(
+        cls,
+        hparams=hparams,
+        data=data,
+        config=TrainConfig(workers=workers, epochs=EPOCHS, batch_size=BATCH, seed=SEED, **config),
+        checkpoint_uri=str(tmp_path / f"model-{workers}"),
+        in_process=workers == 1,
+    )
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("cls", [GAN, NoiseFromData, ClippedAndScheduled])
+def test_one_worker_ends_with_the_weights_trainer_ends_with(cls, tmp_path):
+    data = images()
+    expected, trainer = under_trainer(cls, {}, data)
+    got = under_ringflow(cls, {}, data, tmp_path)
+    assert relative_difference(got.state_dict, expected) < 1e-6
+    torch.manual_seed(SEED)
+    assert relative_difference(got.state_dict, cls().state_dict()) > 1e-3  # it trained
+    # two optimizer steps a batch: Trainer's global_step counts both
+    assert trainer.global_step == 2 * EPOCHS * SAMPLES // BATCH
+
+
+@pytest.mark.ray
+def test_two_workers_end_with_one_workers_weights(tmp_path, ray_session):
+    data = images()
+    one = under_ringflow(NoiseFromData, {}, data, tmp_path)
+    two = under_ringflow(NoiseFromData, {}, data, tmp_path, workers=2, cpus_per_worker=0.5)
+    assert relative_difference(two.state_dict, one.state_dict) < 1e-6
+
+
+def test_a_run_resumed_mid_epoch_ends_bit_for_bit_both_optimizers_included(tmp_path):
+    def run(run_key: str):
+        return fit(
+            Preempted,
+            hparams={},
+            data=images(),
+            config=TrainConfig(
+                workers=1, epochs=EPOCHS, batch_size=BATCH, seed=SEED, checkpoint_every=2
+            ),
+            checkpoint_uri=str(tmp_path / run_key),
+            in_process=True,
+            store_url=str(tmp_path / "store"),
+            run_key=run_key,
+        )
+
+    whole = run("whole")
+    Preempted.dies_at = 9  # after 8 steps, checkpointed: in the second epoch (of 6 steps)
+    try:
+        with pytest.raises(RuntimeError, match="preempted"):
+            run("cut")
+    finally:
+        Preempted.dies_at = None
+    assert CheckpointStore(str(tmp_path / "store")).latest("cut").step == 8
+    again = run("cut")
+    assert again.resumed_from == 8
+    for name, tensor in whole.state_dict.items():
+        assert torch.equal(again.state_dict[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2 is refused"),
+        ({"gradient_clip_val": 0.5}, r"call self.clip_gradients\(optimizer"),
+    ],
+)
+def test_what_manual_optimisation_cannot_take_is_refused_by_name(config, message):
+    config = TrainConfig(workers=1, batch_size=BATCH, **config)
+    with pytest.raises(ModelError, match=message):
+        check_manual_optimisation(GAN(), config, pipeline=False)
+
+
+def test_a_pipeline_refuses_manual_optimisation():
+    with pytest.raises(ModelError, match="manual optimisation trains data-parallel only"):
+        check_manual_optimisation(GAN(), TrainConfig(workers=1), pipeline=True)
+
+
+@pytest.mark.ray
+def test_a_last_batch_that_leaves_a_worker_nothing_is_refused_before_training(
+    tmp_path, ray_session
+):
+    with pytest.raises(ModelError, match="leaves some of the 2 workers nothing") as refused:
+        under_ringflow(GAN, {}, images(SAMPLES + 1), tmp_path, workers=2, cpus_per_worker=0.5)
+    assert "\n" not in str(refused.value)
