@@ -233,11 +233,17 @@ class DataParallelStep:
             call_hook(module, "on_after_backward")
 
         w.trainer.manual_backward(backward)
+        switched = [p.requires_grad for p in w.params]  # as toggle_optimizer finds them
         timeline.start("forward")
-        with w.precision.forward_context():
-            out = module.training_step(
-                *step_arguments(module.training_step, w.precision.convert_input(data), step)
-            )
+        try:
+            with w.precision.forward_context():
+                out = module.training_step(
+                    *step_arguments(module.training_step, w.precision.convert_input(data), step)
+                )
+        except BaseException:  # a peer lost mid-step: the rollback finds them as they were
+            for param, requires_grad in zip(w.params, switched, strict=True):
+                param.requires_grad_(requires_grad)
+            raise
         timeline.stop("forward")
         loss = out["loss"] if isinstance(out, Mapping) else out
         if isinstance(loss, torch.Tensor):

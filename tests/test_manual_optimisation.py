@@ -10,22 +10,20 @@ per-step seed ringflow reseeds with (``engine.worker.step_seed``)."""
 
 from __future__ import annotations
 
-import math
-
 import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from ringflow.engine import ModelError, TensorData, TrainConfig, fit
 from ringflow.engine.module import check_manual_optimisation
 from ringflow.engine.worker import step_seed
 from ringflow.storage import CheckpointStore
+from tests.lightning_examples import generative_adversarial_net as example
 from tests.support.fitting import relative_difference as _relative
 
-SHAPE, LATENT, BATCH, EPOCHS, SEED = (1, 8, 8), 16, 16, 2, 3
+SHAPE, LATENT, BATCH, EPOCHS, SEED = (1, 28, 28), 100, 16, 2, 3  # MNIST's, the example's
 SAMPLES = 96  # 6 batches an epoch, every one whole
 
 
@@ -37,80 +35,29 @@ def relative_difference(a: dict, b: dict) -> float:
 # ---------------------------------------------------------------- Lightning's example
 
 
-class Generator(nn.Module):
-    def __init__(self, latent_dim: int = 100, img_shape: tuple = (1, 28, 28), norm: bool = True):
-        super().__init__()
-        self.img_shape = img_shape
+class GAN(example.GAN):
+    """Lightning's GAN as it is; its epoch end draws an image grid for TensorBoard with
+    torchvision, which ringflow does not install: left out."""
 
-        def block(in_feat, out_feat, normalize=True):
-            layers = [nn.Linear(in_feat, out_feat)]
-            if normalize and norm:
-                layers.append(nn.BatchNorm1d(out_feat, 0.8))
-            layers.append(nn.LeakyReLU(0.2, inplace=True))
-            return layers
-
-        self.model = nn.Sequential(
-            *block(latent_dim, 128, normalize=False),
-            *block(128, 256),
-            *block(256, 512),
-            nn.Linear(512, int(math.prod(img_shape))),
-            nn.Tanh(),
-        )
-
-    def forward(self, z):
-        img = self.model(z)
-        return img.view(img.size(0), *self.img_shape)
+    def on_train_epoch_end(self):
+        pass
 
 
-class Discriminator(nn.Module):
-    def __init__(self, img_shape):
-        super().__init__()
-        self.model = nn.Sequential(
-            nn.Linear(int(math.prod(img_shape)), 256),
-            nn.LeakyReLU(0.2, inplace=True),
-            nn.Linear(256, 128),
-            nn.LeakyReLU(0.2, inplace=True),
-            nn.Linear(128, 1),
-        )
+class NoiseFromData(GAN):
+    """The GAN with its noise taken from the batch and no BatchNorm in its generator: its
+    gradients are then a function of the global batch alone, so any number of workers
+    trains alike (BatchNorm's statistics are each worker's, as under DDP)."""
 
-    def forward(self, img):
-        return self.model(img.view(img.size(0), -1))
+    def __init__(self, **hparams):
+        super().__init__(**hparams)
+        layers = self.generator.model
+        for i, layer in enumerate(layers):
+            if isinstance(layer, nn.BatchNorm1d):
+                layers[i] = nn.Identity()
 
-
-class GAN(L.LightningModule):
-    def __init__(
-        self,
-        img_shape: tuple = SHAPE,
-        lr: float = 0.0002,
-        b1: float = 0.5,
-        b2: float = 0.999,
-        latent_dim: int = LATENT,
-        norm: bool = True,
-    ):
-        super().__init__()
-        self.save_hyperparameters()
-        self.automatic_optimization = False
-        self.generator = Generator(latent_dim=latent_dim, img_shape=img_shape, norm=norm)
-        self.discriminator = Discriminator(img_shape=img_shape)
-        self.validation_z = torch.randn(8, self.hparams.latent_dim)
-        self.example_input_array = torch.zeros(2, self.hparams.latent_dim)
-
-    def forward(self, z):
-        return self.generator(z)
-
-    @staticmethod
-    def adversarial_loss(y_hat, y):
-        return F.binary_cross_entropy_with_logits(y_hat, y)
-
-    def noise(self, batch):
-        imgs, _ = batch
-        return torch.randn(imgs.shape[0], self.hparams.latent_dim).type_as(imgs)
-
-    def training_step(self, batch):  # no batch_idx, as in Lightning's example
-        imgs, _ = batch
+    def training_step(self, batch):  # the example's, its noise from the batch
+        imgs, z = batch
         opt_g, opt_d = self.optimizers()
-        z = self.noise(batch)
-
         valid = torch.ones(imgs.size(0), 1).type_as(imgs)
         self.toggle_optimizer(opt_g)
         g_loss = self.adversarial_loss(self.discriminator(self(z)), valid)
@@ -118,7 +65,6 @@ class GAN(L.LightningModule):
         self.manual_backward(g_loss)
         opt_g.step()
         self.untoggle_optimizer(opt_g)
-
         self.toggle_optimizer(opt_d)
         real_loss = self.adversarial_loss(self.discriminator(imgs), valid)
         fake = torch.zeros(imgs.size(0), 1).type_as(imgs)
@@ -128,41 +74,20 @@ class GAN(L.LightningModule):
         self.manual_backward(d_loss)
         opt_d.step()
         self.untoggle_optimizer(opt_d)
-
         self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
 
-    def configure_optimizers(self):
-        lr, b1, b2 = self.hparams.lr, self.hparams.b1, self.hparams.b2
-        opt_g = torch.optim.Adam(self.generator.parameters(), lr=lr, betas=(b1, b2))
-        opt_d = torch.optim.Adam(self.discriminator.parameters(), lr=lr, betas=(b1, b2))
-        return opt_g, opt_d
 
+class ClippedAndScheduled(NoiseFromData):
+    """The module's own clipping (``self.clip_gradients``) and schedulers it steps itself;
+    ``training_step`` with ``batch_idx``, returning the loss."""
 
-# ---------------------------------------------------------------- variants
-
-
-class NoiseFromData(GAN):
-    """The noise comes with the batch and the generator has no BatchNorm: the gradients are
-    then a function of the global batch alone, so any number of workers trains alike."""
-
-    def __init__(self, **hparams):
-        super().__init__(norm=False, **hparams)
-
-    def noise(self, batch):
-        return batch[1]
-
-
-class ClippedAndScheduled(GAN):
-    """The module's own clipping (``self.clip_gradients``) and schedulers it steps itself."""
-
-    def training_step(self, batch):
-        imgs, _ = batch
+    def training_step(self, batch, batch_idx):
+        imgs, z = batch
         opt_g, opt_d = self.optimizers()
         sched_g, sched_d = self.lr_schedulers()
-        z = self.noise(batch)
         valid = torch.ones(imgs.size(0), 1)
-        g_loss = self.adversarial_loss(self.discriminator(self(z)), valid)
         self.toggle_optimizer(opt_g)
+        g_loss = self.adversarial_loss(self.discriminator(self(z)), valid)
         opt_g.zero_grad()
         self.manual_backward(g_loss)
         self.clip_gradients(opt_g, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
@@ -267,7 +192,9 @@ def under_ringflow(cls, hparams: dict, data, tmp_path, *, workers: int = 1, **co
         cls,
         hparams=hparams,
         data=data,
-        config=TrainConfig(workers=workers, epochs=EPOCHS, batch_size=BATCH, seed=SEED, **config),
+        config=TrainConfig(
+            **{"workers": workers, "epochs": EPOCHS, "batch_size": BATCH, "seed": SEED, **config}
+        ),
         checkpoint_uri=str(tmp_path / f"model-{workers}"),
         in_process=workers == 1,
     )
@@ -294,6 +221,30 @@ def test_two_workers_end_with_one_workers_weights(tmp_path, ray_session):
     one = under_ringflow(NoiseFromData, {}, data, tmp_path)
     two = under_ringflow(NoiseFromData, {}, data, tmp_path, workers=2, cpus_per_worker=0.5)
     assert relative_difference(two.state_dict, one.state_dict) < 1e-6
+
+
+@pytest.mark.ray
+def test_a_worker_killed_and_replaced_at_once_ends_bit_for_bit(tmp_path, ray_session):
+    """Both optimizers' states roll back with the weights to the last in-memory commit."""
+    import signal
+
+    from tests.test_elastic import _strike
+
+    config = {"workers": 2, "epochs": 4, "cpus_per_worker": 0.5, "collective_timeout_s": 3.0}
+    reference = under_ringflow(NoiseFromData, {}, images(), tmp_path / "reference", **config)
+    on_epoch, struck = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.0)
+    result = fit(
+        NoiseFromData,
+        hparams={},
+        data=images(),
+        config=TrainConfig(batch_size=BATCH, seed=SEED, **config),
+        checkpoint_uri=str(tmp_path / "replaced"),
+        on_epoch=on_epoch,
+    )
+    assert struck
+    assert [e.kind for e in result.events] == ["lost", "rollback", "joined", "recovered"]
+    for name, tensor in reference.state_dict.items():
+        assert torch.equal(result.state_dict[name], tensor), name
 
 
 def test_a_run_resumed_mid_epoch_ends_bit_for_bit_both_optimizers_included(tmp_path):

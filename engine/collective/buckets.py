@@ -13,9 +13,9 @@ copied in once and replaced by the view.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -79,7 +79,7 @@ class GradientBuckets:
             for index, bucket in enumerate(self._buckets)
             for slot, param in enumerate(bucket.params)
         }
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._slots]
+        self._hooks = [_hook(p, self._on_grad) for p in self._slots]
         self._active = False
         self._weight, self._op = 1.0, "sum"
         self._works: list[CollectiveWork] = []
@@ -192,6 +192,18 @@ class GradientBuckets:
         nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
         timeline.launched(len(self._works), nbytes, mark, work)
         self._works.append(work)
+
+
+def _hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Any:
+    """``hook`` after ``param``'s gradient accumulates, also where it takes none now (a
+    module switched it off, ``toggle_optimizer``): the hook fires once it takes one again."""
+    if param.requires_grad:
+        return param.register_post_accumulate_grad_hook(hook)
+    param.requires_grad_(True)
+    try:
+        return param.register_post_accumulate_grad_hook(hook)
+    finally:
+        param.requires_grad_(False)
 
 
 def _plan(params: list[torch.Tensor], bucket_bytes: int, collective: Collective) -> list[_Bucket]:
