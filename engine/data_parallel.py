@@ -14,11 +14,13 @@ import torch
 
 from ringflow.engine.collective import Collective, GradientBuckets
 from ringflow.engine.data import Samples, samples_of
+from ringflow.engine.errors import ModelError
 from ringflow.engine.metrics import Logged, logged_number
 from ringflow.engine.module import (
     call_hook,
     compile_in_place,
     compiled_in_buckets,
+    may_return_none,
     step_arguments,
 )
 from ringflow.engine.timeline import UNTIMED
@@ -59,6 +61,10 @@ class DataParallelStep:
         self.buckets: GradientBuckets | None = None
         self._steps_in_two = False
         self._ready_first: list[torch.Tensor] = []
+        self._window_learns = False
+        """Whether a batch of the current window gave a gradient (none returned ``None``)."""
+        self._may_skip = True
+        """Whether the module's ``training_step`` may return ``None`` (:meth:`_skipped`)."""
 
     def split(self, split: str) -> Samples:
         return samples_of(self.worker.data, split)
@@ -68,6 +74,7 @@ class DataParallelStep:
         so the initial weights are the same wherever the worker trains; moved before the
         optimizer exists, so its state is created on the device."""
         w = self.worker
+        self._may_skip = may_return_none(type(module).training_step)
         call_hook(module, "setup", "fit")
         call_hook(module, "configure_model")
         compile_in_place(module)  # eager state names, whatever configure_model compiled
@@ -160,9 +167,10 @@ class DataParallelStep:
         if batch.opens_window:
             call_hook(module, "on_before_zero_grad", w.optimizer)
             w.optimizer.zero_grad(set_to_none=False)
+            self._window_learns = False
         if batch.steps:  # buckets start their all-reduces from inside backward
             self._start_buckets(window=window, weight=batch.weight, global_size=batch.global_size)
-        out = None
+        out = loss = None
         if data is not None:
             w.metric_log.enter("training_step", batch_size=len(mine), log_step=log_step)
             timeline.start("forward")
@@ -173,39 +181,84 @@ class DataParallelStep:
                 )
             timeline.stop("forward")
             loss = out["loss"] if isinstance(out, Mapping) else out
+        learns = not self._skipped(loss, has_data=data is not None, batch=batch)
+        self._window_learns |= learns
+        if learns and loss is not None:
             call_hook(module, "on_before_backward", loss)
             timeline.start("backward")
             w.precision.backward(loss if window == 1 else loss * (batch.weight / window))
             timeline.stop("backward")
             w.metric_log.record("train_loss", logged_number(loss), len(mine))
-        in_two = batch.steps and self._steps_in_two
         if batch.steps:
-            timeline.start("gradient_wait")
-            self.buckets.finish(leave_last=in_two)
-            timeline.stop("gradient_wait")
-        w.after_copies()  # the module's hooks and the optimizer may change the weights
-        if data is not None:
-            call_hook(module, "on_after_backward")
-        if batch.steps:
-            timeline.start("optimizer")  # with the last bucket's wait, when in two
-            if in_two:
-                w.optimization.step_in_two(
-                    step, last=batch.last, ready=self._ready_first, wait=self.buckets.finish_last
-                )
-            else:
-                w.optimization.step(
-                    step,
-                    last=batch.last,
-                    clip_val=w.config.gradient_clip_val,
-                    clip_algorithm=w.config.gradient_clip_algorithm,
-                )
-            timeline.stop("optimizer")
-            w.trainer.global_step += 1
+            self._update(batch, timeline, after_backward=learns and data is not None)
+        else:
+            w.after_copies()  # the module's hooks may change the weights
+            if learns and data is not None:
+                call_hook(module, "on_after_backward")
         if data is not None:
             w.metric_log.enter("on_train_batch_end", batch_size=len(mine), log_step=log_step)
             call_hook(module, "on_train_batch_end", out, data, step)
         timeline.end()
         return len(mine)
+
+    def _update(self, batch: Batch, timeline: Any, *, after_backward: bool) -> None:
+        """The end of a window: reduce its gradients and step, as :meth:`train` says; where
+        every batch of the window returned ``None``, as Trainer, no gradient and no step
+        (the hook and the schedulers due still run)."""
+        w, step = self.worker, batch.step
+        if not self._window_learns:
+            self.buckets.cancel()
+            w.optimization.skip_step(step, last=batch.last)
+            w.trainer.global_step += 1
+            return
+        in_two = self._steps_in_two
+        timeline.start("gradient_wait")
+        self.buckets.finish(leave_last=in_two)
+        timeline.stop("gradient_wait")
+        w.after_copies()  # the module's hooks and the optimizer may change the weights
+        if after_backward:
+            call_hook(w.module, "on_after_backward")
+        timeline.start("optimizer")  # with the last bucket's wait, when in two
+        if in_two:
+            w.optimization.step_in_two(
+                step, last=batch.last, ready=self._ready_first, wait=self.buckets.finish_last
+            )
+        else:
+            w.optimization.step(
+                step,
+                last=batch.last,
+                clip_val=w.config.gradient_clip_val,
+                clip_algorithm=w.config.gradient_clip_algorithm,
+            )
+        timeline.stop("optimizer")
+        w.trainer.global_step += 1
+
+    def _skipped(self, loss: Any, *, has_data: bool, batch: Batch) -> bool:
+        """Whether the batch is skipped: its ``training_step`` returned ``None`` (Trainer
+        then skips its backward), on any worker's share, so every worker skips it alike.
+
+        The workers agree by a one-number all-reduce, only for a module whose
+        ``training_step`` can be seen to return ``None`` (``may_return_none``): the others
+        pay nothing.
+
+        Raises:
+            ModelError: a ``training_step`` that shows no way to return ``None`` did.
+        """
+        w = self.worker
+        mine = has_data and loss is None
+        if w.world_size == 1:
+            return mine
+        if not self._may_skip:
+            if mine:
+                raise ModelError(
+                    f"{type(w.module).__name__}.training_step returned None at step "
+                    f"{batch.step} of epoch {batch.epoch}, where its own code has no "
+                    "'return None': return None from training_step itself to skip a batch "
+                    "on every worker"
+                )
+            return False
+        votes = torch.tensor([1.0 if mine else 0.0], device=w.device)
+        return bool(self.collective.allreduce_(votes).item() > 0)
 
     def _train_manual(self, batch: Batch) -> int:
         """One batch under manual optimisation: the module's ``training_step`` steps its own

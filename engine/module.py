@@ -158,6 +158,49 @@ def step_arguments(step: Callable[..., Any], batch: Any, batch_idx: int) -> tupl
     return (batch,)
 
 
+def may_return_none(step: Callable[..., Any]) -> bool:
+    """Whether ``step`` (a ``training_step``) can be seen to return ``None``, read from its
+    source: a bare ``return``, ``return None``, or a body that can end without returning.
+    Where the source cannot be read, it may."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(step)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    function = tree.body[0] if tree.body else None
+    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+        return True
+    for node in ast.walk(function):
+        if isinstance(node, ast.Return) and (
+            node.value is None
+            or (isinstance(node.value, ast.Constant) and node.value.value is None)
+        ):
+            return True
+    return not _always_returns(function.body)
+
+
+def _always_returns(body: list[Any]) -> bool:
+    import ast
+
+    if not body:
+        return False
+    last = body[-1]
+    if isinstance(last, ast.Return | ast.Raise):
+        return True
+    if isinstance(last, ast.If):
+        return _always_returns(last.body) and _always_returns(last.orelse)
+    if isinstance(last, ast.With | ast.AsyncWith):
+        return _always_returns(last.body)
+    if isinstance(last, ast.Try):
+        return _always_returns(last.body + last.orelse) and all(
+            _always_returns(handler.body) for handler in last.handlers
+        )
+    return False
+
+
 class Optimizers:
     """Several optimizers seen as one where their state is kept (commits, checkpoints): their
     parameter groups in order, their states, one ``state_dict`` in torch's own layout with
@@ -311,6 +354,13 @@ class Optimization:
             scaler.update()
         else:
             self.optimizer.step()
+        self.after_batch(batch_idx, last=last)
+
+    def skip_step(self, batch_idx: int, *, last: bool) -> None:
+        """The step of a window whose every batch returned ``None`` from ``training_step``:
+        as Trainer, whose optimizer then finds no gradient, ``on_before_optimizer_step`` runs
+        and the parameters do not change; the schedulers due step."""
+        call_hook(self.module, "on_before_optimizer_step", self.optimizer)
         self.after_batch(batch_idx, last=last)
 
     def step_in_two(

@@ -59,6 +59,33 @@ class Plateau(OneCycle):
         return {"optimizer": optimizer, "lr_scheduler": plateau, "monitor": "val_loss"}
 
 
+class WithoutIndex(OneCycle):
+    """``training_step(self, batch)``, as in Lightning's GAN example."""
+
+    def training_step(self, batch):
+        return super().training_step(batch, 0)
+
+
+class SkipsEveryThird(OneCycle):
+    """Returns ``None`` at every third batch: Trainer skips its backward and its update."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx % 3 == 2:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+class SkipsOutliers(OneCycle):
+    """Returns ``None`` where its batch holds an outlier: with several workers, only some
+    workers' shares do, and the batch is skipped on every worker."""
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        if (x[:, 0] > 1.8).any():
+            return None
+        return super().training_step(batch, batch_idx)
+
+
 class EpochOrder(Sampler):
     """ringflow's order: a permutation seeded by the run's seed plus the epoch."""
 
@@ -145,6 +172,39 @@ def under_ringflow(cls, hparams: dict, data, tmp_path, *, workers=1, **config) -
 
 
 STEPS = EPOCHS * 120 // BATCH + EPOCHS  # 8 batches an epoch (the last one short)
+
+
+def test_the_outliers_skip_some_batches_whole_and_some_shares_only(data):
+    """``SkipsOutliers`` means something: of the batches it skips, some have an outlier in
+    one worker's share only, when two workers split them."""
+    from ringflow.engine.worker import epoch_batches, split_global_batch
+
+    x = data.splits["train"][0]
+    config = TrainConfig(workers=1, epochs=EPOCHS, batch_size=BATCH, seed=SEED)
+    skipped = halves = 0
+    for epoch in range(EPOCHS):
+        for _, mine, _ in epoch_batches(
+            120,
+            config,
+            epoch=epoch,
+            first=0,
+            count=8,
+            rank=0,
+            world_size=1,
+            device=torch.device("cpu"),
+        ):
+            outlier = x[mine, 0] > 1.8
+            if outlier.any():
+                skipped += 1
+                shares = [
+                    outlier[split_global_batch(torch.arange(len(mine)), rank=r, world_size=2)].any()
+                    for r in (0, 1)
+                ]
+                halves += not all(shares)
+    assert skipped >= 3
+    assert halves >= 2
+
+
 CASES = {
     "one-cycle, clipped by norm": (OneCycle, {"gradient_clip_val": 0.5}),
     "one-cycle, clipped by norm, accumulating 2 batches": (
@@ -160,13 +220,19 @@ CASES = {
         {"gradient_clip_val": 0.2, "gradient_clip_algorithm": "value"},
     ),
 }
+STEP_FORMS = {  # what training_step may take and return
+    "training_step(batch), without batch_idx": (WithoutIndex, {}),
+    "None every third batch": (SkipsEveryThird, {"gradient_clip_val": 0.5}),
+    "None every third batch, accumulating 2": (SkipsEveryThird, {"accumulate_grad_batches": 2}),
+    "None where a worker's share holds an outlier": (SkipsOutliers, {}),
+}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES | STEP_FORMS))
 def test_one_worker_ends_with_the_weights_trainer_ends_with(
     case, data, tmp_path, deterministic_off
 ):
-    cls, clipping = CASES[case]
+    cls, clipping = (CASES | STEP_FORMS)[case]
     hparams = {"total_steps": STEPS}
     trainer = {k: v for k, v in clipping.items() if k != "commit_every"}  # Trainer's names
     expected = under_trainer(cls, hparams, data, **trainer)
@@ -200,6 +266,20 @@ def test_two_and_three_workers_end_with_one_workers_weights(case, data, tmp_path
             cls, hparams, data, tmp_path, workers=workers, cpus_per_worker=0.5, **clipping
         )
         assert relative_difference(many, one) < 1e-5, workers
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    "case", ["None every third batch", "None where a worker's share holds an outlier"]
+)
+def test_a_batch_skipped_by_any_worker_is_skipped_by_every_worker(
+    case, data, tmp_path, ray_session
+):
+    cls, clipping = STEP_FORMS[case]
+    hparams = {"total_steps": STEPS}
+    one = under_ringflow(cls, hparams, data, tmp_path, **clipping)
+    two = under_ringflow(cls, hparams, data, tmp_path, workers=2, cpus_per_worker=0.5, **clipping)
+    assert relative_difference(two, one) < 1e-5
 
 
 class Preempted(OneCycle):
@@ -326,3 +406,49 @@ def test_early_stopping_stops_at_the_epoch_trainer_stops_at(data, tmp_path, dete
     assert len(again.history) == len(result.history)
     for name, tensor in result.state_dict.items():
         assert torch.equal(again.state_dict[name], tensor), name
+
+
+class _Forms:
+    def returns(self, batch, batch_idx):
+        return batch
+
+    def branches(self, batch, batch_idx):
+        if batch_idx:
+            return batch
+        else:
+            raise ValueError(batch)
+
+    def skips(self, batch, batch_idx):
+        if batch_idx:
+            return None
+        return batch
+
+    def bare(self, batch, batch_idx):
+        if batch_idx:
+            return
+        return batch
+
+    def falls_through(self, batch, batch_idx):
+        if batch_idx:
+            return batch
+
+    def returns_nothing(self, batch, batch_idx):
+        self.log("x", batch)
+
+
+@pytest.mark.parametrize(
+    ("form", "may"),
+    [
+        ("returns", False),
+        ("branches", False),
+        ("skips", True),
+        ("bare", True),
+        ("falls_through", True),
+        ("returns_nothing", True),
+    ],
+)
+def test_the_workers_agree_on_a_skipped_batch_only_where_the_step_can_skip(form, may):
+    """Only a training_step whose code can return None pays for the workers' agreement."""
+    from ringflow.engine.module import may_return_none
+
+    assert may_return_none(getattr(_Forms, form)) is may

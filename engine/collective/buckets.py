@@ -134,6 +134,13 @@ class GradientBuckets:
         finally:
             self._active = False
 
+    def cancel(self) -> None:
+        """Reduce nothing for the pass :meth:`start` began (no backward ran: every batch of
+        the window was skipped, the same on every rank)."""
+        if self._works:
+            raise RuntimeError("cancel() after a bucket's all-reduce started")
+        self._active = False
+
     def finish_last(self) -> None:
         """Wait for the last bucket after ``finish(leave_last=True)``."""
         if self._works:
