@@ -165,8 +165,7 @@ class DataParallelStep:
             w.callbacks_run("on_train_batch_start", data, step)
             call_hook(module, "on_train_batch_start", data, step)
         if batch.opens_window:
-            call_hook(module, "on_before_zero_grad", w.optimizer)
-            w.optimizer.zero_grad(set_to_none=False)
+            w.optimization.zero_grad(step)
             self._window_learns = False
         if batch.steps:  # buckets start their all-reduces from inside backward
             self._start_buckets(window=window, weight=batch.weight, global_size=batch.global_size)

@@ -158,6 +158,19 @@ def step_arguments(step: Callable[..., Any], batch: Any, batch_idx: int) -> tupl
     return (batch,)
 
 
+def overrides(module: Any, hook: str) -> bool:
+    """Whether ``module`` (a LightningModule, or its class) has its own ``hook``."""
+    from lightning.pytorch import LightningModule
+
+    own = getattr(module if isinstance(module, type) else type(module), hook, None)
+    return own is not None and own is not getattr(LightningModule, hook, None)
+
+
+def _ran() -> None:
+    """The closure Trainer hands ``optimizer_step``: here training_step and backward ran
+    before the step, so it does nothing."""
+
+
 def may_return_none(step: Callable[..., Any]) -> bool:
     """Whether ``step`` (a ``training_step``) can be seen to return ``None``, read from its
     source: a bare ``return``, ``return None``, or a body that can end without returning.
@@ -303,6 +316,7 @@ class Optimization:
         self.module, self.optimizers = module, list(optimizers)
         self.optimizer: Any = optimizers[0] if len(optimizers) == 1 else Optimizers(optimizers)
         """The optimizer whose state commits and checkpoints keep (several, as one)."""
+        self._clipping: tuple[Any, ...] = (None, "norm", None)
         self.optimizer_steps = 0
         """Under manual optimisation, the optimizer steps taken so far (Trainer's
         ``global_step`` then counts them); kept in commits and checkpoints."""
@@ -342,6 +356,20 @@ class Optimization:
         ``across`` sums a tensor over the workers that hold the other parts of the model (a
         pipeline's stages): the gradient's norm is then the whole model's, and a step is
         skipped on every stage where any stage's gradients overflowed."""
+        self._clipping = (clip_val, clip_algorithm, across)
+        if overrides(self.module, "optimizer_step"):  # a warm-up written there, say
+            epoch = self.module.trainer.current_epoch
+            self.module.optimizer_step(epoch, batch_idx, self.module.optimizers(), _ran)
+        else:
+            self.automatic_step(_ran)
+        self.after_batch(batch_idx, last=last)
+
+    def automatic_step(self, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """What Trainer's precision does with the step :meth:`step` takes (or the module's
+        own ``optimizer_step`` asks for): the closure (training_step and backward ran
+        already), unscaling, ``on_before_optimizer_step``, clipping, the step."""
+        closure()
+        clip_val, clip_algorithm, across = self._clipping
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
@@ -350,11 +378,21 @@ class Optimization:
         call_hook(self.module, "on_before_optimizer_step", self.optimizer)
         clip_gradients(self.optimizer, clip_val, clip_algorithm, across=across)
         if scaler is not None:
-            scaler.step(self.optimizer)
+            out = scaler.step(self.optimizer, **kwargs)
             scaler.update()
+            return out
+        return self.optimizer.step(**kwargs)
+
+    def zero_grad(self, batch_idx: int) -> None:
+        """Zero the gradients before a window, as Trainer: ``on_before_zero_grad``, then the
+        module's ``optimizer_zero_grad`` where it has one. Else they are zeroed in place: a
+        data-parallel worker's gradients are views of its buckets."""
+        call_hook(self.module, "on_before_zero_grad", self.optimizer)
+        if overrides(self.module, "optimizer_zero_grad"):
+            epoch = self.module.trainer.current_epoch
+            self.module.optimizer_zero_grad(epoch, batch_idx, self.optimizer)
         else:
-            self.optimizer.step()
-        self.after_batch(batch_idx, last=last)
+            self.optimizer.zero_grad(set_to_none=False)
 
     def skip_step(self, batch_idx: int, *, last: bool) -> None:
         """The step of a window whose every batch returned ``None`` from ``training_step``:
@@ -386,7 +424,7 @@ class Optimization:
 
         overridden = [
             name
-            for name in ("on_after_backward", "on_before_optimizer_step")
+            for name in ("on_after_backward", "on_before_optimizer_step", "optimizer_step")
             if getattr(type(self.module), name, None) is not getattr(LightningModule, name)
             and hasattr(self.module, name)
         ]
@@ -518,9 +556,13 @@ CALLED_HOOKS = frozenset(
         "on_test_epoch_end",
         "on_save_checkpoint",
         "on_load_checkpoint",
+        "optimizer_step",
+        "optimizer_zero_grad",
+        "prepare_data",
     }
 )
 _OTHER_HOOKS = ("configure_gradient_clipping", "optimizer_step", "optimizer_zero_grad", "backward")
+"""Hooks of Trainer's loop outside Lightning's hook classes: the step ones are called."""
 
 
 def uncalled_hooks(module_cls: type, *, called: frozenset[str] = CALLED_HOOKS) -> list[str]:
@@ -535,7 +577,7 @@ def uncalled_hooks(module_cls: type, *, called: frozenset[str] = CALLED_HOOKS) -
         if callable(value) and not name.startswith("_")
     }
     hooks.update(_OTHER_HOOKS)
-    hooks -= {"prepare_data", "configure_sharded_model"}  # a data module's; deprecated
+    hooks -= {"configure_sharded_model"}  # deprecated
     return sorted(
         name
         for name in hooks - called
@@ -702,7 +744,9 @@ class _Strategy:
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        return self._optimization.manual_step(optimizer, closure, **kwargs)
+        if self._optimization.manual:
+            return self._optimization.manual_step(optimizer, closure, **kwargs)
+        return self._optimization.automatic_step(closure, **kwargs)
 
     def clip_gradients(
         self, optimizer: torch.optim.Optimizer, clip_val: float, gradient_clip_algorithm: Any

@@ -21,7 +21,7 @@ from ringflow.engine.errors import EngineError
 from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, Steps, WorkerGroup
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged, logger_rows
-from ringflow.engine.module import CALLED_HOOKS, uncalled_hooks
+from ringflow.engine.module import CALLED_HOOKS, overrides, uncalled_hooks
 from ringflow.engine.spec import build_module, model_hparams
 from ringflow.engine.timeline import TimelineSummary, chrome_trace, summarize, trace_bytes
 from ringflow.engine.worker import evaluate_module
@@ -153,6 +153,8 @@ def fit(
     _warn_uncalled_hooks(module_cls, pipeline)
     if hasattr(data, "prepare"):
         data.prepare()  # a DataModule's prepare_data: once, before any worker starts
+    if overrides(module_cls, "prepare_data"):  # then the module's, as Trainer calls them
+        build_module(module_cls, hparams).prepare_data()
     group_cls = LocalGroup if in_process else RayWorkerGroup
     group = _start_group(group_cls, layout, module_cls, hparams, data, config)
     try:
@@ -249,8 +251,10 @@ def _warn_uncalled_hooks(module_cls: type, pipeline: PipelineConfig | None) -> N
 
     if not issubclass(module_cls, L.LightningModule):
         return
-    # A pipeline stage holds part of the module: none of its hooks run there.
-    uncalled = uncalled_hooks(module_cls, called=frozenset() if pipeline else CALLED_HOOKS)
+    # A pipeline stage holds part of the module: none of its hooks run there but the step's
+    # (prepare_data runs in the driver).
+    called = frozenset({"prepare_data", "optimizer_step"}) if pipeline else CALLED_HOOKS
+    uncalled = uncalled_hooks(module_cls, called=called)
     if uncalled:
         log.warning(
             "%s overrides %s, which ringflow does not call%s (docs/own-model.md lists what "

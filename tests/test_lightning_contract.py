@@ -4,6 +4,9 @@ clipping. The oracle is Trainer itself, on the same module, seed and batch order
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -84,6 +87,40 @@ class SkipsOutliers(OneCycle):
         if (x[:, 0] > 1.8).any():
             return None
         return super().training_step(batch, batch_idx)
+
+
+class WarmsUp(OneCycle):
+    """A learning-rate warm-up in its own ``optimizer_step`` (Lightning's documented pattern),
+    and its own ``optimizer_zero_grad``."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer.step(closure=optimizer_closure)
+        scale = min(1.0, (self.trainer.global_step + 1) / 10)
+        for group in optimizer.param_groups:
+            group["lr"] = scale * self.hparams.max_lr
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad(set_to_none=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.max_lr / 10)
+
+
+PREPARED = Path(tempfile.gettempdir()) / "ringflow-test-prepared-scale"
+
+
+class PreparesItsData(OneCycle):
+    """Its own ``prepare_data`` (a download, say) writes what ``setup`` reads."""
+
+    def prepare_data(self):
+        PREPARED.write_text("0.5")
+
+    def setup(self, stage):
+        self.scale = float(PREPARED.read_text())
+        PREPARED.unlink()
+
+    def forward(self, x):
+        return super().forward(x * self.scale)
 
 
 class EpochOrder(Sampler):
@@ -225,6 +262,8 @@ STEP_FORMS = {  # what training_step may take and return
     "None every third batch": (SkipsEveryThird, {"gradient_clip_val": 0.5}),
     "None every third batch, accumulating 2": (SkipsEveryThird, {"accumulate_grad_batches": 2}),
     "None where a worker's share holds an outlier": (SkipsOutliers, {}),
+    "a warm-up in its own optimizer_step, clipped": (WarmsUp, {"gradient_clip_val": 0.5}),
+    "its own prepare_data": (PreparesItsData, {}),
 }
 
 

@@ -160,8 +160,8 @@ def test_a_callback_hook_ringflow_does_not_call_is_named(tmp_path, caplog):
 
 
 class OwnStep(OneCycle):
-    def optimizer_step(self, *args, **kwargs):
-        super().optimizer_step(*args, **kwargs)
+    def backward(self, loss, *args, **kwargs):
+        super().backward(loss, *args, **kwargs)
 
     def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
         pass
@@ -178,6 +178,6 @@ def test_a_module_hook_ringflow_does_not_call_is_named(tmp_path, caplog):
             in_process=True,
         )
     assert (
-        "OwnStep overrides on_validation_batch_end, optimizer_step, which ringflow does not call"
+        "OwnStep overrides backward, on_validation_batch_end, which ringflow does not call"
         in caplog.text
     )
