@@ -17,7 +17,7 @@ from ringflow.engine.callbacks import Callbacks
 from ringflow.engine.config import DataSpec, TrainConfig
 from ringflow.engine.data import as_data, samples_of
 from ringflow.engine.elastic.coordinator import ElasticEvent
-from ringflow.engine.errors import EngineError
+from ringflow.engine.errors import EngineError, ModelError
 from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, Steps, WorkerGroup
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged, logger_rows
@@ -150,6 +150,7 @@ def fit(
         module_cls, hparams, data, config, store_url, run_key, init_from, layout=layout
     )
     writers = _Loggers(loggers)
+    logged = _logged_hyperparameters(module_cls, hparams, data) if writers.loggers else None
     _warn_uncalled_hooks(module_cls, pipeline)
     if hasattr(data, "prepare"):
         data.prepare()  # a DataModule's prepare_data: once, before any worker starts
@@ -176,7 +177,8 @@ def fit(
                     "holds its own optimizer"
                 )
             group.call_rank0("add_callbacks", callbacks.in_workers, loggers=bool(writers.loggers))
-        writers.start(hparams)
+        if writers.loggers:
+            writers.start(*logged)
         history = _train(group, layout, config, resume, on_epoch, callbacks, writers)
         timeline = _write_timeline(group, config, timeline_url or _trace_url(checkpoint_uri))
         state = layout.model_state(group)
@@ -450,9 +452,11 @@ class _Loggers:
                     "pass lightning.pytorch.loggers objects such as CSVLogger"
                 )
 
-    def start(self, hparams: dict[str, Any]) -> None:
+    def start(self, hparams: dict[str, Any] | None, module: torch.nn.Module) -> None:
         for logger in self.loggers:
-            logger.log_hyperparams(hparams)
+            if hparams is not None:
+                logger.log_hyperparams(hparams)
+            logger.log_graph(module)
             logger.save()
 
     def write(self, row: dict[str, float], *, step: int, epoch: int | None) -> None:
@@ -467,6 +471,35 @@ class _Loggers:
     def finish(self, status: str) -> None:
         for logger in self.loggers:
             logger.finalize(status)
+
+
+def _logged_hyperparameters(
+    module_cls: type, hparams: dict[str, Any], data: Any
+) -> tuple[dict[str, Any] | None, torch.nn.Module]:
+    """What Trainer hands its loggers at the start (``hparams.yaml``): the hyperparameters
+    the module saved (``save_hyperparameters``) and its DataModule's, merged, and the
+    module for ``log_graph``; a module that is not a LightningModule, the ``hparams``."""
+    module = build_module(module_cls, hparams)
+    if not hasattr(module, "hparams_initial"):
+        return dict(hparams), module
+    datamodule = getattr(data, "datamodule", None)
+    saved = [
+        dict(source.hparams_initial)
+        for source in (module, datamodule)
+        if source is not None and getattr(source, "_log_hyperparams", False)
+    ]
+    if not saved:
+        return None, module
+    merged: dict[str, Any] = {}
+    for part in saved:
+        clash = [k for k in part if k in merged and merged[k] != part[k]]
+        if clash:
+            raise ModelError(
+                f"the keys {clash} are in both the module's and the DataModule's saved "
+                "hyperparameters, with different values: rename one, as Trainer asks"
+            )
+        merged.update(part)
+    return merged, module
 
 
 @dataclass(frozen=True)

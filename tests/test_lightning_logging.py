@@ -113,7 +113,8 @@ def logged_by_ringflow(data, tmp_path, *, workers: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def trainers_rows(data, tmp_path_factory) -> list[dict]:
+def trainers_run(data, tmp_path_factory):
+    """Where Trainer's CSVLogger wrote (``run/version_0``)."""
     root = tmp_path_factory.mktemp("trainer")
     logger = CSVLogger(str(root), name="run", version=0)
     try:
@@ -128,15 +129,26 @@ def trainers_rows(data, tmp_path_factory) -> list[dict]:
         )
     finally:
         torch.use_deterministic_algorithms(False)
-    return rows(root / "run" / "version_0" / "metrics.csv")
+    return root / "run" / "version_0"
 
 
-def test_the_csv_logger_gets_trainers_names_steps_and_values(data, trainers_rows, tmp_path):
+@pytest.fixture(scope="module")
+def trainers_rows(trainers_run) -> list[dict]:
+    return rows(trainers_run / "metrics.csv")
+
+
+def test_the_csv_logger_gets_trainers_names_steps_and_values(
+    data, trainers_run, trainers_rows, tmp_path
+):
     names = set().union(*trainers_rows)
     assert {"loss_step", "loss_epoch", "correct_epoch", "worst", "grad_norm_step"} <= names
     assert {"val_loss", "val_acc", "epoch_seen", "global_step_seen", "val_seen"} <= names
     assert {"train_acc_step", "train_acc_epoch", "val_f1", "lr-AdamW", "lr-AdamW-momentum"} <= names
     same_rows(logged_by_ringflow(data, tmp_path, workers=1), trainers_rows, 1e-6)
+    # the hyperparameters the module saved, as Trainer writes them
+    ours = (tmp_path / "ringflow-1" / "run" / "version_0" / "hparams.yaml").read_text()
+    assert ours == (trainers_run / "hparams.yaml").read_text()
+    assert "max_lr: 0.05" in ours  # a default the module saved, not given to fit
 
 
 def test_two_workers_log_what_one_process_logs(data, trainers_rows, tmp_path, ray_session):
