@@ -28,7 +28,6 @@ from ringflow.engine.worker import (
     Batch,
     evaluate_module,
     free_address,
-    split_global_batch,
     to_device,
 )
 from ringflow.storage.reshard import load_data_parallel
@@ -318,13 +317,15 @@ class DataParallelStep:
     def evaluate(self, split: str, samples: Samples) -> Logged:
         """This rank's part of ``split`` through the module's validation or test step."""
         w = self.worker
-        mine = split_global_batch(torch.arange(len(samples)), rank=w.rank, world_size=w.world_size)
+        batches = -(-len(samples) // w.config.batch_size)
         return evaluate_module(
             w.module,
             samples,
-            mine,
             split=split,
             batch_size=w.config.batch_size,
+            rank=w.rank,
+            world_size=w.world_size,
+            first_step=w.trainer.current_epoch * batches,  # the batches of earlier epochs
             device=w.device,
             precision=w.precision,
             log=w.metric_log,

@@ -48,6 +48,11 @@ _STEP_HOOKS = {
 }
 
 
+_EVALUATION_STEPS = {"validation_step", "test_step"}
+"""Hooks where ``self.log`` defaults to ``on_epoch`` but takes ``on_step=True`` too: the
+value is then also given to the loggers at the batch's index, as Trainer gives it."""
+
+
 def _reduction(reduce_fx: Any, name: str) -> str:
     found = (
         _REDUCTIONS.get(reduce_fx.lower())
@@ -301,8 +306,8 @@ class MetricLog:
         in_step = self._hook in _STEP_HOOKS
         on_step = in_step if on_step is None else on_step
         on_epoch = (not in_step) if on_epoch is None else on_epoch
-        if on_step and not in_step:
-            on_step = False  # Lightning logs evaluation and epoch-end values once an epoch
+        if on_step and not in_step and self._hook not in _EVALUATION_STEPS:
+            on_step = False  # Lightning logs epoch-end values once an epoch
             on_epoch = True
         reduce = _reduction(reduce_fx, name)
         if _is_metric(value):

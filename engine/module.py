@@ -731,12 +731,16 @@ class _Strategy:
         self.lightning_module = module
         self.root_device = torch.device("cpu")
         self.run_backward: Callable[..., None] | None = None
+        self.dry = False
+        """A dry run of ``training_step`` (``Worker._materialise_lazy``): no backward, no step."""
         # Each wrapper holds this strategy by a weak reference: the Trainer view holds it.
         self._lightning_optimizers = [
             LightningOptimizer._to_lightning_optimizer(o, self) for o in optimization.optimizers
         ]
 
     def backward(self, loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        if self.dry:
+            return
         if self.run_backward is None:
             raise ModelError("manual_backward() is for training_step under manual optimisation")
         self.run_backward(loss, *args, **kwargs)
@@ -744,6 +748,8 @@ class _Strategy:
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
+        if self.dry:
+            return closure()
         if self._optimization.manual:
             return self._optimization.manual_step(optimizer, closure, **kwargs)
         return self._optimization.automatic_step(closure, **kwargs)

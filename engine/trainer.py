@@ -405,7 +405,9 @@ def _train(
         logged = so_far
         if ended:
             last = (epoch + 1) * optimizer_steps - 1  # Trainer's step for epoch-end rows
-            validation_row = logger_rows(validation, epoch_end=True)[1]
+            validation_steps, validation_row = logger_rows(validation, epoch_end=True)
+            for at, row in validation_steps.items():  # at each batch's index, as Trainer's
+                loggers.write(row, step=at, epoch=None)
             epoch_row = logger_rows(logged, epoch_end=True)[1]
             loggers.write(validation_row, step=last, epoch=epoch)
             loggers.write(epoch_row, step=last, epoch=epoch)

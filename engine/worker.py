@@ -347,6 +347,7 @@ class Worker:
                 "its training_step on: choose a batch_size that divides the "
                 f"{len(self.train)} training samples, or leaves at least {config.workers}"
             )
+        self._materialise_lazy()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.checkpointer: AsyncCheckpointer | None = None
         self._commits: dict[int, Commit] = {}
@@ -369,6 +370,60 @@ class Worker:
         self._failed: BaseException | None = None
         """Why the last call of steps failed, until a rollback: the steps the driver sent
         ahead of it are not run (``train_steps``)."""
+
+    def _materialise_lazy(self) -> None:
+        """Give lazy layers (``nn.LazyLinear``...) their shapes from a first forward, as under
+        Trainer, before anything counts the parameters (buckets, commits, checkpoints): a dry
+        run of ``training_step`` on the first global batch, with rank 0's seed of step 0 and
+        without gradients, alike on every worker. What else it changed is undone: BatchNorm's
+        statistics, what it logged; under manual optimisation its backward passes and
+        optimizer steps do nothing.
+
+        Raises:
+            ModelError: a lazy parameter is still uninitialised after the dry run.
+        """
+        from torch.nn.modules.lazy import LazyModuleMixin
+        from torch.nn.parameter import is_lazy
+
+        module = self.module
+        lazy = [m for m in module.modules() if isinstance(m, LazyModuleMixin)]
+        if not any(m.has_uninitialized_params() for m in lazy):
+            return
+        kept = {k: v.clone() for k, v in module.state_dict().items() if not is_lazy(v)}
+        _, whole, _ = next(
+            epoch_batches(
+                self.train,
+                self.config,
+                epoch=0,
+                first=0,
+                count=1,
+                rank=0,
+                world_size=1,
+                device=self.device,
+            )
+        )
+        data = to_device(self.train.batch(whole), self.device)
+        attach(module, self.trainer, MetricLog())
+        self.trainer.strategy.dry = True
+        module.train()
+        try:
+            with torch.no_grad(), self.precision.forward_context():
+                data = self.precision.convert_input(data)
+                module.training_step(*step_arguments(module.training_step, data, 0))
+        finally:
+            attach(module, self.trainer, self.metric_log)
+            self.trainer.strategy.dry = False
+        module.load_state_dict(kept, strict=False)
+        for layer in lazy:
+            if hasattr(layer, "reset_running_stats"):
+                layer.reset_running_stats()  # a lazy BatchNorm's, as it was made
+        left = [name for name, p in module.named_parameters() if is_lazy(p)]
+        if left:
+            raise ModelError(
+                f"{type(module).__name__}'s lazy parameters {left} were not materialised by "
+                "a first training_step: call the layers they belong to in training_step, or "
+                "give them their sizes"
+            )
 
     def epoch_steps(self) -> int:
         """Steps (global batches) in one epoch of the training split."""
@@ -860,18 +915,25 @@ class Worker:
 def evaluate_module(
     module: torch.nn.Module,
     samples: Samples,
-    indices: torch.Tensor | None = None,
     *,
     split: str,
     batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    first_step: int = 0,
     device: torch.device | str | None = None,
     precision: Precision | None = None,
     log: MetricLog | None = None,
 ) -> Logged:
-    """Run ``test_step`` (for ``split == "test"``) or ``validation_step`` over the ``samples``
-    at ``indices`` (all of them for ``None``), between the module's
-    ``on_{validation,test}_epoch_start`` and ``_end`` hooks.
+    """Run ``test_step`` (for ``split == "test"``) or ``validation_step`` over this rank's
+    part of the ``samples``, between the module's ``on_{validation,test}_epoch_start`` and
+    ``_end`` hooks.
 
+    The samples go in order in batches of ``batch_size``, as Trainer's evaluation loader
+    gives them; each of ``world_size`` ranks takes its part of every batch, so a value a
+    step logs ``on_step`` is, merged over the ranks, the value of Trainer's batch, recorded
+    at ``first_step`` plus the batch's index (Trainer counts evaluation batches over the
+    whole fit for its evaluation rows).
     Each batch is moved to ``device``; ``None`` means where the module's parameters are. The
     steps run in the training's ``precision`` (autocast, or bfloat16 inputs), as Trainer's do.
 
@@ -888,12 +950,15 @@ def evaluate_module(
     module.eval()
     log.enter(f"on_{stage}_epoch_start")
     call_hook(module, f"on_{stage}_epoch_start")
-    if indices is None:
-        indices = torch.arange(len(samples))
-    for i, start in enumerate(range(0, len(indices), batch_size)):
-        part = indices[start : start + batch_size]
+    seen = 0
+    for i, start in enumerate(range(0, len(samples), batch_size)):
+        whole = torch.arange(start, min(start + batch_size, len(samples)))
+        part = split_global_batch(whole, rank=rank, world_size=world_size)
+        if not len(part):
+            continue
+        seen += len(part)
         batch = to_device(samples.batch(part), device)
-        log.enter(f"{stage}_step", batch_size=len(part))
+        log.enter(f"{stage}_step", batch_size=len(part), log_step=first_step + i)
         if precision is None:
             step(*step_arguments(step, batch, i))
         else:
@@ -902,7 +967,7 @@ def evaluate_module(
     log.enter(f"on_{stage}_epoch_end")
     call_hook(module, f"on_{stage}_epoch_end")
     logged = log.take()
-    logged.samples = len(indices)
+    logged.samples = seen
     return logged
 
 

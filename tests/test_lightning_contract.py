@@ -491,3 +491,51 @@ def test_the_workers_agree_on_a_skipped_batch_only_where_the_step_can_skip(form,
     from ringflow.engine.module import may_return_none
 
     assert may_return_none(getattr(_Forms, form)) is may
+
+
+class Lazy(OneCycle):
+    """Lazy layers, sized by the first forward: a LazyBatchNorm1d, a LazyLinear."""
+
+    def __init__(self, **hparams):
+        super().__init__(**hparams)
+        self.net = nn.Sequential(
+            nn.LazyBatchNorm1d(), nn.LazyLinear(32), nn.Tanh(), nn.Linear(32, CLASSES)
+        )
+
+
+class ReseededEachBatch(L.Callback):
+    """Trainer's generator reseeded before each batch as ringflow reseeds it
+    (``engine.worker.step_seed``): a lazy layer draws its initial weights there."""
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        from ringflow.engine.worker import step_seed
+
+        step = trainer.current_epoch * trainer.num_training_batches + batch_idx
+        torch.default_generator.manual_seed(step_seed(SEED, step, 0))
+
+
+def test_lazy_layers_end_with_trainers_weights(data, tmp_path, deterministic_off):
+    hparams = {"total_steps": STEPS}
+    expected = under_trainer(Lazy, hparams, data, callbacks=[ReseededEachBatch()])
+    got = under_ringflow(Lazy, hparams, data, tmp_path)
+    assert (
+        relative_difference(
+            {k: v.double() for k, v in got.items()}, {k: v.double() for k, v in expected.items()}
+        )
+        < 1e-5
+    )
+    assert got["net.1.weight"].shape == (32, FEATURES)
+
+
+class LazyLinears(OneCycle):
+    def __init__(self, **hparams):
+        super().__init__(**hparams)
+        self.net = nn.Sequential(nn.LazyLinear(32), nn.Tanh(), nn.LazyLinear(CLASSES))
+
+
+@pytest.mark.ray
+def test_lazy_layers_train_alike_on_every_worker(data, tmp_path, ray_session):
+    hparams = {"total_steps": STEPS}
+    one = under_ringflow(LazyLinears, hparams, data, tmp_path)
+    two = under_ringflow(LazyLinears, hparams, data, tmp_path, workers=2, cpus_per_worker=0.5)
+    assert relative_difference(two, one) < 1e-5

@@ -55,6 +55,9 @@ class Logs(OneCycle):
         logits = self(x)
         self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
         self.log("val_acc", (logits.argmax(1) == y).float().mean())
+        self.log("val_both", F.cross_entropy(logits, y), on_step=True, on_epoch=True)
+        confidence = logits.softmax(1).max(1).values.mean()  # a mean over the samples
+        self.log("val_each", confidence, on_step=True, on_epoch=False)
         self.val_f1.update(logits, y)
         self.log("val_f1", self.val_f1)
 
@@ -143,6 +146,7 @@ def test_the_csv_logger_gets_trainers_names_steps_and_values(
     names = set().union(*trainers_rows)
     assert {"loss_step", "loss_epoch", "correct_epoch", "worst", "grad_norm_step"} <= names
     assert {"val_loss", "val_acc", "epoch_seen", "global_step_seen", "val_seen"} <= names
+    assert {"val_both_step", "val_both_epoch", "val_each"} <= names
     assert {"train_acc_step", "train_acc_epoch", "val_f1", "lr-AdamW", "lr-AdamW-momentum"} <= names
     same_rows(logged_by_ringflow(data, tmp_path, workers=1), trainers_rows, 1e-6)
     # the hyperparameters the module saved, as Trainer writes them

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
+from ringflow.engine.errors import ModelError
 from ringflow.engine.module import check_manual_optimisation
 from ringflow.engine.pipeline.config import PipelineConfig
 from ringflow.engine.pipeline.data import first_rows
@@ -52,6 +53,11 @@ def check_pipeline(
     check_micro_batches(config, pipeline)
     module = build_module(module_cls, hparams)
     check_manual_optimisation(module, config, pipeline=True)
+    if any(torch.nn.parameter.is_lazy(p) for p in module.parameters()):
+        raise ModelError(
+            f"{module_cls.__name__} has lazy layers, whose sizes a pipeline needs before it "
+            "cuts the module into stages: give them their sizes, or train without stages"
+        )
     for hook in ("pipeline_loss", "configure_optimizers"):
         if not callable(getattr(module, hook, None)):
             raise ValueError(f"{module_cls.__name__} must define {hook}() to train as a pipeline")
