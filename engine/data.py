@@ -169,19 +169,138 @@ class _DatasetSamples:
         return self.collate_fn([self.dataset[i] for i in indices.tolist()])
 
 
+class StreamOrder:
+    """An epoch of a stream in the stream's own order: global batch ``step`` is the
+    ``batch_size`` samples after the first ``step * batch_size``."""
+
+    def __init__(self, size: int, batch_size: int) -> None:
+        self.size, self.batch_size = size, batch_size
+        self.steps = -(-size // batch_size)
+
+    def batch(self, step: int) -> torch.Tensor:
+        start = step * self.batch_size
+        return torch.arange(start, min(start + self.batch_size, self.size))
+
+
+class _StreamSamples:
+    """An ``IterableDataset``'s split, read as a stream: the samples at positions
+    ``indices`` of the current epoch's pass over it.
+
+    Global batches are the stream's consecutive samples, in its own order; each worker reads
+    the stream from its start and keeps its part of every batch. A resume, a rollback or a
+    new epoch asks for a position behind the reader: the stream is started again
+    (``set_epoch(epoch)`` first, where the dataset has it) and read up to there. So that the
+    stream gives the same samples however often and by whichever worker it is read, it
+    draws from torch's generator with a state of its own, seeded by the run's seed and the
+    epoch, never the training's (which ringflow reseeds at every step).
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Any, what: str) -> None:
+        self.dataset, self.collate_fn, self.what = dataset, collate_fn, what
+        self._seed, self._epoch = 0, 0
+        self._reader: Any = None
+        self._at = 0  # the position the reader yields next
+        self._rng: torch.Tensor | None = None
+        self._size: int | None = None
+
+    def __len__(self) -> int:
+        if self._size is None:
+            try:
+                self._size = len(self.dataset)
+            except TypeError:  # no __len__: counted by one pass, once
+                with self._own_generator():
+                    self._size = sum(1 for _ in self._restart())
+                self._reader = None
+        return self._size
+
+    def epoch_order(self, config: Any, *, epoch: int, world_size: int) -> StreamOrder:
+        """This epoch's order (``engine.worker.epoch_batches`` asks for it)."""
+        if (config.seed, epoch) != (self._seed, self._epoch):
+            self._seed, self._epoch, self._reader = config.seed, epoch, None
+        return StreamOrder(len(self), config.batch_size)
+
+    def batch(self, indices: torch.Tensor) -> Any:
+        if not len(indices):
+            return self.collate_fn([])
+        first, count = int(indices[0]), len(indices)
+        with self._own_generator():
+            if self._reader is None or first < self._at:
+                self._reader, self._at = self._restart(), 0
+            for _ in range(first - self._at):
+                next(self._reader)
+            items = [next(self._reader) for _ in range(count)]
+        self._at = first + count
+        return self.collate_fn(items)
+
+    def _restart(self) -> Any:
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self._epoch)
+        self._rng = _generator(self._seed, self._epoch, 0).get_state()
+        torch.default_generator.set_state(self._rng)
+        return iter(self.dataset)
+
+    def _own_generator(self) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def swapped():
+            training = torch.default_generator.get_state()
+            if self._rng is not None:
+                torch.default_generator.set_state(self._rng)
+            try:
+                yield
+            finally:
+                self._rng = torch.default_generator.get_state()
+                torch.default_generator.set_state(training)
+
+        return swapped()
+
+
+def _stream_of(dataset: Any, collate_fn: Any, what: str) -> _StreamSamples:
+    """``dataset`` (an ``IterableDataset``) as a stream ringflow can read again.
+
+    Raises:
+        ValueError: it is a one-shot iterator (its ``__iter__`` returns itself), which cannot
+            be read again for a resume or a rollback.
+    """
+    if iter(dataset) is dataset:
+        raise ValueError(
+            f"{what} is a {type(dataset).__name__} whose __iter__ returns itself, a stream that "
+            "cannot be read again: ringflow restarts a stream to resume a run or roll it back. "
+            "Give an IterableDataset whose __iter__ starts the stream anew, or a map-style "
+            "dataset"
+        )
+    return _StreamSamples(dataset, collate_fn, what)
+
+
 def _default_collate() -> Any:
     from torch.utils.data import default_collate
 
     return default_collate
 
 
+def _is_stream(dataset: Any) -> bool:
+    return isinstance(dataset, torch.utils.data.IterableDataset) or (
+        hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")
+    )
+
+
 def _check_dataset(dataset: Any, what: str) -> None:
+    if _is_stream(dataset):
+        _stream_of(dataset, None, what)
+        return
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise ValueError(
-            f"{what} is a {type(dataset).__name__}, not a map-style dataset (__getitem__ and "
-            "__len__): ringflow shards samples by index across the workers; iterable datasets "
-            "are not supported"
+            f"{what} is a {type(dataset).__name__}, neither a map-style dataset (__getitem__ "
+            "and __len__) nor an IterableDataset"
         )
+
+
+def _samples(dataset: Any, collate_fn: Any, what: str) -> Samples:
+    if _is_stream(dataset):
+        return _stream_of(dataset, collate_fn, what)
+    return _DatasetSamples(dataset, collate_fn)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,11 +321,11 @@ class DatasetData:
     def prepare(self) -> None:
         """Nothing to do once per run."""
 
-    def samples(self, split: str) -> _DatasetSamples:
+    def samples(self, split: str) -> Samples:
         dataset = getattr(self, split if split in _LOADERS else "", None)
         if dataset is None:
             raise ValueError(f"DatasetData has no {split!r} split; give it as {split}=...")
-        return _DatasetSamples(dataset, self.collate_fn or _default_collate())
+        return _samples(dataset, self.collate_fn or _default_collate(), f"DatasetData.{split}")
 
     def identity(self) -> str:
         return f"datasets:{type(self.train).__module__}.{type(self.train).__qualname__}"
@@ -225,7 +344,7 @@ class DataModuleData:
     def prepare(self) -> None:
         self.datamodule.prepare_data()
 
-    def samples(self, split: str) -> _DatasetSamples:
+    def samples(self, split: str) -> Samples:
         if split not in _LOADERS:
             raise ValueError(f"a LightningDataModule has no split {split!r}; use {list(_LOADERS)}")
         stage = _STAGES[split]
@@ -247,7 +366,8 @@ class DataModuleData:
                 size,
                 self.batch_size,
             )
-        return _DatasetSamples(dataset, getattr(loader, "collate_fn", None) or _default_collate())
+        collate_fn = getattr(loader, "collate_fn", None) or _default_collate()
+        return _samples(dataset, collate_fn, f"{name}.dataset")
 
     def identity(self) -> str:
         cls = type(self.datamodule)
