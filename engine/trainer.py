@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -68,6 +69,20 @@ class FitResult:
     """With ``config.timeline``: where the trace was written and what it says."""
 
 
+def _keeps_the_callers_generator(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` leaves torch's CPU generator as it found it: the driver draws initial
+    weights when it builds the module, an in-process worker reseeds at every step, and what
+    the caller draws afterwards must not depend on either."""
+
+    @functools.wraps(function)
+    def keeping(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            return function(*args, **kwargs)
+
+    return keeping
+
+
+@_keeps_the_callers_generator
 def fit(
     module_cls: type[torch.nn.Module],
     *,

@@ -77,11 +77,14 @@ class _FailsInItsSecondStep(DigitsClassifier):
         return super().training_step(batch, batch_idx)
 
 
-def test_an_in_process_fit_gives_the_caller_its_torch_thread_count_back(digits, tmp_path):
-    """The worker trains on cpus_per_worker threads; what the caller runs afterwards runs on
-    as many threads as before (and so rounds as before), whether fit ends or fails."""
+def test_an_in_process_fit_gives_the_caller_its_threads_and_generator_back(digits, tmp_path):
+    """The worker trains on cpus_per_worker threads and reseeds torch's generator at every
+    step; what the caller runs afterwards runs on as many threads as before (and so rounds as
+    before) and draws the numbers it would have drawn, whether fit ends or fails."""
     before = torch.get_num_threads()
     torch.set_num_threads(3)
+    torch.manual_seed(123)
+    generator = torch.random.get_rng_state()
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0, cpus_per_worker=1)
     try:
         fit(
@@ -93,6 +96,7 @@ def test_an_in_process_fit_gives_the_caller_its_torch_thread_count_back(digits, 
             in_process=True,
         )
         assert torch.get_num_threads() == 3
+        assert torch.equal(torch.random.get_rng_state(), generator)
         with pytest.raises(ValueError, match="the second batch is wrong"):
             fit(
                 _FailsInItsSecondStep,
@@ -103,6 +107,7 @@ def test_an_in_process_fit_gives_the_caller_its_torch_thread_count_back(digits, 
                 in_process=True,
             )
         assert torch.get_num_threads() == 3
+        assert torch.equal(torch.random.get_rng_state(), generator)
     finally:
         torch.set_num_threads(before)
 
