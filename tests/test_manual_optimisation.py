@@ -149,18 +149,21 @@ class Reseeded(L.Callback):
         )
 
 
-def under_trainer(cls, hparams: dict, data: TensorData) -> tuple[dict, L.Trainer]:
+def under_trainer(cls, hparams: dict, data: TensorData, **options) -> tuple[dict, L.Trainer]:
     torch.manual_seed(SEED)
     module = cls(**hparams)
     trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=EPOCHS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Reseeded()],
+        **{
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_epochs": EPOCHS,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "callbacks": [Reseeded()],
+            **options,
+        }
     )
     # ringflow's batch order: ``engine.data.EpochOrder`` over one block of samples
     from ringflow.engine.data import EpochOrder, Layout
@@ -184,7 +187,7 @@ def under_trainer(cls, hparams: dict, data: TensorData) -> tuple[dict, L.Trainer
         trainer.fit(module, loader)
     finally:
         torch.set_num_threads(threads)
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}, trainer
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}, trainer
 
 
 def under_ringflow(cls, hparams: dict, data, tmp_path, *, workers: int = 1, **config):
@@ -213,6 +216,19 @@ def test_one_worker_ends_with_the_weights_trainer_ends_with(cls, tmp_path):
     assert relative_difference(got.state_dict, cls().state_dict()) > 1e-3  # it trained
     # two optimizer steps a batch: Trainer's global_step counts both
     assert trainer.global_step == 2 * EPOCHS * SAMPLES // BATCH
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_in_16_mixed_on_a_gpu_the_gan_ends_with_trainers_weights(tmp_path):
+    """Manual optimisation with the gradient scaler: scaled backward, unscaled before the
+    module's step, one scale update per optimizer step, as Trainer's precision does."""
+    data = images()
+    expected, _ = under_trainer(NoiseFromData, {}, data, accelerator="gpu", precision="16-mixed")
+    got = under_ringflow(NoiseFromData, {}, data, tmp_path, precision="16-mixed", gpus_per_worker=1)
+    assert relative_difference(got.state_dict, expected) < 1e-5
+    torch.manual_seed(SEED)
+    assert relative_difference(got.state_dict, NoiseFromData().state_dict()) > 1e-3
 
 
 @pytest.mark.ray
