@@ -31,6 +31,7 @@ optimizers without manual optimisation (as Lightning 2 refuses them), and a
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,11 +152,17 @@ def step_arguments(step: Callable[..., Any], batch: Any, batch_idx: int) -> tupl
     """What a ``training_step`` (or a validation or test step) takes, as Trainer passes it:
     the batch, and its index where the signature asks for one (``training_step(self, batch)``
     is fine)."""
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-
-    if is_param_in_hook_signature(step, "batch_idx", min_args=2):
+    if _takes_batch_idx(getattr(step, "__func__", step)):
         return batch, batch_idx
     return (batch,)
+
+
+@functools.cache
+def _takes_batch_idx(function: Callable[..., Any]) -> bool:
+    """Read from the signature once per function, not at every batch."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    return is_param_in_hook_signature(function, "batch_idx", min_args=2)
 
 
 def overrides(module: Any, hook: str) -> bool:
@@ -420,13 +427,10 @@ class Optimization:
         """Whether :meth:`step_in_two` may replace :meth:`step`: one of torch's optimizers
         that update each parameter alone, no step hooks, no clipping or gradient scaler,
         and no hook of the module's own between backward and the step."""
-        from lightning.pytorch import LightningModule
-
         overridden = [
             name
             for name in ("on_after_backward", "on_before_optimizer_step", "optimizer_step")
-            if getattr(type(self.module), name, None) is not getattr(LightningModule, name)
-            and hasattr(self.module, name)
+            if overrides(self.module, name)
         ]
         hooks = getattr(self.optimizer, "_optimizer_step_pre_hooks", None) or getattr(
             self.optimizer, "_optimizer_step_post_hooks", None
@@ -567,7 +571,6 @@ _OTHER_HOOKS = ("configure_gradient_clipping", "optimizer_step", "optimizer_zero
 
 def uncalled_hooks(module_cls: type, *, called: frozenset[str] = CALLED_HOOKS) -> list[str]:
     """The hooks of Trainer's loop ``module_cls`` overrides that ringflow does not call."""
-    import lightning as L
     from lightning.pytorch.core.hooks import CheckpointHooks, DataHooks, ModelHooks
 
     hooks = {
@@ -578,11 +581,7 @@ def uncalled_hooks(module_cls: type, *, called: frozenset[str] = CALLED_HOOKS) -
     }
     hooks.update(_OTHER_HOOKS)
     hooks -= {"configure_sharded_model"}  # deprecated
-    return sorted(
-        name
-        for name in hooks - called
-        if getattr(module_cls, name, None) is not getattr(L.LightningModule, name, None)
-    )
+    return sorted(name for name in hooks - called if overrides(module_cls, name))
 
 
 _PER_PARAMETER = {

@@ -95,12 +95,13 @@ def optimizer_state_by_name(
     tensors: dict[str, torch.Tensor] = {}
     groups: list[dict[str, Any]] = []
     state: dict[str, Any] = {}
+    states = optimizer.state  # read once: a composite of several optimizers builds it
     for group in optimizer.param_groups:
         hyper = {key: _hyper_json(key, value) for key, value in group.items() if key != "params"}
         group_names = [_name_of(names, param) for param in group["params"]]
         groups.append({"hyper": hyper, "params": group_names})
         for name, param in zip(group_names, group["params"], strict=True):
-            entries = optimizer.state.get(param)
+            entries = states.get(param)
             if entries:
                 state[name] = _split_state(name, entries, tensors)
     metadata = {"format": _FORMAT, "optimizer": type(optimizer).__name__}

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ringflow.engine import DatasetData, TrainConfig, fit
 from ringflow.storage import CheckpointStore
-from tests.support.fitting import relative_difference
+from tests.support.fitting import one_thread, relative_difference
 from tests.test_lightning_contract import FEATURES, OneCycle
 
 BATCH, EPOCHS, SEED, SAMPLES = 16, 3, 7, 120
@@ -86,9 +86,7 @@ def trained(stream, tmp_path, name: str, *, workers: int = 1, **config):
 def test_a_stream_trains_on_the_batches_trainer_takes_from_it(tmp_path):
     torch.manual_seed(SEED)
     module = OneCycle(total_steps=STEPS)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as ringflow's worker: the same rounding
-    try:
+    with one_thread():  # as ringflow's worker: the same rounding
         L.Trainer(
             accelerator="cpu",
             devices=1,
@@ -99,8 +97,6 @@ def test_a_stream_trains_on_the_batches_trainer_takes_from_it(tmp_path):
             enable_model_summary=False,
             num_sanity_val_steps=0,
         ).fit(module, DataLoader(Stream(), batch_size=BATCH))
-    finally:
-        torch.set_num_threads(threads)
     got = trained(Stream(), tmp_path, "stream")
     assert relative_difference(got, module.state_dict()) < 1e-6
 

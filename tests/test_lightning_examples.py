@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ringflow.engine import TensorData, TrainConfig, fit
 from tests.lightning_examples.autoencoder import LitAutoEncoder
 from tests.lightning_examples.backbone_image_classifier import LitClassifier
-from tests.support.fitting import relative_difference
+from tests.support.fitting import one_thread, relative_difference
 from tests.test_lightning_contract import EpochOrder
 from tests.test_lightning_logging import rows, same_rows
 
@@ -36,9 +36,7 @@ def by_trainer(cls, data: TensorData, root) -> dict[str, torch.Tensor]:
     torch.manual_seed(SEED)
     module = cls()
     x, y = data.splits["train"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as ringflow's worker: the same rounding
-    try:
+    with one_thread():  # as ringflow's worker: the same rounding
         L.Trainer(
             accelerator="cpu",
             devices=1,
@@ -54,8 +52,6 @@ def by_trainer(cls, data: TensorData, root) -> dict[str, torch.Tensor]:
             DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=EpochOrder(len(y), SEED)),
             DataLoader(TensorDataset(*data.splits["validation"]), batch_size=BATCH),
         )
-    finally:
-        torch.set_num_threads(threads)
     return module.state_dict()
 
 

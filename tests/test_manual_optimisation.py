@@ -21,6 +21,7 @@ from ringflow.engine.module import check_manual_optimisation
 from ringflow.engine.worker import step_seed
 from ringflow.storage import CheckpointStore
 from tests.lightning_examples import generative_adversarial_net as example
+from tests.support.fitting import one_thread
 from tests.support.fitting import relative_difference as _relative
 
 SHAPE, LATENT, BATCH, EPOCHS, SEED = (1, 28, 28), 100, 16, 2, 3  # MNIST's, the example's
@@ -181,12 +182,8 @@ def under_trainer(cls, hparams: dict, data: TensorData, **options) -> tuple[dict
             return SAMPLES
 
     loader = DataLoader(TensorDataset(*data.splits["train"]), batch_size=BATCH, sampler=Order())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as ringflow's worker (cpus_per_worker=1): the same rounding
-    try:
+    with one_thread():  # as ringflow's worker (cpus_per_worker=1): the same rounding
         trainer.fit(module, loader)
-    finally:
-        torch.set_num_threads(threads)
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}, trainer
 
 

@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
 
 def relative_difference(a: dict, b: dict) -> float:
     """The largest relative difference, by norm, between two state dicts' tensors."""
     assert a.keys() == b.keys()
     return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in a)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread, as a ringflow worker with ``cpus_per_worker=1`` trains: an oracle
+    trained in this process then rounds as the worker does; the thread count comes back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
