@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ringflow.engine.config import DataSpec, TensorData, TrainConfig
+    from ringflow.engine.config import DataSpec, SymmConfig, TensorData, TrainConfig
     from ringflow.engine.data import DatasetData
     from ringflow.engine.errors import (
         CollectiveError,
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "DataSpec": "config",
+    "SymmConfig": "config",
     "TensorData": "config",
     "TrainConfig": "config",
     "DatasetData": "data",
@@ -59,6 +60,7 @@ __all__ = [
     "ModelRef",
     "PeerLostError",
     "RayDatasetData",
+    "SymmConfig",
     "TensorData",
     "TrainConfig",
     "WorkerFailedError",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
-from annotated_types import Ge, Gt
+from annotated_types import Ge, Gt, Le
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +21,7 @@ __all__ = [
     "TRANSPORTS",
     "WIRE_FORMATS",
     "DataSpec",
+    "SymmConfig",
     "TensorData",
     "TrainConfig",
 ]
@@ -48,6 +51,103 @@ STREAM_ABOVE_BYTES = 256 * 2**20
 
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD", "strict_spread": "STRICT_SPREAD"}
 """``TrainConfig.placement`` to the Ray placement-group strategy."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SymmConfig:
+    """How the ring's ``symm`` transport runs (GPUs of one host writing into each other's
+    memory: ``engine.collective._symm`` and its fused kernel, ``engine.collective._fused``).
+
+    The defaults are the fastest measured (docs/benchmarks.md, "What the symm settings are
+    worth"); no setting changes the sums, only how fast they arrive. Each field has an
+    environment variable, ``RINGFLOW_SYMM_`` and the field's name in capitals
+    (``RINGFLOW_SYMM_DEPTH=4``), which overrides it in the process where it is set
+    (:meth:`with_environment`); a run records the overrides its workers had beside its
+    ``TrainConfig``.
+    """
+
+    __pydantic_config__ = {"extra": "forbid"}
+
+    graphs: bool = True
+    """Record each collective on a tensor as a CUDA graph once and replay it (one launch);
+    ``False`` launches every kernel each time (slower below 64 MiB; for debugging)."""
+    overlap: bool = True
+    """Push one segment over NVLink while the other is added, on two streams; ``False``: one."""
+    depth: Annotated[int, Ge(1)] = 2
+    """Segments a chunk of the ring is cut into so that pushes and additions overlap (a
+    segment is at least 16 MiB: smaller chunks stay whole)."""
+    buckets: bool = True
+    """Allocate gradient buckets in symmetric memory, so that the fused kernel writes each
+    bucket's sums straight into every rank's copy; ``False`` keeps them in ordinary memory."""
+    fused_below: Annotated[int, Ge(0)] | None = None
+    """All-reduces of fewer bytes than this (float32, bfloat16 or float16, no compression) run
+    as one Triton kernel instead of the ring's hops; ``None``: all of them; 0: none (also none
+    where Triton is missing)."""
+    fused_blocks: Annotated[int, Ge(1), Le(256)] = 64
+    """Thread blocks of that kernel at most (never more than the GPU's SMs): fewer leave more
+    of the GPU to the backward pass the all-reduces overlap with."""
+    piece_mb: Annotated[int, Ge(1)] = 256
+    """The largest piece of one all-reduce the kernel takes at once, in MiB (a power of two);
+    larger all-reduces run one launch per piece."""
+    rounds: Annotated[int, Ge(1), Le(16)] = 4
+    """Rounds in which the kernel takes an all-reduce of a tensor the ring did not allocate:
+    from 2 on, the copy of one round's sums into the tensor runs beside the next round's
+    stores to the other GPUs; 1 takes it whole through each phase in turn."""
+    rounds_from_mb: Annotated[int, Ge(0)] = 64
+    """Pieces smaller than this many MiB go in one round."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            problem = _symm_problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"symm.{f.name} {problem}, got {getattr(self, f.name)!r}")
+
+    @staticmethod
+    def variable(name: str) -> str:
+        """The environment variable that overrides field ``name``."""
+        return f"RINGFLOW_SYMM_{name.upper()}"
+
+    def with_environment(self, environ: Mapping[str, str] = os.environ) -> SymmConfig:
+        """These settings with every field whose variable ``environ`` sets replaced by it.
+
+        Raises:
+            ValueError: a variable's value is not one its field takes; the message names it.
+        """
+        values = {}
+        for f in fields(self):
+            text = environ.get(self.variable(f.name))
+            if text is None:
+                continue
+            value: Any = text.strip()
+            if f.name in _SYMM_SWITCHES:
+                value = {"1": True, "0": False}.get(value, value)
+            elif value.isdigit():
+                value = int(value)
+            problem = _symm_problem(f.name, value)
+            if problem:
+                raise ValueError(f"{self.variable(f.name)} {problem}, got {text!r}")
+            values[f.name] = value
+        return replace(self, **values)
+
+
+_SYMM_SWITCHES = ("graphs", "overlap", "buckets")
+_SYMM_RANGES = {"depth": (1, None), "fused_blocks": (1, 256), "rounds": (1, 16)}
+
+
+def _symm_problem(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for ``SymmConfig``'s field ``name``, or ``None``."""
+    if name in _SYMM_SWITCHES:
+        return None if isinstance(value, bool) else "must be true or false (1 or 0)"
+    if name == "fused_below" and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return "must be a whole number"
+    low, high = _SYMM_RANGES.get(name, (0, None))
+    if name == "piece_mb" and (value < 1 or value & (value - 1)):
+        return "must be a power of two (MiB)"
+    if value < low or (high is not None and value > high):
+        return f"must be {low} to {high}" if high else f"must be {low} or more"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,8 +229,12 @@ class TrainConfig:
     """Batches each worker trains before the timeline records (compilation, warm-up)."""
     timeline_steps: Annotated[int, Ge(1)] = 50
     """Batches the timeline records per worker after the warm-up: the trace stays small."""
+    symm: SymmConfig = field(default_factory=SymmConfig)
+    """How the ring's ``symm`` transport (GPU workers of one host) runs (:class:`SymmConfig`;
+    a JSON object of its fields, e.g. ``{"depth": 4}``); no setting changes the results."""
 
     def __post_init__(self) -> None:
+        self._check_symm()
         _positive_int("workers", self.workers)
         _positive_int("epochs", self.epochs)
         _positive_int("batch_size", self.batch_size)
@@ -177,6 +281,12 @@ class TrainConfig:
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
             )
         self._check_timeline()
+
+    def _check_symm(self) -> None:
+        if isinstance(self.symm, Mapping):  # TrainConfig(**json): the nested object as given
+            object.__setattr__(self, "symm", SymmConfig(**self.symm))
+        if not isinstance(self.symm, SymmConfig):
+            raise ValueError(f"symm must be a SymmConfig or its fields, got {self.symm!r}")
 
     def _check_collective(self) -> None:
         if self.collective in _SHIPPED_COLLECTIVES:

@@ -470,7 +470,7 @@ class Worker:
         if backend and group is not None:
             backend["group"] = group
         if self.config.collective == "ring":
-            backend["transport"] = self.config.ring_transport
+            backend.update(transport=self.config.ring_transport, symm=self.config.symm)
         return create_collective(
             self.config.collective,
             rank=self.rank,

@@ -162,6 +162,8 @@ def _module_name(fn: Callable[..., Any]) -> str:
 def _json_type(prop: dict[str, Any]) -> str:
     if "type" in prop:
         return prop["type"]
+    if "$ref" in prop or "allOf" in prop:  # a nested configuration: SymmConfig
+        return "object"
     types = [p["type"] for p in prop.get("anyOf", []) if p.get("type") != "null"]
     return types[0] if types else "string"
 

@@ -189,13 +189,14 @@ def test_warm_start_begins_from_the_given_model(digits, tmp_path):
 def test_a_runs_record_names_the_environment_overrides_its_workers_had(
     digits, tmp_path, monkeypatch
 ):
-    """The GPU ring's settings an environment variable overrides are in the committed
-    model's record, beside the TrainConfig: a run is reproducible from what it records."""
+    """The GPU ring's settings (``TrainConfig.symm``) and the environment variables that
+    override them are in the committed model's record: a run is reproducible from what it
+    records."""
     from ringflow.storage.checkpoint import read_checkpoint
 
-    config = TrainConfig(workers=1, epochs=1, batch_size=256, seed=0)
+    config = TrainConfig(workers=1, epochs=1, batch_size=256, seed=0, symm={"depth": 4})
 
-    def recorded(name: str) -> dict:
+    def recorded(name: str) -> tuple[dict, dict]:
         result = fit(
             DigitsClassifier,
             hparams={},
@@ -204,9 +205,11 @@ def test_a_runs_record_names_the_environment_overrides_its_workers_had(
             checkpoint_uri=str(tmp_path / name),
             in_process=True,
         )
-        return read_checkpoint(result.checkpoint).meta["environment"]
+        meta = read_checkpoint(result.checkpoint).meta
+        return meta["train_config"]["symm"], meta["environment"]
 
-    assert recorded("plain") == {}
+    settings, overrides = recorded("plain")
+    assert (settings["depth"], settings["graphs"], overrides) == (4, True, {})
     monkeypatch.setenv("RINGFLOW_SYMM_DEPTH", "3")
     monkeypatch.setenv("RINGFLOW_UNRELATED", "1")
-    assert recorded("overridden") == {"RINGFLOW_SYMM_DEPTH": "3"}
+    assert recorded("overridden") == (settings, {"RINGFLOW_SYMM_DEPTH": "3"})

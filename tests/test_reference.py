@@ -8,7 +8,8 @@ import inspect
 import re
 from pathlib import Path
 
-from ringflow.engine import TrainConfig, fit
+from ringflow.engine import SymmConfig, TrainConfig, fit
+from ringflow.engine.collective import ENVIRONMENT_KNOBS
 from ringflow.flows.train_pipeline import train_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,13 @@ def _environment_variables() -> dict[str, str]:
             if path.suffix in SUFFIXES and ".venv" not in path.parts:
                 for name in re.findall(r"\bRINGFLOW_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()):
                     found.setdefault(name, str(path.relative_to(ROOT)))
+    # SymmConfig's overrides are named from its fields (engine/config.py), not spelled out.
+    found.update({name: "engine/config.py" for name in ENVIRONMENT_KNOBS if name not in found})
     return {name: path for name, path in found.items() if name not in NOT_KNOBS}
+
+
+def _symm_fields() -> list[str]:
+    return [f"symm.{f.name}" for f in dataclasses.fields(SymmConfig)]
 
 
 def _missing(kind: str, names: dict[str, str] | list[str], where: str) -> list[str]:
@@ -60,6 +67,7 @@ def test_the_reference_names_every_knob_of_the_code():
             [f.name for f in dataclasses.fields(TrainConfig)],
             "engine/config.py",
         ),
+        *_missing("SymmConfig field", _symm_fields(), "engine/config.py"),
         *_missing("environment variable", _environment_variables(), ""),
     ]
     assert not missing, (
@@ -92,6 +100,7 @@ def test_the_reference_names_nothing_the_code_lacks():
         *inspect.signature(train_pipeline.fn).parameters,
         *inspect.signature(fit).parameters,
         *(f.name for f in dataclasses.fields(TrainConfig)),
+        *_symm_fields(),
         *_environment_variables(),
     }
     serving = {"POST /predict", "GET /healthz", "GET /model"}

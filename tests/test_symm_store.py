@@ -1,4 +1,4 @@
-"""The symm transport's parts that run without a GPU.
+"""The symm transport's parts that run without a GPU: its settings, and its store.
 
 The store symmetric memory rendezvous through: a worker that joins a ring later meets the
 others, although torch numbers each handle exchange by a count of the whole process. Each
@@ -9,13 +9,16 @@ TCP store client of its own, through the prefixes a process group adds.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import threading
 
 import pytest
 import torch.distributed as dist
 
+from ringflow.engine.collective import ENVIRONMENT_KNOBS
 from ringflow.engine.collective._symm_store import GroupSequenceStore
+from ringflow.engine.config import SymmConfig, TrainConfig
 from tests.support.net import free_port
 
 GROUP = "nccl/0//1//"
@@ -103,36 +106,55 @@ def test_a_clone_numbers_the_exchanges_as_its_original_does(server):
     assert {key: inner.get(key) for key in want} == want
 
 
-def test_the_kernel_piece_size_is_a_power_of_two_the_user_may_set(monkeypatch):
+def test_the_kernel_piece_size_is_a_power_of_two_the_user_may_set():
     import torch
 
     from ringflow.engine.collective._fused import piece_elements
 
-    assert piece_elements(torch.float32, 1000) == 1 << 16  # small collectives: a small stage
-    assert piece_elements(torch.float32, 1 << 30) == 64 << 20  # 256 MiB of float32
-    assert piece_elements(torch.float32, 6 << 20) == 8 << 20  # a 25 MiB bucket: 32 MiB
-    monkeypatch.setenv("RINGFLOW_SYMM_PIECE_MB", "64")
-    assert piece_elements(torch.bfloat16, 1 << 30) == 32 << 20
-    monkeypatch.setenv("RINGFLOW_SYMM_PIECE_MB", "100")
+    default = SymmConfig()
+    assert piece_elements(torch.float32, 1000, default) == 1 << 16  # small: a small stage
+    assert piece_elements(torch.float32, 1 << 30, default) == 64 << 20  # 256 MiB of float32
+    assert piece_elements(torch.float32, 6 << 20, default) == 8 << 20  # 25 MiB bucket: 32 MiB
+    set_by_variable = default.with_environment({"RINGFLOW_SYMM_PIECE_MB": "64"})
+    assert piece_elements(torch.bfloat16, 1 << 30, set_by_variable) == 32 << 20
+    assert piece_elements(torch.bfloat16, 1 << 30, SymmConfig(piece_mb=64)) == 32 << 20
     with pytest.raises(ValueError, match="RINGFLOW_SYMM_PIECE_MB must be a power of two"):
-        piece_elements(torch.float32, 1 << 30)
+        default.with_environment({"RINGFLOW_SYMM_PIECE_MB": "100"})
+    with pytest.raises(ValueError, match=r"symm.piece_mb must be a power of two \(MiB\), got 100"):
+        SymmConfig(piece_mb=100)
 
 
-def test_plain_tensors_from_64_mib_go_through_the_kernel_in_rounds(monkeypatch):
+def test_plain_tensors_from_64_mib_go_through_the_kernel_in_rounds():
     from ringflow.engine.collective._fused import rounds_for
 
-    assert rounds_for(64 << 20, in_place=False) == 4  # the copy-out hidden behind the links
-    assert rounds_for((64 << 20) - 2, in_place=False) == 1  # smaller: one round
-    assert rounds_for(1 << 30, in_place=True) == 1  # own buffers: no copy to hide
-    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS", "1")
-    assert rounds_for(1 << 30, in_place=False) == 1
-    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS", "3")
-    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS_FROM_MB", "0")
-    assert rounds_for(2, in_place=False) == 3
-    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS", "17")
+    default = SymmConfig()
+    assert rounds_for(64 << 20, in_place=False, settings=default) == 4  # the copy-out hidden
+    assert rounds_for((64 << 20) - 2, in_place=False, settings=default) == 1  # smaller: one
+    assert rounds_for(1 << 30, in_place=True, settings=default) == 1  # own buffers: no copy
+    assert rounds_for(1 << 30, in_place=False, settings=SymmConfig(rounds=1)) == 1
+    every_size = default.with_environment(
+        {"RINGFLOW_SYMM_ROUNDS": "3", "RINGFLOW_SYMM_ROUNDS_FROM_MB": "0"}
+    )
+    assert rounds_for(2, in_place=False, settings=every_size) == 3
     with pytest.raises(ValueError, match="RINGFLOW_SYMM_ROUNDS must be 1 to 16, got '17'"):
-        rounds_for(1 << 30, in_place=False)
-    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS", "4")
-    monkeypatch.setenv("RINGFLOW_SYMM_ROUNDS_FROM_MB", "1.5")
-    with pytest.raises(ValueError, match="RINGFLOW_SYMM_ROUNDS_FROM_MB must be whole MiB"):
-        rounds_for(1 << 30, in_place=False)
+        default.with_environment({"RINGFLOW_SYMM_ROUNDS": "17"})
+    with pytest.raises(ValueError, match="RINGFLOW_SYMM_ROUNDS_FROM_MB must be a whole number"):
+        default.with_environment({"RINGFLOW_SYMM_ROUNDS_FROM_MB": "1.5"})
+
+
+def test_every_symm_setting_is_a_field_its_variable_overrides():
+    """Each ``RINGFLOW_SYMM_*`` variable the ring's GPU transport reads is a field of
+    ``SymmConfig`` (a field of ``TrainConfig``); where one is set it wins, and the others
+    keep what the configuration says."""
+    configured = TrainConfig(symm={"depth": 4, "graphs": False}).symm
+    assert configured == SymmConfig(depth=4, graphs=False)
+    environ = {"RINGFLOW_SYMM_DEPTH": "3", "RINGFLOW_SYMM_BUCKETS": "0", "PATH": "/bin"}
+    assert configured.with_environment(environ) == SymmConfig(depth=3, graphs=False, buckets=False)
+    assert configured.with_environment({}) == configured
+    assert set(ENVIRONMENT_KNOBS) == {
+        f"RINGFLOW_SYMM_{f.name.upper()}" for f in dataclasses.fields(SymmConfig)
+    }
+    with pytest.raises(ValueError, match="RINGFLOW_SYMM_GRAPHS must be true or false"):
+        configured.with_environment({"RINGFLOW_SYMM_GRAPHS": "yes"})
+    with pytest.raises(ValueError, match="symm.rounds must be 1 to 16, got 0"):
+        TrainConfig(symm={"rounds": 0})

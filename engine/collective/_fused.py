@@ -41,10 +41,10 @@ same on every rank: one rank computes each chunk, and everybody copies it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
+
+from ringflow.engine.config import SymmConfig
 
 __all__ = [
     "FusedAllReduce",
@@ -61,24 +61,16 @@ _BARRIERS = 2
 _MAX_WORLD = 8
 _WARPS = 16
 _MAX_BLOCKS = 256
-_BLOCKS = 64
-"""Blocks of the kernel at most (``RINGFLOW_SYMM_FUSED_BLOCKS``), each of 16 warps moving two
-16-byte vectors a thread a step: on 4 H100s as fast alone as one block per SM (132) with one
-vector, and half the SMs taken from the backward pass it overlaps with."""
 _VECTORS = 2
-_ROUNDS = 4
-"""Rounds in which a collective of a tensor the ring did not allocate goes through the kernel
-(``RINGFLOW_SYMM_ROUNDS``; 1: all of it through each phase in turn): the copy of one round's
-sums into the tensor runs beside the next round's stores over the links. On 2 H200s, 4 rounds
-against 1: plain tensors 5-6 % faster from 64 MiB to 1 GiB."""
-_ROUNDS_FROM_MB = 64
-"""Pieces smaller than this (``RINGFLOW_SYMM_ROUNDS_FROM_MB``) go in one round: each round adds
-a barrier, and on 2 H200s 4 rounds were no faster than one at 32 MiB (0.118 against 0.114 ms)."""
-_PIECE_MB = 256
-"""The largest piece of a collective the stage takes at once (its stage: twice that), unless
-``RINGFLOW_SYMM_PIECE_MB`` says otherwise; larger collectives run as one launch per piece,
-each with its two barriers. A stage is sized to the largest collective so far: 25 MiB
-gradient buckets take 64 MiB. On 4 H100s, 256 against 64: 0.97 of NCCL at 1 GiB, not 0.94."""
+# The settings' defaults are SymmConfig's, measured here:
+# - fused_blocks 64, each of 16 warps moving two 16-byte vectors a thread a step: on 4 H100s
+#   as fast alone as one block per SM (132) with one vector, and half the SMs taken from the
+#   backward pass it overlaps with;
+# - rounds 4 from rounds_from_mb 64: on 2 H200s, 4 rounds against 1, plain tensors 5-6 %
+#   faster from 64 MiB to 1 GiB; at 32 MiB 4 rounds were no faster than one (0.118 against
+#   0.114 ms), and each round adds a barrier;
+# - piece_mb 256 (a stage is twice the piece, sized to the largest collective so far: 25 MiB
+#   gradient buckets take 64 MiB): on 4 H100s, 256 against 64, 0.97 of NCCL at 1 GiB, not 0.94.
 
 
 def fused_supported(dtype: torch.dtype, world_size: int) -> bool:
@@ -92,50 +84,36 @@ def fused_supported(dtype: torch.dtype, world_size: int) -> bool:
     return True
 
 
-def piece_elements(dtype: torch.dtype, elements: int) -> int:
+def piece_elements(dtype: torch.dtype, elements: int, settings: SymmConfig) -> int:
     """The piece a stage for collectives of ``elements`` takes: a power of two, at most
-    ``RINGFLOW_SYMM_PIECE_MB``."""
-    largest = (_piece_mb() << 20) // torch.empty(0, dtype=dtype).element_size()
+    ``settings.piece_mb``."""
+    largest = (settings.piece_mb << 20) // torch.empty(0, dtype=dtype).element_size()
     return min(1 << max(16, (elements - 1).bit_length()), largest)
 
 
-def rounds_for(nbytes: int, *, in_place: bool, setting: tuple[int, int] | None = None) -> int:
-    """The rounds a piece of ``nbytes`` goes through the kernel in: ``RINGFLOW_SYMM_ROUNDS``
-    from ``RINGFLOW_SYMM_ROUNDS_FROM_MB`` on (``setting``: the two, read before), one below;
-    one in place, where the sums land where they belong and there is no copy to hide."""
-    rounds, start = setting or _rounds()
-    return rounds if not in_place and nbytes >= start else 1
-
-
-def _rounds() -> tuple[int, int]:
-    """``RINGFLOW_SYMM_ROUNDS`` and, in bytes, ``RINGFLOW_SYMM_ROUNDS_FROM_MB``."""
-    value = os.environ.get("RINGFLOW_SYMM_ROUNDS", str(_ROUNDS))
-    rounds = int(value) if value.isdigit() else 0
-    if not 1 <= rounds <= 16:
-        raise ValueError(f"RINGFLOW_SYMM_ROUNDS must be 1 to 16, got {value!r}")
-    value = os.environ.get("RINGFLOW_SYMM_ROUNDS_FROM_MB", str(_ROUNDS_FROM_MB))
-    if not value.isdigit():
-        raise ValueError(f"RINGFLOW_SYMM_ROUNDS_FROM_MB must be whole MiB, got {value!r}")
-    return rounds, int(value) << 20
-
-
-def _piece_mb() -> int:
-    value = os.environ.get("RINGFLOW_SYMM_PIECE_MB", str(_PIECE_MB))
-    mb = int(value) if value.isdigit() else 0
-    if mb < 1 or mb & (mb - 1):
-        raise ValueError(f"RINGFLOW_SYMM_PIECE_MB must be a power of two (MiB), got {value!r}")
-    return mb
+def rounds_for(nbytes: int, *, in_place: bool, settings: SymmConfig) -> int:
+    """The rounds a piece of ``nbytes`` goes through the kernel in: ``settings.rounds`` from
+    ``settings.rounds_from_mb`` on, one below; one in place, where the sums land where they
+    belong and there is no copy to hide."""
+    return settings.rounds if not in_place and nbytes >= settings.rounds_from_mb << 20 else 1
 
 
 class FusedAllReduce:
     """A symmetric stage for pieces of ``piece`` ``dtype`` values, and the kernel over it.
 
     Made on every rank alike (the stage's rendezvous is collective). ``in_place``: tensors in
-    symmetric memory (:class:`SymmetricTensors`) will be reduced too.
+    symmetric memory (:class:`SymmetricTensors`) will be reduced too. ``settings``: the
+    kernel's blocks and rounds (the same on every rank).
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, dtype: torch.dtype, piece: int, *, in_place: bool = False
+        self,
+        group: dist.ProcessGroup,
+        dtype: torch.dtype,
+        piece: int,
+        *,
+        settings: SymmConfig,
+        in_place: bool = False,
     ) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -159,18 +137,16 @@ class FusedAllReduce:
         """Set by the watchdog's release: every wait of the kernel ends, and it drains."""
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         fits = words // (_BARRIERS * self.world_size)
-        wanted = int(os.environ.get("RINGFLOW_SYMM_FUSED_BLOCKS", _BLOCKS))
-        self.max_blocks = max(1, min(wanted, _MAX_BLOCKS, sms, fits))
+        self.max_blocks = max(1, min(settings.fused_blocks, _MAX_BLOCKS, sms, fits))
         # Elements a block handles per step: _VECTORS 16-byte vectors a thread.
         self.block = _WARPS * 32 * _VECTORS * (16 // self.mine.element_size())
-        self.rounds_setting = _rounds()
-        """(``RINGFLOW_SYMM_ROUNDS``, ``RINGFLOW_SYMM_ROUNDS_FROM_MB`` in bytes), read once."""
+        self.settings = settings
         # Compiled now, not inside a collective's deadline (``in_place``: that variant too;
         # in rounds only where a piece reaches them).
         probe = torch.zeros(16, dtype=dtype, device=device)
         variants = (None, [probe] * self.world_size) if in_place else (None,)
         largest = piece * self.mine.element_size()
-        plain = {1, rounds_for(largest, in_place=False, setting=self.rounds_setting)}
+        plain = {1, rounds_for(largest, in_place=False, settings=settings)}
         for average in (False, True):
             for peers in variants:
                 for rounds in plain if peers is None else (1,):
@@ -213,7 +189,7 @@ class FusedAllReduce:
             blocks = max(1, min(self.max_blocks, -(-chunk // self.block)))
         if rounds is None:
             nbytes = n * self.mine.element_size()
-            rounds = rounds_for(nbytes, in_place=peers is not None, setting=self.rounds_setting)
+            rounds = rounds_for(nbytes, in_place=peers is not None, settings=self.settings)
         kernel = _kernel()
         pad = _MAX_WORLD - self.world_size
         stages = self.stages + [self.mine] * pad

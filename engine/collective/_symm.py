@@ -15,8 +15,8 @@ Each hop has its own slot, so no slot is written twice within a collective; a ba
 end of each collective lets the next one reuse them. Everything runs on the ring's side
 stream, as on NCCL, and the same watchdog holds it to its deadline; when a chunk is cut into
 segments, the pushes run on a second stream that joins the side stream at the end, so a
-segment crosses NVLink while the one before it is added (``RINGFLOW_SYMM_OVERLAP=0``: one
-stream; ``RINGFLOW_SYMM_DEPTH``: segments per chunk).
+segment crosses NVLink while the one before it is added (``overlap=False``: one
+stream; ``depth``: segments per chunk; each setting is a field of ``SymmConfig``).
 
 Host time. A collective is a dozen small launches and their Python; on a slow host that costs
 more than the GPU's work (0.2-0.4 ms a collective on 2 H100s). So the first collective on
@@ -25,7 +25,7 @@ replay it: one launch. Gradient buckets and benchmark buffers are
 the same tensors every step. Growing the staging buffers drops the graphs. On 2 H100s a
 replayed 16 MiB collective runs at 0.81 of NCCL's all-reduce, launched kernel by kernel at
 0.29 (docs/benchmarks.md, "What the symm settings are worth");
-``RINGFLOW_SYMM_GRAPHS=0`` launches every kernel each time instead.
+``graphs=False`` launches every kernel each time instead.
 
 Failures. A peer that dies or stops answering leaves this rank's signal waits unanswered. At
 the deadline the watchdog agrees on the lost peer, as on NCCL, then answers the waits itself:
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
 
 import torch
@@ -64,6 +63,7 @@ from ringflow.engine.collective._p2p import NcclTransport
 from ringflow.engine.collective._schedule import Hop, Schedule
 from ringflow.engine.collective._symm_store import GroupSequenceStore
 from ringflow.engine.collective._transport import Finisher, Plan, keep_wire_rounding, land
+from ringflow.engine.config import SymmConfig
 
 __all__ = ["SymmTransport", "symm_available", "symm_unusable"]
 
@@ -76,13 +76,13 @@ _INITIAL_ELEMENTS = 16 << 20
 """Staging allocated when the ring connects (64 MiB of float32); larger collectives grow it."""
 _GRAPHS = 64
 """Recorded collectives kept (least recently used dropped first)."""
-_FUSED_BELOW = 1 << 62
-"""All-reduces of fewer bytes than this run as one fused kernel (``_fused``) instead of the
-ring's schedule, where Triton is available and the wire is the tensor's dtype: all of them by
-default, since the fused kernel was the faster at every size measured (4 H100s, through the
-ring: 0.82 of NCCL at 16 MiB and 0.97 at 64 MiB, where the ring's schedule reached 0.46 and
-0.72). The ring's schedule still carries what travels in another dtype than the tensor's
-(``compression``)."""
+_FUSED_ALL = 1 << 62
+"""``SymmConfig.fused_below=None``: all-reduces of fewer bytes than this run as one fused kernel
+(``_fused``) instead of the ring's schedule, where Triton is available and the wire is the
+tensor's dtype: all of them by default, since the fused kernel was the faster at every size
+measured (4 H100s, through the ring: 0.82 of NCCL at 16 MiB and 0.97 at 64 MiB, where the ring's
+schedule reached 0.46 and 0.72). The ring's schedule still carries what travels in another dtype
+than the tensor's (``compression``)."""
 _KERNEL_GRACE_S = 30.0
 """How long past the collective deadline a waiting kernel spins before it gives up: the
 watchdog must raise the typed error first."""
@@ -103,32 +103,34 @@ class SymmTransport(NcclTransport):
     """Ring neighbours over symmetric memory (CUDA tensors, every rank on this host).
 
     Args are those of :class:`NcclTransport`, whose process group, side stream, deadline
-    watchdog and blame protocol it shares; NCCL itself carries no data here.
+    watchdog and blame protocol it shares (NCCL itself carries no data here), and
+    ``settings``: how this transport runs, the same on every rank.
     """
 
     name = "symm"
-    # Chunks of 32 MiB and more go as two segments, so that one travels while the other is
-    # added (pushes run on a stream of their own); smaller chunks as one, whose two signals
-    # and launches would cost more than the overlap gains. Measured on 2 H100s, CUDA graphs
-    # on: one segment 0.92-0.94 of NCCL's all-reduce from 128 MiB, two overlapped 0.98-1.00,
-    # four 0.95-0.99; at 16 MiB, one 0.81, two (4 MiB segments) 0.59 (docs/benchmarks.md).
-    pipeline_depth = 2
+    # SymmConfig.depth, 2: chunks of 32 MiB and more go as two segments, so that one travels
+    # while the other is added (pushes run on a stream of their own); smaller chunks as one,
+    # whose two signals and launches would cost more than the overlap gains. Measured on 2
+    # H100s, CUDA graphs on: one segment 0.92-0.94 of NCCL's all-reduce from 128 MiB, two
+    # overlapped 0.98-1.00, four 0.95-0.99; at 16 MiB, one 0.81, two (4 MiB segments) 0.59
+    # (docs/benchmarks.md).
     segment_range = (16 << 20, 1 << 62)
     _hang = "a hop through GPU shared memory hung"
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, *, settings: SymmConfig, **kwargs) -> None:
         _check_usable(kwargs["store"], rank=kwargs["rank"], world_size=kwargs["world_size"])
         super().__init__(**kwargs)
+        self._settings = settings
         self._buffers: dict[torch.dtype, _Staging] = {}
         self._graphs: collections.OrderedDict[tuple, torch.cuda.CUDAGraph] | None = None
-        if os.environ.get("RINGFLOW_SYMM_GRAPHS", "1") == "1":
+        if settings.graphs:
             self._graphs = collections.OrderedDict()
-        self.pipeline_depth = int(os.environ.get("RINGFLOW_SYMM_DEPTH", type(self).pipeline_depth))
+        self.pipeline_depth = settings.depth
         # Everything the release needs, made now: with CUDA's lazy module loading, loading a
         # kernel while another spins waiting can block until that one ends, which it won't.
         device = torch.device("cuda", torch.cuda.current_device())
         self._pusher: torch.cuda.Stream | None = None
-        if os.environ.get("RINGFLOW_SYMM_OVERLAP", "1") == "1":
+        if settings.overlap:
             self._pusher = torch.cuda.Stream(device=device)
         self._releaser = torch.cuda.Stream(device=device)
         with torch.cuda.stream(self._releaser):
@@ -143,8 +145,8 @@ class SymmTransport(NcclTransport):
         # The fused path's buffers, made (and its kernel compiled) now for the same reason.
         self._fused: dict[torch.dtype, FusedAllReduce | None] = {}
         self._symmetric = SymmetricTensors(self._group)
-        self._symmetric_buckets = os.environ.get("RINGFLOW_SYMM_BUCKETS", "1") == "1"
-        self._fused_below = int(os.environ.get("RINGFLOW_SYMM_FUSED_BELOW", _FUSED_BELOW))
+        self._symmetric_buckets = settings.buckets
+        self._fused_below = _FUSED_ALL if settings.fused_below is None else settings.fused_below
         if self._fused_below > 0:
             for dtype in (torch.float32, torch.bfloat16):
                 self._fused_buffer(dtype, _INITIAL_ELEMENTS)
@@ -185,7 +187,7 @@ class SymmTransport(NcclTransport):
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed tensor for all-reducing again and again (gradient buckets): in symmetric
-        memory (unless ``RINGFLOW_SYMM_BUCKETS=0``), so that the fused kernel writes the sums
+        memory (unless ``SymmConfig.buckets`` is off), so that the fused kernel writes the sums
         straight into every rank's copy (collective: every rank allocates alike)."""
         device = torch.device("cuda", torch.cuda.current_device())
         if (
@@ -212,7 +214,7 @@ class SymmTransport(NcclTransport):
         current = self._fused.get(dtype, False)
         if current is None:
             return None
-        piece = piece_elements(dtype, elements)
+        piece = piece_elements(dtype, elements, self._settings)
         if current and current.piece >= piece:
             return current  # large enough, or the largest: larger collectives go in pieces
         if not fused_supported(dtype, self._world_size):
@@ -223,7 +225,9 @@ class SymmTransport(NcclTransport):
             if self._graphs is not None:
                 self._graphs.clear()
         in_place = self._symmetric_buckets
-        self._fused[dtype] = current = FusedAllReduce(self._group, dtype, piece, in_place=in_place)
+        self._fused[dtype] = current = FusedAllReduce(
+            self._group, dtype, piece, settings=self._settings, in_place=in_place
+        )
         return current
 
     def _record(self, enqueue) -> torch.cuda.CUDAGraph | None:

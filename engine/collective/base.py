@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Literal
 
 import torch
 
-from ringflow.engine.config import WIRE_FORMATS
+from ringflow.engine.config import WIRE_FORMATS, SymmConfig
 
 __all__ = [
     "COMPRESSIONS",
@@ -176,19 +177,9 @@ def create_collective(name: str, **kwargs: object) -> Collective:
     return cls(**kwargs)  # type: ignore[arg-type]
 
 
-ENVIRONMENT_KNOBS = (
-    "RINGFLOW_SYMM_BUCKETS",
-    "RINGFLOW_SYMM_DEPTH",
-    "RINGFLOW_SYMM_FUSED_BELOW",
-    "RINGFLOW_SYMM_FUSED_BLOCKS",
-    "RINGFLOW_SYMM_GRAPHS",
-    "RINGFLOW_SYMM_OVERLAP",
-    "RINGFLOW_SYMM_PIECE_MB",
-    "RINGFLOW_SYMM_ROUNDS",
-    "RINGFLOW_SYMM_ROUNDS_FROM_MB",
-)
-"""The environment variables the ring's GPU transport reads in place of its defaults
-(``engine.collective._symm``, ``engine.collective._fused``)."""
+ENVIRONMENT_KNOBS = tuple(SymmConfig.variable(f.name) for f in dataclasses.fields(SymmConfig))
+"""The environment variables that override ``SymmConfig``'s fields where they are set: how
+the ring's GPU transport runs (``engine.collective._symm``, ``engine.collective._fused``)."""
 
 
 def environment_overrides() -> dict[str, str]:

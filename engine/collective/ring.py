@@ -40,7 +40,7 @@ from ringflow.engine.collective.base import (
     register_collective,
     wire_dtype,
 )
-from ringflow.engine.config import TRANSPORTS
+from ringflow.engine.config import TRANSPORTS, SymmConfig
 from ringflow.engine.errors import CollectiveError, CollectiveTimeoutError
 
 __all__ = ["TRANSPORTS", "RingCollective"]
@@ -69,6 +69,8 @@ class RingCollective(Collective):
             and are summed in float32; every rank ends with the same values.
         transport: one of ``TRANSPORTS``.
         segment_bytes: the largest piece in flight; default per transport.
+        symm: how the ``symm`` transport runs; ``SymmConfig()`` by default. Either way the
+            ``RINGFLOW_SYMM_*`` variables of this process override its fields.
         store: a rendezvous store to use instead of ``init_method``.
         group: on ``nccl``, an NCCL process group of exactly this ring's ranks (this rank at
             ``rank``) to run over; without it the ring makes its own from the default group,
@@ -92,6 +94,7 @@ class RingCollective(Collective):
         segment_bytes: int | None = None,
         store: dist.Store | None = None,
         group: dist.ProcessGroup | None = None,
+        symm: SymmConfig | None = None,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size)
         _check_arguments(backend=backend, timeout_s=timeout_s, transport=transport)
@@ -116,6 +119,7 @@ class RingCollective(Collective):
                 connect_timeout_s=connect_timeout_s,
                 segment_bytes=segment_bytes,
                 group=group,
+                symm=symm or SymmConfig(),
             )
             self._segment_range = (
                 (segment_bytes, segment_bytes) if segment_bytes else self._transport.segment_range
@@ -376,6 +380,7 @@ def _connect(
     connect_timeout_s: float,
     segment_bytes: int | None,
     group: dist.ProcessGroup | None,
+    symm: SymmConfig,
 ) -> Transport:
     if group is not None and backend != "nccl":
         raise ValueError("group is for the nccl backend; gloo rings connect through the store")
@@ -387,8 +392,11 @@ def _connect(
         return ShmTransport(**common, segment_bytes=slot)
     if transport == "gloo":
         return GlooTransport(**common, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
-    cls = NcclTransport if transport == "nccl" else SymmTransport
-    return cls(**common, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s, group=group)
+    nccl = {**common, "timeout_s": timeout_s, "connect_timeout_s": connect_timeout_s}
+    nccl["group"] = group
+    if transport == "nccl":
+        return NcclTransport(**nccl)
+    return SymmTransport(**nccl, settings=symm.with_environment())
 
 
 def _pick_transport(store: dist.Store, *, backend: str, rank: int, world_size: int) -> str:
