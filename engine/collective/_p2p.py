@@ -39,6 +39,7 @@ from ringflow.engine.collective._transport import (
     keep_wire_rounding,
     land,
 )
+from ringflow.engine.collective._watchdog import Watchdog
 from ringflow.engine.errors import CollectiveTimeoutError, PeerLostError
 
 __all__ = ["GlooTransport", "NcclTransport"]
@@ -294,7 +295,11 @@ class NcclTransport(Transport):
         self._arbiter = _StoreArbiter(store, rank=rank, world_size=world_size, timeout_s=timeout_s)
         self._aborting = threading.Lock()
         self._stream: torch.cuda.Stream | None = None
-        self._watchdog = _NcclWatchdog(self)
+        self._watchdog = Watchdog(
+            "ringflow-nccl-deadlines",
+            late=lambda item: item[0].remaining() <= self._arbiter.reserve_s,
+            expire=lambda item: self.fail(item[0]),
+        )
 
     def _group_store(self, store: dist.Store) -> dist.Store:
         """The store this transport's process groups rendezvous through."""
@@ -323,7 +328,7 @@ class NcclTransport(Transport):
         done.record(side)
         # The caller's tensor stays alive until the GPU is done with it, so its memory cannot
         # go to another stream's allocation while the ring still runs.
-        self._watchdog.watch(done, deadline, keep=plan.keep)
+        self._watchdog.watch(done, (deadline, plan.keep))
         return _SideStreamWork(done, caller.device, self._watchdog)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -449,62 +454,9 @@ class _SideStreamWork(Completion):
     launching ahead; a failure the watchdog found is raised instead.
     """
 
-    def __init__(self, done: torch.cuda.Event, device: torch.device, watchdog: _NcclWatchdog):
+    def __init__(self, done: torch.cuda.Event, device: torch.device, watchdog: Watchdog):
         self._done, self._device, self._watchdog = done, device, watchdog
 
     def wait(self) -> None:
         self._watchdog.raise_failure()
         torch.cuda.current_stream(self._device).wait_event(self._done)
-
-
-class _NcclWatchdog:
-    """Holds every collective the GPU still runs to its deadline, from a thread of its own.
-
-    It also holds what each collective's kernels use until they finished. When a collective
-    passes its deadline this thread aborts the communicator (so hung kernels return) and
-    records the verdict, which the next ``wait`` or collective on this rank raises.
-    """
-
-    _POLL_S = 1e-3
-
-    def __init__(self, transport: NcclTransport) -> None:
-        self._transport = transport
-        self._pending: deque[tuple[torch.cuda.Event, Deadline, object]] = deque()
-        self._changed = threading.Condition()
-        self._stopped = False
-        self.failure: PeerLostError | None = None
-        self._thread = threading.Thread(target=self._loop, name="ringflow-nccl-deadlines")
-        self._thread.daemon = True
-        self._thread.start()
-
-    def watch(self, done: torch.cuda.Event, deadline: Deadline, *, keep: object) -> None:
-        """Hold ``deadline`` until ``done`` happened on the GPU, and ``keep`` alive until then."""
-        with self._changed:
-            self._pending.append((done, deadline, keep))
-            self._changed.notify()
-
-    def raise_failure(self) -> None:
-        if self.failure is not None:
-            raise self.failure
-
-    def stop(self) -> None:
-        with self._changed:
-            self._stopped = True
-            self._changed.notify()
-        self._thread.join(1.0)
-
-    def _loop(self) -> None:
-        while True:
-            with self._changed:
-                self._changed.wait_for(lambda: self._pending or self._stopped)
-                if self._stopped:
-                    return
-                done, deadline, _ = self._pending[0]
-            if done.query():
-                with self._changed:
-                    self._pending.popleft()
-            elif deadline.remaining() <= self._transport._arbiter.reserve_s:
-                self._transport.fail(deadline)
-                return
-            else:
-                time.sleep(self._POLL_S)

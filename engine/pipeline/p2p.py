@@ -20,12 +20,12 @@ import contextlib
 import datetime as dt
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ringflow.engine.collective._watchdog import Watchdog
 from ringflow.engine.errors import CollectiveTimeoutError, PeerLostError
 
 __all__ = ["PendingReceive", "StageLink"]
@@ -97,7 +97,12 @@ class StageLink:
                 for d in _DIRS
             }
         self._deadline = backend == "gloo"
-        self._watchdog = _Watchdog(self) if backend == "nccl" else None
+        if backend == "nccl":
+            self._watchdog = Watchdog(
+                "ringflow-pipeline-deadlines",
+                late=lambda item: time.monotonic() > item[0],
+                expire=self._expire,
+            )
         # gloo moves bytes on its own threads: receives posted ahead overlap compute. NCCL
         # receives posted ahead of sends in the other direction can stall the pair: none.
         self.prepost = 2 if backend == "gloo" else 0
@@ -193,7 +198,7 @@ class StageLink:
                 work.wait()  # the compute stream waits for NCCL's; the host does not
             done = torch.cuda.Event()
             done.record()
-            self._watchdog.watch(done, peer, op)
+            self._watchdog.watch(done, (time.monotonic() + self.timeout_s, peer, op))
             return
         if not self._deadline:
             work.wait()
@@ -243,6 +248,13 @@ class StageLink:
             rank=self.stage,
         )
 
+    def _expire(self, item: tuple[float, int | None, str]) -> None:
+        """The watchdog's answer to a transfer past its deadline: the verdict, then the abort
+        (which can block on the hung kernels: it runs beside the watchdog's exit)."""
+        _, peer, op = item
+        self._watchdog.failure = self.timed_out(peer, op)
+        threading.Thread(target=self.abort, daemon=True).start()
+
     def abort(self) -> None:
         """End the communicators, so that kernels waiting on a neighbour return."""
         for group in self._groups.values():
@@ -254,64 +266,6 @@ class StageLink:
             self._watchdog.stop()
         self._sends = []
         self._groups = {}
-
-
-class _Watchdog:
-    """Holds every NCCL transfer of a link to its deadline, from a thread of its own."""
-
-    _POLL_S = 1e-3
-
-    def __init__(self, link: StageLink) -> None:
-        self._link = link
-        self._pending: deque[tuple[torch.cuda.Event, float, int | None, str]] = deque()
-        self._changed = threading.Condition()
-        self._stopped = False
-        self.failure: CollectiveTimeoutError | None = None
-        self._thread = threading.Thread(target=self._loop, name="ringflow-pipeline-deadlines")
-        self._thread.daemon = True
-        self._thread.start()
-
-    def watch(self, done: torch.cuda.Event, peer: int | None, op: str) -> None:
-        with self._changed:
-            self._pending.append((done, time.monotonic() + self._link.timeout_s, peer, op))
-            self._changed.notify()
-
-    def raise_failure(self) -> None:
-        if self.failure is not None:
-            raise self.failure
-
-    def drain(self) -> None:
-        """Wait until every watched transfer is done or one passed its deadline (raised)."""
-        with self._changed:
-            self._changed.wait_for(lambda: not self._pending or self.failure or self._stopped)
-        self.raise_failure()
-
-    def stop(self) -> None:
-        with self._changed:
-            self._stopped = True
-            self._changed.notify_all()
-        self._thread.join(1.0)
-
-    def _loop(self) -> None:
-        while True:
-            with self._changed:
-                self._changed.wait_for(lambda: self._pending or self._stopped)
-                if self._stopped:
-                    return
-                done, deadline, peer, op = self._pending[0]
-            if done.query():
-                with self._changed:
-                    self._pending.popleft()
-                    self._changed.notify_all()
-                continue
-            if time.monotonic() > deadline:
-                with self._changed:
-                    self.failure = self._link.timed_out(peer, op)
-                    self._changed.notify_all()
-                # Aborting can block on the hung kernels: it runs beside this thread's exit.
-                threading.Thread(target=self._link.abort, daemon=True).start()
-                return
-            time.sleep(self._POLL_S)
 
 
 _DIRS = (FORWARD, BACKWARD)
