@@ -1,10 +1,10 @@
 """Lightning ``Callback``s a module configures (``configure_callbacks``), run by the driver.
 
 The driver holds every epoch's metrics averaged over all workers, so callbacks run there,
-once, on the metrics Trainer would give them (``callback_metrics``), through a view of the
-Trainer attributes callbacks read. ``EarlyStopping`` stops the run after the epoch it decides
-on, as under Trainer; a callback's ``state_dict`` is kept in every checkpoint and restored
-when the run resumes.
+once, on the metrics Trainer would give them (``callback_metrics``), through the view of
+Trainer a module reads in a worker (``engine.module.TrainerView``). ``EarlyStopping`` stops
+the run after the epoch it decides on, as under Trainer; a callback's ``state_dict`` is kept
+in every checkpoint and restored when the run resumes.
 """
 
 from __future__ import annotations
@@ -15,37 +15,11 @@ from typing import Any
 import torch
 
 from ringflow.engine.jsonstate import from_json, to_json
+from ringflow.engine.module import TrainerView
 
 __all__ = ["Callbacks", "in_worker"]
 
 log = logging.getLogger("ringflow.engine")
-
-
-class _Strategy:
-    """One decision for the whole run: the metrics are already global."""
-
-    @staticmethod
-    def reduce_boolean_decision(decision: bool, all: bool = True) -> bool:  # noqa: A002
-        return decision
-
-
-class _TrainerView:
-    """The Trainer attributes Lightning's callbacks read, kept by the driver."""
-
-    def __init__(self, module: torch.nn.Module, *, max_epochs: int, world_size: int) -> None:
-        from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerStatus
-
-        self.lightning_module, self.max_epochs, self.world_size = module, max_epochs, world_size
-        self.state = TrainerState(fn=TrainerFn.FITTING, status=TrainerStatus.RUNNING)
-        self.strategy = _Strategy()
-        self.callback_metrics: dict[str, torch.Tensor] = {}
-        self.current_epoch, self.global_step = 0, 0
-        self.should_stop = False
-        self.sanity_checking = self.fast_dev_run = False
-        self.is_global_zero, self.global_rank = True, 0
-        self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
-        self.loggers: list = []
-        self.logger = None
 
 
 # The hooks the driver calls (once an epoch, on the global metrics); a callback overriding
@@ -82,6 +56,7 @@ class Callbacks:
         *,
         max_epochs: int,
         world_size: int,
+        accumulate: int = 1,
         extra: list[Any] | None = None,
     ) -> None:
         import lightning as L
@@ -112,7 +87,9 @@ class Callbacks:
                     ", ".join(ignored),
                     ", ".join(sorted(h for h in _DRIVER_HOOKS if h.startswith("on_"))),
                 )
-        self.trainer = _TrainerView(module, max_epochs=max_epochs, world_size=world_size)
+        self.trainer = TrainerView(
+            max_epochs=max_epochs, world_size=world_size, accumulate=accumulate, module=module
+        )
         self.module = module
         if self.callbacks:
             self._call("setup", stage="fit")

@@ -619,26 +619,36 @@ def call_hook(module: torch.nn.Module, name: str, *args: Any) -> Any:
 
 
 class TrainerView:
-    """The ``Trainer`` a module's own code reads in a worker (``self.trainer``,
-    ``self.current_epoch``, ``self.global_step``, ``estimated_stepping_batches``...).
+    """The ``Trainer`` a module's own code reads (``self.trainer``, ``self.current_epoch``,
+    ``self.global_step``, ``estimated_stepping_batches``...) in a worker, and the one
+    Lightning's callbacks read in the driver (``engine.callbacks``: ``module`` is the
+    driver's module, ``steps_per_epoch`` unknown there until training starts).
 
     ``global_step`` counts optimizer steps, as Trainer's does (under manual optimisation,
     the steps the module took); the driver's step counts batches.
     """
 
     def __init__(
-        self, *, max_epochs: int, steps_per_epoch: int, accumulate: int, rank: int, world_size: int
+        self,
+        *,
+        max_epochs: int,
+        world_size: int,
+        steps_per_epoch: int = 0,
+        accumulate: int = 1,
+        rank: int = 0,
+        module: torch.nn.Module | None = None,
     ) -> None:
-        self.max_epochs, self.num_training_batches = max_epochs, steps_per_epoch
+        self.max_epochs, self.lightning_module = max_epochs, module
         self.accumulate_grad_batches = accumulate
-        self.optimizer_steps_per_epoch = -(-steps_per_epoch // accumulate)
-        self.estimated_stepping_batches = max_epochs * self.optimizer_steps_per_epoch
+        self.count_batches(steps_per_epoch)
         self.global_rank, self.world_size, self.local_rank, self.node_rank = rank, world_size, 0, 0
         self.is_global_zero = rank == 0
         self.current_epoch, self._batches_stepped, self.is_last_batch = 0, 0, False
         self._optimization: Optimization | None = None
+        self.strategy: Any = _OneDecision()  # a worker's: its optimizers' (``adopt``)
         self.gradient_clip_val = self.gradient_clip_algorithm = None  # manual: the module's
         self.training, self.sanity_checking, self.fast_dev_run = True, False, False
+        self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
         self.should_stop = False
         self.recorder = _Recorder()
         self.loggers: list = []  # the recorder, when the run has loggers (``use_loggers``)
@@ -647,6 +657,19 @@ class TrainerView:
         self.log_every_n_steps = 50
         self.logs_due = False
         self._logger_connector = self.fit_loop = self.epoch_loop = self
+
+    def count_batches(self, steps_per_epoch: int) -> None:
+        """An epoch has ``steps_per_epoch`` batches: what the step counts derive from."""
+        self.num_training_batches = steps_per_epoch
+        self.optimizer_steps_per_epoch = -(-steps_per_epoch // self.accumulate_grad_batches)
+        self.estimated_stepping_batches = self.max_epochs * self.optimizer_steps_per_epoch
+
+    @property
+    def state(self) -> Any:
+        """Trainer's state: fitting, running (callbacks read it)."""
+        from lightning.pytorch.trainer.states import TrainerFn, TrainerState, TrainerStatus
+
+        return TrainerState(fn=TrainerFn.FITTING, status=TrainerStatus.RUNNING)
 
     def use_loggers(self, every: int) -> None:
         """The run has loggers: what callbacks log in this worker is recorded for them."""
@@ -673,7 +696,7 @@ class TrainerView:
     def adopt(self, optimization: Optimization, module: torch.nn.Module) -> None:
         """The optimizers and schedulers ``self.optimizers()`` and ``self.lr_schedulers()``
         return (and ``LearningRateMonitor`` reads)."""
-        self._optimization = optimization
+        self._optimization, self.lightning_module = optimization, module
         self.optimizers = list(optimization.optimizers)
         self.lr_scheduler_configs = optimization.configs
         self.strategy = _Strategy(optimization, module)
@@ -763,6 +786,13 @@ class _Strategy:
     @staticmethod
     def reduce_boolean_decision(decision: bool, all: bool = True) -> bool:  # noqa: A002
         return decision
+
+
+class _OneDecision:
+    """The strategy of a view with no optimizers (the driver's): one decision for the whole
+    run, since what it decides on (the epoch's metrics) is already global."""
+
+    reduce_boolean_decision = staticmethod(_Strategy.reduce_boolean_decision)
 
 
 def module_checkpoint(module: torch.nn.Module) -> dict[str, Any]:

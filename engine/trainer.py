@@ -183,6 +183,7 @@ def fit(
             else torch.nn.Module(),
             max_epochs=config.epochs,
             world_size=config.workers,
+            accumulate=config.accumulate_grad_batches,
             extra=callbacks,
         )
         if callbacks.in_workers:
@@ -363,6 +364,7 @@ def _train(
 ) -> list[EpochMetrics]:
     """The driver loop: steps in chunks that end where a checkpoint or an epoch ends."""
     steps_per_epoch = group.call_rank0("epoch_steps")
+    callbacks.trainer.count_batches(steps_per_epoch)
     resume.restore(group, steps_per_epoch)
     history = list(resume.history)
     logged, seconds = resume.logged, resume.seconds

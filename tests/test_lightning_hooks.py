@@ -181,3 +181,57 @@ def test_a_module_hook_ringflow_does_not_call_is_named(tmp_path, caplog):
         "OwnStep overrides backward, on_validation_batch_end, which ringflow does not call"
         in caplog.text
     )
+
+
+class Reads(L.Callback):
+    """Reads at every epoch's end what callbacks commonly read of Trainer."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.seen.append(
+            (
+                trainer.current_epoch,
+                trainer.global_step,
+                trainer.num_training_batches,
+                trainer.estimated_stepping_batches,
+                trainer.accumulate_grad_batches,
+                trainer.max_epochs,
+                trainer.is_global_zero,
+                trainer.state.fn.value,
+                trainer.lightning_module is pl_module,
+                trainer.should_stop,
+            )
+        )
+
+
+def test_a_callback_reads_of_trainer_what_trainer_gives_it(tmp_path):
+    """The driver's callbacks read the same view of Trainer a module reads in a worker: step
+    counts, the run's length and state, the module."""
+    data, hparams = table(), {"total_steps": 2 * 8}
+    theirs, ours = Reads(), Reads()
+    try:
+        trained_by_trainer(
+            OneCycle, hparams, data, epochs=2, accumulate_grad_batches=2, callbacks=[theirs]
+        )
+    finally:
+        torch.use_deterministic_algorithms(False)
+    fit(
+        OneCycle,
+        hparams=hparams,
+        data=data,
+        config=TrainConfig(
+            workers=1,
+            epochs=2,
+            batch_size=BATCH,
+            seed=SEED,
+            accumulate_grad_batches=2,
+            commit_every=2,
+        ),
+        checkpoint_uri=str(tmp_path / "model"),
+        in_process=True,
+        callbacks=[ours],
+    )
+    assert len(theirs.seen) == 2
+    assert ours.seen == theirs.seen
