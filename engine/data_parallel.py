@@ -30,7 +30,7 @@ from ringflow.engine.worker import (
     free_address,
     to_device,
 )
-from ringflow.storage.reshard import load_data_parallel
+from ringflow.storage.reshard import REPLICATED, load_data_parallel
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 if TYPE_CHECKING:
@@ -52,6 +52,8 @@ class DataParallelStep:
 
     calls_hooks = True
     """The module's own hooks run on every worker, as on every rank under Trainer."""
+    shard = REPLICATED
+    """Every worker holds the whole state: rank 0's is the checkpoint's one shard."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker

@@ -13,13 +13,14 @@ model is gathered at the end.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ringflow.engine.config import TrainConfig
-from ringflow.storage.reshard import merge_optimizer_metadata, pipeline_shards
-from ringflow.storage.store import CheckpointStore
+from ringflow.storage.reshard import merge_optimizer_metadata
+from ringflow.storage.store import CheckpointStorageError, CheckpointStore
 
 if TYPE_CHECKING:
     from ringflow.engine.pipeline.config import PipelineConfig
@@ -122,6 +123,9 @@ class Layout:
         """Commit the training state of ``step`` to the store (manifest last)."""
         raise NotImplementedError
 
+    def settle(self, group: Workers, *, wait: bool = False) -> None:
+        """Commit checkpoints whose files are written (the driver asks after every chunk)."""
+
     def flush(self, group: Workers) -> list[str]:
         """Wait for checkpoints still being written; return their errors."""
         return []
@@ -199,6 +203,9 @@ class Pipeline(Layout):
         self.pipeline = pipeline
         self.partition: Partition | None = None
         """Which layers each stage owns: decided by :meth:`prepare`."""
+        self._pending: _PendingCheckpoint | None = None
+        """The checkpoint whose shards the stages are writing."""
+        self._not_saved: list[str] = []
 
     @property
     def size(self) -> int:
@@ -290,26 +297,72 @@ class Pipeline(Layout):
         ]
 
     def checkpoint(self, group, store_url, run_key, *, step, metadata, metrics) -> None:
-        # Replica 0's stages hold the whole state between them, one shard per stage.
-        stages = group.call_first(self.pipeline.stages, "training_state")
-        CheckpointStore(store_url).save(
+        # Replica 0's stages hold the whole state between them, one shard per stage: each
+        # writes its own in the background, and the manifest follows once all are written
+        # (at the next chunk's end, checkpoint or flush: ``settle``).
+        self.settle(group, wait=True)
+        stages = group.call_first(self.pipeline.stages, "write_shard", store_url, run_key, step)
+        self._pending = _PendingCheckpoint(
+            store_url,
             run_key,
             step=step,
-            shards=pipeline_shards([tensors for tensors, _, _ in stages]),
             metadata={
                 **metadata,
-                "optimizer": merge_optimizer_metadata([meta for _, meta, _ in stages]),
-                "optimization": stages[0][2],  # every stage steps its schedulers alike
+                "optimizer": merge_optimizer_metadata([meta for meta, _ in stages]),
+                "optimization": stages[0][1],  # every stage steps its schedulers alike
                 "stages": len(stages),
             },
             metrics=metrics,
         )
+
+    def settle(self, group: Workers, *, wait: bool = False) -> None:
+        """Commit the checkpoint whose shards the stages finished writing (``wait``: once
+        they have); one whose shard could not be written is not committed, and said."""
+        pending = self._pending
+        if pending is None:
+            return
+        writes = group.call_first(self.pipeline.stages, "shard_written", pending.step, wait)
+        states = {write["state"] for write in writes}
+        if states == {"written"}:
+            self._pending = None
+            try:
+                CheckpointStore(pending.store_url).commit(
+                    pending.run_key,
+                    step=pending.step,
+                    shards=[write["record"] for write in writes],
+                    metadata=pending.metadata,
+                    metrics=pending.metrics,
+                )
+            except CheckpointStorageError as err:  # retried there; the previous stays latest
+                self._not_saved.append(f"step {pending.step}: {err}")
+        elif "writing" not in states:  # a write failed, or a stage that wrote one was lost
+            self._pending = None
+            errors = [
+                w.get("error", "its stage was replaced") for w in writes if w["state"] != "written"
+            ]
+            self._not_saved.append(f"step {pending.step}: {'; '.join(errors)}")
+
+    def flush(self, group: Workers) -> list[str]:
+        self.settle(group, wait=True)
+        not_saved, self._not_saved = self._not_saved, []
+        return not_saved
 
     def model_state(self, group: Workers) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
         for part in group.call_first(self.pipeline.stages, "state_dict"):
             state.update(part)
         return state
+
+
+@dataclass(frozen=True)
+class _PendingCheckpoint:
+    """A pipeline checkpoint whose manifest waits for its stages' shards."""
+
+    store_url: str
+    run_key: str
+    step: int
+    metadata: dict[str, Any]
+    metrics: dict[str, float]
 
 
 def layout_of(config: TrainConfig, pipeline: PipelineConfig | None) -> Layout:

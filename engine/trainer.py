@@ -398,6 +398,7 @@ def _train(
                     then_runs_next=then is not None and chunks.follows(then, resume.store_url),
                 )
             )
+            layout.settle(group)  # a checkpoint whose files its workers wrote is committed
             # The epoch so far; the chunk's step rows and callbacks' rows go to the loggers now.
             so_far = logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
             if ended:

@@ -9,8 +9,10 @@ by both: the global batches of an epoch, the seeds, the device, the rendezvous a
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
+import functools
 import os
 import socket
 from collections.abc import Iterator, Mapping
@@ -241,6 +243,8 @@ class Step(Protocol):
     """Whether the module's own hooks run (a pipeline stage holds only part of the module)."""
     collective: Collective | None
     """The ring the worker's gradients are reduced over, checked once its steps ran."""
+    shard: str
+    """The checkpoint shard the worker's training state is written as (a stage's own)."""
 
     def split(self, split: str) -> Any: ...
 
@@ -350,6 +354,7 @@ class Worker:
         self._materialise_lazy()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.checkpointer: AsyncCheckpointer | None = None
+        self._shard_writes = _ShardWrites()
         self._commits: dict[int, Commit] = {}
         self._commit_tensors: dict[int, list[torch.Tensor]] = {}
         """Each commit's host tensors, reused by a later commit once it is dropped."""
@@ -875,6 +880,30 @@ class Worker:
         tensors = {k: v.detach().cpu().clone() for k, v in tensors.items()}
         return tensors, metadata, self.optimization.state_dict()
 
+    def write_shard(
+        self, store_url: str, run_key: str, step: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Write this worker's training state as its shard of checkpoint ``step``, in the
+        background (a pipeline stage's, ``engine.layout.Pipeline``): training waits only for
+        the copy to host memory. Returns what the manifest records besides the shard: the
+        optimizer's metadata and the schedulers' states; :meth:`shard_written` gives the
+        shard's record once it is written. One write at a time: a second waits for the first.
+        """
+        tensors, optimizer_meta, optimization = self.training_state()
+        self._shard_writes.wait()
+        store = CheckpointStore(store_url)
+        write = functools.partial(
+            store.write_shard, run_key, step=step, name=self.step.shard, tensors=tensors
+        )
+        self._shard_writes.start(step, write)
+        return optimizer_meta, optimization
+
+    def shard_written(self, step: int, wait: bool) -> dict[str, Any]:
+        """Where the write of this worker's shard of checkpoint ``step`` is: ``state``
+        ``written`` (with its ``record``), ``writing`` (``wait`` false), ``failed`` (with the
+        ``error``) or ``none`` (this worker writes none of ``step``: it joined later)."""
+        return self._shard_writes.result(step, wait=wait)
+
     def flush_checkpoints(self, timeout_s: float | None = None) -> dict[str, Any]:
         """Wait for background saves; return the last committed step and any failures."""
         if self.checkpointer is None:
@@ -903,6 +932,7 @@ class Worker:
         if self.checkpointer is not None:
             self.checkpointer.close()
             self.checkpointer = None
+        self._shard_writes.close()
         if self.timeline is not None:
             self.timeline.close()
         for samples in (self.train, *self._evaluated.values()):
@@ -1011,6 +1041,41 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
     if isinstance(batch, list | tuple) and not hasattr(batch, "_fields"):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
+
+
+class _ShardWrites:
+    """A worker's shard write in the background (:meth:`Worker.write_shard`): one at a time,
+    so host memory holds at most the shard being written and the next one's copy."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._step: int | None = None
+        self._future: concurrent.futures.Future | None = None
+
+    def start(self, step: int, write: Any) -> None:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "ringflow-shard-write")
+        self._step, self._future = step, self._pool.submit(write)
+
+    def wait(self) -> None:
+        if self._future is not None:
+            concurrent.futures.wait([self._future])
+
+    def result(self, step: int, *, wait: bool) -> dict[str, Any]:
+        if self._future is None or self._step != step:
+            return {"state": "none"}
+        if not wait and not self._future.done():
+            return {"state": "writing"}
+        future, self._future, self._step = self._future, None, None
+        try:
+            return {"state": "written", "record": future.result()}
+        except Exception as err:  # storage's, retried there: the checkpoint is not committed
+            return {"state": "failed", "error": f"{type(err).__name__}: {err}"}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 class _Staged(NamedTuple):

@@ -609,3 +609,39 @@ def test_a_stage_skips_its_16_mixed_step_when_another_stages_gradients_overflowe
     unchanged = all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
     assert unchanged == others_overflowed
     assert precision.scaler.get_scale() == (scale / 2 if others_overflowed else scale)
+
+
+def test_a_pipeline_commits_each_checkpoint_its_stages_wrote_mid_epoch_too(tmp_path):
+    """Each stage writes its own shard in the background; the manifest of a checkpoint follows
+    once every stage's is written: every checkpoint ``checkpoint_every`` asks for, mid-epoch
+    ones included, is committed with one shard per stage, and a run started again resumes
+    from the latest."""
+    from ringflow.storage.reshard import stage_shard
+    from ringflow.storage.store import CheckpointStore, RetentionPolicy
+
+    data = toy_data()
+    layout = PipelineConfig(stages=2, micro_batches=3, schedule="1f1b")
+    store_url = str(tmp_path / "store")
+
+    def run(epochs: int, name: str):
+        return fit(
+            ToyNet,
+            hparams={},
+            data=data,
+            config=TrainConfig(workers=1, epochs=epochs, batch_size=16, seed=3, checkpoint_every=2),
+            pipeline=layout,
+            checkpoint_uri=str(tmp_path / name),
+            in_process=True,
+            store_url=store_url,
+            run_key="staged",
+        )
+
+    run(1, "first")  # 4 steps: checkpoints at 2 and 4
+    store = CheckpointStore(store_url, retention=RetentionPolicy(keep_last=10))
+    committed = store.checkpoints("staged")
+    assert [c.step for c in committed] == [2, 4]
+    for checkpoint in committed:
+        assert sorted(checkpoint.shards) == [stage_shard(0), stage_shard(1)]
+        assert checkpoint.metadata["stages"] == 2
+    again = run(2, "again")
+    assert again.resumed_from == 4

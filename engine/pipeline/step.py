@@ -30,7 +30,7 @@ from ringflow.engine.pipeline.partition import Partition
 from ringflow.engine.pipeline.schedule import stage_actions
 from ringflow.engine.pipeline.stage import PipelineStage
 from ringflow.engine.worker import Batch, free_address, split_global_batch
-from ringflow.storage.reshard import load_pipeline_stage
+from ringflow.storage.reshard import load_pipeline_stage, stage_shard
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ class PipelineStep:
     def __init__(self, worker: Worker, plan: StagePlan) -> None:
         self.worker, self.pipeline, self.partition = worker, plan.pipeline, plan.partition
         self.index = plan.stage
+        self.shard = stage_shard(plan.stage)
         self.is_last = plan.stage == plan.partition.stages - 1
         # The first stage reads inputs, the last targets; the others only the split's layout,
         # which sets the global order as for data-parallel workers (engine.pipeline.data).
