@@ -108,6 +108,34 @@ def test_two_workers_train_on_a_stream_as_one_does(tmp_path, ray_session):
     assert relative_difference(two, one) < 1e-5
 
 
+@pytest.mark.ray
+def test_a_worker_lost_mid_epoch_on_a_stream_rolls_back_by_position_bit_for_bit(
+    tmp_path, ray_session
+):
+    """A worker SIGKILLed after the first epoch: the survivor rolls back to the last commit
+    and reads the stream again up to that position, the replacement joins there, and the run
+    ends with the uninterrupted run's weights, bit for bit."""
+    import signal
+
+    from tests.test_elastic import _strike
+
+    config = {"workers": 2, "cpus_per_worker": 0.5, "collective_timeout_s": 3.0}
+    reference = trained(ShuffledStream(), tmp_path, "reference", **config)
+    on_epoch, struck = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.0)
+    result = fit(
+        OneCycle,
+        hparams={"total_steps": STEPS},
+        data=data(ShuffledStream()),
+        config=TrainConfig(epochs=EPOCHS, batch_size=BATCH, seed=SEED, commit_every=2, **config),
+        checkpoint_uri=str(tmp_path / "replaced"),
+        on_epoch=on_epoch,
+    )
+    assert struck
+    assert [e.kind for e in result.events] == ["lost", "rollback", "joined", "recovered"]
+    for name, tensor in reference.items():
+        assert torch.equal(result.state_dict[name], tensor), name
+
+
 class Preempted(OneCycle):
     dies_at: int | None = None
 
