@@ -54,6 +54,19 @@ class StepsByHand(DigitsClassifier):
         self.automatic_optimization = False
 
 
+class SkipsThroughAHelper(DigitsClassifier):
+    """Returns what a helper returns, ``None`` for rank 1's share of the third batch: its own
+    ``training_step`` has no ``return None``, so the workers do not agree on skipping."""
+
+    def training_step(self, batch, batch_idx):
+        return self.loss_or_skip(batch, batch_idx)
+
+    def loss_or_skip(self, batch, batch_idx):
+        if batch_idx == 2 and self.global_rank == 1:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
 def _fit(digits, tmp_path, module, config=None, **hparams):
     return fit(
         module,
@@ -92,6 +105,23 @@ def test_a_step_that_raises_ends_the_run_at_once_naming_the_hook(
         "expected (worker rank 1"
     ), message
     assert ended - float(marker.read_text()) < 5.0
+    _assert_no_worker_lost(engine_log)
+
+
+@pytest.mark.ray
+def test_none_from_a_helper_on_one_worker_ends_the_run_at_once_saying_what_to_do(
+    ray_session, digits, tmp_path, engine_log
+):
+    """Not a lost worker, and not the other worker hung in the next all-reduce: one line
+    naming the step and how to skip a batch on every worker."""
+    with pytest.raises(ModelError) as failed:
+        _fit(digits, tmp_path, SkipsThroughAHelper)
+    message = str(failed.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "SkipsThroughAHelper.training_step returned None at step 2 of epoch 0, where its own "
+        "code has no 'return None': return None from training_step itself"
+    ), message
     _assert_no_worker_lost(engine_log)
 
 
