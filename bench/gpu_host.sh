@@ -8,7 +8,7 @@
 wheels="${1:?usage: . bench/gpu_host.sh WHEEL_DIR}"
 site="${RINGFLOW_GPU_SITE:-/tmp/ringflow-site}"
 mkdir -p "$site/ringflow"
-for folder in engine storage tasks flows models serving tuning; do
+for folder in engine storage tasks flows models serving tuning horovod; do
   ln -sfn "$PWD/$folder" "$site/ringflow/$folder"
 done
 for wheel in "$wheels"/*; do

@@ -15,7 +15,19 @@ from ringflow.flows.train_pipeline import train_pipeline
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference.md"
 # Where the code users run lives; tests/ is left out (its variables are its own).
-CODE = ["engine", "storage", "tasks", "flows", "models", "deployments", "bench", "examples"]
+CODE = [
+    "engine",
+    "storage",
+    "tasks",
+    "flows",
+    "models",
+    "serving",
+    "tuning",
+    "horovod",
+    "deployments",
+    "bench",
+    "examples",
+]
 SUFFIXES = {".py", ".sh", ".yaml", ".yml", ".toml"}
 NOT_KNOBS = {
     # bench/serve.py points its server's token_env at a variable nobody sets: no token.

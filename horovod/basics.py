@@ -1,0 +1,157 @@
+"""The ranks and the ring under ``ringflow.horovod``: ``init`` and what it knows."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Average",
+    "HorovodError",
+    "Sum",
+    "cross_rank",
+    "cross_size",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "rank",
+    "ring",
+    "shutdown",
+    "size",
+]
+
+Average, Sum = "avg", "sum"
+"""Horovod's reduction ops, as ringflow's ring spells them (``op=hvd.Average``)."""
+
+VARIABLES = {
+    "rank": "RINGFLOW_HOROVOD_RANK",
+    "size": "RINGFLOW_HOROVOD_SIZE",
+    "local_rank": "RINGFLOW_HOROVOD_LOCAL_RANK",
+    "local_size": "RINGFLOW_HOROVOD_LOCAL_SIZE",
+    "cross_rank": "RINGFLOW_HOROVOD_CROSS_RANK",
+    "cross_size": "RINGFLOW_HOROVOD_CROSS_SIZE",
+    "address": "RINGFLOW_HOROVOD_ADDRESS",
+    "timeout_s": "RINGFLOW_HOROVOD_TIMEOUT_S",
+}
+"""What the launcher (:func:`ringflow.horovod.run`) tells each rank, by variable: its place
+among the ranks, rank 0's rendezvous and every collective's deadline."""
+
+
+class HorovodError(RuntimeError):
+    """What a Horovod script asked for that ringflow.horovod cannot do, or did before ``init``."""
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    address: str
+    timeout_s: float
+
+
+_ranks: _Ranks | None = None
+_ring: Any = None
+
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Join the ring of this run's ranks (one rank of one without the launcher). Safe to
+    call again; ``comm`` and ``process_sets`` (MPI, process sets) are refused."""
+    global _ranks, _ring
+    if comm is not None:
+        raise HorovodError("ringflow.horovod.init takes no MPI communicator: MPI is not supported")
+    if process_sets is not None:
+        raise HorovodError("ringflow.horovod.init takes no process_sets: not supported")
+    if _ranks is not None:
+        return
+    ranks = _from_environment()
+    from ringflow.engine.collective.ring import RingCollective
+
+    _ring = RingCollective(
+        rank=ranks.rank,
+        world_size=ranks.size,
+        init_method=ranks.address,
+        timeout_s=ranks.timeout_s,
+    )
+    _ranks = ranks
+
+
+def _from_environment() -> _Ranks:
+    def number(key: str, default: str) -> int:
+        value = os.environ.get(VARIABLES[key], default)
+        if not value.isdigit():
+            raise HorovodError(f"{VARIABLES[key]} must be a whole number, got {value!r}")
+        return int(value)
+
+    size, rank = number("size", "1"), number("rank", "0")
+    if not 0 <= rank < size:
+        raise HorovodError(f"the rank ({rank}) must be below the number of ranks ({size})")
+    address = os.environ.get(VARIABLES["address"], "")
+    if size > 1 and not address:
+        raise HorovodError(
+            f"{size} ranks but no rendezvous address for rank 0: start the script with "
+            "ringflow.horovod.run"
+        )
+    return _Ranks(
+        rank=rank,
+        size=size,
+        local_rank=number("local_rank", str(rank)),
+        local_size=number("local_size", str(size)),
+        cross_rank=number("cross_rank", "0"),
+        cross_size=number("cross_size", "1"),
+        address=address,
+        timeout_s=float(os.environ.get(VARIABLES["timeout_s"], "30")),
+    )
+
+
+def shutdown() -> None:
+    """Leave the ring; ``init`` may join again."""
+    global _ranks, _ring
+    if _ring is not None:
+        _ring.close()
+    _ranks, _ring = None, None
+
+
+def is_initialized() -> bool:
+    return _ranks is not None
+
+
+def _known() -> _Ranks:
+    if _ranks is None:
+        raise HorovodError("ringflow.horovod is not initialized: call hvd.init() first")
+    return _ranks
+
+
+def ring() -> Any:
+    """The ring the collectives run over (``engine.collective.RingCollective``)."""
+    _known()
+    return _ring
+
+
+def rank() -> int:
+    return _known().rank
+
+
+def size() -> int:
+    return _known().size
+
+
+def local_rank() -> int:
+    return _known().local_rank
+
+
+def local_size() -> int:
+    return _known().local_size
+
+
+def cross_rank() -> int:
+    return _known().cross_rank
+
+
+def cross_size() -> int:
+    return _known().cross_size

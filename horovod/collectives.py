@@ -1,0 +1,178 @@
+"""Horovod's tensor and object collectives on ringflow's ring.
+
+Every rank calls them in the same order, as under Horovod (``name=`` is accepted and only
+names the operation in errors: the ring matches operations by order, not by name).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
+
+__all__ = [
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "broadcast",
+    "broadcast_",
+    "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "poll",
+    "synchronize",
+]
+
+
+class _Handle:
+    """An all-reduce in flight (``allreduce_async``): ``synchronize`` gives its result."""
+
+    def __init__(self, work: Any, target: torch.Tensor, flat: torch.Tensor, scale: float) -> None:
+        self.work, self.target, self.flat, self.scale = work, target, flat, scale
+        self.result: torch.Tensor | None = None
+
+
+def _op(average: bool | None, op: str | None) -> str:
+    if average is not None and op is not None:
+        raise HorovodError("allreduce takes average= or op=, not both")
+    if op is None:
+        return Sum if average is False else Average
+    if op not in (Average, Sum):
+        raise HorovodError(f"op {op!r} is not supported: ringflow's ring sums and averages")
+    return op
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> _Handle:
+    """Start replacing ``tensor`` by its average (``op=Average``, the default) or sum over
+    the ranks; returns a handle for :func:`synchronize`."""
+    op = _op(average, op)
+    flat = tensor.detach().reshape(-1).contiguous()
+    if prescale_factor != 1.0:
+        flat = flat * prescale_factor
+    work = ring().allreduce_async_(flat, op="sum")
+    scale = postscale_factor / (size() if op == Average else 1)
+    return _Handle(work, tensor, flat, scale)
+
+
+def allreduce_async(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> _Handle:
+    """As :func:`allreduce_async_`, into a new tensor (``tensor`` is left as it is)."""
+    return allreduce_async_(tensor.detach().clone(), average, name, op, **kw)
+
+
+def poll(handle: _Handle) -> bool:
+    """Whether the operation behind ``handle`` finished."""
+    return handle.result is not None or handle.work.is_completed()
+
+
+def synchronize(handle: _Handle) -> torch.Tensor:
+    """Wait for the operation behind ``handle``; its result (the reduced tensor)."""
+    if handle.result is None:
+        reduced = handle.work.wait()
+        if handle.scale != 1.0:
+            reduced = reduced.mul_(handle.scale)
+        target = handle.target
+        if reduced.data_ptr() != target.data_ptr():
+            target.detach().copy_(reduced.view_as(target))
+        handle.result = target
+    return handle.result
+
+
+def allreduce_(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> torch.Tensor:
+    """Replace ``tensor`` by its average (or sum) over the ranks; return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, **kw))
+
+
+def allreduce(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> torch.Tensor:
+    """The average (or sum) of ``tensor`` over the ranks, as a new tensor."""
+    return synchronize(allreduce_async(tensor, average, name, op, **kw))
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Replace ``tensor`` by rank ``root_rank``'s; return it."""
+    flat = tensor.detach().reshape(-1).contiguous()
+    ring().broadcast_(flat, src=root_rank)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.detach().copy_(flat.view_as(tensor))
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Rank ``root_rank``'s ``tensor``, as a new tensor on every rank."""
+    return broadcast_(tensor.detach().clone(), root_rank, name)
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along the first dimension, in rank order; the
+    first dimension may differ between ranks, the others may not."""
+    local = tensor.detach().contiguous()
+    rows = torch.tensor([local.shape[0] if local.dim() else 1], dtype=torch.int64)
+    counts = [int(n) for n in ring().all_gather(rows)]
+    shape = local.shape[1:] if local.dim() else ()
+    padded = local.new_zeros((max(counts), *shape))
+    padded[: counts[ring().rank]] = local.reshape(-1, *shape)
+    parts = ring().all_gather(padded)
+    return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Rank ``root_rank``'s ``obj`` on every rank (pickled between the run's own ranks)."""
+    payload = _pickled(obj) if ring().rank == root_rank else torch.empty(0, dtype=torch.uint8)
+    length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root_rank)
+    if ring().rank != root_rank:
+        payload = torch.empty(int(length), dtype=torch.uint8)
+    broadcast_(payload, root_rank)
+    return _unpickled(payload)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order."""
+    payload = _pickled(obj)
+    lengths = allgather(torch.tensor([payload.numel()], dtype=torch.int64))
+    padded = torch.zeros(int(lengths.max()), dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    parts = ring().all_gather(padded)
+    return [_unpickled(p[: int(n)]) for p, n in zip(parts, lengths, strict=True)]
+
+
+def broadcast_parameters(
+    params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root_rank: int
+) -> None:
+    """Every rank's parameters (a ``state_dict()`` or ``named_parameters()``) become rank
+    ``root_rank``'s, in place."""
+    items = sorted(params.items() if isinstance(params, Mapping) else params)
+    for _, tensor in items:
+        with torch.no_grad():
+            broadcast_(tensor, root_rank)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Every rank's optimizer state (moments, steps, learning rates) becomes rank
+    ``root_rank``'s."""
+    state = broadcast_object(optimizer.state_dict(), root_rank)
+    optimizer.load_state_dict(state)
+
+
+def _pickled(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _unpickled(payload: torch.Tensor) -> Any:
+    # From this run's own ranks, as Horovod's broadcast_object: never from storage.
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)

@@ -1,0 +1,179 @@
+"""Horovod's ``DistributedOptimizer``: gradients averaged over the ranks while backward runs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ringflow.horovod.basics import Average, HorovodError, Sum, size
+from ringflow.horovod.collectives import allreduce_async_, synchronize
+
+__all__ = ["Compression", "DistributedOptimizer"]
+
+
+class _NoneCompressor:
+    """Gradients travel as they are."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor
+
+
+class _FP16Compressor:
+    """Floating-point gradients travel (and are summed) as float16, as Horovod's do."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
+            return tensor.to(torch.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class Compression:
+    """Horovod's gradient compressions: ``none`` and ``fp16``."""
+
+    none = _NoneCompressor
+    fp16 = _FP16Compressor
+
+
+class _Distributed:
+    """The methods a ``DistributedOptimizer`` adds to the optimizer's own class."""
+
+    def _distribute(
+        self,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
+        compression: Any,
+        backward_passes_per_step: int,
+        op: str,
+        gradient_predivide_factor: float,
+    ) -> None:
+        if op not in (Average, Sum):
+            raise HorovodError(f"op {op!r} is not supported: ringflow's ring sums and averages")
+        if backward_passes_per_step < 1:
+            raise HorovodError(
+                f"backward_passes_per_step must be 1 or more, got {backward_passes_per_step}"
+            )
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise HorovodError("gradient_predivide_factor is only for op=Average, as in Horovod")
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            names = [n for n, _ in named]
+            if len(set(names)) != len(names):
+                raise HorovodError("named_parameters has a name twice")
+            by_id = {id(p): n for n, p in named}
+            missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+            if missing:
+                raise HorovodError(
+                    f"named_parameters lacks {len(missing)} of the optimizer's parameters: "
+                    "pass model.named_parameters() of the model the optimizer steps"
+                )
+        self._compression, self._op = compression, op
+        self._passes, self._predivide = backward_passes_per_step, gradient_predivide_factor
+        self._counts = {p: 0 for p in params if p.requires_grad}
+        self._handles: dict[torch.nn.Parameter, tuple[Any, Any]] = {}
+        self._synchronized, self._skip = False, False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self._counts
+        ]
+
+    def _gradient_ready(self, param: torch.nn.Parameter) -> None:
+        """A parameter's gradient is accumulated: after the step's last backward pass, its
+        average over the ranks starts now, while backward goes on."""
+        self._counts[param] += 1
+        if self._counts[param] < self._passes or size() == 1:
+            return
+        if param in self._handles:
+            raise HorovodError(
+                "a gradient was reduced twice before the optimizer stepped: call "
+                "optimizer.synchronize() before a second backward, or raise "
+                "backward_passes_per_step"
+            )
+        wire, ctx = self._compression.compress(param.grad)
+        op, pre, post = self._op, 1.0, 1.0
+        if self._op == Average and self._predivide != 1.0:
+            op, pre, post = Sum, 1.0 / self._predivide, self._predivide / size()
+        self._handles[param] = (
+            allreduce_async_(wire, op=op, prescale_factor=pre, postscale_factor=post),
+            ctx,
+        )
+
+    def synchronize(self) -> None:
+        """Wait until every gradient is averaged over the ranks (before clipping them)."""
+        for param, (handle, ctx) in self._handles.items():
+            reduced = self._compression.decompress(synchronize(handle), ctx)
+            if reduced.data_ptr() != param.grad.data_ptr():
+                param.grad.copy_(reduced)
+        missing = [p for p, n in self._counts.items() if 0 < n < self._passes]
+        if missing and size() > 1:
+            raise HorovodError(
+                f"{len(missing)} gradients had fewer than backward_passes_per_step "
+                f"({self._passes}) backward passes when the optimizer stepped"
+            )
+        self._handles.clear()
+        self._counts = dict.fromkeys(self._counts, 0)
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step`` inside it does not synchronize again (after an explicit ``synchronize``)."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    def step(self, closure: Any = None) -> Any:
+        if not self._skip:
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise HorovodError(
+                "zero_grad with gradients still being averaged: call optimizer.step() or "
+                "optimizer.synchronize() first"
+            )
+        return super().zero_grad(set_to_none=set_to_none)
+
+
+def DistributedOptimizer(  # noqa: N802 (Horovod's name)
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: str = Average,
+    gradient_predivide_factor: float = 1.0,
+    **refused: Any,
+) -> torch.optim.Optimizer:
+    """``optimizer`` whose ``step`` uses the gradients averaged (or summed) over the ranks,
+    each started as soon as backward has accumulated it, as Horovod's. It is an instance of
+    the optimizer's own class (its state, ``state_dict`` and param groups are the same).
+
+    ``backward_passes_per_step``: backward passes accumulated locally before a step (the
+    gradients are reduced once, after the last). ``compression``: ``Compression.none`` or
+    ``Compression.fp16``.
+    """
+    if refused:
+        raise HorovodError(
+            f"DistributedOptimizer does not take {', '.join(sorted(refused))} "
+            "(process sets, sparse and groupwise reductions are not supported)"
+        )
+    cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
+    optimizer.__class__ = cls
+    optimizer._distribute(
+        named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor
+    )
+    return optimizer

@@ -1,0 +1,147 @@
+"""Horovod's PyTorch API on ringflow's ring (``ringflow.horovod``): a script written for
+``horovod.torch`` runs with one changed import, started by ``ringflow.horovod.run`` on Ray.
+
+The training script below is shaped as Horovod's own examples (``examples/pytorch/
+pytorch_mnist.py``): ``hvd.init()``, each rank a shard of the data, the optimizer wrapped in
+``hvd.DistributedOptimizer``, parameters and optimizer state broadcast from rank 0. Two ranks
+end with the weights one process gets on the whole batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ringflow.horovod as hvd
+
+SAMPLES, BATCH, STEPS, FEATURES = 64, 16, 8, 6
+
+
+def collectives() -> dict:
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    mine = torch.arange(4, dtype=torch.float32) + 10 * r
+    handle = hvd.allreduce_async(mine, op=hvd.Sum)
+    in_place = mine.clone()
+    hvd.allreduce_(in_place)
+    rows = torch.full((r + 1, 2), float(r))  # ranks give different numbers of rows
+    return {
+        "rank": r,
+        "size": n,
+        "local": (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()),
+        "average": hvd.allreduce(mine).tolist(),
+        "sum": hvd.synchronize(handle).tolist(),
+        "untouched": mine.tolist(),
+        "in_place": in_place.tolist(),
+        "broadcast": hvd.broadcast(mine, root_rank=1).tolist(),
+        "gathered": hvd.allgather(rows).tolist(),
+        "object": hvd.broadcast_object({"from": r}, root_rank=1),
+        "objects": hvd.allgather_object(("rank", r)),
+    }
+
+
+@pytest.mark.ray
+def test_the_collectives_give_what_horovods_give(ray_session):
+    results = hvd.run(collectives, np=2)
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert r["size"] == 2
+        assert r["average"] == [5.0, 6.0, 7.0, 8.0]
+        assert r["sum"] == [10.0, 12.0, 14.0, 16.0]
+        assert r["in_place"] == r["average"]
+        assert r["broadcast"] == [10.0, 11.0, 12.0, 13.0]
+        assert r["gathered"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+        assert r["object"] == {"from": 1}
+        assert r["objects"] == [("rank", 0), ("rank", 1)]
+    assert [r["untouched"] for r in results] == [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0]]
+    assert [r["local"] for r in results] == [(0, 2, 0, 1), (1, 2, 0, 1)]
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, FEATURES, generator=g)
+    return x, (x[:, :2].sum(1) > 0).long()
+
+
+def train(backward_passes_per_step: int = 1, compression=None) -> dict[str, torch.Tensor]:
+    """Horovod's example, shortened: each rank trains on its shard of every batch."""
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(1 + hvd.rank())  # different on each rank: the broadcast makes them equal
+    model = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        backward_passes_per_step=backward_passes_per_step,
+        compression=compression or hvd.Compression.none,
+    )
+    x, y = _data()
+    passes = backward_passes_per_step
+    for step in range(STEPS):
+        batch = slice(step * BATCH % SAMPLES, step * BATCH % SAMPLES + BATCH)
+        xs, ys = x[batch], y[batch]
+        share = slice(hvd.rank() * BATCH // hvd.size(), (hvd.rank() + 1) * BATCH // hvd.size())
+        xs, ys = xs[share], ys[share]
+        optimizer.zero_grad()
+        for part in range(passes):  # the share in `passes` pieces, each its own backward
+            piece = slice(part * len(ys) // passes, (part + 1) * len(ys) // passes)
+            loss = nn.functional.cross_entropy(model(xs[piece]), ys[piece]) / passes
+            loss.backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _one_process(backward_passes_per_step: int = 1) -> dict[str, torch.Tensor]:
+    """The same script without the launcher: one rank of one, on the whole batch."""
+    try:
+        return train(backward_passes_per_step)
+    finally:
+        hvd.shutdown()
+
+
+def _relative(a: dict, b: dict) -> float:
+    top = sum(float((a[k] - b[k]).double().norm() ** 2) for k in a) ** 0.5
+    return top / sum(float(b[k].double().norm() ** 2) for k in b) ** 0.5
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("passes", [1, 2])
+def test_two_ranks_end_with_the_weights_one_process_gets(passes, ray_session):
+    one = _one_process(passes)
+    two = hvd.run(train, kwargs={"backward_passes_per_step": passes}, np=2, cpus_per_worker=0.5)
+    assert _relative(two[0], two[1]) == 0.0  # every rank steps on the same average
+    assert _relative(two[0], one) < 1e-6
+
+
+@pytest.mark.ray
+def test_fp16_compression_trains_close_to_float32(ray_session):
+    one = _one_process()
+    two = hvd.run(train, kwargs={"compression": hvd.Compression.fp16}, np=2, cpus_per_worker=0.5)
+    assert 0 < _relative(two[0], one) < 1e-2
+
+
+def fails_on_rank_one() -> None:
+    hvd.init()
+    if hvd.rank() == 1:
+        raise ValueError("rank one's data is bad")
+    hvd.allreduce(torch.ones(2))  # rank 0 waits for rank 1 here
+
+
+@pytest.mark.ray
+def test_a_rank_that_raises_fails_the_run_naming_it(ray_session):
+    with pytest.raises(hvd.RankFailedError, match="rank 1 raised ValueError: rank one's data"):
+        hvd.run(fails_on_rank_one, np=2, cpus_per_worker=0.5)
+
+
+def test_what_horovod_has_and_ringflow_does_not_is_refused_by_name():
+    with pytest.raises(hvd.HorovodError, match="Adasum reduction is not supported"):
+        hvd.Adasum  # noqa: B018
+    with pytest.raises(hvd.HorovodError, match="process sets"):
+        hvd.ProcessSet  # noqa: B018
+    with pytest.raises(hvd.HorovodError, match="not initialized: call hvd.init"):
+        hvd.rank()
+    with pytest.raises(hvd.HorovodError, match="MPI is not supported"):
+        hvd.init(comm=[0, 1])
