@@ -8,6 +8,11 @@ end with the weights one process gets on the whole batch."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -145,3 +150,46 @@ def test_what_horovod_has_and_ringflow_does_not_is_refused_by_name():
         hvd.rank()
     with pytest.raises(hvd.HorovodError, match="MPI is not supported"):
         hvd.init(comm=[0, 1])
+
+
+SCRIPT = Path(__file__).parent / "horovod_scripts" / "average.py"
+
+
+def _ringflow_run(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
+    return subprocess.run(
+        [sys.executable, "-m", "ringflow.horovod.runner", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).parents[1],
+    )
+
+
+@pytest.mark.integration
+def test_ringflow_run_starts_a_script_on_its_ranks_and_prefixes_their_lines():
+    done = _ringflow_run("-np", "2", "--cpus-per-worker", "0.5", sys.executable, str(SCRIPT))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "[0] rank 0 of 2: mean 0.5" in lines
+    assert "[1] rank 1 of 2: mean 0.5" in lines
+
+
+@pytest.mark.integration
+def test_ringflow_run_exits_with_the_first_failing_ranks_status():
+    done = _ringflow_run(
+        "-np", "2", "--cpus-per-worker", "0.5", sys.executable, str(SCRIPT), "--fail-rank", "1"
+    )
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "[1] giving up" in done.stdout.splitlines()
+    assert "rank 1 exited with status 3" in done.stderr
+
+
+def test_ringflow_run_refuses_what_it_does_not_take_yet_in_one_line(capsys):
+    from ringflow.horovod.runner import main
+
+    assert main(["-np", "2", "--min-np", "1", "python", "x.py"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("error: ringflow-run does not take --min-np yet: elastic runs")
+    assert said.count("\n") == 1
