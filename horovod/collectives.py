@@ -17,6 +17,7 @@ from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
 
 __all__ = [
     "allgather",
+    "alltoall",
     "allgather_object",
     "allreduce",
     "allreduce_",
@@ -28,6 +29,7 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "poll",
+    "reducescatter",
     "synchronize",
 ]
 
@@ -127,6 +129,45 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     padded[: counts[ring().rank]] = local.reshape(-1, *shape)
     parts = ring().all_gather(padded)
     return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
+
+
+def alltoall(
+    tensor: torch.Tensor, splits: torch.Tensor | list[int] | None = None, name: str | None = None
+) -> torch.Tensor:
+    """Rank ``r`` gets part ``r`` of every rank's ``tensor``, concatenated in rank order: the
+    first dimension cut into ``splits`` rows per rank (equal parts by default). It travels as
+    an all-gather over the ring (each rank receives every rank's whole tensor)."""
+    n, me = size(), ring().rank
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % n:
+            raise HorovodError(f"alltoall: {rows} rows do not split into {n} equal parts")
+        splits = [rows // n] * n
+    splits = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+        raise HorovodError(f"alltoall: splits {splits} must be {n} counts adding up to {rows}")
+    every_split = allgather(torch.tensor([splits], dtype=torch.int64))
+    gathered = allgather(tensor)
+    parts, start = [], 0
+    for counts in every_split.tolist():
+        offset = start + sum(counts[:me])
+        parts.append(gathered[offset : offset + counts[me]])
+        start += sum(counts)
+    return torch.cat(parts)
+
+
+def reducescatter(
+    tensor: torch.Tensor, name: str | None = None, op: str | None = None
+) -> torch.Tensor:
+    """Rank ``r``'s part of the average (``op=Average``, the default) or sum of ``tensor``
+    over the ranks: the first dimension cut into ``size()`` parts, the first ones a row
+    longer where it does not divide, as Horovod's."""
+    n, me = size(), ring().rank
+    rows = tensor.shape[0]
+    reduced = allreduce(tensor, op=_op(None, op))
+    counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
+    start = sum(counts[:me])
+    return reduced[start : start + counts[me]].clone()
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:

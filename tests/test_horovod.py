@@ -42,6 +42,9 @@ def collectives() -> dict:
         "gathered": hvd.allgather(rows).tolist(),
         "object": hvd.broadcast_object({"from": r}, root_rank=1),
         "objects": hvd.allgather_object(("rank", r)),
+        # rank r sends rows [r] * (i + 1) to rank i: rank i gets i + 1 rows from each rank
+        "alltoall": hvd.alltoall(torch.full((3, 1), float(r)), splits=[1, 2]).tolist(),
+        "scattered": hvd.reducescatter(torch.arange(3.0) + r, op=hvd.Sum).tolist(),
     }
 
 
@@ -58,6 +61,8 @@ def test_the_collectives_give_what_horovods_give(ray_session):
         assert r["gathered"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
         assert r["object"] == {"from": 1}
         assert r["objects"] == [("rank", 0), ("rank", 1)]
+    assert [r["alltoall"] for r in results] == [[[0.0], [1.0]], [[0.0], [0.0], [1.0], [1.0]]]
+    assert [r["scattered"] for r in results] == [[1.0, 3.0], [5.0]]  # 2 rows, then 1
     assert [r["untouched"] for r in results] == [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0]]
     assert [r["local"] for r in results] == [(0, 2, 0, 1), (1, 2, 0, 1)]
 
