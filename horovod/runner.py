@@ -95,6 +95,7 @@ def run(
     gpus_per_worker: int = 0,
     timeout_s: float = 30.0,
     env: dict[str, str] | None = None,
+    **horovods: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks, each a Ray actor (a private local Ray, or
     the cluster ``RAY_ADDRESS`` names); each rank's result, in rank order.
@@ -107,6 +108,7 @@ def run(
     """
     if np < 1:
         raise ValueError(f"np must be 1 or more, got {np}")
+    _check_horovods_options(horovods)
     import ray
 
     ranks, variables = _start(np, cpus_per_worker, gpus_per_worker, timeout_s, env)
@@ -119,6 +121,29 @@ def run(
     finally:
         for rank in ranks:
             ray.kill(rank)
+
+
+_IGNORED = ("use_gloo", "verbose", "disable_cache", "start_timeout", "network_interface")
+"""``horovod.run`` options with nothing to do here: ringflow's ring has its own rendezvous
+and transports, and Ray starts the ranks."""
+
+
+def _check_horovods_options(options: dict[str, Any]) -> None:
+    """``horovod.run``'s other options: ignored where meaningless here, refused where a
+    script would get something else than it asked for."""
+    from ringflow.horovod.basics import HorovodError
+
+    for name, value in options.items():
+        if name in _IGNORED or value in (None, False):
+            continue
+        what = {
+            "use_mpi": "MPI",
+            "hosts": "host lists (the ranks go where Ray places them)",
+            "hostfile": "host files (the ranks go where Ray places them)",
+            "min_np": "elastic runs (not yet in ringflow.horovod)",
+            "max_np": "elastic runs (not yet in ringflow.horovod)",
+        }.get(name, f"the option {name}")
+        raise HorovodError(f"ringflow.horovod.run does not take {name}={value!r}: {what}")
 
 
 def _start(

@@ -198,3 +198,44 @@ def test_ringflow_run_refuses_what_it_does_not_take_yet_in_one_line(capsys):
     said = capsys.readouterr().err
     assert said.startswith("error: ringflow-run does not take --min-np yet: elastic runs")
     assert said.count("\n") == 1
+
+
+MNIST = Path(__file__).parent / "horovod_examples" / "pytorch_mnist.py"
+MNIST_ARGS = ("--epochs", "1", "--samples", "512", "--batch-size", "64", "--log-interval", "2")
+
+
+@pytest.mark.integration
+def test_horovods_mnist_example_runs_under_ringflow_run_with_its_imports_changed():
+    done = _ringflow_run(
+        "-np", "2", "--cpus-per-worker", "0.5", sys.executable, str(MNIST), *MNIST_ARGS
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    for rank in (0, 1):  # each rank trains on its half: 256 samples, 4 batches
+        assert f"[{rank}] Train Epoch: 1 [128/256 (50%)]" in " ".join(lines), lines
+    assert any(line.startswith("[0] Test set: Average loss:") for line in lines), lines
+    assert not any(line.startswith("[1] Test set") for line in lines)
+
+
+@pytest.mark.integration
+def test_horovods_mnist_example_runs_through_its_own_horovod_run():
+    """``--num-proc 2``: the script calls ``horovod.run(main, ..., hosts=None,
+    use_gloo=None, use_mpi=None)`` itself."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, str(MNIST), "--num-proc", "2", *MNIST_ARGS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).parents[1],
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Running training through horovod.run" in done.stdout
+
+
+def test_horovod_run_refuses_what_it_cannot_honour_by_name():
+    with pytest.raises(hvd.HorovodError, match="does not take use_mpi=True: MPI"):
+        hvd.run(print, np=2, use_mpi=True)
+    with pytest.raises(hvd.HorovodError, match="hosts='a:2'"):
+        hvd.run(print, np=2, hosts="a:2")
