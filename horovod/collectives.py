@@ -37,8 +37,8 @@ __all__ = [
 class _Handle:
     """An all-reduce in flight (``allreduce_async``): ``synchronize`` gives its result."""
 
-    def __init__(self, work: Any, target: torch.Tensor, flat: torch.Tensor, scale: float) -> None:
-        self.work, self.target, self.flat, self.scale = work, target, flat, scale
+    def __init__(self, work: Any, target: torch.Tensor, scale: float) -> None:
+        self.work, self.target, self.scale = work, target, scale
         self.result: torch.Tensor | None = None
 
 
@@ -68,7 +68,7 @@ def allreduce_async_(
         flat = flat * prescale_factor
     work = ring().allreduce_async_(flat, op="sum")
     scale = postscale_factor / (size() if op == Average else 1)
-    return _Handle(work, tensor, flat, scale)
+    return _Handle(work, tensor, scale)
 
 
 def allreduce_async(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> _Handle:

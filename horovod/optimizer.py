@@ -83,7 +83,7 @@ class _Distributed:
         self._passes, self._predivide = backward_passes_per_step, gradient_predivide_factor
         self._counts = {p: 0 for p in params if p.requires_grad}
         self._handles: dict[torch.nn.Parameter, tuple[Any, Any]] = {}
-        self._synchronized, self._skip = False, False
+        self._skip = False
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self._counts
         ]
@@ -123,7 +123,6 @@ class _Distributed:
             )
         self._handles.clear()
         self._counts = dict.fromkeys(self._counts, 0)
-        self._synchronized = True
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -137,7 +136,6 @@ class _Distributed:
     def step(self, closure: Any = None) -> Any:
         if not self._skip:
             self.synchronize()
-        self._synchronized = False
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -192,6 +192,14 @@ def _results(refs: list[Any]) -> list[Any]:
     return ray.get(refs)
 
 
+_NOT_YET = ("--min-np", "--max-np", "--timeline-filename", "-H", "--hosts")
+"""horovodrun's flags ringflow-run refuses for now (elastic runs, the timeline, host lists)."""
+
+
+def _dest(flag: str) -> str:
+    return flag.strip("-").replace("-", "_")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringflow-run",
@@ -202,8 +210,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
     parser.add_argument("--gpus-per-worker", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=30.0, help="collective deadline")
-    for refused in ("--min-np", "--max-np", "--timeline-filename", "-H", "--hosts"):
-        parser.add_argument(refused, dest=refused.strip("-").replace("-", "_"), default=None)
+    for flag in _NOT_YET:
+        parser.add_argument(flag, dest=_dest(flag), default=None)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     return parser
 
@@ -213,11 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     terminal prefixed by ``[rank]``; the exit status is the first failing rank's (the others
     are stopped then), 0 when every rank succeeded."""
     args = _parser().parse_args(argv)
-    given = [n for n in ("min_np", "max_np", "timeline_filename", "H", "hosts") if getattr(args, n)]
+    given = [flag for flag in _NOT_YET if getattr(args, _dest(flag))]
     if given:
-        option = given[0].replace("_", "-")
         print(
-            f"error: ringflow-run does not take -{'-' if len(option) > 1 else ''}{option} yet: "
+            f"error: ringflow-run does not take {given[0]} yet: "
             "elastic runs, the timeline and host lists are not in ringflow.horovod yet "
             "(the ranks go where Ray places them)",
             file=sys.stderr,

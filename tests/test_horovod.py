@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import ringflow.horovod as hvd
+from tests.support.fitting import relative_difference
 
 SAMPLES, BATCH, STEPS, FEATURES = 64, 16, 8, 6
 
@@ -112,25 +113,20 @@ def _one_process(backward_passes_per_step: int = 1) -> dict[str, torch.Tensor]:
         hvd.shutdown()
 
 
-def _relative(a: dict, b: dict) -> float:
-    top = sum(float((a[k] - b[k]).double().norm() ** 2) for k in a) ** 0.5
-    return top / sum(float(b[k].double().norm() ** 2) for k in b) ** 0.5
-
-
 @pytest.mark.ray
 @pytest.mark.parametrize("passes", [1, 2])
 def test_two_ranks_end_with_the_weights_one_process_gets(passes, ray_session):
     one = _one_process(passes)
     two = hvd.run(train, kwargs={"backward_passes_per_step": passes}, np=2, cpus_per_worker=0.5)
-    assert _relative(two[0], two[1]) == 0.0  # every rank steps on the same average
-    assert _relative(two[0], one) < 1e-6
+    assert relative_difference(two[0], two[1]) == 0.0  # every rank steps on the same average
+    assert relative_difference(two[0], one) < 1e-6
 
 
 @pytest.mark.ray
 def test_fp16_compression_trains_close_to_float32(ray_session):
     one = _one_process()
     two = hvd.run(train, kwargs={"compression": hvd.Compression.fp16}, np=2, cpus_per_worker=0.5)
-    assert 0 < _relative(two[0], one) < 1e-2
+    assert 0 < relative_difference(two[0], one) < 1e-2
 
 
 def fails_on_rank_one() -> None:

@@ -392,11 +392,10 @@ def _connect(
         return ShmTransport(**common, segment_bytes=slot)
     if transport == "gloo":
         return GlooTransport(**common, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
-    nccl = {**common, "timeout_s": timeout_s, "connect_timeout_s": connect_timeout_s}
-    nccl["group"] = group
+    nccl = {"timeout_s": timeout_s, "connect_timeout_s": connect_timeout_s, "group": group}
     if transport == "nccl":
-        return NcclTransport(**nccl)
-    return SymmTransport(**nccl, settings=symm.with_environment())
+        return NcclTransport(**common, **nccl)
+    return SymmTransport(**common, **nccl, settings=symm.with_environment())
 
 
 def _pick_transport(store: dist.Store, *, backend: str, rank: int, world_size: int) -> str:
