@@ -1,10 +1,15 @@
 """A real S3 endpoint for tests: moto in server mode behind a proxy that injects faults.
 
 s3fs talks HTTP to :class:`FaultProxy`, which forwards every request to a
-``moto.server.ThreadedMotoServer`` on 127.0.0.1, except that a seeded fraction of requests
+moto's threaded server on 127.0.0.1, except that a seeded fraction of requests
 is answered with an S3 ``InternalError`` (HTTP 500) or delayed. Half of the injected 500s are
 sent *after* moto has applied the request, as when a load balancer loses the reply of a
 request that succeeded, so retries must be idempotent. Nothing here listens beyond 127.0.0.1.
+
+moto checks a conditional write's precondition (``If-None-Match: *``, ``If-Match``) and then
+writes, with nothing held in between: two such PUTs at once can both succeed, where S3 makes
+the check and the write one step. :class:`_Conditional` gives moto S3's guarantee by taking
+conditional writes one at a time; everything else stays concurrent.
 """
 
 from __future__ import annotations
@@ -233,6 +238,43 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(payload)
 
 
+class _Conditional:
+    """WSGI wrapper around moto: a write carrying a precondition runs alone, so its check
+    and its write are one step, as on S3."""
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+        self._lock = threading.Lock()
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        conditional = "HTTP_IF_NONE_MATCH" in environ or "HTTP_IF_MATCH" in environ
+        if not conditional or environ.get("REQUEST_METHOD") in ("GET", "HEAD"):
+            return self._app(environ, start_response)
+        with self._lock:
+            return list(self._app(environ, start_response))  # the body, produced inside
+
+
+@contextlib.contextmanager
+def _moto_server() -> Iterator[tuple[str, int]]:
+    """moto's S3 on 127.0.0.1 on a free port, threaded, its conditional writes atomic."""
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import make_server
+
+    app = _Conditional(DomainDispatcherApplication(create_backend_app))
+    server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[:2]
+    finally:
+        server.shutdown()
+        thread.join()
+
+
 @dataclass(frozen=True, kw_only=True)
 class S3Endpoint:
     """A running moto S3 server, its fault proxy, and how to reach them."""
@@ -274,18 +316,17 @@ def s3_endpoint(faults: Faults | None = None) -> Iterator[S3Endpoint]:
     refuse to sign requests without any.
     """
     import boto3
-    from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
-    with pytest_env(
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_DEFAULT_REGION="us-east-1",
+    with (
+        pytest_env(
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_DEFAULT_REGION="us-east-1",
+        ),
+        _moto_server() as (host, port),
     ):
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
         proxy = FaultProxy((host, port), faults or Faults())
         proxy.start()
         moto_url = f"http://{host}:{port}"
@@ -294,7 +335,6 @@ def s3_endpoint(faults: Faults | None = None) -> Iterator[S3Endpoint]:
             yield S3Endpoint(bucket=_BUCKET, moto_url=moto_url, proxy=proxy)
         finally:
             proxy.stop()
-            server.stop()
 
 
 @contextlib.contextmanager
