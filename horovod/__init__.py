@@ -14,9 +14,11 @@ reductions other than sum and average) raises a one-line error naming it.
 
 from __future__ import annotations
 
+from ringflow.horovod import elastic
 from ringflow.horovod.basics import (
     Average,
     HorovodError,
+    HorovodInternalError,
     Sum,
     cross_rank,
     cross_size,
@@ -45,6 +47,7 @@ from ringflow.horovod.collectives import (
     reducescatter,
     synchronize,
 )
+from ringflow.horovod.elastic import HostsUpdatedInterrupt
 from ringflow.horovod.optimizer import Compression, DistributedOptimizer
 from ringflow.horovod.runner import RankFailedError, run
 
@@ -53,6 +56,8 @@ __all__ = [
     "Compression",
     "DistributedOptimizer",
     "HorovodError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "RankFailedError",
     "Sum",
     "allgather",
@@ -69,6 +74,7 @@ __all__ = [
     "broadcast_parameters",
     "cross_rank",
     "cross_size",
+    "elastic",
     "init",
     "is_initialized",
     "local_rank",
@@ -97,7 +103,6 @@ _LEFT_OUT = {
     "gloo_enabled": "Horovod's gloo controller (ringflow has its own rendezvous)",
     "nccl_built": "Horovod's NCCL build flag (ringflow's ring uses NCCL on GPUs by itself)",
     "join": "join (not yet in ringflow.horovod)",
-    "elastic": "Elastic Horovod (not yet in ringflow.horovod)",
     "SyncBatchNorm": "SyncBatchNorm (not yet in ringflow.horovod)",
 }
 

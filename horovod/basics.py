@@ -6,9 +6,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ringflow.engine.errors import CollectiveError
+from ringflow.horovod.membership import SOCKET, ask
+
 __all__ = [
     "Average",
     "HorovodError",
+    "HorovodInternalError",
     "Sum",
     "cross_rank",
     "cross_size",
@@ -43,6 +47,12 @@ class HorovodError(RuntimeError):
     """What a Horovod script asked for that ringflow.horovod cannot do, or did before ``init``."""
 
 
+HorovodInternalError = CollectiveError
+"""What a collective raises when a rank died or missed its deadline (Horovod's name for
+ringflow's :class:`~ringflow.engine.errors.CollectiveError`, ``PeerLostError`` among them):
+``@hvd.elastic.run`` rolls back to the last commit on it and goes on with the ranks left."""
+
+
 @dataclass(frozen=True)
 class _Ranks:
     rank: int
@@ -53,23 +63,26 @@ class _Ranks:
     cross_size: int
     address: str
     timeout_s: float
+    generation: int = 0
 
 
 _ranks: _Ranks | None = None
 _ring: Any = None
+_generation = 0  # the last generation of an elastic run this process was a rank of
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Join the ring of this run's ranks (one rank of one without the launcher). Safe to
     call again; ``comm`` and ``process_sets`` (MPI, process sets) are refused."""
-    global _ranks, _ring
+    global _ranks, _ring, _generation
     if comm is not None:
         raise HorovodError("ringflow.horovod.init takes no MPI communicator: MPI is not supported")
     if process_sets is not None:
         raise HorovodError("ringflow.horovod.init takes no process_sets: not supported")
     if _ranks is not None:
         return
-    ranks = _from_environment()
+    ranks = _from_membership() if SOCKET in os.environ else _from_environment()
+    _generation = ranks.generation
     from ringflow.engine.collective.ring import RingCollective
 
     _ring = RingCollective(
@@ -107,6 +120,27 @@ def _from_environment() -> _Ranks:
         address=address,
         timeout_s=float(os.environ.get(VARIABLES["timeout_s"], "30")),
     )
+
+
+def _from_membership() -> _Ranks:
+    """This worker's place in the next generation of an elastic run (waits for it)."""
+    place = ask({"op": "join", "after": _generation})
+    return _Ranks(
+        **{key: place[key] for key in _Ranks.__dataclass_fields__ if key != "timeout_s"},
+        timeout_s=float(os.environ.get(VARIABLES["timeout_s"], "30")),
+    )
+
+
+def hosts_updated() -> bool:
+    """Whether a worker waits to join this elastic run's ranks (always ``False`` outside
+    one); rank 0's answer, the same on every rank."""
+    from ringflow.horovod.collectives import broadcast_object
+
+    known = _known()
+    waiting = rank() == 0 and SOCKET in os.environ
+    if waiting:
+        waiting = bool(ask({"op": "updated", "generation": known.generation}))
+    return bool(broadcast_object(waiting, root_rank=0)) if known.size > 1 else waiting
 
 
 def shutdown() -> None:

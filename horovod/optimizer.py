@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ringflow.horovod.basics import Average, HorovodError, Sum, size
+from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
 from ringflow.horovod.collectives import allreduce_async_, synchronize
 
 __all__ = ["Compression", "DistributedOptimizer"]
@@ -83,7 +83,7 @@ class _Distributed:
         self._passes, self._predivide = backward_passes_per_step, gradient_predivide_factor
         self._counts = {p: 0 for p in params if p.requires_grad}
         self._handles: dict[torch.nn.Parameter, tuple[Any, Any]] = {}
-        self._skip = False
+        self._skip, self._ring = False, ring()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self._counts
         ]
@@ -91,6 +91,7 @@ class _Distributed:
     def _gradient_ready(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is accumulated: after the step's last backward pass, its
         average over the ranks starts now, while backward goes on."""
+        self._forget_a_lost_ring()
         self._counts[param] += 1
         if self._counts[param] < self._passes or size() == 1:
             return
@@ -109,8 +110,17 @@ class _Distributed:
             ctx,
         )
 
+    def _forget_a_lost_ring(self) -> None:
+        """Drop the reductions of a ring that lost a rank (``@hvd.elastic.run`` rolled back
+        and formed a new one): their step is gone with it."""
+        if self._ring is not ring():
+            self._handles.clear()
+            self._counts = dict.fromkeys(self._counts, 0)
+            self._ring = ring()
+
     def synchronize(self) -> None:
         """Wait until every gradient is averaged over the ranks (before clipping them)."""
+        self._forget_a_lost_ring()
         for param, (handle, ctx) in self._handles.items():
             reduced = self._compression.decompress(synchronize(handle), ctx)
             if reduced.data_ptr() != param.grad.data_ptr():
@@ -139,6 +149,7 @@ class _Distributed:
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._forget_a_lost_ring()
         if self._handles:
             raise HorovodError(
                 "zero_grad with gradients still being averaged: call optimizer.step() or "

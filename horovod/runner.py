@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -29,8 +32,30 @@ class RankFailedError(RuntimeError):
         self.rank, self.original = rank, cause
 
 
+def _die_with_parent() -> None:
+    """In the rank's child process: killed when the actor that started it dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class _Rank:
     """One rank: runs the user's function with the launcher's variables set."""
+
+    _relay: Any = None
+
+    def elastic(self, membership: Any, worker: str) -> None:
+        """Take part in an elastic run: ``hvd.init`` asks ``membership`` for this worker's
+        place, through a relay in this actor."""
+        from ringflow.horovod.membership import Relay
+
+        self._relay = Relay(membership, worker)
+
+    def _variables(self, env: dict[str, str]) -> dict[str, str]:
+        from ringflow.horovod.membership import SOCKET, WORKER
+
+        if self._relay is None:
+            return env
+        return {**env, SOCKET: self._relay.path, WORKER: self._relay.worker}
 
     def node(self) -> str:
         import ray
@@ -48,7 +73,8 @@ class _Rank:
         self._lines: list[str] = []
         self._process = subprocess.Popen(
             command,
-            env={**os.environ, **env},
+            env={"PYTHONUNBUFFERED": "1", **os.environ, **self._variables(env)},
+            preexec_fn=_die_with_parent,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -78,9 +104,12 @@ class _Rank:
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, env: dict[str, str]) -> Any:
         from ringflow import horovod as hvd
 
-        os.environ.update(env)
+        os.environ.update(self._variables(env))
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            if self._relay is None:
+                return result
+            return (hvd.rank() if hvd.is_initialized() else None), result
         finally:
             hvd.shutdown()
 
@@ -103,12 +132,33 @@ def run(
     Inside ``fn``, ``hvd.init()`` joins the ranks' ring. ``timeout_s`` is every collective's
     deadline: a rank that died or stopped answering makes the others fail within it.
 
+    With ``min_np`` or ``max_np`` (``horovod.run``'s) the run is elastic: a rank whose actor
+    dies is lost, the others roll back to their last commit (``@hvd.elastic.run``) and go on,
+    and a worker starts in its place, at most ``reset_limit`` times (10); the result is then
+    each finishing rank's, in its last rank order.
+
     Raises:
         RankFailedError: a rank's ``fn`` raised; the first to fail, by rank and exception.
     """
     if np < 1:
         raise ValueError(f"np must be 1 or more, got {np}")
+    min_np, max_np = horovods.pop("min_np", None), horovods.pop("max_np", None)
+    reset_limit = horovods.pop("reset_limit", None)
     _check_horovods_options(horovods)
+    if min_np is not None or max_np is not None:
+        min_np = np if min_np is None else min_np
+        options = {
+            "timeout_s": timeout_s,
+            "reset_limit": 10 if reset_limit is None else reset_limit,
+            "cpus": cpus_per_worker,
+            "gpus": gpus_per_worker,
+            "env": env,
+        }
+        elastic = _Elastic(np, min_np, max(np, min_np) if max_np is None else max_np, options)
+        try:
+            return _results_elastic(elastic, fn, tuple(args), dict(kwargs or {}))
+        finally:
+            elastic.stop()
     import ray
 
     ranks, variables = _start(np, cpus_per_worker, gpus_per_worker, timeout_s, env)
@@ -140,8 +190,6 @@ def _check_horovods_options(options: dict[str, Any]) -> None:
             "use_mpi": "MPI",
             "hosts": "host lists (the ranks go where Ray places them)",
             "hostfile": "host files (the ranks go where Ray places them)",
-            "min_np": "elastic runs (not yet in ringflow.horovod)",
-            "max_np": "elastic runs (not yet in ringflow.horovod)",
         }.get(name, f"the option {name}")
         raise HorovodError(f"ringflow.horovod.run does not take {name}={value!r}: {what}")
 
@@ -177,6 +225,165 @@ def _start(
     return ranks, variables
 
 
+class _Elastic:
+    """The launcher's side of an elastic run: the workers it started, the :class:`Membership`
+    that forms them into ranks, and the workers it starts in place of lost ones."""
+
+    def __init__(self, np: int, min_np: int, max_np: int, options: dict[str, Any]) -> None:
+        import ray
+
+        from ringflow.engine.cluster import connect
+        from ringflow.horovod.membership import Membership
+
+        if not 1 <= min_np <= np <= max_np:
+            raise ValueError(f"need 1 <= min_np ({min_np}) <= np ({np}) <= max_np ({max_np})")
+        connect()
+        timeout_s = options["timeout_s"]
+        self.np, self.replacements_left = np, options["reset_limit"]
+        self.membership = (
+            ray.remote(Membership)
+            .options(num_cpus=0, max_concurrency=2 * max_np + 8)
+            .remote(min_np, max_np, drop_after_s=max(60.0, 2 * timeout_s))
+        )
+        self._actor = ray.remote(_Rank).options(num_cpus=options["cpus"], num_gpus=options["gpus"])
+        self.env = {**(options["env"] or {}), VARIABLES["timeout_s"]: str(timeout_s)}
+        self.workers: dict[str, Any] = {}
+        self.finished = False
+        self._count = 0
+
+    def start(self) -> tuple[str, Any]:
+        """A new worker, known to the membership; its relay is set up before any call made
+        on it after this one (without waiting here: the others' output goes on)."""
+        import ray
+
+        name, self._count = str(self._count), self._count + 1
+        actor = self._actor.remote()
+        ray.get(self.membership.started.remote(name))
+        actor.elastic.remote(self.membership, name)
+        self.workers[name] = actor
+        return name, actor
+
+    def lost(self, name: str, why: str) -> tuple[str, Any] | None:
+        """``name`` is gone (``why``); a worker started in its place, if the run goes on."""
+        import ray
+
+        ray.get(self.membership.lost.remote(name))
+        ray.kill(self.workers.pop(name))
+        replace = not self.finished and self.replacements_left > 0
+        replace = replace and len(self.workers) < self.np
+        print(
+            f"ringflow-run: worker {name} lost ({why}); {len(self.workers)} go on"
+            + (", a worker starts in its place" if replace else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        if not replace:
+            return None
+        self.replacements_left -= 1
+        return self.start()
+
+    def ended(self, name: str) -> None:
+        """``name`` finished: no worker is started in place of others any more."""
+        import ray
+
+        self.finished = True
+        ray.get(self.membership.lost.remote(name))
+        ray.kill(self.workers.pop(name))
+        for waiting in ray.get(self.membership.finish.remote()):
+            ray.kill(self.workers.pop(waiting))
+
+    def dropped(self) -> list[str]:
+        """Workers the membership dropped (alive, but they never came to a reset)."""
+        import ray
+
+        return ray.get(self.membership.dropped.remote())
+
+    def stop(self) -> None:
+        import ray
+
+        for actor in self.workers.values():
+            ray.kill(actor)
+        ray.kill(self.membership)
+
+
+def _follow_elastic(run: _Elastic, command: list[str]) -> int:
+    """``_follow`` for an elastic run: a worker killed by a signal (or whose actor died) is
+    lost, the ranks left go on and a worker starts in its place; one that exits with an
+    error status fails the run with it."""
+    import ray
+
+    for _ in range(run.np):
+        _, actor = run.start()
+        actor.start.remote(command, run.env)
+    asked: dict[str, Any] = {}  # worker -> its output() in flight (a new one takes seconds)
+    while run.workers:
+        for name in run.dropped():
+            if name in run.workers:
+                _started(run.lost(name, "it never came to the ranks' reset"), command, run.env)
+        for name in [n for n in asked if n not in run.workers]:  # dropped, or ended with the run
+            del asked[name]
+        for name, actor in run.workers.items():
+            asked.setdefault(name, actor.output.remote())
+        answered, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=0.05)
+        for name in [n for n, ref in asked.items() if ref in answered]:
+            try:
+                lines, status = ray.get(asked.pop(name))
+            except ray.exceptions.RayActorError:
+                lines, status = [], -signal.SIGKILL
+            sys.stdout.write("".join(f"[{name}] {line}" for line in lines))
+            sys.stdout.flush()
+            if status == 0:
+                run.ended(name)
+            elif status is not None and status < 0:
+                _started(run.lost(name, f"killed by signal {-status}"), command, run.env)
+            elif status is not None:
+                print(f"ringflow-run: worker {name} exited with status {status}", file=sys.stderr)
+                return status
+        time.sleep(0.05)
+    return 0
+
+
+def _results_elastic(run: _Elastic, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list:
+    """``_results`` for an elastic run: a worker whose actor died is lost (the ranks left go
+    on, a worker starts in its place); one whose ``fn`` raised fails the run. The results of
+    the ranks that finished, in rank order."""
+    import ray
+
+    calls: dict[str, Any] = {}
+
+    def begin(worker: tuple[str, Any] | None) -> None:
+        if worker is not None:
+            calls[worker[0]] = worker[1].run.remote(fn, args, kwargs, run.env)
+
+    for _ in range(run.np):
+        begin(run.start())
+    results: dict[int, Any] = {}
+    while calls:
+        for name in run.dropped():
+            if calls.pop(name, None) is not None:
+                begin(run.lost(name, "it never came to the ranks' reset"))
+        done, _ = ray.wait(list(calls.values()), num_returns=1, timeout=0.1)
+        for name in [n for n, ref in calls.items() if ref in done]:
+            ref = calls.pop(name)
+            if name not in run.workers:  # ended with the run
+                continue
+            try:
+                rank, result = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                begin(run.lost(name, "its process died"))
+                continue
+            except Exception as err:
+                raise RankFailedError(int(name), err) from None
+            run.ended(name)
+            results[rank] = result
+    return [results[rank] for rank in sorted(results)]
+
+
+def _started(worker: tuple[str, Any] | None, command: list[str], env: dict[str, str]) -> None:
+    if worker is not None:
+        worker[1].start.remote(command, env)
+
+
 def _results(refs: list[Any]) -> list[Any]:
     """Every rank's result; the first failure as soon as it happens (the others, waiting on
     it in a collective, are ended by the caller)."""
@@ -192,8 +399,8 @@ def _results(refs: list[Any]) -> list[Any]:
     return ray.get(refs)
 
 
-_NOT_YET = ("--min-np", "--max-np", "--timeline-filename", "-H", "--hosts")
-"""horovodrun's flags ringflow-run refuses for now (elastic runs, the timeline, host lists)."""
+_NOT_YET = ("--timeline-filename", "-H", "--hosts")
+"""horovodrun's flags ringflow-run refuses for now (the timeline, host lists)."""
 
 
 def _dest(flag: str) -> str:
@@ -210,6 +417,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
     parser.add_argument("--gpus-per-worker", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=30.0, help="collective deadline")
+    parser.add_argument(
+        "--min-np", type=int, default=None, help="an elastic run: fewest ranks it goes on with"
+    )
+    parser.add_argument(
+        "--max-np", type=int, default=None, help="an elastic run: most ranks it takes in"
+    )
+    parser.add_argument(
+        "--reset-limit",
+        type=int,
+        default=10,
+        help="an elastic run: most workers started in place of lost ones",
+    )
     for flag in _NOT_YET:
         parser.add_argument(flag, dest=_dest(flag), default=None)
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -225,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     if given:
         print(
             f"error: ringflow-run does not take {given[0]} yet: "
-            "elastic runs, the timeline and host lists are not in ringflow.horovod yet "
+            "the timeline and host lists are not in ringflow.horovod yet "
             "(the ranks go where Ray places them)",
             file=sys.stderr,
         )
@@ -233,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command or args.np < 1:
         print("error: give -np N (1 or more) and the command to run", file=sys.stderr)
         return 2
+    if args.min_np is not None or args.max_np is not None:
+        return _main_elastic(args)
     import ray
 
     ranks, variables = _start(
@@ -244,6 +465,30 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for rank in ranks:
             ray.kill(rank)
+
+
+def _main_elastic(args: argparse.Namespace) -> int:
+    min_np = args.np if args.min_np is None else args.min_np
+    max_np = max(args.np, min_np) if args.max_np is None else args.max_np
+    if not 1 <= min_np <= args.np <= max_np or args.reset_limit < 0:
+        print(
+            f"error: an elastic run needs 1 <= --min-np ({min_np}) <= -np ({args.np}) <= "
+            f"--max-np ({max_np}) and --reset-limit 0 or more",
+            file=sys.stderr,
+        )
+        return 2
+    options = {
+        "timeout_s": args.timeout_s,
+        "reset_limit": args.reset_limit,
+        "cpus": args.cpus_per_worker,
+        "gpus": args.gpus_per_worker,
+        "env": None,
+    }
+    run = _Elastic(args.np, min_np, max_np, options)
+    try:
+        return _follow_elastic(run, args.command)
+    finally:
+        run.stop()
 
 
 def _follow(ranks: list[Any]) -> int:

@@ -190,9 +190,13 @@ def test_ringflow_run_exits_with_the_first_failing_ranks_status():
 def test_ringflow_run_refuses_what_it_does_not_take_yet_in_one_line(capsys):
     from ringflow.horovod.runner import main
 
-    assert main(["-np", "2", "--min-np", "1", "python", "x.py"]) == 2
+    assert main(["-np", "2", "--timeline-filename", "t.json", "python", "x.py"]) == 2
     said = capsys.readouterr().err
-    assert said.startswith("error: ringflow-run does not take --min-np yet: elastic runs")
+    assert said.startswith("error: ringflow-run does not take --timeline-filename yet: the")
+    assert said.count("\n") == 1
+    assert main(["-np", "2", "--min-np", "3", "python", "x.py"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("error: an elastic run needs 1 <= --min-np (3) <= -np (2)")
     assert said.count("\n") == 1
 
 
@@ -211,6 +215,24 @@ def test_horovods_mnist_example_runs_under_ringflow_run_with_its_imports_changed
         assert f"[{rank}] Train Epoch: 1 [128/256 (50%)]" in " ".join(lines), lines
     assert any(line.startswith("[0] Test set: Average loss:") for line in lines), lines
     assert not any(line.startswith("[1] Test set") for line in lines)
+
+
+SYNTHETIC = Path(__file__).parent / "horovod_examples" / "pytorch_synthetic_benchmark.py"
+
+
+@pytest.mark.integration
+def test_horovods_synthetic_benchmark_runs_under_ringflow_run_with_its_imports_changed():
+    done = _ringflow_run(
+        *("-np", "2", "--cpus-per-worker", "0.5", sys.executable, str(SYNTHETIC)),
+        *("--no-cuda", "--model", "resnet18", "--batch-size", "2", "--num-warmup-batches", "1"),
+        *("--num-batches-per-iter", "2", "--num-iters", "2"),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert "[0] Number of CPUs: 2" in lines
+    assert any(line.startswith("[0] Iter #1: ") for line in lines), lines
+    assert any(line.startswith("[0] Total img/sec on 2 CPU(s): ") for line in lines), lines
+    assert not any(line.startswith("[1] ") for line in lines)  # it logs on rank 0 only
 
 
 @pytest.mark.integration

@@ -1,0 +1,307 @@
+"""Elastic Horovod on ringflow: a lost rank makes the others roll back to their last
+``commit()`` in memory and go on; a worker started in its place joins at a commit.
+
+The launcher's runs are real: ``ringflow-run --min-np 1 --max-np 2`` on a private local Ray,
+one rank's process SIGKILLed by PID while the script trains.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ringflow.horovod as hvd
+from ringflow.horovod.membership import WORKER, Membership
+from tests.support.fitting import relative_difference
+
+ROOT = Path(__file__).parents[1]
+EXAMPLE = ROOT / "tests" / "horovod_examples" / "pytorch_synthetic_benchmark_elastic.py"
+LINEAR = ROOT / "tests" / "horovod_scripts" / "elastic_linear.py"
+
+
+# --------------------------------------------------------------------------- the membership
+
+
+def _joining(membership: Membership, worker: str, after: int = 0) -> dict:
+    """``worker`` asks to join in a thread; the thread's answer once it came."""
+    answer: dict = {}
+
+    def ask() -> None:
+        try:
+            answer.update(membership.join(worker, "node-a", f"tcp://{worker}:1", after))
+        except RuntimeError as err:
+            answer["error"] = str(err)
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    answer["_thread"] = thread
+    return answer
+
+
+def _wait(*answers: dict, timeout: float = 10.0) -> None:
+    for answer in answers:
+        answer["_thread"].join(timeout)
+        assert not answer["_thread"].is_alive(), "join did not return"
+
+
+@pytest.mark.unit
+def test_the_first_generation_waits_for_every_worker_started_and_ranks_them_in_order():
+    membership = Membership(min_np=1, max_np=2, drop_after_s=60)
+    membership.started("0")
+    membership.started("1")
+    first = _joining(membership, "1")
+    time.sleep(0.5)
+    assert "rank" not in first  # worker 0 has not asked yet
+    second = _joining(membership, "0")
+    _wait(first, second)
+    assert (first["generation"], first["rank"], first["size"]) == (1, 1, 2)
+    assert (second["generation"], second["rank"], second["size"]) == (1, 0, 2)
+    assert first["address"] == second["address"] == "tcp://0:1"  # rank 0's rendezvous
+    assert not membership.updated(1)
+
+
+@pytest.mark.unit
+def test_survivors_form_the_next_generation_without_the_lost_worker_and_a_newcomer_waits():
+    membership = Membership(min_np=1, max_np=2, drop_after_s=60)
+    for worker in "01":
+        membership.started(worker)
+    _wait(_joining(membership, "0"), _joining(membership, "1"))
+
+    membership.lost("0")  # rank 0 died; rank 1 saw it in a collective and asks again
+    survivor = _joining(membership, "1", after=1)
+    _wait(survivor)
+    assert (survivor["generation"], survivor["rank"], survivor["size"]) == (2, 0, 1)
+    assert survivor["address"] == "tcp://1:1"  # the new rank 0's own rendezvous
+
+    membership.started("2")  # started in its place: it waits until the ranks reach a commit
+    newcomer = _joining(membership, "2")
+    time.sleep(0.5)
+    assert "rank" not in newcomer
+    assert membership.updated(2)
+    assert not membership.updated(1)
+    again = _joining(membership, "1", after=2)  # at its commit, rank 0 resets to take it in
+    _wait(again, newcomer)
+    assert (again["generation"], again["rank"], again["size"]) == (3, 0, 2)
+    assert (newcomer["generation"], newcomer["rank"]) == (3, 1)
+
+
+@pytest.mark.unit
+def test_a_rank_that_never_comes_to_the_reset_is_dropped_and_fewer_than_min_np_wait():
+    membership = Membership(min_np=2, max_np=3, drop_after_s=0.5)
+    for worker in "012":
+        membership.started(worker)
+    _wait(*(_joining(membership, w) for w in "012"))
+    membership.lost("2")
+    survivors = [_joining(membership, "0", after=1)]  # worker 1 is alive but stuck
+    time.sleep(1.0)
+    assert membership.dropped() == ["1"]
+    assert "rank" not in survivors[0]  # one rank is fewer than min_np: it waits
+    membership.started("3")
+    _wait(survivors[0], _joining(membership, "3"))
+    assert (survivors[0]["rank"], survivors[0]["size"]) == (0, 2)
+    stuck = _joining(membership, "1", after=1)
+    _wait(stuck)
+    assert "no longer one of the run's workers" in stuck["error"]
+
+
+@pytest.mark.unit
+def test_once_a_rank_finished_the_workers_still_waiting_are_ended_and_none_joins():
+    membership = Membership(min_np=1, max_np=2, drop_after_s=60)
+    membership.started("0")
+    _wait(_joining(membership, "0"))
+    membership.started("1")
+    late = _joining(membership, "1")
+    membership.lost("0")  # it finished
+    assert membership.finish() == ["1"]
+    _wait(late)
+    assert "no longer one of the run's workers" in late["error"]
+
+
+# --------------------------------------------------------------------------- real runs
+
+
+class _Run:
+    """``ringflow-run`` in the background, its output read line by line as it comes."""
+
+    def __init__(self, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ringflow.horovod.runner", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        self.lines: list[tuple[float, str]] = []
+
+    def until(self, pattern: str, timeout: float = 240.0) -> float:
+        """Read until a line matches ``pattern``; when it came."""
+        deadline = time.monotonic() + timeout
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            if re.search(pattern, line):
+                return self.lines[-1][0]
+            assert time.monotonic() < deadline, f"no line matched {pattern!r}"
+        raise AssertionError(f"the run ended before a line matched {pattern!r}:\n{self.text()}")
+
+    def finish(self, timeout: float = 240.0) -> int:
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+        return self.process.wait(timeout)
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def kill_worker(self, worker: str, script: Path) -> None:
+        """SIGKILL the process of ``worker`` running ``script`` (found by its variables)."""
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(script).encode() in command and f"{WORKER}={worker}".encode() in env:
+                os.kill(int(pid), signal.SIGKILL)
+                return
+        raise AssertionError(f"no process of worker {worker} runs {script.name}")
+
+
+ELASTIC = ("-np", "2", "--min-np", "1", "--max-np", "2", "--cpus-per-worker", "0.5")
+
+
+@pytest.mark.integration
+def test_horovods_elastic_example_loses_a_rank_goes_on_and_takes_a_new_one_in():
+    """Horovod's examples/elastic/pytorch/pytorch_synthetic_benchmark_elastic.py, its import
+    lines changed: worker 0 (rank 0) is killed mid-run; worker 1 rolls back to the last
+    commit and goes on as rank 0 at once, the worker started in its place joins at a commit,
+    and the run ends with 2 ranks."""
+    run = _Run(
+        *ELASTIC,
+        "--timeout-s",
+        "20",
+        sys.executable,
+        str(EXAMPLE),
+        "--no-cuda",
+        "--model",
+        "resnet18",
+        "--batch-size",
+        "2",
+        "--num-warmup-batches",
+        "1",
+        "--num-batches-per-iter",
+        "1",
+        "--num-iters",
+        "40",  # time enough for the worker started in its place to come up and join
+    )
+    run.until(r"^\[0\] Iter #2:")
+    run.kill_worker("0", EXAMPLE)
+    killed = time.monotonic()
+    next_step = run.until(r"^\[1\] Iter #\d+:")
+    print(f"from the kill to the survivor's next step: {next_step - killed:.2f} s")
+    assert run.finish() == 0, run.text()[-4000:]
+    text = run.text()
+    assert "ringflow-run: worker 0 lost (killed by signal 9); 1 go on" in text
+    assert re.search(r"\[1\] ringflow.horovod: 2 -> 1 ranks, this one rank 0, .*rolled back", text)
+    assert re.search(r"\[1\] ringflow.horovod: 1 -> 2 ranks, .*a worker joins", text)
+    assert "[1] Iter #39:" in text
+    assert "[1] Total img/sec on 2 CPU(s)" in text  # the worker started in its place joined
+
+
+@pytest.mark.integration
+def test_a_rank_lost_and_replaced_mid_epoch_ends_with_the_weights_of_one_rank(tmp_path):
+    """A fixed global batch split over the ranks there are, a commit each step: through a
+    loss (2 -> 1 ranks) and a join (1 -> 2) the run ends with one rank's weights (run
+    without the launcher), within rounding."""
+    alone = subprocess.run(
+        [sys.executable, str(LINEAR), "--out", str(tmp_path / "alone.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("RINGFLOW_HOROVOD")},
+    )
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    run = _Run(
+        *ELASTIC,
+        "--timeout-s",
+        "20",
+        sys.executable,
+        str(LINEAR),
+        "--out",
+        str(tmp_path / "elastic.pt"),
+        "--step-s",
+        "0.25",
+        "--wait-for-ranks",
+        "2",
+    )
+    run.until(r"^\[1\] step 5 of 2 ranks")
+    run.kill_worker("1", LINEAR)
+    assert run.finish() == 0, run.text()[-4000:]
+    text = run.text()
+    assert re.search(r"\[0\] step \d+ of 1 ranks", text)
+    assert re.search(r"\[0\] ringflow.horovod: 1 -> 2 ranks", text)
+    assert re.search(r"\[2\] step \d+ of 2 ranks", text)  # the worker in its place trained
+    alone_, elastic = (torch.load(tmp_path / f"{n}.pt") for n in ("alone", "elastic"))
+    assert elastic["steps"] == alone_["steps"] == 24
+    assert relative_difference(elastic["weights"], alone_["weights"]) < 1e-5
+
+
+def elastic_training(steps: int = 12, die_at: int = 4) -> dict:
+    """Horovod's elastic form in a function: a global batch of 8 split over the ranks there
+    are, a commit each step. Worker 1 kills its own process after step ``die_at``; once
+    alone, the survivor waits at a commit for the worker started in its place."""
+    hvd.init()
+    torch.manual_seed(0)
+    x = torch.randn(32, 4)
+    y = x @ torch.randn(4, 1)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    sizes = []
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            start = state.step % 4 * 8
+            xb, yb = x[start : start + 8], y[start : start + 8]
+            share = slice(hvd.rank(), None, hvd.size())
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(xb[share]), yb[share]).backward()
+            optimizer.step()
+            state.step += 1
+            sizes.append(hvd.size())
+            if os.environ.get(WORKER) == "1" and state.step == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            state.commit()
+            deadline = time.monotonic() + 120
+            while hvd.size() == 1 and WORKER in os.environ and time.monotonic() < deadline:
+                time.sleep(0.1)
+                state.check_host_updates()
+
+    train(hvd.elastic.TorchState(model, optimizer, step=0))
+    return {"weights": model.state_dict(), "sizes": sizes}
+
+
+def test_horovod_run_with_min_np_goes_on_through_a_lost_rank_and_takes_a_new_one_in(
+    ray_session,
+):
+    alone = elastic_training()
+    hvd.shutdown()
+    results = hvd.run(elastic_training, np=2, min_np=1, max_np=2, cpus_per_worker=0.5)
+    assert len(results) == 2  # worker 0 and the one started in place of worker 1
+    survivor = results[0]
+    assert survivor["sizes"][:4] == [2, 2, 2, 2]
+    assert 1 in survivor["sizes"]
+    assert survivor["sizes"][-1] == 2
+    for result in results:
+        assert relative_difference(result["weights"], alone["weights"]) < 1e-6
