@@ -12,7 +12,7 @@ trap 'rm -rf "$raw"' EXIT
 "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$raw" \
   "ray==$ray_version" jsonschema jsonschema-specifications referencing rpds-py \
-  pytest pluggy iniconfig
+  pytest pluggy iniconfig annotated-types
 mkdir -p "$out"
 "$python" - "$raw" "$out" <<'PY'
 import pathlib, shutil, sys, zipfile

@@ -8,6 +8,7 @@ end with the weights one process gets on the whole batch."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -257,3 +258,24 @@ def test_horovod_run_refuses_what_it_cannot_honour_by_name():
         hvd.run(print, np=2, use_mpi=True)
     with pytest.raises(hvd.HorovodError, match="hosts='a:2'"):
         hvd.run(print, np=2, hosts="a:2")
+
+
+@pytest.mark.integration
+def test_the_synthetic_benchmark_against_ddp_prints_its_table_and_ratio():
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.horovod_synthetic", "--image-size", "32"]
+        + ["--batch-size", "2", "--steps", "2", "--warmup", "1", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[1],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[1].split() == ["runner", "images/s"]
+    assert [line.split()[0] for line in lines[2:4]] == ["ringflow.horovod", "torch"]
+    summary = json.loads(lines[-1])
+    assert summary["hvd_images_per_s"] > 0
+    assert summary["ddp_images_per_s"] > 0
+    ratio = summary["hvd_images_per_s"] / summary["ddp_images_per_s"]
+    assert summary["hvd_vs_ddp"] == pytest.approx(ratio, abs=1e-3)
