@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -52,6 +53,79 @@ def _op(average: bool | None, op: str | None) -> str:
     return op
 
 
+_DTYPES = (
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+)
+_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
+_MOST_DIMS = 8
+_in_flight: dict[str, _Handle] = {}  # the names of this rank's async operations not yet waited for
+
+
+def _agree(
+    kind: str,
+    tensor: torch.Tensor,
+    name: str | None,
+    *,
+    root: int = -1,
+    op: str = "",
+    first_dim_may_differ: bool = False,
+) -> None:
+    """Every rank asked for the same operation on a tensor of the same dtype and shape (all
+    dimensions but the first, where ``first_dim_may_differ``), from the same root, under the
+    same name where every rank gave one: what Horovod's coordinator checks before it runs an
+    operation. One small all-gather; the same error on every rank otherwise."""
+    if tensor.dtype not in _DTYPES:
+        raise HorovodError(f"{kind}: tensors of {tensor.dtype} are not supported")
+    if tensor.dim() > _MOST_DIMS:
+        raise HorovodError(f"{kind}: tensors of more than {_MOST_DIMS} dimensions")
+    if size() == 1:
+        return
+    shape = list(tensor.shape) + [-1] * (_MOST_DIMS - tensor.dim())
+    named = zlib.crc32(name.encode()) if name else -1
+    told = [_KINDS.index(kind), _DTYPES.index(tensor.dtype), tensor.dim(), *shape, root]
+    told += [(Average, Sum, "").index(op), named]
+    every = torch.stack(ring().all_gather(torch.tensor(told, dtype=torch.int64))).tolist()
+    if first_dim_may_differ:
+        for row in every:
+            row[3] = 0
+    differ = [r for r, row in enumerate(every) if row[:-1] != every[0][:-1]]
+    if named >= 0 and all(row[-1] >= 0 for row in every):
+        differ += [r for r, row in enumerate(every) if row[-1] != every[0][-1]]
+    if not differ:
+        return
+    other = every[differ[0]]
+    field = next(i for i, (a, b) in enumerate(zip(every[0], other, strict=True)) if a != b)
+    if _FIELDS[field] == "name":
+        told = f"rank 0 and rank {differ[0]} gave it different names"
+    else:
+        told = f"rank 0 has {_described(every[0], field)}, rank {differ[0]} has "
+        told += _described(other, field)
+    kind += f" {name!r}" if name else ""
+    raise HorovodError(f"{kind}: the ranks disagree on the {_FIELDS[field]}: {told}")
+
+
+_FIELDS = ("operation", "dtype", "number of dimensions", *["shape"] * _MOST_DIMS)
+_FIELDS += ("root rank", "op", "name")
+
+
+def _described(row: list[int], field: int) -> str:
+    if field == 0:
+        return _KINDS[row[0]]
+    if field == 1:
+        return str(_DTYPES[row[1]])
+    if _FIELDS[field] == "shape":
+        return str(tuple(row[3 : 3 + row[2]]))
+    return str(row[field])
+
+
 def allreduce_async_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -61,14 +135,38 @@ def allreduce_async_(
     postscale_factor: float = 1.0,
 ) -> _Handle:
     """Start replacing ``tensor`` by its average (``op=Average``, the default) or sum over
-    the ranks; returns a handle for :func:`synchronize`."""
+    the ranks; returns a handle for :func:`synchronize`. An integer tensor's average is
+    truncated toward zero, as Horovod's.
+
+    Raises:
+        HorovodError: the ranks gave tensors of different dtypes or shapes, or ops.
+        ValueError: an operation of this ``name`` is still in flight on this rank.
+    """
     op = _op(average, op)
+    if name is not None and name in _in_flight and _in_flight[name].result is None:
+        raise ValueError(f"allreduce {name!r}: an operation of that name is still in flight")
+    _agree("allreduce", tensor, name, op=op)
+    handle = _reduce(tensor, op, prescale_factor, postscale_factor)
+    if name is not None:
+        _in_flight[name] = handle
+    return handle
+
+
+def _reduce(tensor: torch.Tensor, op: str, pre: float, post: float) -> _Handle:
+    """The all-reduce itself (``DistributedOptimizer``'s gradients come here directly: their
+    shapes were agreed once, when it was built)."""
     flat = tensor.detach().reshape(-1).contiguous()
-    if prescale_factor != 1.0:
-        flat = flat * prescale_factor
+    if pre != 1.0:
+        flat = _scaled(flat.clone(), pre)
     work = ring().allreduce_async_(flat, op="sum")
-    scale = postscale_factor / (size() if op == Average else 1)
-    return _Handle(work, tensor, scale)
+    return _Handle(work, tensor, post / (size() if op == Average else 1))
+
+
+def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """``tensor`` times ``factor``, in place; integers truncated toward zero."""
+    if tensor.is_floating_point():
+        return tensor.mul_(factor)
+    return tensor.copy_((tensor.double() * factor).trunc())
 
 
 def allreduce_async(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> _Handle:
@@ -86,7 +184,7 @@ def synchronize(handle: _Handle) -> torch.Tensor:
     if handle.result is None:
         reduced = handle.work.wait()
         if handle.scale != 1.0:
-            reduced = reduced.mul_(handle.scale)
+            reduced = _scaled(reduced, handle.scale)
         target = handle.target
         if reduced.data_ptr() != target.data_ptr():
             target.detach().copy_(reduced.view_as(target))
@@ -106,6 +204,9 @@ def allreduce(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> t
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Replace ``tensor`` by rank ``root_rank``'s; return it."""
+    if not 0 <= root_rank < size():
+        raise HorovodError(f"broadcast: root_rank {root_rank} is not one of the {size()} ranks")
+    _agree("broadcast", tensor, name, root=root_rank)
     flat = tensor.detach().reshape(-1).contiguous()
     ring().broadcast_(flat, src=root_rank)
     if flat.data_ptr() != tensor.data_ptr():
@@ -121,6 +222,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along the first dimension, in rank order; the
     first dimension may differ between ranks, the others may not."""
+    _agree("allgather", tensor, name, first_dim_may_differ=True)
     local = tensor.detach().contiguous()
     rows = torch.tensor([local.shape[0] if local.dim() else 1], dtype=torch.int64)
     counts = [int(n) for n in ring().all_gather(rows)]
@@ -137,6 +239,7 @@ def alltoall(
     """Rank ``r`` gets part ``r`` of every rank's ``tensor``, concatenated in rank order: the
     first dimension cut into ``splits`` rows per rank (equal parts by default). It travels as
     an all-gather over the ring (each rank receives every rank's whole tensor)."""
+    _agree("alltoall", tensor, name, first_dim_may_differ=True)
     n, me = size(), ring().rank
     rows = tensor.shape[0]
     if splits is None:
@@ -162,9 +265,11 @@ def reducescatter(
     """Rank ``r``'s part of the average (``op=Average``, the default) or sum of ``tensor``
     over the ranks: the first dimension cut into ``size()`` parts, the first ones a row
     longer where it does not divide, as Horovod's."""
+    op = _op(None, op)
+    _agree("reducescatter", tensor, name, op=op)
     n, me = size(), ring().rank
     rows = tensor.shape[0]
-    reduced = allreduce(tensor, op=_op(None, op))
+    reduced = synchronize(_reduce(tensor.detach().clone(), op, 1.0, 1.0))
     counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
     start = sum(counts[:me])
     return reduced[start : start + counts[me]].clone()

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
-from ringflow.horovod.collectives import allreduce_async_, synchronize
+from ringflow.horovod.collectives import _reduce, allgather_object, synchronize
 
 __all__ = ["Compression", "DistributedOptimizer"]
 
@@ -67,6 +67,7 @@ class _Distributed:
         if gradient_predivide_factor != 1.0 and op != Average:
             raise HorovodError("gradient_predivide_factor is only for op=Average, as in Horovod")
         params = [p for group in self.param_groups for p in group["params"]]
+        by_id = None
         if named_parameters is not None:
             named = list(named_parameters)
             names = [n for n, _ in named]
@@ -79,6 +80,7 @@ class _Distributed:
                     f"named_parameters lacks {len(missing)} of the optimizer's parameters: "
                     "pass model.named_parameters() of the model the optimizer steps"
                 )
+        self._names, self._agreed = by_id, None
         self._compression, self._op = compression, op
         self._passes, self._predivide = backward_passes_per_step, gradient_predivide_factor
         self._counts = {p: 0 for p in params if p.requires_grad}
@@ -95,6 +97,9 @@ class _Distributed:
         self._counts[param] += 1
         if self._counts[param] < self._passes or size() == 1:
             return
+        if self._agreed is not ring():  # the first reduction on these ranks: agree first
+            _agree_on_parameters(list(self._counts), self._names)
+            self._agreed = ring()
         if param in self._handles:
             raise HorovodError(
                 "a gradient was reduced twice before the optimizer stepped: call "
@@ -105,10 +110,7 @@ class _Distributed:
         op, pre, post = self._op, 1.0, 1.0
         if self._op == Average and self._predivide != 1.0:
             op, pre, post = Sum, 1.0 / self._predivide, self._predivide / size()
-        self._handles[param] = (
-            allreduce_async_(wire, op=op, prescale_factor=pre, postscale_factor=post),
-            ctx,
-        )
+        self._handles[param] = (_reduce(wire, op, pre, post), ctx)
 
     def _forget_a_lost_ring(self) -> None:
         """Drop the reductions of a ring that lost a rank (``@hvd.elastic.run`` rolled back
@@ -156,6 +158,31 @@ class _Distributed:
                 "optimizer.synchronize() first"
             )
         return super().zero_grad(set_to_none=set_to_none)
+
+
+def _agree_on_parameters(params: list[torch.nn.Parameter], names: dict[int, str] | None) -> None:
+    """Every rank's optimizer steps the same parameters (names, shapes, dtypes, in order):
+    checked once, as the gradients' reductions are matched by order and not checked again."""
+    if size() == 1:
+        return
+    mine = [
+        ((names or {}).get(id(p), f"parameter {i}"), tuple(p.shape), str(p.dtype))
+        for i, p in enumerate(params)
+    ]
+    every = allgather_object(mine)
+    for rank, theirs in enumerate(every):
+        if theirs == every[0]:
+            continue
+        if len(theirs) != len(every[0]):
+            raise HorovodError(
+                f"DistributedOptimizer: rank 0 has {len(every[0])} parameters, rank {rank} "
+                f"has {len(theirs)}: every rank must build the same model"
+            )
+        first = next(i for i, (a, b) in enumerate(zip(every[0], theirs, strict=True)) if a != b)
+        raise HorovodError(
+            f"DistributedOptimizer: parameter {first} is {every[0][first]} on rank 0 and "
+            f"{theirs[first]} on rank {rank}: every rank must build the same model"
+        )
 
 
 def DistributedOptimizer(  # noqa: N802 (Horovod's name)

@@ -1,0 +1,175 @@
+"""``ringflow.horovod``'s collectives against what Horovod's own ``test/parallel/test_torch.py``
+checks: sums and averages of every dtype and 1-3 dimensions, allgather of ragged first
+dimensions, broadcast from each root, async handles, and the errors on ranks that disagree
+(shapes, dtypes, roots, names), each raised on every rank before anything travels.
+
+Each check runs on 2 ranks (``hvd.run``) and returns what it saw; the test asserts on it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import ringflow.horovod as hvd
+
+DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16)
+DTYPES += (torch.float32, torch.float64)
+pytestmark = pytest.mark.integration
+
+
+def _tensor(dtype: torch.dtype, dim: int, seed: int = 1234) -> torch.Tensor:
+    torch.manual_seed(seed)
+    low = 0 if dtype == torch.uint8 else -100
+    return torch.empty([17] * dim).random_(low, 100).to(dtype)
+
+
+def reductions() -> list[str]:
+    """What differs from Horovod's expectations (nothing, when all is right)."""
+    hvd.init()
+    n, wrong = hvd.size(), []
+    for dtype, dim in itertools.product(DTYPES, (1, 2, 3)):
+        tensor = _tensor(dtype, dim)
+        summed = hvd.allreduce(tensor, op=hvd.Sum)
+        want = tensor.double() * n
+        if dtype == torch.uint8 or dtype == torch.int8:  # they wrap, as in torch
+            want = (tensor.to(torch.int64) * n).to(dtype).double()
+        if summed.dtype != dtype or not torch.equal(summed.double(), want):
+            wrong.append(f"sum {dtype} {dim}d")
+        if dtype == torch.int8:
+            continue  # its sums wrap: no average or scaling to compare (nor in Horovod)
+        averaged = hvd.allreduce(tensor, average=True)
+        exact = not dtype.is_floating_point or dtype == torch.float64
+        if not torch.allclose(averaged.double(), tensor.double(), atol=0 if exact else 1e-2):
+            wrong.append(f"average {dtype} {dim}d")
+        in_place = tensor.clone()
+        pre, post = (0.5, 2.0) if dtype.is_floating_point else (2.0, 0.5)  # ints truncate
+        if dtype != torch.uint8:  # 2 x 99 x 2 ranks would wrap
+            hvd.allreduce_(in_place, op=hvd.Sum, prescale_factor=pre, postscale_factor=post)
+            if not torch.allclose(in_place.double(), summed.double(), atol=1e-2):
+                wrong.append(f"pre/postscale {dtype} {dim}d")
+    return wrong
+
+
+def gathers_and_broadcasts() -> list[str]:
+    hvd.init()
+    n, me, wrong = hvd.size(), hvd.rank(), []
+    for dtype, dim in itertools.product(DTYPES, (1, 2, 3)):
+        mine = torch.full([me + 1] + [17] * (dim - 1), me).to(dtype)  # rank r: r + 1 rows
+        gathered = hvd.allgather(mine)
+        if gathered.shape[0] != sum(range(1, n + 1)) or gathered.dtype != dtype:
+            wrong.append(f"allgather shape {dtype} {dim}d")
+        start = 0
+        for rank in range(n):
+            rows = gathered[start : start + rank + 1]
+            start += rank + 1
+            if not torch.equal(rows, torch.full_like(rows, rank)):
+                wrong.append(f"allgather rank {rank} {dtype} {dim}d")
+        for root in range(n):
+            tensor = torch.full([17] * dim, me).to(dtype)
+            if not torch.equal(hvd.broadcast(tensor, root), torch.full_like(tensor, root)):
+                wrong.append(f"broadcast from {root} {dtype} {dim}d")
+            if not torch.equal(tensor, torch.full_like(tensor, me)):
+                wrong.append(f"broadcast changed its input {dtype} {dim}d")
+    return wrong
+
+
+def handles() -> dict:
+    hvd.init()
+    tensors = [torch.full((5,), float(i + hvd.rank())) for i in range(10)]
+    started = [hvd.allreduce_async(t, op=hvd.Sum, name=f"t{i}") for i, t in enumerate(tensors)]
+    results = [hvd.synchronize(h).tolist() for h in reversed(started)][::-1]
+    return {"results": results, "polled": all(hvd.poll(h) for h in started)}
+
+
+def disagreements() -> dict[str, str]:
+    """Each kind of disagreement Horovod's tests check, and the error it raised here."""
+    hvd.init()
+    me, seen = hvd.rank(), {}
+    cases = {
+        "shape": lambda: hvd.allreduce(torch.zeros([17 + me] * 3)),
+        "same size, other dims": lambda: hvd.allreduce(
+            torch.zeros([17, 23 * 57] if me == 0 else [17, 23, 57])
+        ),
+        "dtype": lambda: hvd.allreduce(torch.zeros(17, dtype=torch.int32 if me else torch.float32)),
+        "op": lambda: hvd.allreduce(torch.zeros(17), op=hvd.Sum if me else hvd.Average),
+        "broadcast shape": lambda: hvd.broadcast(torch.zeros(17, 10 * (me + 1), 17), 0),
+        "broadcast root": lambda: hvd.broadcast(torch.zeros(17), me),
+        "broadcast no such root": lambda: hvd.broadcast(torch.zeros(17), 5),
+        "allgather other dims": lambda: hvd.allgather(torch.zeros(2, 3 + me)),
+        "name": lambda: hvd.allreduce(torch.zeros(3), name=f"rank{me}"),
+    }
+    for case, call in cases.items():
+        try:
+            call()
+            seen[case] = "no error"
+        except RuntimeError as err:
+            seen[case] = f"{type(err).__name__}: {err}"
+    hvd.allreduce_async(torch.zeros(3), name="twice")
+    try:
+        hvd.allreduce_async(torch.zeros(3), name="twice")
+        seen["duplicate name"] = "no error"
+    except ValueError as err:
+        seen["duplicate name"] = f"ValueError: {err}"
+    seen["after them"] = str(hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist())
+    return seen
+
+
+def another_model() -> str:
+    hvd.init()
+    model = torch.nn.Linear(4, 3 if hvd.rank() == 0 else 2)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    try:
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_sums_and_averages_of_every_dtype_and_dimension_are_horovods(ray_session):
+    assert hvd.run(reductions, np=2, cpus_per_worker=0.5) == [[], []]
+
+
+def test_ragged_allgathers_and_broadcasts_from_each_root_are_horovods(ray_session):
+    assert hvd.run(gathers_and_broadcasts, np=2, cpus_per_worker=0.5) == [[], []]
+
+
+def test_async_handles_finish_in_any_order_of_waiting(ray_session):
+    for seen in hvd.run(handles, np=2, cpus_per_worker=0.5):
+        assert seen["results"] == [[2.0 * i + 1] * 5 for i in range(10)]
+        assert seen["polled"]
+
+
+def test_ranks_that_disagree_get_one_error_each_naming_what_and_the_ring_goes_on(ray_session):
+    first, second = hvd.run(disagreements, np=2, cpus_per_worker=0.5)
+    said = {
+        "shape": "allreduce: the ranks disagree on the shape: rank 0 has (17, 17, 17), "
+        "rank 1 has (18, 18, 18)",
+        "same size, other dims": "the ranks disagree on the number of dimensions",
+        "dtype": "the ranks disagree on the dtype: rank 0 has torch.float32, rank 1 has "
+        "torch.int32",
+        "op": "the ranks disagree on the op",
+        "broadcast shape": "broadcast: the ranks disagree on the shape",
+        "broadcast root": "broadcast: the ranks disagree on the root rank: rank 0 has 0, "
+        "rank 1 has 1",
+        "broadcast no such root": "broadcast: root_rank 5 is not one of the 2 ranks",
+        "allgather other dims": "allgather: the ranks disagree on the shape",
+        "name": "the ranks disagree on the name: rank 0 and rank 1 gave it different names",
+        "duplicate name": "ValueError: allreduce 'twice': an operation of that name is still",
+    }
+    for seen in (first, second):
+        for case, words in said.items():
+            assert words in seen[case], (case, seen[case])
+            assert "\n" not in seen[case]
+        assert seen["after them"] == "[2.0, 2.0]"
+    assert first["shape"].startswith("HorovodError: ")
+
+
+def test_a_rank_with_another_model_is_told_at_the_first_backward(ray_session):
+    for said in hvd.run(another_model, np=2, cpus_per_worker=0.5):
+        assert "parameter 0 is ('weight', (3, 4), 'torch.float32') on rank 0 and" in said
+        assert "every rank must build the same model" in said
