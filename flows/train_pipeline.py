@@ -115,13 +115,11 @@ def train_pipeline(
         loggers: Lightning loggers for what the model logs: csv and tensorboard write under
             storage_url's runs/<run key>/logs/, mlflow to MLFLOW_TRACKING_URI (needs mlflow).
     """
+    refused = too_many_starts(max_restarts)
+    if refused is not None:
+        return refused
     attempt = flow_run.get_run_count() or 1
-    if attempt > max_restarts + 1:
-        return Failed(
-            message=f"Not started again: this is start {attempt} of a run allowed "
-            f"{max_restarts} restarts (raise max_restarts to allow more)"
-        )
-    parameters = {k: v for k, v in locals().items() if k != "attempt"}
+    parameters = {k: v for k, v in locals().items() if k not in ("attempt", "refused")}
     # The flow run's id stays the same across its retries and restarts.
     parameters["run_key"] = run_key or str(flow_run.get_id() or "local")
     try:
@@ -196,6 +194,18 @@ train_pipeline = flow(
     persist_result=True,
     result_serializer="json",
 )(train_pipeline)
+
+
+def too_many_starts(max_restarts: int) -> State | None:
+    """A final Failed state for a flow run started more than ``max_restarts`` times again
+    (flow retries and automatic rescheduling together), which ends any crash loop."""
+    attempt = flow_run.get_run_count() or 1
+    if attempt <= max_restarts + 1:
+        return None
+    return Failed(
+        message=f"Not started again: this is start {attempt} of a run allowed "
+        f"{max_restarts} restarts (raise max_restarts to allow more)"
+    )
 
 
 def fail_at_once(err: Exception) -> State:

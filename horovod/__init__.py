@@ -14,7 +14,7 @@ reductions other than sum and average) raises a one-line error naming it.
 
 from __future__ import annotations
 
-from ringflow.horovod import elastic
+from ringflow.horovod import checkpoint, elastic
 from ringflow.horovod.basics import (
     Average,
     HorovodError,
@@ -72,6 +72,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "checkpoint",
     "cross_rank",
     "cross_size",
     "elastic",

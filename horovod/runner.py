@@ -221,7 +221,8 @@ def _start(
             "address": address,
             "timeout_s": timeout_s,
         }
-        variables.append({**(env or {}), **{VARIABLES[k]: str(v) for k, v in told.items()}})
+        told_env = {VARIABLES[k]: str(v) for k, v in told.items()}
+        variables.append({**_forwarded(), **(env or {}), **told_env})
     return ranks, variables
 
 
@@ -246,7 +247,8 @@ class _Elastic:
             .remote(min_np, max_np, drop_after_s=max(60.0, 2 * timeout_s))
         )
         self._actor = ray.remote(_Rank).options(num_cpus=options["cpus"], num_gpus=options["gpus"])
-        self.env = {**(options["env"] or {}), VARIABLES["timeout_s"]: str(timeout_s)}
+        self.env = {**_forwarded(), **(options["env"] or {})}
+        self.env[VARIABLES["timeout_s"]] = str(timeout_s)
         self.workers: dict[str, Any] = {}
         self.finished = False
         self._count = 0
@@ -382,6 +384,17 @@ def _results_elastic(run: _Elastic, fn: Callable[..., Any], args: tuple, kwargs:
 def _started(worker: tuple[str, Any] | None, command: list[str], env: dict[str, str]) -> None:
     if worker is not None:
         worker[1].start.remote(command, env)
+
+
+def _forwarded() -> dict[str, str]:
+    """The launcher's ``RINGFLOW_*`` variables, for the ranks (on a cluster an actor's
+    environment is its node's, not the launcher's): where checkpoints go, the lease they are
+    written under, ringflow's settings. Secrets (``SECRET_ENV``) stay here."""
+    from ringflow.engine.cluster import SECRET_ENV
+    from ringflow.horovod.membership import SOCKET, WORKER
+
+    own = {*SECRET_ENV, *VARIABLES.values(), SOCKET, WORKER}  # each rank is told its own
+    return {k: v for k, v in os.environ.items() if k.startswith("RINGFLOW_") and k not in own}
 
 
 def _results(refs: list[Any]) -> list[Any]:

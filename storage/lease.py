@@ -172,6 +172,7 @@ def this_process() -> dict[str, Any]:
         "pid": pid,
         "pid_start": _pid_start(pid),
         "ray_job": _ray_job(),
+        "delegate_of": os.environ.get(DELEGATE) or None,
     }
 
 
@@ -231,8 +232,16 @@ def _free(lease: LeaseRecord | None, now: float) -> bool:
     return lease.expires < now
 
 
+DELEGATE = "RINGFLOW_LEASE_DELEGATE"
+"""A process started by a lease's holder to write for it (a Horovod script's ranks) finds
+the lease's ``nonce`` here: it may write while that lease holds, never after it changed
+hands. Fencing, not a secret: whoever may write the storage may write the run anyway."""
+
+
 def _same_writer(holder: Mapping[str, Any], me: Mapping[str, Any]) -> bool:
     if holder.get("ray_job") and holder.get("ray_job") == me.get("ray_job"):
+        return True
+    if me.get("delegate_of") and me.get("delegate_of") == holder.get("nonce"):
         return True
     return holder.get("machine") == me.get("machine") and holder.get("pid") == me.get("pid")
 

@@ -279,3 +279,25 @@ def test_the_synthetic_benchmark_against_ddp_prints_its_table_and_ratio():
     assert summary["ddp_images_per_s"] > 0
     ratio = summary["hvd_images_per_s"] / summary["ddp_images_per_s"]
     assert summary["hvd_vs_ddp"] == pytest.approx(ratio, abs=1e-3)
+
+
+@pytest.mark.integration
+def test_the_horovod_train_flow_fails_once_with_the_scripts_status_and_no_retry(tmp_path):
+    """Run locally with no server: a rank's error fails the flow run at once, naming the
+    script and its status, without a second start."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "ringflow.flows.horovod_train", "--script", str(SCRIPT)]
+        + ["--args", '["--fail-rank", "1"]', "--np", "2", "--cpus-per-worker", "0.5"]
+        + ["--storage-url", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).parents[1],
+    )
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    said = done.stderr.strip().splitlines()
+    assert f"error: the run ended Failed: ScriptFailed: {SCRIPT} exited with status 3" in said
+    assert "[1] giving up" in done.stdout + done.stderr
+    assert (done.stdout + done.stderr).count("Beginning flow run") == 1

@@ -17,6 +17,7 @@ import os
 import random
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -369,6 +370,59 @@ def test_a_run_on_a_lost_host_is_crashed_rescheduled_and_resumes_bit_for_bit(sta
     assert "No heartbeat" in crashed[0]["message"], crashed[0]
     _assert_resumed_bit_for_bit(stack, run_id, tmp_path)
     assert "No heartbeat" in stack.artifact(run_id, "resume")
+
+
+HOROVOD_SCRIPT = "tests/horovod_scripts/checkpointed.py"
+HOROVOD_ARGS = ["--steps", "60", "--checkpoint-every", "5", "--step-s", "0.15"]
+
+
+@pytest.mark.e2e
+def test_a_killed_horovod_script_run_is_rescheduled_and_resumes_from_its_checkpoint(
+    stack, tmp_path
+):
+    """``horovod-train/local``: a Horovod-style script on 2 ranks, its checkpoints through
+    ``hvd.checkpoint``. The flow process is SIGKILLed mid-run (its ranks end with it); the
+    automations bring the run back, the script resumes from its newest checkpoint and ends
+    with the weights of the same script run uninterrupted, bit for bit."""
+    from ringflow.storage import CheckpointStore
+
+    params = {"script": HOROVOD_SCRIPT, "args": HOROVOD_ARGS, "np": 2, "cpus_per_worker": 0.5}
+    run_id = stack.run_deployment("horovod-train/local", params)
+    store = CheckpointStore(str(stack.storage / "checkpoints"))
+    deadline = time.monotonic() + 180
+    while len(store.checkpoints(run_id)) < 2:
+        state = stack.flow_run(run_id)["state"]
+        assert state["type"] in {"SCHEDULED", "PENDING", "RUNNING"}, stack.logs()[-6000:]
+        assert time.monotonic() < deadline, "no checkpoint within 3 minutes" + stack.logs()
+        time.sleep(0.2)
+    committed = max(c.step for c in store.checkpoints(run_id))
+    _kill_tree(_flow_process(stack, run_id))
+
+    run = _wait_until_completed(stack, run_id, 240)
+    assert run["run_count"] == 2
+    summary = _summary(stack, run_id)
+    assert int(summary["resumed_from_step"]) >= committed
+    assert summary["step"] == "60"
+    resumed = store.load_latest(run_id)
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
+    env |= {"RINGFLOW_HOROVOD_CHECKPOINTS": str(tmp_path), "RINGFLOW_HOROVOD_RUN_KEY": "ref"}
+    alone = subprocess.run(
+        [sys.executable, "-m", "ringflow.horovod", "-np", "2", "--cpus-per-worker", "0.5"]
+        + [sys.executable, HOROVOD_SCRIPT, *HOROVOD_ARGS[:4]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    uninterrupted = CheckpointStore(str(tmp_path)).load_latest("ref")
+    assert uninterrupted.checkpoint.step == resumed.checkpoint.step == 60
+    for shard in ("model", "optimizer"):
+        theirs, ours = uninterrupted.shards[shard], resumed.shards[shard]
+        assert theirs.keys() == ours.keys()
+        assert all(torch.equal(theirs[k], ours[k]) for k in theirs), shard
 
 
 def _automations_module():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ringflow.engine import SymmConfig, TrainConfig, fit
 from ringflow.engine.collective import ENVIRONMENT_KNOBS
+from ringflow.flows.horovod_train import horovod_train
 from ringflow.flows.train_pipeline import train_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +74,11 @@ def test_the_reference_names_every_knob_of_the_code():
             list(inspect.signature(train_pipeline.fn).parameters),
             "flows/train_pipeline.py",
         ),
+        *_missing(
+            "flow parameter",
+            list(inspect.signature(horovod_train.fn).parameters),
+            "flows/horovod_train.py",
+        ),
         *_missing("fit argument", list(inspect.signature(fit).parameters), "engine/trainer.py"),
         *_missing(
             "TrainConfig field",
@@ -110,6 +116,7 @@ def test_the_scan_finds_the_variables_the_code_reads():
 def test_the_reference_names_nothing_the_code_lacks():
     known = {
         *inspect.signature(train_pipeline.fn).parameters,
+        *inspect.signature(horovod_train.fn).parameters,
         *inspect.signature(fit).parameters,
         *(f.name for f in dataclasses.fields(TrainConfig)),
         *_symm_fields(),
