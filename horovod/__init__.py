@@ -38,6 +38,7 @@ from ringflow.horovod.collectives import (
     allreduce_async,
     allreduce_async_,
     alltoall,
+    barrier,
     broadcast,
     broadcast_,
     broadcast_object,
@@ -50,6 +51,7 @@ from ringflow.horovod.collectives import (
 from ringflow.horovod.elastic import HostsUpdatedInterrupt
 from ringflow.horovod.optimizer import Compression, DistributedOptimizer
 from ringflow.horovod.runner import RankFailedError, run
+from ringflow.horovod.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Average",
@@ -60,6 +62,7 @@ __all__ = [
     "HostsUpdatedInterrupt",
     "RankFailedError",
     "Sum",
+    "SyncBatchNorm",
     "allgather",
     "allgather_object",
     "allreduce",
@@ -67,6 +70,7 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "barrier",
     "broadcast",
     "broadcast_",
     "broadcast_object",
@@ -104,7 +108,6 @@ _LEFT_OUT = {
     "gloo_enabled": "Horovod's gloo controller (ringflow has its own rendezvous)",
     "nccl_built": "Horovod's NCCL build flag (ringflow's ring uses NCCL on GPUs by itself)",
     "join": "join (not yet in ringflow.horovod)",
-    "SyncBatchNorm": "SyncBatchNorm (not yet in ringflow.horovod)",
 }
 
 

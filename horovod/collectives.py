@@ -18,6 +18,7 @@ from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
 
 __all__ = [
     "allgather",
+    "barrier",
     "alltoall",
     "allgather_object",
     "allreduce",
@@ -273,6 +274,14 @@ def reducescatter(
     counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
     start = sum(counts[:me])
     return reduced[start : start + counts[me]].clone()
+
+
+def barrier(process_set: Any = None) -> None:
+    """Wait until every rank got here (Horovod's ``hvd.barrier``; process sets refused)."""
+    if process_set is not None:
+        raise HorovodError("barrier takes no process_set: process sets are not supported")
+    if size() > 1:
+        synchronize(_reduce(torch.zeros(1), Sum, 1.0, 1.0))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:

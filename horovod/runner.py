@@ -146,7 +146,6 @@ def run(
     reset_limit = horovods.pop("reset_limit", None)
     _check_horovods_options(horovods)
     if min_np is not None or max_np is not None:
-        min_np = np if min_np is None else min_np
         options = {
             "timeout_s": timeout_s,
             "reset_limit": 10 if reset_limit is None else reset_limit,
@@ -154,7 +153,7 @@ def run(
             "gpus": gpus_per_worker,
             "env": env,
         }
-        elastic = _Elastic(np, min_np, max(np, min_np) if max_np is None else max_np, options)
+        elastic = _Elastic(np, min_np, max_np, options)
         try:
             return _results_elastic(elastic, fn, tuple(args), dict(kwargs or {}))
         finally:
@@ -230,14 +229,21 @@ class _Elastic:
     """The launcher's side of an elastic run: the workers it started, the :class:`Membership`
     that forms them into ranks, and the workers it starts in place of lost ones."""
 
-    def __init__(self, np: int, min_np: int, max_np: int, options: dict[str, Any]) -> None:
+    def __init__(
+        self, np: int, min_np: int | None, max_np: int | None, options: dict[str, Any]
+    ) -> None:
         import ray
 
         from ringflow.engine.cluster import connect
         from ringflow.horovod.membership import Membership
 
-        if not 1 <= min_np <= np <= max_np:
-            raise ValueError(f"need 1 <= min_np ({min_np}) <= np ({np}) <= max_np ({max_np})")
+        min_np = np if min_np is None else min_np
+        max_np = max(np, min_np) if max_np is None else max_np
+        if not 1 <= min_np <= np <= max_np or options["reset_limit"] < 0:
+            raise ValueError(
+                f"an elastic run needs 1 <= min_np ({min_np}) <= np ({np}) <= max_np "
+                f"({max_np}) and a reset limit of 0 or more ({options['reset_limit']})"
+            )
         connect()
         timeout_s = options["timeout_s"]
         self.np, self.replacements_left = np, options["reset_limit"]
@@ -481,15 +487,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_elastic(args: argparse.Namespace) -> int:
-    min_np = args.np if args.min_np is None else args.min_np
-    max_np = max(args.np, min_np) if args.max_np is None else args.max_np
-    if not 1 <= min_np <= args.np <= max_np or args.reset_limit < 0:
-        print(
-            f"error: an elastic run needs 1 <= --min-np ({min_np}) <= -np ({args.np}) <= "
-            f"--max-np ({max_np}) and --reset-limit 0 or more",
-            file=sys.stderr,
-        )
-        return 2
     options = {
         "timeout_s": args.timeout_s,
         "reset_limit": args.reset_limit,
@@ -497,7 +494,11 @@ def _main_elastic(args: argparse.Namespace) -> int:
         "gpus": args.gpus_per_worker,
         "env": None,
     }
-    run = _Elastic(args.np, min_np, max_np, options)
+    try:
+        run = _Elastic(args.np, args.min_np, args.max_np, options)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         return _follow_elastic(run, args.command)
     finally:

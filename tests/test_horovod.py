@@ -197,7 +197,7 @@ def test_ringflow_run_refuses_what_it_does_not_take_yet_in_one_line(capsys):
     assert said.count("\n") == 1
     assert main(["-np", "2", "--min-np", "3", "python", "x.py"]) == 2
     said = capsys.readouterr().err
-    assert said.startswith("error: an elastic run needs 1 <= --min-np (3) <= -np (2)")
+    assert said.startswith("error: an elastic run needs 1 <= min_np (3) <= np (2)")
     assert said.count("\n") == 1
 
 

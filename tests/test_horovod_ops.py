@@ -8,6 +8,7 @@ Each check runs on 2 ranks (``hvd.run``) and returns what it saw; the test asser
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -173,3 +174,53 @@ def test_a_rank_with_another_model_is_told_at_the_first_backward(ray_session):
     for said in hvd.run(another_model, np=2, cpus_per_worker=0.5):
         assert "parameter 0 is ('weight', (3, 4), 'torch.float32') on rank 0 and" in said
         assert "every rank must build the same model" in said
+
+
+def _batch_norm_training(norm: type) -> dict:
+    """Three SGD steps of a convolution and a batch norm on a global batch of 16 split over
+    the ranks there are (the whole batch without ``hvd.init``); the weights, the running
+    statistics and the evaluation output after them."""
+    ranks = hvd.size() if hvd.is_initialized() else 1
+    me = hvd.rank() if hvd.is_initialized() else 0
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3, 5), torch.randn(16, 3, 5)
+    net = torch.nn.Sequential(torch.nn.Conv1d(3, 3, 1), norm(3))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    if ranks > 1:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=net.named_parameters())
+    for _ in range(3):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(net(x[me::ranks]), y[me::ranks]).backward()
+        optimizer.step()
+    net.eval()
+    return {"state": net.state_dict(), "evaluated": net(x).detach()}
+
+
+def sync_batch_norm() -> dict:
+    hvd.init()
+    return _batch_norm_training(hvd.SyncBatchNorm)
+
+
+def test_sync_batch_norm_on_two_ranks_trains_as_batch_norm_on_the_whole_batch(ray_session):
+    alone = _batch_norm_training(torch.nn.BatchNorm1d)
+    for seen in hvd.run(sync_batch_norm, np=2, cpus_per_worker=0.5):
+        assert seen["state"].keys() == alone["state"].keys()
+        assert torch.equal(seen["state"]["1.num_batches_tracked"], torch.tensor(3))
+        for name, tensor in alone["state"].items():
+            assert torch.allclose(seen["state"][name].double(), tensor.double(), atol=1e-6), name
+        assert torch.allclose(seen["evaluated"], alone["evaluated"], atol=1e-5)
+
+
+def late_rank_one() -> float:
+    """How long this rank waited in the barrier; rank 1 comes a second late."""
+    hvd.init()
+    if hvd.rank() == 1:
+        time.sleep(1.0)
+    start = time.monotonic()
+    hvd.barrier()
+    return time.monotonic() - start
+
+
+def test_a_barrier_waits_for_every_rank(ray_session):
+    waited, _ = hvd.run(late_rank_one, np=2, cpus_per_worker=0.5)
+    assert waited >= 0.9  # rank 0 left when rank 1 came, not before
