@@ -44,6 +44,7 @@ from ringflow.horovod.collectives import (
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
+    join,
     poll,
     reducescatter,
     synchronize,
@@ -82,6 +83,7 @@ __all__ = [
     "elastic",
     "init",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
     "poll",
@@ -107,7 +109,6 @@ _LEFT_OUT = {
     "mpi_built": "MPI",
     "gloo_enabled": "Horovod's gloo controller (ringflow has its own rendezvous)",
     "nccl_built": "Horovod's NCCL build flag (ringflow's ring uses NCCL on GPUs by itself)",
-    "join": "join (not yet in ringflow.horovod)",
 }
 
 

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import io
 import pickle
-import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from ringflow.horovod import negotiation
 from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
+from ringflow.horovod.negotiation import agree
 
 __all__ = [
     "allgather",
     "barrier",
+    "join",
     "alltoall",
     "allgather_object",
     "allreduce",
@@ -44,6 +46,9 @@ class _Handle:
         self.result: torch.Tensor | None = None
 
 
+_in_flight: dict[str, _Handle] = {}  # this rank's async operations by name, not yet waited for
+
+
 def _op(average: bool | None, op: str | None) -> str:
     if average is not None and op is not None:
         raise HorovodError("allreduce takes average= or op=, not both")
@@ -52,79 +57,6 @@ def _op(average: bool | None, op: str | None) -> str:
     if op not in (Average, Sum):
         raise HorovodError(f"op {op!r} is not supported: ringflow's ring sums and averages")
     return op
-
-
-_DTYPES = (
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-)
-_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
-_MOST_DIMS = 8
-_in_flight: dict[str, _Handle] = {}  # the names of this rank's async operations not yet waited for
-
-
-def _agree(
-    kind: str,
-    tensor: torch.Tensor,
-    name: str | None,
-    *,
-    root: int = -1,
-    op: str = "",
-    first_dim_may_differ: bool = False,
-) -> None:
-    """Every rank asked for the same operation on a tensor of the same dtype and shape (all
-    dimensions but the first, where ``first_dim_may_differ``), from the same root, under the
-    same name where every rank gave one: what Horovod's coordinator checks before it runs an
-    operation. One small all-gather; the same error on every rank otherwise."""
-    if tensor.dtype not in _DTYPES:
-        raise HorovodError(f"{kind}: tensors of {tensor.dtype} are not supported")
-    if tensor.dim() > _MOST_DIMS:
-        raise HorovodError(f"{kind}: tensors of more than {_MOST_DIMS} dimensions")
-    if size() == 1:
-        return
-    shape = list(tensor.shape) + [-1] * (_MOST_DIMS - tensor.dim())
-    named = zlib.crc32(name.encode()) if name else -1
-    told = [_KINDS.index(kind), _DTYPES.index(tensor.dtype), tensor.dim(), *shape, root]
-    told += [(Average, Sum, "").index(op), named]
-    every = torch.stack(ring().all_gather(torch.tensor(told, dtype=torch.int64))).tolist()
-    if first_dim_may_differ:
-        for row in every:
-            row[3] = 0
-    differ = [r for r, row in enumerate(every) if row[:-1] != every[0][:-1]]
-    if named >= 0 and all(row[-1] >= 0 for row in every):
-        differ += [r for r, row in enumerate(every) if row[-1] != every[0][-1]]
-    if not differ:
-        return
-    other = every[differ[0]]
-    field = next(i for i, (a, b) in enumerate(zip(every[0], other, strict=True)) if a != b)
-    if _FIELDS[field] == "name":
-        told = f"rank 0 and rank {differ[0]} gave it different names"
-    else:
-        told = f"rank 0 has {_described(every[0], field)}, rank {differ[0]} has "
-        told += _described(other, field)
-    kind += f" {name!r}" if name else ""
-    raise HorovodError(f"{kind}: the ranks disagree on the {_FIELDS[field]}: {told}")
-
-
-_FIELDS = ("operation", "dtype", "number of dimensions", *["shape"] * _MOST_DIMS)
-_FIELDS += ("root rank", "op", "name")
-
-
-def _described(row: list[int], field: int) -> str:
-    if field == 0:
-        return _KINDS[row[0]]
-    if field == 1:
-        return str(_DTYPES[row[1]])
-    if _FIELDS[field] == "shape":
-        return str(tuple(row[3 : 3 + row[2]]))
-    return str(row[field])
 
 
 def allreduce_async_(
@@ -146,7 +78,7 @@ def allreduce_async_(
     op = _op(average, op)
     if name is not None and name in _in_flight and _in_flight[name].result is None:
         raise ValueError(f"allreduce {name!r}: an operation of that name is still in flight")
-    _agree("allreduce", tensor, name, op=op)
+    agree("allreduce", tensor, name, op=op)
     handle = _reduce(tensor, op, prescale_factor, postscale_factor)
     if name is not None:
         _in_flight[name] = handle
@@ -207,7 +139,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
     """Replace ``tensor`` by rank ``root_rank``'s; return it."""
     if not 0 <= root_rank < size():
         raise HorovodError(f"broadcast: root_rank {root_rank} is not one of the {size()} ranks")
-    _agree("broadcast", tensor, name, root=root_rank)
+    agree("broadcast", tensor, name, root=root_rank)
     flat = tensor.detach().reshape(-1).contiguous()
     ring().broadcast_(flat, src=root_rank)
     if flat.data_ptr() != tensor.data_ptr():
@@ -223,7 +155,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along the first dimension, in rank order; the
     first dimension may differ between ranks, the others may not."""
-    _agree("allgather", tensor, name, first_dim_may_differ=True)
+    agree("allgather", tensor, name, first_dim_may_differ=True)
     local = tensor.detach().contiguous()
     rows = torch.tensor([local.shape[0] if local.dim() else 1], dtype=torch.int64)
     counts = [int(n) for n in ring().all_gather(rows)]
@@ -240,7 +172,7 @@ def alltoall(
     """Rank ``r`` gets part ``r`` of every rank's ``tensor``, concatenated in rank order: the
     first dimension cut into ``splits`` rows per rank (equal parts by default). It travels as
     an all-gather over the ring (each rank receives every rank's whole tensor)."""
-    _agree("alltoall", tensor, name, first_dim_may_differ=True)
+    agree("alltoall", tensor, name, first_dim_may_differ=True)
     n, me = size(), ring().rank
     rows = tensor.shape[0]
     if splits is None:
@@ -267,7 +199,7 @@ def reducescatter(
     over the ranks: the first dimension cut into ``size()`` parts, the first ones a row
     longer where it does not divide, as Horovod's."""
     op = _op(None, op)
-    _agree("reducescatter", tensor, name, op=op)
+    agree("reducescatter", tensor, name, op=op)
     n, me = size(), ring().rank
     rows = tensor.shape[0]
     reduced = synchronize(_reduce(tensor.detach().clone(), op, 1.0, 1.0))
@@ -276,12 +208,42 @@ def reducescatter(
     return reduced[start : start + counts[me]].clone()
 
 
+def join(device: int = -1) -> int:
+    """This rank has no more data (Horovod's ``hvd.join``): until every rank has joined it
+    takes part in the others' all-reduces with zeros (their averages still divide by every
+    rank) and broadcasts; returns the rank that joined last. An allgather or alltoall while
+    a rank has joined raises on the ranks that asked for it, as in Horovod."""
+    if size() == 1:
+        return 0
+    first = 1
+    while True:
+        row = negotiation.describe("join", None, None, -1, "")
+        row[1], first = first, 0  # the round this rank joined in
+        every = negotiation.exchange(row)
+        active = [theirs for theirs in every if theirs[0] != negotiation.JOINED]
+        if not active:
+            return max(r for r, theirs in enumerate(every) if theirs[1] == 1)
+        _with_zeros(active[0])
+
+
+def _with_zeros(row: list[int]) -> None:
+    """Take part in the operation the ranks still training described in ``row``."""
+    kind = negotiation.KINDS[row[0]]
+    if kind not in ("allreduce", "reducescatter", "broadcast"):
+        return  # a step's first row, or an operation the others refuse while one has joined
+    dtype = negotiation.DTYPES[row[1]]
+    zeros = torch.zeros(row[3 : 3 + row[2]], dtype=dtype).reshape(-1)
+    if kind == "broadcast":
+        ring().broadcast_(zeros, src=row[3 + negotiation.MOST_DIMS])
+    else:
+        _reduce(zeros, Sum, 1.0, 1.0).work.wait()
+
+
 def barrier(process_set: Any = None) -> None:
     """Wait until every rank got here (Horovod's ``hvd.barrier``; process sets refused)."""
     if process_set is not None:
         raise HorovodError("barrier takes no process_set: process sets are not supported")
-    if size() > 1:
-        synchronize(_reduce(torch.zeros(1), Sum, 1.0, 1.0))
+    allreduce(torch.zeros(1), op=Sum)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ringflow.horovod import negotiation
 from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
 from ringflow.horovod.collectives import _reduce, allgather_object, synchronize
 
@@ -80,7 +81,7 @@ class _Distributed:
                     f"named_parameters lacks {len(missing)} of the optimizer's parameters: "
                     "pass model.named_parameters() of the model the optimizer steps"
                 )
-        self._names, self._agreed = by_id, None
+        self._names, self._agreed, self._joined = by_id, None, None
         self._compression, self._op = compression, op
         self._passes, self._predivide = backward_passes_per_step, gradient_predivide_factor
         self._counts = {p: 0 for p in params if p.requires_grad}
@@ -100,6 +101,8 @@ class _Distributed:
         if self._agreed is not ring():  # the first reduction on these ranks: agree first
             _agree_on_parameters(list(self._counts), self._names)
             self._agreed = ring()
+        if self._joined is None:  # the step's first reduction: has a rank joined?
+            self._joined = negotiation.step()
         if param in self._handles:
             raise HorovodError(
                 "a gradient was reduced twice before the optimizer stepped: call "
@@ -110,6 +113,8 @@ class _Distributed:
         op, pre, post = self._op, 1.0, 1.0
         if self._op == Average and self._predivide != 1.0:
             op, pre, post = Sum, 1.0 / self._predivide, self._predivide / size()
+        if self._joined:  # the joined ranks take part with zeros of this shape
+            negotiation.agree("allreduce", wire, None, op=op)
         self._handles[param] = (_reduce(wire, op, pre, post), ctx)
 
     def _forget_a_lost_ring(self) -> None:
@@ -118,7 +123,7 @@ class _Distributed:
         if self._ring is not ring():
             self._handles.clear()
             self._counts = dict.fromkeys(self._counts, 0)
-            self._ring = ring()
+            self._ring, self._joined = ring(), None
 
     def synchronize(self) -> None:
         """Wait until every gradient is averaged over the ranks (before clipping them)."""
@@ -135,6 +140,7 @@ class _Distributed:
             )
         self._handles.clear()
         self._counts = dict.fromkeys(self._counts, 0)
+        self._joined = None
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

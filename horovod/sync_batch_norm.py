@@ -17,6 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ringflow.horovod.basics import Sum, size
 from ringflow.horovod.collectives import _reduce, synchronize
+from ringflow.horovod.negotiation import agree
 
 __all__ = ["SyncBatchNorm"]
 
@@ -56,6 +57,7 @@ class SyncBatchNorm(_BatchNorm):
 def _summed(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """Each of ``tensors`` summed over the ranks, in one all-reduce."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
+    agree("allreduce", flat, None, op=Sum)  # a joined rank takes part with zeros
     summed = synchronize(_reduce(flat, Sum, 1.0, 1.0))
     return list(summed.split([t.numel() for t in tensors]))
 

@@ -224,3 +224,54 @@ def late_rank_one() -> float:
 def test_a_barrier_waits_for_every_rank(ray_session):
     waited, _ = hvd.run(late_rank_one, np=2, cpus_per_worker=0.5)
     assert waited >= 0.9  # rank 0 left when rank 1 came, not before
+
+
+def uneven() -> dict:
+    """Rank 0 has 3 batches, rank 1 has 5: each trains on its own and then joins."""
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    batches = _uneven_batches()[hvd.rank()]
+    for x, y in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    summed = hvd.allreduce(torch.ones(2), op=hvd.Sum) if hvd.rank() == 1 else None
+    last = hvd.join()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=last)  # Horovod's pattern
+    return {"weights": model.state_dict(), "last": last, "summed": summed}
+
+
+def _uneven_batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(7)
+    return [
+        [(torch.randn(4, 4, generator=generator), torch.randn(4, 1, generator=generator))] * n
+        for n in (3, 5)
+    ]
+
+
+def test_join_lets_a_rank_with_less_data_finish_while_the_other_goes_on(ray_session):
+    """Horovod's join: the joined rank's gradients count as zeros in the average (over both
+    ranks); after join, the weights of the rank that joined last are broadcast."""
+    first, second = hvd.run(uneven, np=2, cpus_per_worker=0.5)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = _uneven_batches()
+    for step in range(5):
+        optimizer.zero_grad()
+        losses = [
+            torch.nn.functional.mse_loss(model(x), y)
+            for x, y in (b[step] for b in batches if step < len(b))
+        ]
+        (sum(losses) / 2).backward()  # the average over both ranks, a joined one giving zeros
+        optimizer.step()
+    for seen in (first, second):
+        assert seen["last"] == 1
+        for name, tensor in model.state_dict().items():
+            assert torch.allclose(seen["weights"][name], tensor, atol=1e-6), name
+    assert second["summed"].tolist() == [1.0, 1.0]  # rank 0, joined, gave zeros
