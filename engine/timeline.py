@@ -37,6 +37,7 @@ import torch
 
 __all__ = [
     "LANES",
+    "WallClock",
     "SPAN_KINDS",
     "UNTIMED",
     "TimelineSummary",
@@ -76,7 +77,7 @@ class _Done:
         self.ns: int | None = None
 
 
-class _WallClock:
+class WallClock:
     """Host time for CPU workers; collectives' completions stamped by a waiting thread.
 
     The thread waits for each launched collective in launch order (``CollectiveWork.wait``
@@ -245,7 +246,7 @@ class WorkerTimeline:
         self._per_epoch = steps_per_epoch
         self._first, self._end = warmup, warmup + steps
         self._seen = 0
-        self._clock: _WallClock | _CudaClock | None = None
+        self._clock: WallClock | _CudaClock | None = None
         self._steps: list[_Step] = []
         self._open: dict[str, Any] = {}
         self._current: _Step | None = None
@@ -265,7 +266,7 @@ class WorkerTimeline:
             self._current = None
             return UNTIMED
         if self._clock is None:
-            self._clock = _CudaClock(self._device) if self._device.type == "cuda" else _WallClock()
+            self._clock = _CudaClock(self._device) if self._device.type == "cuda" else WallClock()
         self._current = _Step(epoch * self._per_epoch + step)
         self._steps.append(self._current)
         self._open = {"step": self._clock.now()}

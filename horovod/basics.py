@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from ringflow.engine.errors import CollectiveError
 from ringflow.horovod.membership import SOCKET, ask
+from ringflow.horovod.timeline import TIMELINE, TimedRing
 
 __all__ = [
     "Average",
@@ -91,7 +93,11 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         init_method=ranks.address,
         timeout_s=ranks.timeout_s,
     )
+    if os.environ.get(TIMELINE):
+        _ring = TimedRing(_ring, ranks.rank, os.environ[TIMELINE], ranks.generation)
     _ranks = ranks
+    atexit.unregister(shutdown)  # registered once, however often init is called
+    atexit.register(shutdown)  # as Horovod's: a script need not call it
 
 
 def _from_environment() -> _Ranks:

@@ -16,6 +16,7 @@ import torch
 from ringflow.horovod import negotiation
 from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
 from ringflow.horovod.negotiation import agree
+from ringflow.horovod.timeline import naming
 
 __all__ = [
     "allgather",
@@ -79,7 +80,8 @@ def allreduce_async_(
     if name is not None and name in _in_flight and _in_flight[name].result is None:
         raise ValueError(f"allreduce {name!r}: an operation of that name is still in flight")
     agree("allreduce", tensor, name, op=op)
-    handle = _reduce(tensor, op, prescale_factor, postscale_factor)
+    with naming(name):
+        handle = _reduce(tensor, op, prescale_factor, postscale_factor)
     if name is not None:
         _in_flight[name] = handle
     return handle

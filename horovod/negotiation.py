@@ -15,6 +15,7 @@ import zlib
 import torch
 
 from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
+from ringflow.horovod.timeline import naming
 
 __all__ = ["JOINED", "agree", "step"]
 
@@ -39,7 +40,9 @@ _WIDTH = len(_FIELDS)
 
 def exchange(row: list[int]) -> list[list[int]]:
     """Every rank's ``row``, in rank order."""
-    return torch.stack(ring().all_gather(torch.tensor(row, dtype=torch.int64))).tolist()
+    with naming("negotiate"):
+        every = ring().all_gather(torch.tensor(row, dtype=torch.int64))
+    return torch.stack(every).tolist()
 
 
 def describe(kind: str, tensor: torch.Tensor | None, name: str | None, root: int, op: str):

@@ -11,6 +11,7 @@ import torch
 from ringflow.horovod import negotiation
 from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
 from ringflow.horovod.collectives import _reduce, allgather_object, synchronize
+from ringflow.horovod.timeline import naming
 
 __all__ = ["Compression", "DistributedOptimizer"]
 
@@ -115,7 +116,8 @@ class _Distributed:
             op, pre, post = Sum, 1.0 / self._predivide, self._predivide / size()
         if self._joined:  # the joined ranks take part with zeros of this shape
             negotiation.agree("allreduce", wire, None, op=op)
-        self._handles[param] = (_reduce(wire, op, pre, post), ctx)
+        with naming((self._names or {}).get(id(param))):
+            self._handles[param] = (_reduce(wire, op, pre, post), ctx)
 
     def _forget_a_lost_ring(self) -> None:
         """Drop the reductions of a ring that lost a rank (``@hvd.elastic.run`` rolled back

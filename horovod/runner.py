@@ -418,8 +418,8 @@ def _results(refs: list[Any]) -> list[Any]:
     return ray.get(refs)
 
 
-_NOT_YET = ("--timeline-filename", "-H", "--hosts")
-"""horovodrun's flags ringflow-run refuses for now (the timeline, host lists)."""
+_NOT_YET = ("-H", "--hosts")
+"""horovodrun's flags ringflow-run refuses: host lists (the ranks go where Ray places them)."""
 
 
 def _dest(flag: str) -> str:
@@ -448,6 +448,11 @@ def _parser() -> argparse.ArgumentParser:
         default=10,
         help="an elastic run: most workers started in place of lost ones",
     )
+    parser.add_argument(
+        "--timeline-filename",
+        default=None,
+        help="write a Chrome trace of every rank's collectives here",
+    )
     for flag in _NOT_YET:
         parser.add_argument(flag, dest=_dest(flag), default=None)
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -462,15 +467,27 @@ def main(argv: list[str] | None = None) -> int:
     given = [flag for flag in _NOT_YET if getattr(args, _dest(flag))]
     if given:
         print(
-            f"error: ringflow-run does not take {given[0]} yet: "
-            "the timeline and host lists are not in ringflow.horovod yet "
-            "(the ranks go where Ray places them)",
+            f"error: ringflow-run does not take {given[0]}: host lists are not in "
+            "ringflow.horovod (the ranks go where Ray places them)",
             file=sys.stderr,
         )
         return 2
     if not args.command or args.np < 1:
         print("error: give -np N (1 or more) and the command to run", file=sys.stderr)
         return 2
+    if args.timeline_filename is None:
+        return _main(args)
+    from ringflow.horovod.timeline import TIMELINE, merge
+
+    path = os.path.abspath(args.timeline_filename)
+    os.environ[TIMELINE] = path  # handed to the ranks with the other RINGFLOW_* variables
+    try:
+        return _main(args)
+    finally:
+        print(f"ringflow-run: the timeline of {merge(path)} ranks is in {path}", file=sys.stderr)
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.min_np is not None or args.max_np is not None:
         return _main_elastic(args)
     import ray

@@ -191,9 +191,9 @@ def test_ringflow_run_exits_with_the_first_failing_ranks_status():
 def test_ringflow_run_refuses_what_it_does_not_take_yet_in_one_line(capsys):
     from ringflow.horovod.runner import main
 
-    assert main(["-np", "2", "--timeline-filename", "t.json", "python", "x.py"]) == 2
+    assert main(["-np", "2", "--hosts", "a:1,b:1", "python", "x.py"]) == 2
     said = capsys.readouterr().err
-    assert said.startswith("error: ringflow-run does not take --timeline-filename yet: the")
+    assert said.startswith("error: ringflow-run does not take --hosts: host lists are not")
     assert said.count("\n") == 1
     assert main(["-np", "2", "--min-np", "3", "python", "x.py"]) == 2
     said = capsys.readouterr().err
@@ -301,3 +301,27 @@ def test_the_horovod_train_flow_fails_once_with_the_scripts_status_and_no_retry(
     assert f"error: the run ended Failed: ScriptFailed: {SCRIPT} exited with status 3" in said
     assert "[1] giving up" in done.stdout + done.stderr
     assert (done.stdout + done.stderr).count("Beginning flow run") == 1
+
+
+@pytest.mark.integration
+def test_the_timeline_holds_every_ranks_collectives_named_after_the_gradients(tmp_path):
+    trace = tmp_path / "timeline.json"
+    script = Path(__file__).parent / "horovod_scripts" / "elastic_linear.py"
+    done = _ringflow_run(
+        *("-np", "2", "--cpus-per-worker", "0.5", "--timeline-filename", str(trace)),
+        *(sys.executable, str(script), "--out", str(tmp_path / "w.pt"), "--epochs", "1"),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"ringflow-run: the timeline of 2 ranks is in {trace}" in done.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert [p.name for p in tmp_path.iterdir() if ".rank-" in p.name] == []  # merged
+    names = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert names == {"rank 0", "rank 1"}
+    spans = [e for e in events if e["ph"] == "X"]
+    for rank in (0, 1):  # 8 steps, a weight and a bias each
+        reduced = [e["name"] for e in spans if e["pid"] == rank and e["cat"] == "allreduce"]
+        assert sorted(set(reduced)) == ["bias", "weight"]
+        assert len(reduced) == 16
+    assert {e["cat"] for e in spans} >= {"allreduce", "broadcast", "negotiate"}
+    assert all(e["dur"] >= 0 for e in spans)
+    assert [e["ts"] for e in spans] == sorted(e["ts"] for e in spans)
