@@ -314,6 +314,9 @@ class _Elastic:
         ray.kill(self.membership)
 
 
+_ALL_LOST = "every worker was lost, and no more may start in their place (the reset limit)"
+
+
 def _follow_elastic(run: _Elastic, command: list[str]) -> int:
     """``_follow`` for an elastic run: a worker killed by a signal (or whose actor died) is
     lost, the ranks left go on and a worker starts in its place; one that exits with an
@@ -384,6 +387,8 @@ def _results_elastic(run: _Elastic, fn: Callable[..., Any], args: tuple, kwargs:
                 raise RankFailedError(int(name), err) from None
             run.ended(name)
             results[rank] = result
+    if not run.finished:
+        raise RuntimeError(_ALL_LOST)
     return [results[rank] for rank in sorted(results)]
 
 
@@ -517,9 +522,13 @@ def _main_elastic(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        return _follow_elastic(run, args.command)
+        status = _follow_elastic(run, args.command)
     finally:
         run.stop()
+    if status == 0 and not run.finished:
+        print(f"ringflow-run: {_ALL_LOST}", file=sys.stderr)
+        return 1
+    return status
 
 
 def _follow(ranks: list[Any]) -> int:

@@ -305,3 +305,17 @@ def test_horovod_run_with_min_np_goes_on_through_a_lost_rank_and_takes_a_new_one
     assert survivor["sizes"][-1] == 2
     for result in results:
         assert relative_difference(result["weights"], alone["weights"]) < 1e-6
+
+
+@pytest.mark.integration
+def test_an_elastic_run_whose_every_worker_is_lost_past_the_reset_limit_fails(tmp_path):
+    script = tmp_path / "dies.py"
+    script.write_text(
+        "import os, signal\nimport ringflow.horovod as hvd\nhvd.init()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    run = _Run("-np", "1", "--min-np", "1", "--reset-limit", "1", sys.executable, str(script))
+    assert run.finish() == 1
+    text = run.text()
+    assert text.count("lost (killed by signal 9)") == 2  # the first, and the one in its place
+    assert "ringflow-run: every worker was lost, and no more may start in their place" in text
