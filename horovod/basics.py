@@ -96,8 +96,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     if os.environ.get(TIMELINE):
         _ring = TimedRing(_ring, ranks.rank, os.environ[TIMELINE], ranks.generation)
     _ranks = ranks
-    atexit.unregister(shutdown)  # registered once, however often init is called
-    atexit.register(shutdown)  # as Horovod's: a script need not call it
+    atexit.unregister(_at_exit)  # registered once, however often init is called
+    atexit.register(_at_exit)
 
 
 def _from_environment() -> _Ranks:
@@ -147,6 +147,14 @@ def hosts_updated() -> bool:
     if waiting:
         waiting = bool(ask({"op": "updated", "generation": known.generation}))
     return bool(broadcast_object(waiting, root_rank=0)) if known.size > 1 else waiting
+
+
+def _at_exit() -> None:
+    """A script need not call ``shutdown``: its timeline is written at exit anyway. The ring
+    stays open until the process ends, so the others see this rank's exit, not a shutdown
+    racing it (the launcher reports the rank that exited first)."""
+    if isinstance(_ring, TimedRing):
+        _ring.write()
 
 
 def shutdown() -> None:

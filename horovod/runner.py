@@ -86,6 +86,12 @@ class _Rank:
     def _read(self) -> None:
         for line in self._process.stdout:
             self._lines.append(line)
+        self._process.wait()
+        self._ended = time.time()  # host time: the launcher compares ranks' exits
+
+    def ended(self) -> float:
+        """When the command exited (after :meth:`output` gave its status)."""
+        return self._ended
 
     def output(self) -> tuple[list[str], int | None]:
         """The lines written since the last call, and the exit status once it ended (after
@@ -537,6 +543,7 @@ def _follow(ranks: list[Any]) -> int:
 
     running = set(range(len(ranks)))
     while running:
+        failed = []  # (when, rank, status): the others fail soon after the first, in order
         for index in sorted(running):
             lines, status = ray.get(ranks[index].output.remote())
             for line in lines:
@@ -546,9 +553,12 @@ def _follow(ranks: list[Any]) -> int:
                 continue
             running.discard(index)
             if status != 0:
-                ray.get([ranks[i].stop.remote() for i in running])
-                print(f"ringflow-run: rank {index} exited with status {status}", file=sys.stderr)
-                return status if status > 0 else 128 - status  # killed by a signal
+                failed.append((ray.get(ranks[index].ended.remote()), index, status))
+        if failed:
+            _, index, status = min(failed)
+            ray.get([ranks[i].stop.remote() for i in running])
+            print(f"ringflow-run: rank {index} exited with status {status}", file=sys.stderr)
+            return status if status > 0 else 128 - status  # killed by a signal
         time.sleep(0.05)
     return 0
 

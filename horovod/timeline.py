@@ -58,12 +58,13 @@ class TimedRing:
         )
         self._clock = WallClock()
         self._offset = time.time_ns() - time.perf_counter_ns()  # a host clock for all ranks
-        self._spans: list[tuple[str, str, int, Any, int]] = []
+        self._spans: list[tuple[str, str, int, Any, int]] | None = []
         self.rank, self.world_size = ring.rank, ring.world_size
 
     def _span(self, kind: str, tensor: torch.Tensor, start: int, end: Any) -> None:
         name = getattr(_names, "name", None) or kind
-        self._spans.append((kind, name, start, end, tensor.numel() * tensor.element_size()))
+        if self._spans is not None:  # None once written
+            self._spans.append((kind, name, start, end, tensor.numel() * tensor.element_size()))
 
     def allreduce_async_(self, tensor: torch.Tensor, **kwargs: Any) -> Any:
         start = self._clock.now()
@@ -85,6 +86,13 @@ class TimedRing:
         return out
 
     def close(self) -> None:
+        self.write()
+        self._ring.close()
+
+    def write(self) -> None:
+        """Write this rank's spans so far (once; later calls write nothing)."""
+        if self._spans is None:
+            return
         self._clock.settle()
         self._clock.close()
         events = []
@@ -106,7 +114,7 @@ class TimedRing:
             )
         with open(self._file, "w") as f:
             json.dump({"traceEvents": events}, f)
-        self._ring.close()
+        self._spans = None
 
     def __getattr__(self, name: str) -> Any:  # everything else is the ring's
         return getattr(self._ring, name)
