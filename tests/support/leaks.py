@@ -47,6 +47,8 @@ _BENIGN_ENV = {
     "CRC32C_SW_MODE": "tensorboardX sets it when first imported",
     "PYTORCH_NVML_BASED_CUDA_CHECK": "Lightning sets it when first imported",
     "TORCHINDUCTOR_CACHE_DIR": "Lightning sets it when first imported",
+    "KMP_DUPLICATE_LIB_OK": "scikit-learn and joblib set it when first imported",
+    "KMP_INIT_AT_FORK": "scikit-learn and joblib set it when first imported",
 }
 """Variables a library sets for itself when a test first uses it; changing them is not a
 test's doing."""
