@@ -298,9 +298,8 @@ def test_the_horovod_train_flow_fails_once_with_the_scripts_status_and_no_retry(
     )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     said = done.stderr.strip().splitlines()
-    assert f"error: the run ended Failed: ScriptFailed: {SCRIPT} exited with status 3" in said, (
-        [line for line in said if "] " in line and "Task run" in line][-12:]
-    )
+    failed = f"error: the run ended Failed: ScriptFailed: {SCRIPT} exited with status 3"
+    assert failed in said, said[-12:]
     assert "[1] giving up" in done.stdout + done.stderr
     assert (done.stdout + done.stderr).count("Beginning flow run") == 1
 
