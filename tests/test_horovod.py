@@ -157,16 +157,21 @@ def test_what_horovod_has_and_ringflow_does_not_is_refused_by_name():
 SCRIPT = Path(__file__).parent / "horovod_scripts" / "average.py"
 
 
-def _ringflow_run(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
+def _python(*args: str) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repository root, on a private Ray of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return subprocess.run(
-        [sys.executable, "-m", "ringflow.horovod.runner", *args],
+        [sys.executable, *args],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
         cwd=Path(__file__).parents[1],
     )
+
+
+def _ringflow_run(*args: str) -> subprocess.CompletedProcess:
+    return _python("-m", "ringflow.horovod.runner", *args)
 
 
 @pytest.mark.integration
@@ -240,15 +245,7 @@ def test_horovods_synthetic_benchmark_runs_under_ringflow_run_with_its_imports_c
 def test_horovods_mnist_example_runs_through_its_own_horovod_run():
     """``--num-proc 2``: the script calls ``horovod.run(main, ..., hosts=None,
     use_gloo=None, use_mpi=None)`` itself."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(
-        [sys.executable, str(MNIST), "--num-proc", "2", *MNIST_ARGS],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=Path(__file__).parents[1],
-    )
+    done = _python(str(MNIST), "--num-proc", "2", *MNIST_ARGS)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Running training through horovod.run" in done.stdout
 
@@ -262,13 +259,9 @@ def test_horovod_run_refuses_what_it_cannot_honour_by_name():
 
 @pytest.mark.integration
 def test_the_synthetic_benchmark_against_ddp_prints_its_table_and_ratio():
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.horovod_synthetic", "--image-size", "32"]
-        + ["--batch-size", "2", "--steps", "2", "--warmup", "1", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).parents[1],
+    done = _python(
+        *("-m", "bench.horovod_synthetic", "--image-size", "32", "--batch-size", "2"),
+        *("--steps", "2", "--warmup", "1", "--repeats", "1"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
@@ -285,16 +278,10 @@ def test_the_synthetic_benchmark_against_ddp_prints_its_table_and_ratio():
 def test_the_horovod_train_flow_fails_once_with_the_scripts_status_and_no_retry(tmp_path):
     """Run locally with no server: a rank's error fails the flow run at once, naming the
     script and its status, without a second start."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run(
-        [sys.executable, "-m", "ringflow.flows.horovod_train", "--script", str(SCRIPT)]
-        + ["--args", '["--fail-rank", "1"]', "--np", "2", "--cpus-per-worker", "0.5"]
-        + ["--storage-url", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=Path(__file__).parents[1],
+    done = _python(
+        *("-m", "ringflow.flows.horovod_train", "--script", str(SCRIPT), "--np", "2"),
+        *("--args", '["--fail-rank", "1"]', "--cpus-per-worker", "0.5"),
+        *("--storage-url", str(tmp_path)),
     )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     said = done.stderr.strip().splitlines()
