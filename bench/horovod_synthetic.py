@@ -3,7 +3,7 @@
 same processes, in one run.
 
 - ``ringflow.horovod``: the benchmark's own loop, ``hvd.DistributedOptimizer`` over our ring
-  (each gradient's all-reduce started as backward accumulates it);
+  (gradients fused into 25 MiB buckets, each all-reduced as soon as backward fills it);
 - ``torch DDP``: ``DistributedDataParallel`` (gloo on CPU, NCCL on GPUs) around the same model.
 
 Each runs ``--repeats`` times in spawned processes (one per rank; one GPU each on CUDA),

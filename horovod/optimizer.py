@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
+from ringflow.engine.collective import CollectiveWork, GradientBuckets
 from ringflow.horovod import negotiation
 from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
 from ringflow.horovod.collectives import _reduce, allgather_object, synchronize
 from ringflow.horovod.timeline import naming
 
 __all__ = ["Compression", "DistributedOptimizer"]
+
+FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
+"""Horovod's variable for the bytes gradients are fused into per all-reduce (0: no fusion)."""
+DEFAULT_FUSION_BYTES = 25 << 20
+"""DDP's bucket size: each fills during backward and starts at once, so a small one overlaps
+more of backward than Horovod's 128 MiB (fused by whatever is ready each 1 ms cycle)."""
 
 
 class _NoneCompressor:
@@ -88,6 +96,10 @@ class _Distributed:
         self._counts = {p: 0 for p in params if p.requires_grad}
         self._handles: dict[torch.nn.Parameter, tuple[Any, Any]] = {}
         self._skip, self._ring = False, ring()
+        self._fusion_bytes = _fusion_bytes()
+        self._buckets: GradientBuckets | None = None
+        self._ready: set[torch.nn.Parameter] = set()
+        """The gradients in buckets this step."""
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self._counts
         ]
@@ -104,12 +116,16 @@ class _Distributed:
             self._agreed = ring()
         if self._joined is None:  # the step's first reduction: has a rank joined?
             self._joined = negotiation.step()
-        if param in self._handles:
+        if param in self._handles or param in self._ready:
             raise HorovodError(
                 "a gradient was reduced twice before the optimizer stepped: call "
                 "optimizer.synchronize() before a second backward, or raise "
                 "backward_passes_per_step"
             )
+        if not self._joined and self._fusion_bytes:  # fused (a joined rank sends zeros by shape)
+            self._ready.add(param)
+            self._fuse(param)
+            return
         wire, ctx = self._compression.compress(param.grad)
         op, pre, post = self._op, 1.0, 1.0
         if self._op == Average and self._predivide != 1.0:
@@ -119,17 +135,52 @@ class _Distributed:
         with naming((self._names or {}).get(id(param))):
             self._handles[param] = (_reduce(wire, op, pre, post), ctx)
 
+    def _fuse(self, param: torch.nn.Parameter) -> None:
+        """Reduce ``param``'s gradient in its bucket, which starts once every gradient in it
+        (and every bucket before it) is ready: as DDP's buckets and Horovod's tensor fusion."""
+        if self._buckets is None:  # the first step on this ring
+            params = list(self._counts)
+            fused = _Fused(ring(), self._compression, params, self._names)
+            self._buckets = GradientBuckets(
+                params, fused, bucket_bytes=self._fusion_bytes, hooks=False
+            )
+            fused.name(self._buckets.groups)
+        if not self._buckets.active:  # the step's first gradient
+            if self._op == Average and self._predivide == 1.0:
+                self._buckets.start(average=True)
+            else:
+                self._buckets.start(weight=1.0 / self._predivide)
+        self._buckets.ready(param)
+
+    def _fused(self) -> None:
+        """Wait for the buckets (started where backward did not reach): sums in ``.grad``."""
+        if self._buckets is None or not self._buckets.active:
+            return
+        self._buckets.finish()
+        if self._op == Sum or self._predivide == 1.0:
+            return
+        post = self._predivide / size()
+        for group, _ in self._buckets.groups:
+            for param in group:
+                if param.grad is not None:
+                    param.grad.mul_(post)
+
     def _forget_a_lost_ring(self) -> None:
         """Drop the reductions of a ring that lost a rank (``@hvd.elastic.run`` rolled back
         and formed a new one): their step is gone with it."""
         if self._ring is not ring():
+            if self._buckets is not None:  # its buffers belong to the ring that is gone
+                self._buckets.close()
+                self._buckets = None
             self._handles.clear()
+            self._ready.clear()
             self._counts = dict.fromkeys(self._counts, 0)
             self._ring, self._joined = ring(), None
 
     def synchronize(self) -> None:
         """Wait until every gradient is averaged over the ranks (before clipping them)."""
         self._forget_a_lost_ring()
+        self._fused()
         for param, (handle, ctx) in self._handles.items():
             reduced = self._compression.decompress(synchronize(handle), ctx)
             if reduced.data_ptr() != param.grad.data_ptr():
@@ -141,6 +192,7 @@ class _Distributed:
                 f"({self._passes}) backward passes when the optimizer stepped"
             )
         self._handles.clear()
+        self._ready.clear()
         self._counts = dict.fromkeys(self._counts, 0)
         self._joined = None
 
@@ -160,12 +212,82 @@ class _Distributed:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._forget_a_lost_ring()
-        if self._handles:
+        if self._handles or (self._buckets is not None and self._buckets.active):
             raise HorovodError(
                 "zero_grad with gradients still being averaged: call optimizer.step() or "
                 "optimizer.synchronize() first"
             )
         return super().zero_grad(set_to_none=set_to_none)
+
+
+class _Fused:
+    """The collective the buckets reduce through: the ring, each bucket compressed as the
+    optimizer's ``compression`` says and named in the timeline after its gradients."""
+
+    def __init__(
+        self,
+        ring: Any,
+        compression: Any,
+        params: list[torch.nn.Parameter],
+        names: dict[int, str] | None,
+    ) -> None:
+        self._ring, self._compression = ring, compression
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._names, self._labels = names, {}
+
+    def name(self, groups: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+        """Label each bucket's buffer after the gradients it holds."""
+        for params, buffer in groups:
+            named = [
+                (self._names or {}).get(id(p), f"gradient {self._index[id(p)]}") for p in params
+            ]
+            label = ", ".join(named)
+            if len(named) > 3:
+                label = f"{named[0]} ... {named[-1]} ({len(named)} gradients)"
+            self._labels[buffer.data_ptr()] = label
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self._ring.empty(numel, dtype, device)
+
+    def allreduce_async_(self, buffer: torch.Tensor, *, op: str = "sum") -> CollectiveWork:
+        wire, ctx = self._compression.compress(buffer)
+        with naming(self._labels.get(buffer.data_ptr())):
+            work = self._ring.allreduce_async_(wire, op=op)
+        if wire.data_ptr() == buffer.data_ptr():
+            return work
+        return _Decompressed(work, buffer, ctx, self._compression)
+
+
+class _Decompressed(CollectiveWork):
+    """A compressed bucket's all-reduce; waited, its result is back in the bucket."""
+
+    def __init__(self, work: CollectiveWork, buffer: torch.Tensor, ctx: Any, compression: Any):
+        self._work, self._buffer, self._ctx, self._compression = work, buffer, ctx, compression
+
+    def wait(self) -> torch.Tensor:
+        reduced = self._compression.decompress(self._work.wait(), self._ctx)
+        if reduced.data_ptr() != self._buffer.data_ptr():
+            self._buffer.copy_(reduced)
+        return self._buffer
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def _fusion_bytes() -> int:
+    """``HOROVOD_FUSION_THRESHOLD`` in bytes, or DDP's 25 MiB; 0 turns fusion off."""
+    value = os.environ.get(FUSION_THRESHOLD)
+    if value is None:
+        return DEFAULT_FUSION_BYTES
+    try:
+        fusion = int(value)
+    except ValueError:
+        fusion = -1
+    if fusion < 0:
+        raise HorovodError(
+            f"{FUSION_THRESHOLD} must be a number of bytes (0 or more), got {value!r}"
+        )
+    return fusion
 
 
 def _agree_on_parameters(params: list[torch.nn.Parameter], names: dict[int, str] | None) -> None:

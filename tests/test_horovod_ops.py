@@ -275,3 +275,78 @@ def test_join_lets_a_rank_with_less_data_finish_while_the_other_goes_on(ray_sess
         for name, tensor in model.state_dict().items():
             assert torch.allclose(seen["weights"][name], tensor, atol=1e-6), name
     assert second["summed"].tolist() == [1.0, 1.0]  # rank 0, joined, gave zeros
+
+
+def fused_training(fusion: str, options: dict) -> dict:
+    """Three Adam steps of a 3-layer MLP on this rank's half of a batch, with
+    ``HOROVOD_FUSION_THRESHOLD=fusion`` (bytes); the weights and the elements each all-reduce
+    of the gradients carried."""
+    import os
+
+    os.environ["HOROVOD_FUSION_THRESHOLD"] = fusion
+    hvd.init()
+    from ringflow.horovod.basics import ring as current_ring
+
+    ring, sizes = current_ring(), []
+    launch = ring.allreduce_async_
+
+    def counted(tensor, **kwargs):
+        sizes.append(tensor.numel())
+        return launch(tensor, **kwargs)
+
+    ring.allreduce_async_ = counted
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    net.append(torch.nn.Tanh()).append(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    optimizer = hvd.DistributedOptimizer(optimizer, net.named_parameters(), **options)
+    x, y = torch.randn(16, 6), torch.randn(16, 1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        mine = slice(hvd.rank() * 8, hvd.rank() * 8 + 8)
+        torch.nn.functional.mse_loss(net(x[mine]), y[mine]).backward()
+        optimizer.step()
+    return {"state": net.state_dict(), "sizes": sizes}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"gradient_predivide_factor": 2.0},
+        {"op": hvd.Sum},
+        {"compression": hvd.Compression.fp16},
+    ],
+    ids=["average", "predivide", "sum", "fp16"],
+)
+def test_gradients_are_fused_into_buckets_with_the_weights_of_one_reduction_each(
+    ray_session, options
+):
+    """Horovod's tensor fusion: by default the MLP's 6 gradients (97 numbers) go as one
+    all-reduce a step; a threshold of 150 bytes closes a bucket once it holds 150 bytes or more;
+    0 turns fusion off (one all-reduce per gradient). Every way ends with the same weights."""
+    runs = {
+        fusion: hvd.run(fused_training, args=(fusion, options), np=2, cpus_per_worker=0.5)
+        for fusion in ("0", "150", str(25 << 20))
+    }
+    per_tensor = [1, 4, 4, 32, 8, 48]  # backward's order: the last layer's bias first
+    assert [r["sizes"] for r in runs["0"]] == [per_tensor * 3] * 2
+    assert [r["sizes"] for r in runs["150"]] == [[1 + 4 + 4 + 32, 8 + 48] * 3] * 2
+    assert [r["sizes"] for r in runs[str(25 << 20)]] == [[97] * 3] * 2
+    reference = runs["0"][0]["state"]
+    for fusion, ranks in runs.items():
+        for rank in ranks:
+            for name, tensor in rank["state"].items():
+                assert torch.allclose(tensor, reference[name], rtol=1e-6, atol=1e-7), (
+                    fusion,
+                    name,
+                )
+
+
+@pytest.mark.parametrize("value", ["lots", "-1"])
+def test_a_fusion_threshold_that_is_not_bytes_is_refused_in_one_line(monkeypatch, value):
+    from ringflow.horovod.optimizer import _fusion_bytes
+
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", value)
+    with pytest.raises(hvd.HorovodError, match="HOROVOD_FUSION_THRESHOLD must be a number of b"):
+        _fusion_bytes()

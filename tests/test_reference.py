@@ -42,12 +42,16 @@ def _documented() -> set[str]:
 
 
 def _environment_variables() -> dict[str, str]:
-    """``RINGFLOW_*`` variable -> the first file that reads or sets it."""
+    """``RINGFLOW_*`` variable (and Horovod's own, quoted, that ``ringflow.horovod`` reads)
+    -> the first file that reads or sets it."""
     found: dict[str, str] = {}
     for folder in CODE:
         for path in sorted((ROOT / folder).rglob("*")):
             if path.suffix in SUFFIXES and ".venv" not in path.parts:
-                for name in re.findall(r"\bRINGFLOW_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()):
+                text = path.read_text()
+                names = re.findall(r"\bRINGFLOW_[A-Z0-9_]*[A-Z0-9]\b", text)
+                names += re.findall(r"[\"'](HOROVOD_[A-Z0-9_]*[A-Z0-9])[\"']", text)
+                for name in names:
                     found.setdefault(name, str(path.relative_to(ROOT)))
     # SymmConfig's overrides are named from its fields (engine/config.py), not spelled out.
     found.update({name: "engine/config.py" for name in ENVIRONMENT_KNOBS if name not in found})

@@ -61,6 +61,8 @@ class GradientBuckets:
         params: the trainable parameters, in module order.
         collective: sums the buckets over the ranks.
         bucket_bytes: the size buckets fill up to.
+        hooks: register the hooks; without, the owner's own hooks call :meth:`ready` (an
+            owner that counts backward passes first, as Horovod's ``DistributedOptimizer``).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class GradientBuckets:
         collective: Collective,
         *,
         bucket_bytes: int = 25 << 20,
+        hooks: bool = True,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -79,7 +82,7 @@ class GradientBuckets:
             for index, bucket in enumerate(self._buckets)
             for slot, param in enumerate(bucket.params)
         }
-        self._hooks = [_hook(p, self._on_grad) for p in self._slots]
+        self._hooks = [_hook(p, self.ready) for p in self._slots] if hooks else []
         self._active = False
         self._weight, self._op = 1.0, "sum"
         self._works: list[CollectiveWork] = []
@@ -107,6 +110,16 @@ class GradientBuckets:
         self._works, self._active = [], True
         for bucket in self._buckets:
             bucket.filled = [False] * len(bucket.params)
+
+    @property
+    def active(self) -> bool:
+        """Between :meth:`start` and :meth:`finish`."""
+        return self._active
+
+    @property
+    def groups(self) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+        """Each bucket's parameters and its flat buffer, in the order they are reduced."""
+        return [(list(b.params), b.buffer) for b in self._buckets]
 
     @property
     def last_params(self) -> list[torch.Tensor]:
@@ -163,7 +176,8 @@ class GradientBuckets:
                     param.grad = param.grad.clone()
         self._buckets = []
 
-    def _on_grad(self, param: torch.Tensor) -> None:
+    def ready(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is accumulated: its bucket starts once full (in order)."""
         if not self._active:
             return
         index, slot = self._slots[param]
