@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -28,15 +27,15 @@ class ScriptFailed(RuntimeError):
 
 @task(name="run-horovod-script")
 def run_script(
-    script: str,
-    args: list[str],
+    program: list[str],
     *,
     np: int,
     launcher: list[str],
     storage_url: str,
     run_key: str,
 ) -> dict[str, Any]:
-    """Run ``script`` with ``args`` under ``ringflow-run -np np`` (and ``launcher``'s other
+    """Run ``program`` (``python train.py ARGS``, or ``python -m ringflow.horovod.call
+    package.module:train KWARGS``) under ``ringflow-run -np np`` (and ``launcher``'s other
     options); its ranks find the run's checkpoint store in ``RINGFLOW_HOROVOD_CHECKPOINTS``
     and ``RINGFLOW_HOROVOD_RUN_KEY`` (``ringflow.horovod.checkpoint``). Every line the ranks
     print is logged with its rank.
@@ -52,7 +51,7 @@ def run_script(
     me = {"flow_run": str(flow_run.get_id() or ""), "start": flow_run.get_run_count() or 1}
     ttl = float(os.environ.get("RINGFLOW_LEASE_TTL_S", "60"))
     command = [sys.executable, "-m", "ringflow.horovod", "-np", str(np), *launcher]
-    command += [sys.executable, str(Path(script).resolve()), *args]
+    command += program
     env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
     env |= {STORE: store_url, RUN_KEY: run_key, "PYTHONUNBUFFERED": "1"}
     with RunLease.acquire(store_url, run_key, ttl_s=ttl, info=me) as lease:
@@ -71,7 +70,7 @@ def run_script(
                 logger.info("%s", line.rstrip("\n"))
         lease.check()
     if process.returncode != 0:
-        raise ScriptFailed(f"{script} exited with status {process.returncode}")
+        raise ScriptFailed(f"{_shown(program)} exited with status {process.returncode}")
     after = store.latest(run_key, verify="manifest")
     return {
         "run_key": run_key,
@@ -79,3 +78,8 @@ def run_script(
         "step": None if after is None else after.step,
         "resumed_from_step": None if before is None else before.step,
     }
+
+
+def _shown(program: list[str]) -> str:
+    """The script's path, or the function's name, as the user gave it."""
+    return program[3] if program[1:3] == ["-m", "ringflow.horovod.call"] else program[1]

@@ -157,9 +157,10 @@ def test_what_horovod_has_and_ringflow_does_not_is_refused_by_name():
 SCRIPT = Path(__file__).parent / "horovod_scripts" / "average.py"
 
 
-def _python(*args: str) -> subprocess.CompletedProcess:
-    """``python ARGS`` from the repository root, on a private Ray of its own."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def _python(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repository root, on a private Ray of its own (with ``env``
+    added to this process's environment)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **(env or {})}
     return subprocess.run(
         [sys.executable, *args],
         capture_output=True,
@@ -312,3 +313,62 @@ def test_the_timeline_holds_every_ranks_collectives_named_after_the_gradients(tm
     assert {e["cat"] for e in spans} >= {"allreduce", "broadcast", "negotiate"}
     assert all(e["dur"] >= 0 for e in spans)
     assert [e["ts"] for e in spans] == sorted(e["ts"] for e in spans)
+
+
+@pytest.mark.integration
+def test_the_horovod_train_flow_runs_a_function_and_resumes_it_as_the_script_form(tmp_path):
+    """The function form (``--function package.module:train --kwargs JSON``), locally with no
+    server: 6 steps, then the same run key asked for 10 resumes at step 6 and ends with the
+    weights of the script form trained 10 steps straight, bit for bit."""
+    from ringflow.storage import CheckpointStore
+
+    scripts = Path(__file__).parent / "horovod_scripts"
+    flow = ("-m", "ringflow.flows.horovod_train", "--np", "2", "--cpus-per-worker", "0.5")
+
+    def function_run(steps: int) -> subprocess.CompletedProcess:
+        kwargs = json.dumps({"steps": steps, "checkpoint_every": 3})
+        return _python(
+            *(*flow, "--function", "linear_training:train", "--kwargs", kwargs),
+            *("--storage-url", str(tmp_path / "function"), "--run-key", "k"),
+            env={"PYTHONPATH": str(scripts)},
+        )
+
+    first = function_run(6)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert json.loads(first.stdout.strip().splitlines()[-1])["step"] == 6
+    again = function_run(10)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    result = json.loads(again.stdout.strip().splitlines()[-1])
+    assert (result["resumed_from_step"], result["step"]) == (6, 10)
+    assert "rank 1 of 2: starting at step 6" in again.stdout + again.stderr
+    script = _python(
+        *(*flow, "--script", str(scripts / "checkpointed.py")),
+        *("--args", '["--steps", "10", "--checkpoint-every", "3"]'),
+        *("--storage-url", str(tmp_path / "script"), "--run-key", "k"),
+    )
+    assert script.returncode == 0, script.stdout[-3000:] + script.stderr[-3000:]
+    ended = [
+        CheckpointStore(str(tmp_path / where / "checkpoints")).load_latest("k")
+        for where in ("function", "script")
+    ]
+    assert [e.checkpoint.step for e in ended] == [10, 10]
+    for shard in ("model", "optimizer"):
+        for name, tensor in ended[1].shards[shard].items():
+            assert torch.equal(ended[0].shards[shard][name], tensor), (shard, name)
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (("--function", "linear_training:train", "--script", "x.py"), "give a script or a fun"),
+        ((), "give a script or a function"),
+        (("--function", "no_such_module:train"), "cannot import 'no_such_module'"),
+        (("--function", "json:no_such_function"), "json has no function 'no_such_function'"),
+        (("--function", "json:dumps", "--args", '["--x"]'), "args are a script's"),
+    ],
+)
+def test_the_horovod_train_flow_refuses_a_program_it_cannot_run_in_one_line(given, said):
+    done = _python("-m", "ringflow.flows.horovod_train", *given)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert said in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
