@@ -291,7 +291,7 @@ class TrainConfig:
     def _check_collective(self) -> None:
         if self.collective in _SHIPPED_COLLECTIVES:
             return
-        from ringflow.engine.collective import available_collectives
+        from ringflow.engine.collective.registry import available_collectives
 
         if self.collective not in available_collectives():
             raise ValueError(

@@ -137,16 +137,13 @@ def _from_membership() -> _Ranks:
     )
 
 
-def hosts_updated() -> bool:
-    """Whether a worker waits to join this elastic run's ranks (always ``False`` outside
-    one); rank 0's answer, the same on every rank."""
-    from ringflow.horovod.collectives import broadcast_object
-
+def worker_waiting() -> bool:
+    """On rank 0 of an elastic run, whether a worker waits to join its ranks (``False`` on
+    every other rank and outside one: ``hvd.elastic`` broadcasts rank 0's answer)."""
     known = _known()
-    waiting = rank() == 0 and SOCKET in os.environ
-    if waiting:
-        waiting = bool(ask({"op": "updated", "generation": known.generation}))
-    return bool(broadcast_object(waiting, root_rank=0)) if known.size > 1 else waiting
+    if known.rank != 0 or SOCKET not in os.environ:
+        return False
+    return bool(ask({"op": "updated", "generation": known.generation}))
 
 
 def _at_exit() -> None:

@@ -64,7 +64,10 @@ class State:
 
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank if a worker waits to join."""
-        if basics.hosts_updated():
+        waiting = basics.worker_waiting()  # rank 0 asks; every rank takes its answer
+        if basics.size() > 1:
+            waiting = bool(broadcast_object(waiting, root_rank=0))
+        if waiting:
             raise HostsUpdatedInterrupt(skip_sync=False)
 
     def save(self) -> None:

@@ -1,15 +1,20 @@
-"""The interface every collective implements, and the registry that names them."""
+"""The interface every collective implements (the registry that names them is
+``engine.collective.registry``, re-exported here)."""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
 import os
-from collections.abc import Callable
 from typing import Literal
 
 import torch
 
+from ringflow.engine.collective.registry import (
+    available_collectives,
+    create_collective,
+    register_collective,
+)
 from ringflow.engine.config import WIRE_FORMATS, SymmConfig
 
 __all__ = [
@@ -34,8 +39,6 @@ COMPRESSIONS: dict[str, torch.dtype | None] = dict(
 )
 """Wire formats for float32 all-reduces (``none``, ``bf16``, ``fp16``: the names
 ``TrainConfig.compression`` takes) and the dtype each travels as."""
-
-_REGISTRY: dict[str, type[Collective]] = {}
 
 
 class CollectiveWork:
@@ -144,37 +147,6 @@ def check_reduce_op(op: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
     if op == "avg" and not tensor.is_floating_point():
         raise ValueError(f"op 'avg' needs a floating-point tensor, got {tensor.dtype}")
-
-
-def register_collective(name: str) -> Callable[[type[Collective]], type[Collective]]:
-    """Class decorator that makes a collective selectable by ``name``."""
-
-    def decorate(cls: type[Collective]) -> type[Collective]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"collective {name!r} is already registered by {_REGISTRY[name]}")
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorate
-
-
-def available_collectives() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def create_collective(name: str, **kwargs: object) -> Collective:
-    """Instantiate the collective registered as ``name``.
-
-    Raises:
-        ValueError: no collective has that name; the message lists those that exist.
-    """
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown collective {name!r}; choose one of {available_collectives()}"
-        ) from None
-    return cls(**kwargs)  # type: ignore[arg-type]
 
 
 ENVIRONMENT_KNOBS = tuple(SymmConfig.variable(f.name) for f in dataclasses.fields(SymmConfig))
