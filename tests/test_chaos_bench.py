@@ -1,0 +1,53 @@
+"""``bench.chaos`` on a short schedule: every runner (ours, Ray TorchTrainer, torchft) trains
+uninterrupted and then through a worker kill, a second and a kill of its whole training
+process, and the benchmark prints its table and its JSON with the figures the issue names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.integration
+
+
+def test_every_runner_survives_the_schedule_and_the_benchmark_reports_its_goodput(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # private Rays
+    done = subprocess.run(
+        [
+            sys.executable,
+            *("-m", "bench.chaos", "--hidden", "64", "--layers", "2", "--epochs", "250"),
+            *("--every", "6", "--warmup", "1", "--process-every", "3", "--failures", "3"),
+            *("--keep", str(tmp_path)),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["notes"] == {}, summary["notes"]
+    for runner in ("ours", "torchtrainer", "torchft"):
+        row = summary["runners"][runner]
+        assert row["failures"] == 3, (runner, row)
+        assert row["process_failures"] == 1, (runner, row)
+        assert 0 < summary["goodput"][runner] <= 1.5, (runner, summary["goodput"])
+        # near the uninterrupted run's: recovery kept the weights (garbage would not be)
+        assert summary["final_loss_rel_diff"][runner] < 0.05, (runner, summary)
+        assert row["kill_to_step_median_s"] is not None, (runner, row)
+        assert any(line.startswith(f"{runner} ") for line in lines), lines
+        # every step was trained: the last logged is the uninterrupted run's last
+        calm, chaos = (
+            (tmp_path / f"{runner}-{run}" / "steps.log").read_text().split()
+            for run in ("calm", "chaos")
+        )
+        assert int(chaos[-1]) == int(calm[-1]), (runner, calm[-2:], chaos[-2:])
+        assert int(calm[-1]) % 250 == 0, (runner, calm[-2:])  # 250 epochs of whole steps
