@@ -1,5 +1,6 @@
-"""``bench.chaos``'s torchft runner: a supervisor with a local lighthouse and one replica group
-(one process) per worker, each restarted at once when it dies, as a cluster scheduler would.
+"""``bench.chaos``'s torchft runner: a supervisor with one replica group (one process) per
+worker, each restarted at once when it dies, as a cluster scheduler would, and the lighthouse
+they find their quorum through (held by the benchmark, as a cluster's lighthouse outlives a job).
 
     python -m bench._chaos_torchft supervise ROOT NAME     # what bench.chaos starts
 
@@ -13,6 +14,7 @@ peer at its first quorum. Participant rank 0 logs each committed step and writes
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -21,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -124,25 +127,34 @@ def replica(root: str, name: str) -> int:
     return 0
 
 
-def supervise(root: str, name: str) -> None:
-    """A lighthouse and one replica per worker, each restarted when it dies, until every one
-    has trained to the end; the final loss (replica 0's) in ``result.json``."""
+@contextlib.contextmanager
+def lighthouse() -> Iterator[str]:
+    """torchft's lighthouse on 127.0.0.1, for as long as the block runs; its address."""
     from torchft._torchft import LighthouseServer
 
-    workload = Workload(**json.loads(Path(f"{root}/{name}/workload.json").read_text()))
     port = _free_port()
-    lighthouse = LighthouseServer(
+    server = LighthouseServer(
         bind=f"127.0.0.1:{port}",
         min_replicas=1,
         join_timeout_ms=1000,
         quorum_tick_ms=50,
         heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
     )
+    try:
+        yield f"http://127.0.0.1:{port}"  # server.address() names the host, not the loopback
+    finally:
+        server.shutdown()
+
+
+def supervise(root: str, name: str) -> None:
+    """One replica per worker, each restarted when it dies, until every one has trained to
+    the end; the final loss (replica 0's) in ``result.json``. The lighthouse is the one
+    ``TORCHFT_LIGHTHOUSE`` names (the benchmark's, which outlives this process)."""
+    workload = Workload(**json.loads(Path(f"{root}/{name}/workload.json").read_text()))
 
     def spawn(me: int) -> subprocess.Popen:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         env |= {"RANK": "0", "WORLD_SIZE": "1", "REPLICA_GROUP_ID": str(me)}
-        env |= {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
         env |= {"CHAOS_SUPERVISOR": str(os.getpid()), "GLOO_SOCKET_IFNAME": "lo"}
         command = [sys.executable, "-m", "bench._chaos_torchft", "replica", root, name, TITLE]
         return subprocess.Popen(command, env=env)
@@ -162,7 +174,6 @@ def supervise(root: str, name: str) -> None:
         for process in replicas.values():
             if process.poll() is None:
                 process.kill()
-        lighthouse.shutdown()
     loss = json.loads(Path(f"{root}/{name}/loss-0.json").read_text())
     Path(f"{root}/{name}/result.json").write_text(json.dumps({"final_loss": loss}))
 

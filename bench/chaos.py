@@ -4,10 +4,12 @@ Every runner trains the same model (``bench.dp_throughput.mlp`` over the bundled
 with the same global batch, seed and number of steps, on ``--workers`` workers, twice:
 uninterrupted, then under a seeded failure schedule: once training is under way and
 ``--warmup`` seconds have passed, a random worker is SIGKILLed every ``--every`` seconds, and
-every ``--process-every``-th failure kills the whole training process instead (its process
-group and every process under it, as a preempted machine), which is started again at once
-under the same run key, as a rescheduled flow run is (``--failures`` stops the schedule
-after that many).
+every ``--process-every``-th failure kills the whole training process instead (the driver,
+its process group, everything under it and its workers, as when the flow run's machine is
+preempted), which is started again at once under the same run key, as a rescheduled flow
+run is (``--failures`` stops the schedule after that many). What outlives a training job in
+a deployment outlives the process here: the Ray cluster (ours, TorchTrainer) and torchft's
+lighthouse are the benchmark's, one for both runs of a runner.
 
 - ``ours``: ``engine.fit`` on Ray actors, ``min_workers=1``: the survivors roll back to their
   last in-memory commit (every ``--commit-every`` steps) and go on while a replacement
@@ -48,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -104,6 +107,8 @@ class Runner:
     """A peer: how to start its training process and how to tell its workers."""
 
     name = ""
+    system_config: dict = {}
+    """Ray's settings for the cluster this runner's processes train on."""
     worker_title = ""
     """What a worker process's command line holds."""
 
@@ -114,13 +119,34 @@ class Runner:
         """Why this runner cannot run here, or ``None``."""
         return None
 
+    @contextlib.contextmanager
+    def cluster(self, workload: Workload) -> Iterator[dict[str, str]]:
+        """What outlives a training process (a Ray cluster, torchft's lighthouse), held by
+        the benchmark for both runs; the variables that point the training processes at it."""
+        import ray
+
+        ray.init(
+            address="local",
+            num_cpus=workload.workers + 1,
+            include_dashboard=False,
+            log_to_driver=False,
+            _system_config=self.system_config,
+        )
+        try:
+            yield {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+        finally:
+            ray.shutdown()
+
 
 class Ours(Runner):
     name, worker_title = "ours", "ray::Worker"
+    # Ray's idle workers import these before an actor needs them (each runner its own).
+    system_config = {"preload_python_modules": ["torch", "lightning", "ringflow.engine.worker"]}
 
 
 class TorchTrainerRunner(Runner):
     name, worker_title = "torchtrainer", "ray::RayTrainWorker"
+    system_config = {"preload_python_modules": ["torch", "ray.train.torch"]}
 
     def available(self) -> str | None:
         try:
@@ -135,6 +161,13 @@ class TorchFT(Runner):
 
     def command(self, workload: Workload, root: str, name: str) -> list[str]:
         return [sys.executable, "-m", "bench._chaos_torchft", "supervise", root, name]
+
+    @contextlib.contextmanager
+    def cluster(self, workload: Workload) -> Iterator[dict[str, str]]:
+        from bench._chaos_torchft import lighthouse
+
+        with lighthouse() as address:
+            yield {"TORCHFT_LIGHTHOUSE": address}
 
     def available(self) -> str | None:
         try:
@@ -192,8 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
                 notes[name] = why
                 continue
             try:
-                calm = _run(runner, workload, root, f"{name}-calm", args, chaos=False)
-                chaos = _run(runner, workload, root, f"{name}-chaos", args, chaos=True)
+                with runner.cluster(workload) as env:
+                    calm = _run(runner, workload, root, f"{name}-calm", args, env, chaos=False)
+                    chaos = _run(runner, workload, root, f"{name}-chaos", args, env, chaos=True)
             except RuntimeError as err:
                 notes[name] = " ".join(str(err).split())[:400]
                 continue
@@ -204,7 +238,9 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def _run(runner: Runner, workload: Workload, root: str, name: str, args, *, chaos: bool) -> Run:
+def _run(
+    runner: Runner, workload: Workload, root: str, name: str, args, env: dict, *, chaos: bool
+) -> Run:
     """Train once (under the schedule if ``chaos``), restarting a killed process at once."""
     rng = random.Random(args.seed)
     Path(f"{root}/{name}").mkdir()
@@ -212,7 +248,7 @@ def _run(runner: Runner, workload: Workload, root: str, name: str, args, *, chao
     steps_log = Path(f"{root}/{name}/steps.log")
     started = time.time()
     run = Run(wall_s=0.0)
-    child = _start(runner, workload, root, name)
+    child = _start(runner, workload, root, name, env)
     memory = _Memory(runner, lambda: child)
     memory.start()
     next_kill = None
@@ -234,8 +270,8 @@ def _run(runner: Runner, workload: Workload, root: str, name: str, args, *, chao
                 _kill_tree(child.pid)
                 child.wait()
                 run.kills.append((time.time(), "process"))
-                child = _start(runner, workload, root, name)
-            elif _kill_a_worker(runner, child.pid, rng, workload.workers):
+                child = _start(runner, workload, root, name, env)
+            elif _kill_a_worker(runner, rng, workload.workers):
                 run.kills.append((time.time(), "worker"))
             else:
                 continue  # its workers are not all up yet: at the next look
@@ -252,10 +288,11 @@ def _run(runner: Runner, workload: Workload, root: str, name: str, args, *, chao
     return run
 
 
-def _start(runner: Runner, workload: Workload, root: str, name: str) -> subprocess.Popen:
+def _start(runner: Runner, workload: Workload, root: str, name: str, env: dict) -> subprocess.Popen:
     log = open(f"{root}/{name}/output.log", "a")  # noqa: SIM115 - the child writes until it ends
     return subprocess.Popen(
         runner.command(workload, root, name),
+        env={**os.environ, **env},
         start_new_session=True,  # its own process group: killed whole, as a host is lost
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -284,9 +321,11 @@ def _kill_tree(pid: int) -> None:
             continue
 
 
-def _workers(runner: Runner, pid: int) -> list[int]:
+def _workers(runner: Runner) -> list[int]:
+    """The runner's worker processes: under the training process, or under the cluster this
+    process holds (Ray's actors are the raylet's children)."""
     pids = []
-    for proc in _descendants(pid):
+    for proc in _descendants(os.getpid()):
         try:
             if runner.worker_title in " ".join(proc.cmdline()):
                 pids.append(proc.pid)
@@ -295,9 +334,9 @@ def _workers(runner: Runner, pid: int) -> list[int]:
     return sorted(pids)
 
 
-def _kill_a_worker(runner: Runner, pid: int, rng: random.Random, workers: int) -> bool:
+def _kill_a_worker(runner: Runner, rng: random.Random, workers: int) -> bool:
     """SIGKILL a random one of the workers, once all ``workers`` are up."""
-    pids = _workers(runner, pid)
+    pids = _workers(runner)
     if len(pids) < workers:
         return False
     try:
@@ -336,7 +375,7 @@ class _Memory:
                 continue
             if rss:  # 0: killed, not yet reaped
                 self._process.append((now, rss))
-            for pid in _workers(self._runner, child.pid):
+            for pid in _workers(self._runner):
                 try:
                     rss = psutil.Process(pid).memory_info().rss / 2**20
                 except psutil.Error:
@@ -411,9 +450,7 @@ def _train_ours(workload: Workload, root: str, name: str) -> float:
     from ringflow.models.digits import SCHEMA
 
     url = json.loads(Path(f"{root}/data.json").read_text())["dataset_url"]
-    ray.init(
-        address="local", num_cpus=workload.workers + 1, include_dashboard=False, log_to_driver=False
-    )
+    ray.init(log_to_driver=False)  # the benchmark's cluster: RAY_ADDRESS
     result = fit(
         _logged_classifier(),
         hparams={
@@ -471,9 +508,7 @@ def _train_torchtrainer(workload: Workload, root: str, name: str) -> float:
 
     from bench.dp_throughput import mlp
 
-    ray.init(
-        address="local", num_cpus=workload.workers + 1, include_dashboard=False, log_to_driver=False
-    )
+    ray.init(log_to_driver=False)  # the benchmark's cluster: RAY_ADDRESS
     TorchTrainer(
         _torchtrainer_loop,
         train_loop_config={"workload": asdict(workload), "root": root, "name": name},
