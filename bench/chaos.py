@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     from ringflow.engine.cluster import quiet_environment
 
-    quiet_environment(GLOO_SOCKET_IFNAME="lo")  # the children inherit it
+    # The children inherit these; torchft's Rust side would log every quorum at INFO.
+    quiet_environment(GLOO_SOCKET_IFNAME="lo", RUST_LOG=os.environ.get("RUST_LOG", "warn"))
     # Stopped, the benchmark ends what it started (``_run``'s ``finally``) before it exits.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows, notes = {}, {}
