@@ -53,8 +53,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 BATCH = 64
 """The global batch, for every runner."""
@@ -424,6 +426,8 @@ def training_split(root: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 def final_loss(net: torch.nn.Module, root: str) -> float:
     """The cross-entropy of ``net`` on the whole training split: every runner's last figure."""
+    import torch
+
     x, y = training_split(root)
     with torch.no_grad():
         return torch.nn.functional.cross_entropy(net(x / 16.0), y).item()
@@ -438,6 +442,11 @@ def _child(runner: str, root: str, name: str) -> None:
     from ringflow.engine.cluster import quiet_environment
 
     quiet_environment(GLOO_SOCKET_IFNAME="lo")  # before Ray is imported: it reads them then
+    import ray
+
+    # Connected first, the cluster starts this job's workers (importing what they preload)
+    # while this process imports torch and the rest.
+    ray.init(log_to_driver=False)  # the benchmark's cluster: RAY_ADDRESS
     workload = Workload(**json.loads(Path(f"{root}/{name}/workload.json").read_text()))
     loss = {"ours": _train_ours, "torchtrainer": _train_torchtrainer}[runner](workload, root, name)
     Path(f"{root}/{name}/result.json").write_text(json.dumps({"final_loss": loss}))
@@ -451,7 +460,6 @@ def _train_ours(workload: Workload, root: str, name: str) -> float:
     from ringflow.models.digits import SCHEMA
 
     url = json.loads(Path(f"{root}/data.json").read_text())["dataset_url"]
-    ray.init(log_to_driver=False)  # the benchmark's cluster: RAY_ADDRESS
     result = fit(
         _logged_classifier(),
         hparams={
@@ -509,7 +517,6 @@ def _train_torchtrainer(workload: Workload, root: str, name: str) -> float:
 
     from bench.dp_throughput import mlp
 
-    ray.init(log_to_driver=False)  # the benchmark's cluster: RAY_ADDRESS
     TorchTrainer(
         _torchtrainer_loop,
         train_loop_config={"workload": asdict(workload), "root": root, "name": name},
@@ -529,6 +536,7 @@ def _train_torchtrainer(workload: Workload, root: str, name: str) -> float:
 def _torchtrainer_loop(config: dict) -> None:
     import ray.train
     import ray.train.torch
+    import torch
 
     from bench.dp_throughput import mlp
 
@@ -568,12 +576,16 @@ def _torchtrainer_loop(config: dict) -> None:
 
 def _save_checkpoint(path: str, model, optimizer, step: int) -> None:
     """Model, optimizer and step, written whole or not at all (a temporary file renamed)."""
+    import torch
+
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
     torch.save(state, f"{path}.tmp")
     os.replace(f"{path}.tmp", path)
 
 
 def _load_checkpoint(path: str) -> dict:
+    import torch
+
     return torch.load(path, weights_only=True)  # the benchmark's own file: tensors and numbers
 
 

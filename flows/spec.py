@@ -179,6 +179,8 @@ def _tune_parameters(config: TrainConfig, p: dict[str, Any]) -> dict[str, Any] |
         "metric": p["tune_metric"],
         "algorithm": p["tune_algorithm"],
         "max_concurrent": p["tune_max_concurrent"],
+        "cpus_per_trial": p["tune_cpus_per_trial"],
+        "gpus_per_trial": p["tune_gpus_per_trial"],
     }
 
 

@@ -45,6 +45,8 @@ def train_pipeline(
     tune_metric: str | None = None,
     tune_algorithm: Literal["random", "evolution"] = "random",
     tune_max_concurrent: Annotated[int | None, Field(ge=1, le=1024)] = None,
+    tune_cpus_per_trial: Annotated[float | None, Field(gt=0, le=1024)] = None,
+    tune_gpus_per_trial: Annotated[float, Field(ge=0, le=1)] = 0.0,
     use_best_checkpoint: bool = False,
     serve: bool = True,
     serve_port: Annotated[int, Field(ge=1, le=65_535)] = 8000,
@@ -93,7 +95,12 @@ def train_pipeline(
             val_accuracy for a classification whose model logs it, else val_loss.
         tune_algorithm: how trials are chosen: random (the base configuration first) or
             evolution (mutates the best so far).
-        tune_max_concurrent: trials at once; empty means as many as the Ray cluster's CPUs.
+        tune_max_concurrent: trials at once; empty means as many as the Ray cluster's CPUs
+            (and GPUs) hold.
+        tune_cpus_per_trial: CPUs each trial reserves, fractions allowed (0.5: two trials to
+            a CPU); empty means one CPU.
+        tune_gpus_per_trial: the share of a GPU each trial reserves and trains on (0.25: four
+            trials to a GPU); 0 tunes on CPU.
         use_best_checkpoint: use the best trial's model as it is instead of training again.
         serve: serve the production model over HTTP with Ray Serve.
         serve_port: HTTP port of the served model on 127.0.0.1.

@@ -48,6 +48,8 @@ def tune(
     mode: str | None = None,
     max_concurrent: int | None = None,
     workers_per_trial: int = 1,
+    cpus_per_trial: float | None = None,
+    gpus_per_trial: float = 0.0,
 ) -> dict:
     """Search ``space`` (default: :func:`default_space`) around ``model`` and ``config``.
 
@@ -72,6 +74,8 @@ def tune(
         algorithm=algorithm,
         max_concurrent=max_concurrent,
         workers_per_trial=workers_per_trial,
+        cpus_per_trial=cpus_per_trial,
+        gpus_per_trial=gpus_per_trial,
         checkpoint_every=config.checkpoint_every,
     )
     connect(model=model.path)

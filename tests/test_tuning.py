@@ -332,6 +332,83 @@ def test_a_search_keeps_the_base_trial_and_returns_the_best_checkpoint(
     assert module.hparams.hidden == result.best_params["hidden"]
 
 
+class _Together(DigitsClassifier):
+    """The digits model, each trial waiting at its start until ``hparams["expect"]`` trials
+    have started (or 60 s passed): it ends with the times of its start and its end."""
+
+    def __init__(self, *, meet: str = "", expect: int = 1, **hparams) -> None:
+        super().__init__(**hparams)
+        self.meet, self.expect = meet, expect
+
+    def on_fit_start(self) -> None:
+        Path(self.meet, f"{os.getpid()}-{time.time()}").touch()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(self.meet)) < self.expect and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.begun = time.time()
+
+    def on_fit_end(self) -> None:
+        ends = Path(self.meet).with_suffix(".ends")
+        ends.mkdir(exist_ok=True)
+        ends.joinpath(f"{self.begun} {time.time()} {self.device.type}").touch()
+
+
+def _together(digits, tmp_path, **resources) -> list[tuple[float, float, str]]:
+    """Four trials of ``_Together`` with ``resources``; each one's start, end and device."""
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    result = search(
+        _Together,
+        base_hparams={**BASE, "meet": str(meet), "expect": 4},
+        space={"lr": {"loguniform": [0.001, 0.1]}},
+        data=digits,
+        train_config=TrainConfig(workers=1, batch_size=64),
+        storage_url=str(tmp_path / "storage"),
+        run_key="together",
+        config=SearchConfig(trials=4, epochs=1, **resources),
+    )
+    assert [t.state for t in result.trials] == ["completed"] * 4
+    spans = [p.name.split() for p in meet.with_suffix(".ends").iterdir()]
+    return [(float(begun), float(ended), device) for begun, ended, device in spans]
+
+
+@pytest.mark.ray
+def test_trials_of_half_a_cpu_run_four_at_a_time_on_two_cpus(ray_session, digits, tmp_path):
+    """cpus_per_trial=0.5 on the session's 2 CPUs: the four trials train at the same time
+    (each waits at its start for the other three, which only 4 at a time can meet)."""
+    spans = _together(digits, tmp_path, cpus_per_trial=0.5)
+    assert len(spans) == 4
+    assert max(begun for begun, _, _ in spans) < min(ended for _, ended, _ in spans)
+    assert {device for _, _, device in spans} == {"cpu"}
+
+
+@pytest.mark.gpu
+def test_trials_of_a_quarter_gpu_share_one_gpu_four_at_a_time(ray_session, digits, tmp_path):
+    import torch
+
+    if torch.cuda.device_count() != 1:
+        pytest.skip("needs exactly 1 CUDA device")
+    spans = _together(digits, tmp_path, gpus_per_trial=0.25, cpus_per_trial=0.5)
+    assert len(spans) == 4
+    assert max(begun for begun, _, _ in spans) < min(ended for _, ended, _ in spans)
+    assert {device for _, _, device in spans} == {"cuda"}
+
+
+@pytest.mark.ray
+def test_gpus_per_trial_without_a_gpu_is_refused_before_any_trial(ray_session, digits, tmp_path):
+    with pytest.raises(ValueError, match="gpus_per_trial=0.25 but the Ray cluster has no GPU"):
+        _search(digits, tmp_path, trials=2, epochs=1, gpus_per_trial=0.25)
+
+
+def test_trial_resources_that_cannot_be_given_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="gpus_per_trial must be from 0 to 1"):
+        SearchConfig(gpus_per_trial=2)
+    with pytest.raises(ValueError, match="cpus_per_trial must be positive"):
+        SearchConfig(cpus_per_trial=0)
+    with pytest.raises(ValueError, match="are for trials of one worker"):
+        SearchConfig(workers_per_trial=2, gpus_per_trial=0.5)
+
+
 _SCRIPT = """
 import json, sys, time
 import ray

@@ -63,6 +63,12 @@ class SearchConfig:
     Ray actors exactly as ``train`` does."""
     cpus_per_worker: float = 1.0
     """Ray CPUs reserved for each worker of a trial."""
+    cpus_per_trial: float | None = None
+    """CPUs a trial of one worker reserves, fractions allowed (0.5: two trials to a CPU);
+    ``None``: ``cpus_per_worker``. Only with ``workers_per_trial=1``."""
+    gpus_per_trial: float = 0.0
+    """The share of a GPU a trial of one worker reserves and trains on (0.25: four trials to
+    a GPU); 0 trains on CPU. Only with ``workers_per_trial=1``."""
     grace_period: int = 1
     """Epochs every trial runs before it may be stopped early."""
     reduction_factor: float = 2.0
@@ -108,6 +114,24 @@ class SearchConfig:
         if self.checkpoint_every < 0:
             raise ValueError(
                 f"SearchConfig.checkpoint_every must be 0 or more, got {self.checkpoint_every}"
+            )
+        self._check_trial_resources()
+
+    def _check_trial_resources(self) -> None:
+        if self.cpus_per_trial is not None and not self.cpus_per_trial > 0:
+            raise ValueError(
+                f"SearchConfig.cpus_per_trial must be positive, got {self.cpus_per_trial}"
+            )
+        if not 0 <= self.gpus_per_trial <= 1:
+            raise ValueError(
+                "SearchConfig.gpus_per_trial must be from 0 to 1 (a share of one GPU), "
+                f"got {self.gpus_per_trial}"
+            )
+        if self.workers_per_trial > 1 and (self.cpus_per_trial is not None or self.gpus_per_trial):
+            raise ValueError(
+                "SearchConfig.cpus_per_trial and gpus_per_trial are for trials of one worker "
+                "(it trains in the trial's process); with workers_per_trial > 1 each worker "
+                "reserves cpus_per_worker (and TrainConfig.gpus_per_worker)"
             )
 
 
@@ -443,13 +467,17 @@ class _Trial:
         """Split a trial's parameters into model keywords and ``TrainConfig`` fields."""
         overrides = {k: v for k, v in params.items() if k in TUNABLE_CONFIG}
         hparams = {**self.base_hparams, **{k: v for k, v in params.items() if k not in overrides}}
+        trial = {}
+        if self.cfg.workers_per_trial == 1:  # it trains in the trial's process, on its share
+            trial["cpus_per_worker"] = self.cfg.cpus_per_trial or self.cfg.cpus_per_worker
+            trial["gpus_per_worker"] = 1 if self.cfg.gpus_per_trial else 0
         config = dataclasses.replace(
             self.train_config,
             workers=self.cfg.workers_per_trial,
             epochs=self.cfg.epochs,
             cpus_per_worker=self.cfg.cpus_per_worker,
             checkpoint_every=self.cfg.checkpoint_every,
-            **overrides,
+            **{**overrides, **trial},
         )
         return hparams, config
 
@@ -651,7 +679,7 @@ def _fit_tuner(trainable, queue, proposer, scheduler, cfg, lines, scratch) -> di
     from ray import tune
     from ray.tune.logger import JsonLoggerCallback
 
-    per_trial, concurrent = _packing(cfg)
+    resources, concurrent = _packing(cfg)
     layout = trainable.layout
 
     def trial(config: dict[str, Any]) -> None:  # Tune wants a plain function to annotate
@@ -659,7 +687,7 @@ def _fit_tuner(trainable, queue, proposer, scheduler, cfg, lines, scratch) -> di
 
     searcher = _searcher_cls()(queue, proposer, metric=cfg.metric, mode=cfg.mode)
     tuner = tune.Tuner(
-        tune.with_resources(trial, {"cpu": per_trial}),
+        tune.with_resources(trial, resources),
         tune_config=tune.TuneConfig(
             num_samples=len(queue),
             scheduler=scheduler,
@@ -679,25 +707,40 @@ def _fit_tuner(trainable, queue, proposer, scheduler, cfg, lines, scratch) -> di
     }
 
 
-def _packing(cfg: SearchConfig) -> tuple[float, int]:
-    """CPUs a trial reserves and how many trials run at once without oversubscribing."""
+def _packing(cfg: SearchConfig) -> tuple[dict[str, float], int]:
+    """What a trial reserves and how many trials run at once without oversubscribing."""
     import ray
 
-    cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1)))
-    training = cfg.workers_per_trial * cfg.cpus_per_worker
-    # One worker trains in the trial's process; more start actors in their own placement
-    # group, so the trial itself holds only a token share of a CPU.
-    per_trial = cfg.cpus_per_worker if cfg.workers_per_trial == 1 else 0.01
-    fits = max(1, int((cpus + 1e-9) // (training + (0 if cfg.workers_per_trial == 1 else 0.01))))
+    cluster = ray.cluster_resources()
+    cpus = max(1.0, float(cluster.get("CPU", 1)))
+    if cfg.workers_per_trial == 1:  # it trains in the trial's own process, on its share
+        cpu = cfg.cpus_per_trial or cfg.cpus_per_worker
+        resources = {"cpu": cpu, **({"gpu": cfg.gpus_per_trial} if cfg.gpus_per_trial else {})}
+        fits = int((cpus + 1e-9) // cpu)
+        if cfg.gpus_per_trial:
+            gpus = float(cluster.get("GPU", 0))
+            if not gpus:
+                raise ValueError(
+                    f"gpus_per_trial={cfg.gpus_per_trial:g} but the Ray cluster has no GPU: "
+                    "set it to 0, or connect to a cluster with GPUs (RAY_ADDRESS)"
+                )
+            fits = min(fits, int((gpus + 1e-9) // cfg.gpus_per_trial))
+        what = f"{cpu:g} CPUs" + (f" and {cfg.gpus_per_trial:g} GPUs" if cfg.gpus_per_trial else "")
+    else:
+        # More workers start actors in their own placement group, so the trial itself holds
+        # only a token share of a CPU.
+        resources = {"cpu": 0.01}
+        fits = int((cpus + 1e-9) // (cfg.workers_per_trial * cfg.cpus_per_worker + 0.01))
+        what = f"{cfg.workers_per_trial * cfg.cpus_per_worker:g} CPUs"
+    fits = max(1, fits)
     if cfg.max_concurrent is not None and cfg.max_concurrent > fits:
         log.warning(
-            "max_concurrent=%d trials of %g CPUs do not fit the cluster's %g CPUs; running %d",
+            "max_concurrent=%d trials of %s do not fit the cluster's resources; running %d",
             cfg.max_concurrent,
-            training,
-            cpus,
+            what,
             fits,
         )
-    return per_trial, min(cfg.max_concurrent or fits, fits)
+    return resources, min(cfg.max_concurrent or fits, fits)
 
 
 @contextmanager
