@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetch what an offline GPU host lacks (see bench/gpu_host.sh) into one folder, from this
 # machine's package index: the cp312 wheel of the Ray installed here without its Java jars
-# (about 45 MiB, under the device's 64 MiB), Ray's schema dependencies, and pytest.
+# (about 45 MiB, under the device's 64 MiB), Ray's schema dependencies, pydantic (Ray Train
+# and Tune import it) and pytest.
 #   bash bench/gpu_wheels.sh .gpu/dl && . bench/gpu_host.sh .gpu/dl   # the second on the host
 set -euo pipefail
 out="${1:?usage: bash bench/gpu_wheels.sh WHEEL_DIR}"
@@ -12,7 +13,7 @@ trap 'rm -rf "$raw"' EXIT
 "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$raw" \
   "ray==$ray_version" jsonschema jsonschema-specifications referencing rpds-py \
-  pytest pluggy iniconfig annotated-types
+  pytest pluggy iniconfig annotated-types pydantic pydantic-core typing-inspection
 mkdir -p "$out"
 "$python" - "$raw" "$out" <<'PY'
 import pathlib, shutil, sys, zipfile

@@ -467,19 +467,17 @@ class _Trial:
         """Split a trial's parameters into model keywords and ``TrainConfig`` fields."""
         overrides = {k: v for k, v in params.items() if k in TUNABLE_CONFIG}
         hparams = {**self.base_hparams, **{k: v for k, v in params.items() if k not in overrides}}
-        trial = {}
+        fields = {
+            "workers": self.cfg.workers_per_trial,
+            "epochs": self.cfg.epochs,
+            "cpus_per_worker": self.cfg.cpus_per_worker,
+            "checkpoint_every": self.cfg.checkpoint_every,
+            **overrides,
+        }
         if self.cfg.workers_per_trial == 1:  # it trains in the trial's process, on its share
-            trial["cpus_per_worker"] = self.cfg.cpus_per_trial or self.cfg.cpus_per_worker
-            trial["gpus_per_worker"] = 1 if self.cfg.gpus_per_trial else 0
-        config = dataclasses.replace(
-            self.train_config,
-            workers=self.cfg.workers_per_trial,
-            epochs=self.cfg.epochs,
-            cpus_per_worker=self.cfg.cpus_per_worker,
-            checkpoint_every=self.cfg.checkpoint_every,
-            **{**overrides, **trial},
-        )
-        return hparams, config
+            fields["cpus_per_worker"] = self.cfg.cpus_per_trial or self.cfg.cpus_per_worker
+            fields["gpus_per_worker"] = 1 if self.cfg.gpus_per_trial else 0
+        return hparams, dataclasses.replace(self.train_config, **fields)
 
 
 class _Progress:
