@@ -19,7 +19,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from bench.chaos import BATCH, Workload, final_loss, steps_per_epoch, training_split  # noqa: E402
+from bench.ports import free_port  # noqa: E402
 
 HEARTBEAT_TIMEOUT_MS = 1000
 """A killed peer holds the survivors' next quorum for about this long (torchft's default is
@@ -132,7 +132,7 @@ def lighthouse() -> Iterator[str]:
     """torchft's lighthouse on 127.0.0.1, for as long as the block runs; its address."""
     from torchft._torchft import LighthouseServer
 
-    port = _free_port()
+    port = free_port()
     server = LighthouseServer(
         bind=f"127.0.0.1:{port}",
         min_replicas=1,
@@ -153,7 +153,7 @@ def supervise(root: str, name: str) -> None:
     workload = Workload(**json.loads(Path(f"{root}/{name}/workload.json").read_text()))
 
     def spawn(me: int) -> subprocess.Popen:
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         env |= {"RANK": "0", "WORLD_SIZE": "1", "REPLICA_GROUP_ID": str(me)}
         env |= {"CHAOS_SUPERVISOR": str(os.getpid()), "GLOO_SOCKET_IFNAME": "lo"}
         command = [sys.executable, "-m", "bench._chaos_torchft", "replica", root, name, TITLE]
@@ -176,12 +176,6 @@ def supervise(root: str, name: str) -> None:
                 process.kill()
     loss = json.loads(Path(f"{root}/{name}/loss-0.json").read_text())
     Path(f"{root}/{name}/result.json").write_text(json.dumps({"final_loss": loss}))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

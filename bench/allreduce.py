@@ -27,7 +27,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -35,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from bench.ports import free_port
 
 KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,32M,64M,128M,256M"
@@ -109,7 +110,7 @@ def run_group(rank_main, n: int, options) -> list[dict]:
     if options.backend == "nccl" and torch.cuda.device_count() < n:
         print(f"# skipping {n} processes: only {torch.cuda.device_count()} GPUs", flush=True)
         return []
-    ports = [_free_port() for _ in range(2)]
+    ports = [free_port() for _ in range(2)]
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(rank_main, args=(n, ports, options, queue), nprocs=n, join=True)
     return queue.get()
@@ -281,12 +282,6 @@ def _human(size: int) -> str:
         if size >= scale:
             return f"{size // scale}{unit}"
     return f"{size}B"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _device_name(backend: str) -> str:

@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
+from bench.ports import free_port
 from ringflow.engine.cluster import quiet_environment
 
 quiet_environment()  # before Ray is imported: a local Ray stays on loopback
@@ -351,7 +351,7 @@ def _run_spawned(name: str, runner: str, spec: Spec, x, y) -> Result:
     started = time.perf_counter()
     mp.spawn(
         _spawned_rank,
-        args=(runner, spec, x, y, _free_port(), queue),
+        args=(runner, spec, x, y, free_port(), queue),
         nprocs=spec.workers,
         join=True,
     )
@@ -609,12 +609,6 @@ def _device_name(device: str) -> str:
     if device == "cuda" and torch.cuda.is_available():
         return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     return "CPU"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

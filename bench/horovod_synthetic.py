@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 from torch.nn import functional as F
+
+from bench.ports import free_port
 
 EXAMPLES = Path(__file__).parents[1] / "tests" / "horovod_examples"
 
@@ -57,9 +58,7 @@ def _models():
 
 
 def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def _rank(rank: int, runner: str, spec: Spec, address: str, out: str) -> None:

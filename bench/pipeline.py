@@ -46,7 +46,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -55,6 +54,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
+
+from bench.ports import free_port
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +121,7 @@ def _run_layout(spec: Spec) -> dict:
         flush=True,
     )
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank, args=(spec, _free_port(), queue), nprocs=world, join=True)
+    mp.spawn(_rank, args=(spec, free_port(), queue), nprocs=world, join=True)
     reports = dict(queue.get() for _ in range(world))
     return _report(spec, reports)
 
@@ -528,12 +529,6 @@ def _device_name(device: str) -> str:
     if device == "cuda" and torch.cuda.is_available():
         return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     return "CPU"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

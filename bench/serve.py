@@ -43,6 +43,8 @@ from typing import Any
 
 import httpx
 
+from bench.ports import free_port
+
 PIXELS = 64
 DIGITS = "ringflow.models.digits:DigitsClassifier"
 _VERSION_HEADER = "x-model-version"
@@ -215,7 +217,7 @@ def _bench_main(args: argparse.Namespace) -> int:
         module = DigitsClassifier(hidden=args.hidden).eval()
         with tempfile.TemporaryDirectory() as tmp:
             uri = save_model(f"{tmp}/model", module, hparams={"hidden": args.hidden})
-            port = args.port or _free_port()
+            port = args.port or free_port()
             urls = {
                 name: serve_model(
                     uri,
@@ -341,7 +343,7 @@ def _redeploy_main(args: argparse.Namespace) -> int:
         storage = f"{tmp}/storage"
         dataset_url, models = _two_models(f"{tmp}/data")
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        port = args.port or _free_port()
+        port = args.port or free_port()
         promote_and_serve = _redeploy_flow()
         try:
             (first, first_metrics), (second, second_metrics) = models
@@ -398,14 +400,6 @@ def _print_table(runs: list[dict[str, Any]]) -> None:
             f"{r['server']:<10} {r['requests']:>9} {r['failed_requests']:>7} {r['rps']:>8.1f} "
             f"{r['p50_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['p99_ms']:>8.2f} {r['max_ms']:>8.2f}"
         )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
