@@ -127,13 +127,19 @@ class _Distributed:
             self._fuse(param)
             return
         wire, ctx = self._compression.compress(param.grad)
-        op, pre, post = self._op, 1.0, 1.0
-        if self._op == Average and self._predivide != 1.0:
-            op, pre, post = Sum, 1.0 / self._predivide, self._predivide / size()
+        op, pre, post = self._scaling()
         if self._joined:  # the joined ranks take part with zeros of this shape
             negotiation.agree("allreduce", wire, None, op=op)
         with naming((self._names or {}).get(id(param))):
             self._handles[param] = (_reduce(wire, op, pre, post), ctx)
+
+    def _scaling(self) -> tuple[str, float, float]:
+        """The op the ring runs and the factors before and after it: as Horovod's,
+        ``gradient_predivide_factor`` f splits Average's division into 1/f before the sum and
+        f/size after it."""
+        if self._op == Average and self._predivide != 1.0:
+            return Sum, 1.0 / self._predivide, self._predivide / size()
+        return self._op, 1.0, 1.0
 
     def _fuse(self, param: torch.nn.Parameter) -> None:
         """Reduce ``param``'s gradient in its bucket, which starts once every gradient in it
@@ -146,10 +152,11 @@ class _Distributed:
             )
             fused.name(self._buckets.groups)
         if not self._buckets.active:  # the step's first gradient
-            if self._op == Average and self._predivide == 1.0:
+            op, pre, _ = self._scaling()
+            if op == Average:
                 self._buckets.start(average=True)
             else:
-                self._buckets.start(weight=1.0 / self._predivide)
+                self._buckets.start(weight=pre)
         self._buckets.ready(param)
 
     def _fused(self) -> None:
@@ -157,13 +164,10 @@ class _Distributed:
         if self._buckets is None or not self._buckets.active:
             return
         self._buckets.finish()
-        if self._op == Sum or self._predivide == 1.0:
-            return
-        post = self._predivide / size()
-        for group, _ in self._buckets.groups:
-            for param in group:
-                if param.grad is not None:
-                    param.grad.mul_(post)
+        _, _, post = self._scaling()
+        if post != 1.0:  # each gradient is a view into its bucket: one pass a bucket
+            for _, buffer in self._buckets.groups:
+                buffer.mul_(post)
 
     def _forget_a_lost_ring(self) -> None:
         """Drop the reductions of a ring that lost a rank (``@hvd.elastic.run`` rolled back

@@ -117,6 +117,11 @@ class SearchConfig:
             )
         self._check_trial_resources()
 
+    @property
+    def trial_cpus(self) -> float:
+        """CPUs a trial of one worker reserves and trains with."""
+        return self.cpus_per_trial or self.cpus_per_worker
+
     def _check_trial_resources(self) -> None:
         if self.cpus_per_trial is not None and not self.cpus_per_trial > 0:
             raise ValueError(
@@ -475,7 +480,7 @@ class _Trial:
             **overrides,
         }
         if self.cfg.workers_per_trial == 1:  # it trains in the trial's process, on its share
-            fields["cpus_per_worker"] = self.cfg.cpus_per_trial or self.cfg.cpus_per_worker
+            fields["cpus_per_worker"] = self.cfg.trial_cpus
             fields["gpus_per_worker"] = 1 if self.cfg.gpus_per_trial else 0
         return hparams, dataclasses.replace(self.train_config, **fields)
 
@@ -712,7 +717,7 @@ def _packing(cfg: SearchConfig) -> tuple[dict[str, float], int]:
     cluster = ray.cluster_resources()
     cpus = max(1.0, float(cluster.get("CPU", 1)))
     if cfg.workers_per_trial == 1:  # it trains in the trial's own process, on its share
-        cpu = cfg.cpus_per_trial or cfg.cpus_per_worker
+        cpu = cfg.trial_cpus
         resources = {"cpu": cpu, **({"gpu": cfg.gpus_per_trial} if cfg.gpus_per_trial else {})}
         fits = int((cpus + 1e-9) // cpu)
         if cfg.gpus_per_trial:
