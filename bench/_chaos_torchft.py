@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import http.server
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ from torch.nn import functional as F  # noqa: E402
 
 from bench.chaos import BATCH, Workload, final_loss, steps_per_epoch, training_split  # noqa: E402
 from bench.ports import free_port  # noqa: E402
+from engine.collective._rendezvous import tcp_store  # noqa: E402
 
 HEARTBEAT_TIMEOUT_MS = 1000
 """A killed peer holds the survivors' next quorum for about this long (torchft's default is
@@ -59,6 +61,32 @@ class _SurvivingDDP:
         return future
 
 
+def _loopback_transport():
+    """torchft 0.2.0 listens on every interface: its manager's server on ``[::]``, the server
+    a recovering peer fetches the state from on ``::``. The benchmark runs on one host, so
+    both listen on 127.0.0.1 only; the checkpoint transport this returns goes to the Manager."""
+    import torchft.manager
+    from torchft.checkpointing import http_transport
+
+    class LoopbackServer(http.server.ThreadingHTTPServer):
+        request_queue_size = 1024
+
+        def server_bind(self):
+            self.server_address = ("127.0.0.1", self.server_address[1])
+            super().server_bind()
+
+    class LoopbackTransport(http_transport.HTTPTransport):
+        def address(self) -> str:  # torchft's names socket.gethostname()
+            return f"http://127.0.0.1:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    server = torchft.manager.ManagerServer
+    torchft.manager.ManagerServer = lambda *, bind, **kw: server(
+        bind="127.0.0.1:" + bind.rsplit(":", 1)[1], **kw
+    )
+    http_transport._IPv6HTTPServer = LoopbackServer
+    return LoopbackTransport(timeout=TIMEOUT, num_chunks=0)
+
+
 def replica(root: str, name: str) -> int:
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
@@ -80,11 +108,12 @@ def replica(root: str, name: str) -> int:
         optimizer.load_state_dict(state["optimizer"])
 
     # The manager connects to its replica group's store, which must exist first.
-    store = torch.distributed.TCPStore(  # noqa: F841 - kept alive with the manager
-        "127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=True, wait_for_workers=False
+    store = tcp_store(  # noqa: F841 - kept alive with the manager; on 127.0.0.1 only
+        f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", is_master=True, timeout_s=60
     )
     manager = Manager(
         pg=ProcessGroupGloo(timeout=TIMEOUT),
+        checkpoint_transport=_loopback_transport(),
         min_replica_size=1,
         load_state_dict=load_state_dict,
         state_dict=lambda: {"model": model.state_dict(), "optimizer": optimizer.state_dict()},

@@ -28,7 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 OWNER = "RINGFLOW_TEST_SUITE_PID"
-"""Set to the pytest process's id; inherited by everything a test starts."""
+"""Set to the id of the pytest process that runs the tests (under xdist, the worker's own,
+so that a test is not blamed for what a test on the other worker runs meanwhile); inherited
+by everything a test starts."""
 
 _GRACE_S = 10.0
 """How long a process a test ended may take to exit, or a socket to close, before it
@@ -55,7 +57,10 @@ test's doing."""
 
 
 def mark_owner() -> None:
-    os.environ.setdefault(OWNER, str(os.getpid()))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[OWNER] = str(os.getpid())  # not the controller's, which it inherited
+    else:
+        os.environ.setdefault(OWNER, str(os.getpid()))
 
 
 @dataclass(frozen=True)
