@@ -9,6 +9,9 @@ export RINGFLOW_RAY_PORT="${RINGFLOW_RAY_PORT:-6379}"
 export RINGFLOW_SERVE_PORT="${RINGFLOW_SERVE_PORT:-8000}"
 export RINGFLOW_POOL="${RINGFLOW_POOL:-ringflow-process}"
 export RINGFLOW_CPUS="${RINGFLOW_CPUS:-$(nproc)}"
+# The local Ray head's dashboard (on 127.0.0.1); a run's summary links it. 0: none.
+export RINGFLOW_RAY_DASHBOARD="${RINGFLOW_RAY_DASHBOARD:-1}"
+export RINGFLOW_RAY_DASHBOARD_PORT="${RINGFLOW_RAY_DASHBOARD_PORT:-8265}"
 
 # Prefect: embedded SQLite server on loopback, state kept inside the checkout.
 export PREFECT_HOME="${PREFECT_HOME:-$RINGFLOW_STATE/prefect}"

@@ -24,9 +24,14 @@ if [ "$RINGFLOW_LOCAL_RAY" = 1 ]; then
     mkdir -p "$(dirname "$RAY_AUTH_TOKEN_PATH")"
     (umask 077 && python -c 'import secrets; print(secrets.token_hex(32), end="")' >"$RAY_AUTH_TOKEN_PATH")
   fi
+  dashboard=(--include-dashboard=false)
+  if [ "$RINGFLOW_RAY_DASHBOARD" = 1 ]; then
+    dashboard=(--include-dashboard=true --dashboard-host=127.0.0.1
+      --dashboard-port="$RINGFLOW_RAY_DASHBOARD_PORT")
+  fi
   start_bg ray-head "${without_secrets[@]}" ray start --head --block --disable-usage-stats \
     --node-ip-address=127.0.0.1 --port="$p" --num-cpus="$RINGFLOW_CPUS" \
-    --include-dashboard=false --ray-client-server-port=$((p + 1)) \
+    "${dashboard[@]}" --ray-client-server-port=$((p + 1)) \
     --dashboard-agent-listen-port=$((p + 2)) --dashboard-agent-grpc-port=$((p + 3)) \
     --metrics-export-port=$((p + 4)) --runtime-env-agent-port=$((p + 5))
 else
@@ -40,3 +45,6 @@ prefect --no-prompt work-pool create "$RINGFLOW_POOL" --type process >/dev/null 
   prefect work-pool inspect "$RINGFLOW_POOL" >/dev/null
 start_bg prefect-worker prefect worker start --pool "$RINGFLOW_POOL" --type process
 echo "Prefect UI: http://127.0.0.1:$RINGFLOW_PREFECT_PORT   Ray: $RAY_ADDRESS"
+if [ "$RINGFLOW_LOCAL_RAY" = 1 ] && [ "$RINGFLOW_RAY_DASHBOARD" = 1 ]; then
+  echo "Ray dashboard: http://127.0.0.1:$RINGFLOW_RAY_DASHBOARD_PORT"
+fi

@@ -10,7 +10,15 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["QUIET_ENV", "SECRET_ENV", "connect", "quiet_environment", "without_secrets"]
+__all__ = [
+    "QUIET_ENV",
+    "SECRET_ENV",
+    "connect",
+    "dashboard_url",
+    "log_files",
+    "quiet_environment",
+    "without_secrets",
+]
 
 log = logging.getLogger("ringflow.engine")
 
@@ -79,6 +87,38 @@ def connect(
                 )
     where = ray.get_runtime_context().gcs_address
     log.info("connected to Ray at %s", where)
+    return where
+
+
+def dashboard_url() -> str | None:
+    """The dashboard of the Ray cluster this process is connected to (``http://host:port``),
+    or ``None`` when it runs none or this process is not connected."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from ray._private import worker
+
+    url = getattr(getattr(worker, "_global_node", None), "webui_url", None)
+    if not url:
+        return None
+    return url if "://" in url else f"http://{url}"
+
+
+def log_files() -> dict[str, str]:
+    """Where this process's output goes: ``stdout`` and ``stderr`` where they are files (as
+    in a Ray worker, whose output Ray writes under its session's ``logs`` folder), and the
+    ``node`` (host name) they are on."""
+    import socket
+
+    where = {"node": socket.gethostname()}
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if path.startswith("/") and not path.startswith("/dev/"):
+            where[name] = path
     return where
 
 

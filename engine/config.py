@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ringflow.storage.dataset import TableSchema
 
 __all__ = [
+    "LR_SCALINGS",
     "PLACEMENTS",
     "PRECISIONS",
     "STREAM_ABOVE_BYTES",
@@ -42,6 +43,8 @@ TRANSPORTS: tuple[str, ...] = get_args(RingTransport)
 otherwise."""
 Placement = Literal["pack", "spread", "strict_spread"]
 ClipAlgorithm = Literal["norm", "value"]
+LrScaling = Literal["none", "linear", "sqrt"]
+LR_SCALINGS: tuple[str, ...] = get_args(LrScaling)
 _SHIPPED_COLLECTIVES = ("ring", "native")
 """Registered by ``engine.collective.ring`` and ``.native``; another name is looked up in
 the registry (``engine.collective.register_collective``)."""
@@ -166,8 +169,25 @@ class TrainConfig:
     """Data-parallel workers (Ray actors), one process each."""
     epochs: Annotated[int, Ge(1)] = 10
     """Passes over the training split."""
-    batch_size: Annotated[int, Ge(1)] = 64
-    """Global batch: split across the workers, so the math does not depend on their number."""
+    batch_size: Annotated[int, Ge(1)] | None = None
+    """Global batch: split across the workers, so the math does not depend on their number
+    (64 when neither it nor ``per_worker_batch_size`` is given)."""
+    per_worker_batch_size: Annotated[int, Ge(1)] | None = None
+    """Weak scaling: each worker trains on this many samples a step, so the global batch is
+    this times ``workers`` and grows with them (then ``batch_size`` is left out or equal)."""
+    lr_scaling: LrScaling = "none"
+    """How the optimizers' learning rates follow the global batch, relative to
+    ``lr_reference_batch``: ``none``, ``linear`` (times batch / reference, as Horovod's
+    ``lr * hvd.size()`` and Goyal et al.) or ``sqrt`` (times its square root, for adaptive
+    optimizers). Applied to every param group of every optimizer at each step, on top of the
+    module's own schedule (``engine.module.LrScale``)."""
+    lr_reference_batch: Annotated[int, Ge(1)] | None = None
+    """The global batch the module's learning rate was chosen for; ``None``:
+    ``per_worker_batch_size`` (one worker's batch, Horovod's convention)."""
+    lr_warmup_steps: Annotated[int, Ge(0)] = 0
+    """Optimizer steps over which the scaling ramps up linearly from 1 (the module's own
+    learning rate) to its full factor (Goyal et al.'s gradual warm-up); 0: full from the
+    first step."""
     seed: Annotated[int, Ge(0)] = 0
     """Seeds weight initialisation and the per-epoch shuffle."""
     collective: str = "ring"
@@ -237,7 +257,7 @@ class TrainConfig:
         self._check_symm()
         _positive_int("workers", self.workers)
         _positive_int("epochs", self.epochs)
-        _positive_int("batch_size", self.batch_size)
+        self._check_batch()
         if self.batch_size < self.workers:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be at least workers ({self.workers}): "
@@ -281,6 +301,59 @@ class TrainConfig:
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
             )
         self._check_timeline()
+
+    def _check_batch(self) -> None:
+        per_worker = self.per_worker_batch_size
+        if per_worker is None:
+            if self.batch_size is None:
+                object.__setattr__(self, "batch_size", 64)
+            _positive_int("batch_size", self.batch_size)
+        else:
+            _positive_int("per_worker_batch_size", per_worker)
+            if self.batch_size is None:
+                object.__setattr__(self, "batch_size", per_worker * self.workers)
+            elif self.batch_size != per_worker * self.workers:
+                raise ValueError(
+                    f"batch_size ({self.batch_size}) differs from per_worker_batch_size "
+                    f"({per_worker}) x workers ({self.workers}): give one of them"
+                )
+        if self.lr_scaling not in LR_SCALINGS:
+            raise ValueError(f"lr_scaling must be one of {LR_SCALINGS}, got {self.lr_scaling!r}")
+        if self.lr_reference_batch is not None:
+            _positive_int("lr_reference_batch", self.lr_reference_batch)
+        if self.lr_scaling != "none" and self.reference_batch is None:
+            raise ValueError(
+                f"lr_scaling {self.lr_scaling!r} needs lr_reference_batch (the global batch "
+                "the module's learning rate was chosen for) or per_worker_batch_size"
+            )
+        warmup = self.lr_warmup_steps
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"lr_warmup_steps must be 0 or a positive integer, got {warmup!r}")
+
+    def with_changes(self, **changes: Any) -> TrainConfig:
+        """``dataclasses.replace`` of these fields, where under ``per_worker_batch_size`` the
+        global batch follows the new ``workers`` or batch per worker (unless ``changes`` set
+        ``batch_size`` too)."""
+        if self.per_worker_batch_size is not None and "batch_size" not in changes:
+            changes["batch_size"] = None
+        return replace(self, **changes)
+
+    def with_workers(self, workers: int, **changes: Any) -> TrainConfig:
+        """This configuration on ``workers`` workers (:meth:`with_changes`)."""
+        return self.with_changes(workers=workers, **changes)
+
+    @property
+    def reference_batch(self) -> int | None:
+        """The batch ``lr_scaling`` is relative to (``lr_reference_batch``, else one
+        worker's ``per_worker_batch_size``)."""
+        return self.lr_reference_batch or self.per_worker_batch_size
+
+    def lr_factor(self) -> float:
+        """What ``lr_scaling`` multiplies the learning rates by once warmed up."""
+        if self.lr_scaling == "none":
+            return 1.0
+        ratio = self.batch_size / self.reference_batch
+        return ratio if self.lr_scaling == "linear" else ratio**0.5
 
     def _check_symm(self) -> None:
         if isinstance(self.symm, Mapping):  # TrainConfig(**json): the nested object as given
@@ -363,6 +436,13 @@ class TrainConfig:
             if self.min_workers > self.workers:
                 raise ValueError(
                     f"min_workers ({self.min_workers}) must not exceed workers ({self.workers})"
+                )
+            if self.min_workers < self.workers and self.per_worker_batch_size is not None:
+                raise ValueError(
+                    f"per_worker_batch_size with min_workers ({self.min_workers}) below "
+                    f"workers ({self.workers}) is not supported yet: the global batch would "
+                    "change with the workers mid-epoch; give batch_size (a global batch "
+                    "survivors share) or leave min_workers out (a lost worker is replaced)"
                 )
         _positive_int("commit_every", self.commit_every)
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int):

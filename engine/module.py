@@ -45,6 +45,7 @@ from ringflow.engine.jsonstate import from_json, to_json
 __all__ = [
     "CLIP_ALGORITHMS",
     "PRECISIONS",
+    "LrScale",
     "Optimization",
     "Optimizers",
     "Precision",
@@ -285,6 +286,27 @@ class Optimizers:
             offset += count
 
 
+@dataclass(frozen=True)
+class LrScale:
+    """``TrainConfig.lr_scaling`` at an optimizer step: ``factor`` once warmed up, ramping
+    linearly from 1 at step 0 over ``warmup_steps`` steps (Goyal et al.).
+
+    The optimizers' param groups keep the learning rate the module and its schedulers set;
+    from ``on_before_optimizer_step`` to the end of ``optimizer.step()`` each holds it times
+    the scale, and afterwards exactly what it held before. So a scheduler, a warm-up written
+    in ``optimizer_step`` and a resumed run see their own values, and nothing about the
+    scale needs keeping beyond the step count.
+    """
+
+    factor: float
+    warmup_steps: int = 0
+
+    def at(self, step: int) -> float:
+        if step >= self.warmup_steps:
+            return self.factor
+        return 1.0 + (self.factor - 1.0) * step / self.warmup_steps
+
+
 class Optimization:
     """A module's optimizers and learning-rate schedulers: one optimizer stepped where
     Trainer steps it, or, under manual optimisation, one or several the module steps itself
@@ -328,6 +350,8 @@ class Optimization:
         """Under manual optimisation, the optimizer steps taken so far (Trainer's
         ``global_step`` then counts them); kept in commits and checkpoints."""
         self.precision = precision or Precision("32-true", torch.device("cpu"))
+        self.lr_scale: LrScale | None = None
+        """Multiplies every param group's learning rate during each step (``LrScale``)."""
         self.configs = configs  # Lightning's LRSchedulerConfigs, as Trainer holds them
         self.schedules = [
             _Schedule(
@@ -382,13 +406,32 @@ class Optimization:
             scaler.unscale_(self.optimizer)
             if across is not None:
                 _agree_on_overflow(scaler, self.optimizer, across)
-        call_hook(self.module, "on_before_optimizer_step", self.optimizer)
-        clip_gradients(self.optimizer, clip_val, clip_algorithm, across=across)
-        if scaler is not None:
-            out = scaler.step(self.optimizer, **kwargs)
-            scaler.update()
-            return out
-        return self.optimizer.step(**kwargs)
+        with self.scaled_lr(self.optimizers):
+            call_hook(self.module, "on_before_optimizer_step", self.optimizer)
+            clip_gradients(self.optimizer, clip_val, clip_algorithm, across=across)
+            if scaler is not None:
+                out = scaler.step(self.optimizer, **kwargs)
+                scaler.update()
+                return out
+            return self.optimizer.step(**kwargs)
+
+    @contextlib.contextmanager
+    def scaled_lr(self, optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+        """Every param group of ``optimizers`` at its learning rate times the scale due at
+        this step (:class:`LrScale`) while the block runs; afterwards as it was, exactly."""
+        if self.lr_scale is None:
+            yield
+            return
+        scale = self.lr_scale.at(self.module.trainer.global_step)
+        groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+        kept = [group["lr"] for group in groups]
+        for group, lr in zip(groups, kept, strict=True):
+            group["lr"] = lr * scale
+        try:
+            yield
+        finally:
+            for group, lr in zip(groups, kept, strict=True):
+                group["lr"] = lr
 
     def zero_grad(self, batch_idx: int) -> None:
         """Zero the gradients before a window, as Trainer: ``on_before_zero_grad``, then the
@@ -416,11 +459,12 @@ class Optimization:
         ``wait()`` for those and step the rest. Only where nothing reads every gradient
         before the step (:meth:`steps_in_two`); the same result, bit for bit, as :meth:`step`:
         torch's optimizers update each parameter from its own gradient and state alone."""
-        call_hook(self.module, "on_before_optimizer_step", self.optimizer)
-        first = {id(p) for p in ready}
-        _step_only(self.optimizer, lambda p: id(p) in first)
-        wait()
-        _step_only(self.optimizer, lambda p: id(p) not in first)
+        with self.scaled_lr(self.optimizers):
+            call_hook(self.module, "on_before_optimizer_step", self.optimizer)
+            first = {id(p) for p in ready}
+            _step_only(self.optimizer, lambda p: id(p) in first)
+            wait()
+            _step_only(self.optimizer, lambda p: id(p) not in first)
         self.after_batch(batch_idx, last=last)
 
     def steps_in_two(self, *, clip_val: float | None) -> bool:
@@ -454,12 +498,13 @@ class Optimization:
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
-        call_hook(self.module, "on_before_optimizer_step", optimizer)
-        if scaler is not None:
-            out = scaler.step(optimizer, **kwargs)
-            scaler.update()
-        else:
-            out = optimizer.step(**kwargs)
+        with self.scaled_lr([optimizer]):
+            call_hook(self.module, "on_before_optimizer_step", optimizer)
+            if scaler is not None:
+                out = scaler.step(optimizer, **kwargs)
+                scaler.update()
+            else:
+                out = optimizer.step(**kwargs)
         self.optimizer_steps += 1
         return out
 

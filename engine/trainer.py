@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringflow.engine.callbacks import Callbacks
+from ringflow.engine.cluster import dashboard_url
 from ringflow.engine.config import DataSpec, TrainConfig
 from ringflow.engine.data import as_data, samples_of
 from ringflow.engine.elastic.coordinator import ElasticEvent
@@ -67,6 +68,11 @@ class FitResult:
     """Resumes, lost workers, rollbacks and joins, in order."""
     timeline: TimelineSummary | None = None
     """With ``config.timeline``: where the trace was written and what it says."""
+    dashboard: str | None = None
+    """The Ray dashboard of the cluster the workers ran on, when it runs one."""
+    worker_logs: list[dict[str, Any]] = field(default_factory=list)
+    """Each Ray worker's ``rank``, ``node`` and the ``stdout`` and ``stderr`` files its output
+    went to (a replacement's too), in the order they started."""
 
 
 def _keeps_the_callers_generator(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -173,6 +179,8 @@ def fit(
         build_module(module_cls, hparams).prepare_data()
     group_cls = LocalGroup if in_process else RayWorkerGroup
     group = _start_group(group_cls, layout, module_cls, hparams, data, config)
+    dashboard = None if in_process else dashboard_url()
+    worker_logs = _worker_logs(group, [], dashboard)
     try:
         if init_from is not None and resume.checkpoint is None:
             group.call("warm_start", init_from)
@@ -200,6 +208,7 @@ def fit(
         state = layout.model_state(group)
         environment = group.call_rank0("environment")
         events = resume.events() + group.events
+        worker_logs = _worker_logs(group, worker_logs, dashboard)
     except BaseException:
         writers.finish("failed")
         raise
@@ -230,7 +239,27 @@ def fit(
         resumed_from=resume.step if resume.checkpoint is not None else None,
         events=events,
         timeline=timeline,
+        dashboard=dashboard,
+        worker_logs=worker_logs,
     )
+
+
+def _worker_logs(
+    group: WorkerGroup, known: list[dict[str, Any]], dashboard: str | None
+) -> list[dict[str, Any]]:
+    """``known`` and the log files of the group's workers not among them, each logged: where
+    a person debugging the run looks."""
+    seen = {where["stdout"] for where in known}
+    found = [w for w in group.call("log_files") if "stdout" in w and w["stdout"] not in seen]
+    for where in found:
+        log.info(
+            "worker %d on %s writes its output to %s%s",
+            where["rank"],
+            where["node"],
+            where["stdout"],
+            f" (Ray dashboard: {dashboard})" if dashboard else "",
+        )
+    return known + found
 
 
 def _trace_url(checkpoint_uri: str) -> str:
@@ -318,6 +347,7 @@ def run_meta(config: TrainConfig, data: Any) -> dict[str, Any]:
         "workers": config.workers,
         "seed": config.seed,
         "batch_size": config.batch_size,
+        "lr_scale": config.lr_factor(),
         "collective": config.collective,
         "train_config": dataclasses.asdict(config),
         "dataset_url": getattr(data, "dataset_url", None),
@@ -628,6 +658,12 @@ def find_checkpoint(
         "seed": config.seed,
         "batch_size": config.batch_size,
         **identity,
+        # another rule would go on with other learning rates
+        **(
+            {"lr_scaling": [config.lr_scaling, config.reference_batch, config.lr_warmup_steps]}
+            if config.lr_scaling != "none"
+            else {}
+        ),
     }
     latest = store.latest(run_key)
     if latest is not None and latest.metadata.get("fingerprint") != fingerprint:

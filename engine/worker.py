@@ -20,12 +20,14 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ringflow.engine.cluster import log_files
 from ringflow.engine.collective import Collective, create_collective, environment_overrides
 from ringflow.engine.config import DataSpec, TensorData, TrainConfig
 from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of
 from ringflow.engine.errors import EngineError, ModelError, PeerLostError
 from ringflow.engine.metrics import Logged, MetricLog
 from ringflow.engine.module import (
+    LrScale,
     Optimization,
     Precision,
     TrainerView,
@@ -341,6 +343,8 @@ class Worker:
         attach(module, self.trainer, self.metric_log)
         self.module = self.step.prepare(module)
         self.optimization = Optimization(self.module, self.precision)
+        if config.lr_scaling != "none":
+            self.optimization.lr_scale = LrScale(config.lr_factor(), config.lr_warmup_steps)
         self.optimizer = self.optimization.optimizer
         self.trainer.adopt(self.optimization, self.module)
         last = len(self.train) % config.batch_size
@@ -447,6 +451,10 @@ class Worker:
         if self.step.collective is not None:
             info["transport"] = self.step.transport() or self.config.collective
         return info
+
+    def log_files(self) -> dict[str, Any]:
+        """This worker's ``rank`` and where its output is written (``engine.cluster.log_files``)."""
+        return {"rank": self.rank, **log_files()}
 
     def environment(self) -> dict[str, str]:
         """The environment variables of this worker's process that override the

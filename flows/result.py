@@ -8,6 +8,7 @@ command line and the flow's log give the same lines.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -33,6 +34,12 @@ def describe(result: dict[str, Any]) -> list[str]:
         f"checkpoint  {result.get('checkpoint')}",
         f"dataset     {result.get('dataset_url')} ({result.get('rejected_rows', 0)} rows rejected)",
     ]
+    if result.get("dashboard"):
+        lines.append(f"dashboard   {result['dashboard']}")
+    folders = sorted({os.path.dirname(w["stdout"]) for w in result.get("worker_logs") or []})
+    if folders:
+        count = len(result["worker_logs"])
+        lines.append(f"worker logs {', '.join(folders)} ({count} workers' worker-*.out and .err)")
     return lines
 
 

@@ -9,7 +9,6 @@ line builds one to check its options before either starts.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -128,7 +127,7 @@ class RunSpec:
     def tuned(self, best: dict[str, Any]) -> tuple[ModelRef, TrainConfig]:
         """The model and configuration the search chose: exactly what training then uses."""
         model = ModelRef(path=self.model.path, hparams=best["best_hparams"])
-        config = dataclasses.replace(self.config, **best["best_train"])
+        config = self.config.with_changes(**best["best_train"])
         if self.pipeline is not None:
             check_micro_batches(config, self.pipeline)
         check_layout(config, self.pipeline)

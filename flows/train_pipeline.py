@@ -306,6 +306,8 @@ def _run(spec: RunSpec, attempt: int) -> dict:
         "run_key": spec.run_key,
         "resumed_from_step": trained["resumed_from_step"],
         "run_count": attempt,
+        "dashboard": trained.get("dashboard"),
+        "worker_logs": trained.get("worker_logs", []),
     }
     if best is not None:
         result["tune"] = {k: best[k] for k in ("best_metric", "base_metric", "best_trial")}

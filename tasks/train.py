@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from contextlib import contextmanager
@@ -63,7 +62,7 @@ def train(
     workspace = Workspace(storage_url)
     if pipeline is not None and pipeline.stages > 1 and config.cpus_per_worker == 1.0:
         cpus = _stage_cpus(config.workers * pipeline.stages)
-        config = dataclasses.replace(config, cpus_per_worker=cpus)
+        config = config.with_changes(cpus_per_worker=cpus)
     lease = _hold_run_key(workspace.checkpoints, run_key, config)
     writers = run_loggers(loggers, workspace.logs(run_key), run_key, model_name)
     with lease, _engine_logs(), _epoch_progress(config.epochs) as on_epoch:
@@ -93,6 +92,7 @@ def train(
             "resumed run %s from its checkpoint at step %d", run_key, result.resumed_from
         )
     _report_events(result.events)
+    _report_places(result.dashboard, result.worker_logs)
     epoch_table(result.history, key="training-metrics")
     loss_curve(result.history, key="training-loss-curve")
     if result.timeline is not None:
@@ -106,7 +106,29 @@ def train(
         "checkpoint": result.checkpoint,
         "metrics": result.metrics,
         "resumed_from_step": result.resumed_from,
+        "dashboard": result.dashboard,
+        "worker_logs": result.worker_logs,
     }
+
+
+def _report_places(dashboard: str | None, worker_logs: list[dict]) -> None:
+    """Where to look while debugging the run: the Ray dashboard, and each worker's output,
+    as an artifact (the engine logged them as the workers started)."""
+    if not dashboard and not worker_logs:
+        return  # trained in this process: its output is the flow's own
+    rows = "".join(
+        f"| {w['rank']} | {w['node']} | `{w['stdout']}` | `{w.get('stderr', '')}` |\n"
+        for w in worker_logs
+    )
+    create_markdown_artifact(
+        key="training-workers",
+        markdown=(
+            f"**Ray dashboard:** {dashboard or 'none (the cluster runs no dashboard)'}\n\n"
+            "| rank | node | stdout | stderr |\n|---|---|---|---|\n" + rows
+        ),
+        description="The Ray dashboard of the cluster the run trained on, and where each "
+        "worker's output is",
+    )
 
 
 def timeline_markdown(summary: TimelineSummary) -> str:

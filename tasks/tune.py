@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any
 
@@ -17,9 +16,10 @@ from ringflow.tuning.run import SearchConfig, reported_metrics, search
 from ringflow.tuning.space import TUNABLE_CONFIG
 
 
-def default_space(model: ModelRef, batch_size: int) -> dict[str, Any]:
+def default_space(model: ModelRef, config: TrainConfig) -> dict[str, Any]:
     """The model's own ``search_space`` if it declares one, else its learning rate (a
-    constructor keyword ``lr``) around its value; always the batch size around the base."""
+    constructor keyword ``lr``) around its value; always the batch size around the base (the
+    batch per worker under weak scaling, ``per_worker_batch_size``)."""
     cls = model.resolve()
     declared = getattr(cls, "search_space", None)
     space: dict[str, Any] = dict(declared) if isinstance(declared, dict) else {}
@@ -28,7 +28,10 @@ def default_space(model: ModelRef, batch_size: int) -> dict[str, Any]:
         base = model.hparams.get("lr", lr.default)
         if isinstance(base, int | float) and base > 0:
             space["lr"] = {"loguniform": [base / 10, base * 10]}
-    space.setdefault("batch_size", sorted({max(1, batch_size // 2), batch_size, batch_size * 2}))
+    name = "batch_size" if config.per_worker_batch_size is None else "per_worker_batch_size"
+    batch = getattr(config, name)
+    if "batch_size" not in space and "per_worker_batch_size" not in space:
+        space[name] = sorted({max(1, batch // 2), batch, batch * 2})
     return space
 
 
@@ -65,7 +68,7 @@ def tune(
     """
     data = DataSpec(dataset_url=dataset_url)
     metric, mode = _metric(model, data, config, metric, mode)
-    space = space or default_space(model, config.batch_size)
+    space = space or default_space(model, config)
     search_config = SearchConfig(
         trials=trials,
         epochs=epochs,
@@ -85,7 +88,7 @@ def tune(
         base_hparams=model.hparams,
         space=space,
         data=data,
-        train_config=dataclasses.replace(config, workers=1),
+        train_config=config.with_workers(1),
         storage_url=storage_url,
         run_key=run_key,
         config=search_config,

@@ -129,7 +129,12 @@ def stack(tmp_path_factory):
         yield stack
     finally:
         stack.stop()
-    for port in (stack.env["RINGFLOW_PREFECT_PORT"], stack.env["RINGFLOW_RAY_PORT"]):
+    env = stack.env
+    for port in (
+        env["RINGFLOW_PREFECT_PORT"],
+        env["RINGFLOW_RAY_PORT"],
+        env["RINGFLOW_RAY_DASHBOARD_PORT"],
+    ):
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{port}/", timeout=5, trust_env=False)
 

@@ -333,6 +333,7 @@ def test_demo_command_from_the_readme(stack):
     assert demo.returncode == 0, demo.stdout[-4000:] + demo.stderr[-4000:]
     assert "Flow run finished successfully in 'Completed'" in demo.stdout
     _assert_summary(demo.stdout, port)
+    _assert_links_the_dashboard_and_the_workers_logs(demo.stdout, stack.env)
     assert '"digit":' in demo.stdout.rsplit("Asking it about", 1)[-1]
     # The endpoint outlives the flow run: it is hosted by the Ray head.
     _assert_serves_digits(f"http://127.0.0.1:{port}/predict")
@@ -349,6 +350,20 @@ def _assert_summary(stdout: str, port: str) -> None:
     ), summary
     assert f"endpoint    http://127.0.0.1:{port}/predict" in summary, summary
     assert "python -m ringflow.flows.result " in summary
+
+
+def _assert_links_the_dashboard_and_the_workers_logs(stdout: str, env: dict[str, str]) -> None:
+    """The stack's Ray head runs a dashboard (start.sh): the summary links it, and says where
+    the training workers' output went."""
+    summary = stdout.rsplit("train-pipeline run ", 1)[-1]
+    dashboard = f"http://127.0.0.1:{env['RINGFLOW_RAY_DASHBOARD_PORT']}"
+    assert re.search(rf"^\s+dashboard\s+{re.escape(dashboard)}$", summary, re.M), summary
+    assert httpx.get(dashboard, timeout=30, trust_env=False).status_code == 200
+    found = re.search(r"^\s+worker logs\s+(\S+) \((\d+) workers'", summary, re.M)
+    assert found, summary
+    outputs = list(Path(found[1]).glob("worker-*.out"))
+    assert int(found[2]) == 2, found[0]
+    assert outputs, (found[0], sorted(os.listdir(found[1])))
 
 
 def _prefect(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:

@@ -112,3 +112,16 @@ def test_a_run_is_described_by_its_accuracy_gate_endpoint_and_artifacts():
     assert "http://127.0.0.1:8000/predict (answering with v0001)" in text
     assert "/s/registry/digits/versions/v0002/model" in text
     assert "(3 rows rejected)" in text
+    assert "dashboard" not in text  # trained in one process
+    assert "worker logs" not in text
+    logs = "/tmp/ray/session_1/logs"
+    lines = describe(
+        {
+            "dashboard": "http://127.0.0.1:8265",
+            "worker_logs": [
+                {"rank": r, "node": "h", "stdout": f"{logs}/worker-{r}.out"} for r in (0, 1)
+            ],
+        }
+    )
+    assert "dashboard   http://127.0.0.1:8265" in lines
+    assert f"worker logs {logs} (2 workers' worker-*.out and .err)" in lines

@@ -5,7 +5,6 @@ decisions, a line per trial as it starts and ends, and the :class:`SearchResult`
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -482,7 +481,7 @@ class _Trial:
         if self.cfg.workers_per_trial == 1:  # it trains in the trial's process, on its share
             fields["cpus_per_worker"] = self.cfg.trial_cpus
             fields["gpus_per_worker"] = 1 if self.cfg.gpus_per_trial else 0
-        return hparams, dataclasses.replace(self.train_config, **fields)
+        return hparams, self.train_config.with_changes(**fields)
 
 
 class _Progress:
@@ -801,7 +800,7 @@ def reported_metrics(
     from ringflow.engine.worker import Worker
 
     hparams = model_hparams(module_cls, hparams, data.schema)
-    one = dataclasses.replace(config, workers=1, epochs=1)
+    one = config.with_workers(1, epochs=1)
     worker = Worker(module_cls, hparams=hparams, data=data, config=one, rank=0, plan=WholeModel())
     reported = worker.evaluate("validation").results()
     return sorted({*reported, "train_loss"})

@@ -234,7 +234,7 @@ def check_names(
         if dim.name in TUNABLE_CONFIG:
             base[dim.name] = getattr(train_config, dim.name)
             for value in dim.samples():
-                _try(dim, value, lambda v, d=dim: dataclasses.replace(train_config, **{d.name: v}))
+                _try(dim, value, lambda v, d=dim: train_config.with_changes(**{d.name: v}))
         elif dim.name in model_names or takes_any:
             if dim.name not in base_hparams and dim.name in params:
                 default = params[dim.name].default

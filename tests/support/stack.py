@@ -46,6 +46,7 @@ class Stack:
             "RINGFLOW_POOL": "ringflow-e2e-test",
             "RINGFLOW_PREFECT_PORT": str(port),
             "RINGFLOW_RAY_PORT": str(free_port(6)),
+            "RINGFLOW_RAY_DASHBOARD_PORT": str(free_port()),
             "RINGFLOW_SERVE_PORT": str(self.serve_port),
             "RINGFLOW_CPUS": "2",
             "PREFECT_UI_ENABLED": "false",
