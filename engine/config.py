@@ -195,8 +195,10 @@ class TrainConfig:
     ``engine.collective.available_collectives()``."""
     bucket_mb: Annotated[float, Gt(0)] = 25.0
     """Gradients are reduced in buckets of about this many MiB, each while backward runs."""
-    compression: Compression = "none"
-    """Gradients travel as ``none`` (float32), ``bf16`` or ``fp16``; summed in float32."""
+    compression: str = "none"
+    """Gradients travel as ``none`` (float32), ``bf16`` or ``fp16``, summed in float32; or
+    the name of a communication hook that reduces each gradient bucket
+    (``engine.collective.register_comm_hook``)."""
     placement: Placement = "pack"
     """How workers spread over Ray nodes: ``pack`` (as few nodes as possible), ``spread``
     (as many as possible) or ``strict_spread`` (one worker per node)."""
@@ -265,7 +267,9 @@ class TrainConfig:
             )
         self._check_collective()
         if self.compression not in WIRE_FORMATS:
-            raise ValueError(f"compression must be one of {WIRE_FORMATS}, got {self.compression!r}")
+            from ringflow.engine.collective.registry import comm_hook
+
+            comm_hook(self.compression)  # raises naming the built-in and registered ones
         self._check_elastic()
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int):
             raise ValueError(f"checkpoint_every must be an integer, got {self.checkpoint_every!r}")

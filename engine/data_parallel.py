@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringflow.engine.collective import Collective, GradientBuckets
+from ringflow.engine.collective.registry import comm_hook
+from ringflow.engine.config import WIRE_FORMATS
 from ringflow.engine.data import Samples, samples_of
 from ringflow.engine.errors import ModelError
 from ringflow.engine.metrics import Logged, logged_number
@@ -64,6 +66,7 @@ class DataParallelStep:
         self._ready_first: list[torch.Tensor] = []
         self._window_learns = False
         """Whether a batch of the current window gave a gradient (none returned ``None``)."""
+        self._hook: tuple[Any, Any, str] | None = None
         self._may_skip = True
         """Whether the module's ``training_step`` may return ``None`` (:meth:`_skipped`)."""
 
@@ -101,7 +104,9 @@ class DataParallelStep:
 
     def prepare_buckets(self) -> None:
         w = self.worker
-        self.buckets = GradientBuckets(w.params, self.collective, bucket_bytes=self.bucket_bytes)
+        self.buckets = GradientBuckets(
+            w.params, self.collective, bucket_bytes=self.bucket_bytes, comm_hook=self._comm_hook()
+        )
         self.buckets.timeline = w.timeline
         # While the last bucket (the first layers') reduces, step the parameters whose sums
         # are in: the optimizer then hides the all-reduce that backward could not.
@@ -115,6 +120,18 @@ class DataParallelStep:
             and not w.optimization.manual
             and w.optimization.steps_in_two(clip_val=w.config.gradient_clip_val)
         )
+
+    def _comm_hook(self) -> tuple[Any, Any, str] | None:
+        """``TrainConfig.compression``'s communication hook and its state (built once per
+        worker), or ``None`` for the collective's own all-reduce."""
+        name = self.worker.config.compression
+        if name in WIRE_FORMATS:
+            return None
+        if self._hook is None:
+            hook, state = comm_hook(name)
+            w = self.worker
+            self._hook = (hook, None if state is None else state(w.rank, w.world_size), name)
+        return self._hook
 
     def leave(self) -> None:
         if self.buckets is not None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ringflow.engine.config import TrainConfig
+from ringflow.engine.config import WIRE_FORMATS, TrainConfig
 from ringflow.storage.reshard import merge_optimizer_metadata
 from ringflow.storage.store import CheckpointStorageError, CheckpointStore
 
@@ -290,11 +290,17 @@ class Pipeline(Layout):
         unsupported = dict(self._UNSUPPORTED)
         if not self.elastic:
             unsupported.update(dict.fromkeys(("min_workers", "commit_every"), self._ON_GPUS))
-        return [
+        refused = [
             f"{name}={getattr(self.config, name)!r} ({why})"
             for name, why in unsupported.items()
             if getattr(self.config, name) != getattr(defaults, name)
         ]
+        if self.config.compression not in WIRE_FORMATS:
+            refused.append(
+                f"compression={self.config.compression!r} (a communication hook reduces "
+                "data-parallel gradient buckets; pipeline stages reduce theirs in one piece)"
+            )
+        return refused
 
     def checkpoint(self, group, store_url, run_key, *, step, metadata, metrics) -> None:
         # Replica 0's stages hold the whole state between them, one shard per stage: each

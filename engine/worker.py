@@ -22,7 +22,7 @@ import torch
 
 from ringflow.engine.cluster import log_files
 from ringflow.engine.collective import Collective, create_collective, environment_overrides
-from ringflow.engine.config import DataSpec, TensorData, TrainConfig
+from ringflow.engine.config import WIRE_FORMATS, DataSpec, TensorData, TrainConfig
 from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of
 from ringflow.engine.errors import EngineError, ModelError, PeerLostError
 from ringflow.engine.metrics import Logged, MetricLog
@@ -491,7 +491,9 @@ class Worker:
             init_method=init_method,
             timeout_s=self.config.collective_timeout_s,
             connect_timeout_s=self.config.timeout_s,
-            compression=self.config.compression,
+            compression=self.config.compression
+            if self.config.compression in WIRE_FORMATS
+            else "none",
             **backend,
         )
 

@@ -17,6 +17,7 @@ from ringflow.engine.collective.base import (
     register_collective,
 )
 from ringflow.engine.collective.buckets import GradientBuckets
+from ringflow.engine.collective.hooks import GradBucket, allreduce_hook, register_comm_hook
 from ringflow.engine.collective.native import NativeCollective
 from ringflow.engine.collective.ring import TRANSPORTS, RingCollective
 from ringflow.engine.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
@@ -29,13 +30,16 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "CollectiveWork",
+    "GradBucket",
     "GradientBuckets",
     "NativeCollective",
     "PeerLostError",
     "ReduceOp",
     "RingCollective",
+    "allreduce_hook",
     "available_collectives",
     "create_collective",
     "environment_overrides",
     "register_collective",
+    "register_comm_hook",
 ]

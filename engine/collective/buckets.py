@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringflow.engine.collective.base import Collective, CollectiveWork
+from ringflow.engine.collective.hooks import GradBucket, Reduced
 
 if TYPE_CHECKING:
     from ringflow.engine.timeline import WorkerTimeline
@@ -63,6 +64,8 @@ class GradientBuckets:
         bucket_bytes: the size buckets fill up to.
         hooks: register the hooks; without, the owner's own hooks call :meth:`ready` (an
             owner that counts backward passes first, as Horovod's ``DistributedOptimizer``).
+        comm_hook: what reduces each bucket (``engine.collective.hooks``): ``(hook, state,
+            name)``; ``None``: :func:`~ringflow.engine.collective.hooks.allreduce_hook`.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class GradientBuckets:
         *,
         bucket_bytes: int = 25 << 20,
         hooks: bool = True,
+        comm_hook: tuple[Callable[..., Any], Any, str] | None = None,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -86,6 +90,7 @@ class GradientBuckets:
         self._active = False
         self._weight, self._op = 1.0, "sum"
         self._works: list[CollectiveWork] = []
+        self._comm_hook = comm_hook
         self.timeline: WorkerTimeline | None = None
         """Set, each bucket's all-reduce is recorded there (``engine.timeline``)."""
 
@@ -205,14 +210,29 @@ class GradientBuckets:
         if self._weight != 1.0:  # the whole bucket at once: one pass, one kernel
             bucket.buffer.mul_(self._weight)
         timeline = self.timeline
-        if timeline is None:
-            self._works.append(self._collective.allreduce_async_(bucket.buffer, op=self._op))
-            return
-        mark = timeline.mark()  # before the launch: on CPU the ring may start at once
-        work = self._collective.allreduce_async_(bucket.buffer, op=self._op)
-        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-        timeline.launched(len(self._works), nbytes, mark, work)
+        mark = None if timeline is None else timeline.mark()  # on CPU the ring starts at once
+        work = self._reduce(bucket)
+        if timeline is not None:
+            nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+            timeline.launched(len(self._works), nbytes, mark, work)
+        if self._comm_hook is not None:
+            work = Reduced(work, bucket.buffer, self._comm_hook[2])
         self._works.append(work)
+
+    def _reduce(self, bucket: _Bucket) -> Any:
+        """The bucket's all-reduce started: the collective's, or the communication hook's
+        future of it."""
+        if self._comm_hook is None:
+            return self._collective.allreduce_async_(bucket.buffer, op=self._op)
+        hook, state, _ = self._comm_hook
+        grad_bucket = GradBucket(
+            index=len(self._works),
+            buffer=bucket.buffer,
+            params=tuple(bucket.params),
+            op=self._op,
+            collective=self._collective,
+        )
+        return hook(state, grad_bucket)
 
 
 def _hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Any:

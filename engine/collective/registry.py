@@ -1,5 +1,7 @@
 """The names collectives are chosen by (``TrainConfig.collective``): ``ring`` and ``native``
-register themselves as they are imported, a user's with :func:`register_collective`.
+register themselves as they are imported, a user's with :func:`register_collective`; and the
+names of communication hooks (``TrainConfig.compression`` beyond the built-in wire formats),
+registered with :func:`register_comm_hook`.
 
 It imports nothing of the engine, so the configuration checks a name without a circle."""
 
@@ -8,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["available_collectives", "create_collective", "register_collective"]
+__all__ = [
+    "available_collectives",
+    "available_comm_hooks",
+    "comm_hook",
+    "create_collective",
+    "register_collective",
+    "register_comm_hook",
+]
 
 _REGISTRY: dict[str, type] = {}
 
@@ -43,3 +52,43 @@ def create_collective(name: str, **kwargs: object) -> Any:
             f"unknown collective {name!r}; choose one of {available_collectives()}"
         ) from None
     return cls(**kwargs)
+
+
+_HOOKS: dict[str, tuple[Callable[..., Any], Callable[[int, int], Any] | None]] = {}
+
+
+def register_comm_hook(
+    name: str, *, state: Callable[[int, int], Any] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator that makes a communication hook (``hook(state, bucket)``, see
+    ``engine.collective.hooks``) selectable as ``TrainConfig.compression=name``; ``state``
+    builds its state once per worker from ``(rank, world_size)``."""
+    if name in ("none", "bf16", "fp16"):
+        raise ValueError(f"{name!r} is a built-in compression; register the hook by another name")
+
+    def decorate(hook: Callable[..., Any]) -> Callable[..., Any]:
+        if name in _HOOKS and _HOOKS[name][0] is not hook:
+            raise ValueError(f"communication hook {name!r} is already registered")
+        _HOOKS[name] = (hook, state)
+        return hook
+
+    return decorate
+
+
+def available_comm_hooks() -> list[str]:
+    return sorted(_HOOKS)
+
+
+def comm_hook(name: str) -> tuple[Callable[..., Any], Callable[[int, int], Any] | None]:
+    """The hook registered as ``name`` and its state's factory.
+
+    Raises:
+        ValueError: no hook has that name; the message lists those that exist.
+    """
+    try:
+        return _HOOKS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown compression {name!r}: 'none', 'bf16', 'fp16' or a registered "
+            f"communication hook ({available_comm_hooks() or 'none registered'})"
+        ) from None
