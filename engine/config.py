@@ -196,9 +196,14 @@ class TrainConfig:
     bucket_mb: Annotated[float, Gt(0)] = 25.0
     """Gradients are reduced in buckets of about this many MiB, each while backward runs."""
     compression: str = "none"
-    """Gradients travel as ``none`` (float32), ``bf16`` or ``fp16``, summed in float32; or
-    the name of a communication hook that reduces each gradient bucket
-    (``engine.collective.register_comm_hook``)."""
+    """Gradients travel as ``none`` (float32), ``bf16`` or ``fp16``, summed in float32;
+    ``powersgd`` sends each gradient matrix as two rank-``powersgd_rank`` factors, with error
+    feedback (``engine.collective.powersgd``); or the name of a communication hook that
+    reduces each gradient bucket (``engine.collective.register_comm_hook``)."""
+    powersgd_rank: Annotated[int, Ge(1)] = 4
+    """``compression="powersgd"``: the rank of each gradient matrix's approximation."""
+    powersgd_warmup_steps: Annotated[int, Ge(0)] = 100
+    """``compression="powersgd"``: optimizer steps reduced whole before compression starts."""
     placement: Placement = "pack"
     """How workers spread over Ray nodes: ``pack`` (as few nodes as possible), ``spread``
     (as many as possible) or ``strict_spread`` (one worker per node)."""
@@ -266,7 +271,11 @@ class TrainConfig:
                 "each worker takes a part of every global batch"
             )
         self._check_collective()
-        if self.compression not in WIRE_FORMATS:
+        _positive_int("powersgd_rank", self.powersgd_rank)
+        warmup = self.powersgd_warmup_steps
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"powersgd_warmup_steps must be 0 or more, got {warmup!r}")
+        if self.compression not in (*WIRE_FORMATS, "powersgd"):
             from ringflow.engine.collective.registry import comm_hook
 
             comm_hook(self.compression)  # raises naming the built-in and registered ones

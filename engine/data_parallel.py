@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringflow.engine.collective import Collective, GradientBuckets
+from ringflow.engine.collective.powersgd import powersgd_hook, state_for
 from ringflow.engine.collective.registry import comm_hook
 from ringflow.engine.config import WIRE_FORMATS
 from ringflow.engine.data import Samples, samples_of
@@ -124,14 +125,32 @@ class DataParallelStep:
     def _comm_hook(self) -> tuple[Any, Any, str] | None:
         """``TrainConfig.compression``'s communication hook and its state (built once per
         worker), or ``None`` for the collective's own all-reduce."""
-        name = self.worker.config.compression
+        w = self.worker
+        name = w.config.compression
         if name in WIRE_FORMATS:
             return None
         if self._hook is None:
-            hook, state = comm_hook(name)
-            w = self.worker
-            self._hook = (hook, None if state is None else state(w.rank, w.world_size), name)
+            if name == "powersgd":
+                self._hook = (powersgd_hook, state_for(w.config, w.rank, w.world_size), name)
+            else:
+                hook, state = comm_hook(name)
+                self._hook = (hook, None if state is None else state(w.rank, w.world_size), name)
         return self._hook
+
+    def comm_state(self) -> dict[str, torch.Tensor]:
+        """The communication hook's state as CPU tensors (``state_dict()``), where it has one:
+        commits and checkpoints keep it (PowerSGD's Q factors and this rank's error)."""
+        state = None if self._hook is None else self._hook[1]
+        return state.state_dict() if hasattr(state, "state_dict") else {}
+
+    def load_comm_state(self, tensors: dict[str, torch.Tensor], *, own: bool = True) -> None:
+        """Take :meth:`comm_state`'s ``tensors`` back; ``own=False``: another rank's (a
+        worker joining), whose error is not this rank's to add."""
+        state = None if self._hook is None else self._hook[1]
+        if tensors and hasattr(state, "load_state_dict"):
+            state.load_state_dict(tensors)
+            if not own and hasattr(state, "reset_errors"):
+                state.reset_errors()
 
     def leave(self) -> None:
         if self.buckets is not None:
@@ -357,9 +376,11 @@ class DataParallelStep:
     def load(self, store: CheckpointStore, checkpoint: CommittedCheckpoint) -> dict[str, Any]:
         """The tensors of ``checkpoint`` this worker trains: the replicated state."""
         w = self.worker
-        return load_data_parallel(
-            store, checkpoint, rank=w.rank, world_size=w.world_size
-        ).replicated
+        state = load_data_parallel(store, checkpoint, rank=w.rank, world_size=w.world_size)
+        if state.own is not None:  # the communication hook's, per rank
+            self._comm_hook()
+            self.load_comm_state(state.own, own=state.saved_world_size == w.world_size)
+        return state.replicated
 
     def transport(self) -> str | None:
         return None if self.collective is None else getattr(self.collective, "transport", None)

@@ -169,9 +169,17 @@ class DataParallel(Layout):
         group.call_each("reconfigure", [(rank, size, init_method) for rank in range(size)])
 
     def checkpoint(self, group, store_url, run_key, *, step, metadata, metrics) -> None:
-        # Rank 0 copies the replicated state to host memory and writes it in the background.
+        # Rank 0 copies the replicated state to host memory and writes it in the background,
+        # with each rank's communication hook state (PowerSGD's errors differ by rank).
+        hooked = self.config.compression not in WIRE_FORMATS
         group.call_rank0(
-            "checkpoint", store_url, run_key, step=step, metadata=metadata, metrics=metrics
+            "checkpoint",
+            store_url,
+            run_key,
+            step=step,
+            metadata=metadata,
+            metrics=metrics,
+            comm_states=group.call("comm_state") if hooked else None,
         )
 
     def flush(self, group: Workers) -> list[str]:

@@ -42,6 +42,7 @@ from ringflow.storage.checkpointer import AsyncCheckpointer, copy_to_host, host_
 from ringflow.storage.reshard import (
     REPLICATED,
     load_training_state,
+    rank_shard,
     training_state,
 )
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
@@ -60,7 +61,7 @@ __all__ = [
     "worker_device",
 ]
 
-Commit = tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]
+Commit = tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]
 """A worker's state at a step, in host memory: model, optimizer, schedulers and scaler."""
 
 
@@ -556,13 +557,25 @@ class Worker:
             (self.module.state_dict(), self.optimizer.state_dict()), step, reuse=reuse
         )
         schedulers = self.optimization.state_dict()
+        comm = self._comm_state()
         if defer:
             self._deferred = copies._replace(at=_stream_mark(self.device))
         else:  # on a GPU, queued behind the steps before the host waits for them
             landed = self._queue(copies)
             if landed is not None:
                 self._landed[step] = landed
-        return _Staged(step, (model, optimizer, schedulers), copies.targets)
+        return _Staged(step, (model, optimizer, schedulers, comm), copies.targets)
+
+    def _comm_state(self) -> dict[str, torch.Tensor]:
+        """The communication hook's state (PowerSGD's), where the layout has one."""
+        comm_state = getattr(self.step, "comm_state", None)
+        return {} if comm_state is None else comm_state()
+
+    def comm_state(self) -> dict[str, torch.Tensor]:
+        """The communication hook's state at the step the last call of steps ended (a
+        checkpoint's: one step run ahead is undone first)."""
+        self._undo_ahead()
+        return self._comm_state()
 
     @contextlib.contextmanager
     def _kept_if_done(self, staged: _Staged | None) -> Iterator[None]:
@@ -613,13 +626,13 @@ class Worker:
         if self._copy_stream is not None:
             self._copy_stream.synchronize()
 
-    def rollback(self, step: int) -> None:
+    def rollback(self, step: int, *, own: bool = True) -> None:
         """Return to the commit of ``step`` (model, optimizer and schedulers, bit for bit).
 
         The host copies are copied onto the worker's device (``load_state_dict`` moves the
         optimizer state next to its parameters).
         """
-        model, optimizer, schedulers = self.committed_state(step)
+        model, optimizer, schedulers, comm = self.committed_state(step)
         self._failed = self._ran_ahead = None
         self._copies_landed()  # a newer commit's may still read the weights about to change
         self.metric_log.reset()  # what the lost steps logged is not kept
@@ -630,6 +643,8 @@ class Worker:
                 tensor.copy_(model[name])
         self.optimizer.load_state_dict(copy.deepcopy(optimizer))
         self.optimization.load_state_dict(copy.deepcopy(schedulers))
+        if comm:
+            self.step.load_comm_state(comm, own=own)
 
     def committed_state(self, step: int) -> Commit:
         """The commit of ``step`` (CPU tensors, and the schedulers' states), for rolling back or
@@ -647,7 +662,7 @@ class Worker:
         self._copies_landed()
         self._commits = {step: ({k: v.clone() for k, v in state[0].items()}, *state[1:])}
         self._commit_tensors, self._landed = {}, {}
-        self.rollback(step)
+        self.rollback(step, own=False)
 
     # ------------------------------------------------------------------ hooks
 
@@ -857,8 +872,10 @@ class Worker:
         step: int,
         metadata: dict[str, Any],
         metrics: dict[str, float],
+        comm_states: list[dict[str, torch.Tensor]] | None = None,
     ) -> None:
-        """Queue the replicated training state for an asynchronous save (rank 0 only).
+        """Queue the replicated training state for an asynchronous save (rank 0 only), and
+        each rank's communication hook state (``comm_states``, by rank) as a shard of its own.
 
         Training is blocked only while the tensors are copied to host memory; the write to
         storage happens in the background and never moves "latest" unless it commits.
@@ -875,7 +892,8 @@ class Worker:
 
         def collect() -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
             tensors, optimizer_meta = training_state(self.module, self.optimizer)
-            return {REPLICATED: tensors}, {**metadata, "optimizer": optimizer_meta}
+            ranks = {rank_shard(r): state for r, state in enumerate(comm_states or []) if state}
+            return {REPLICATED: tensors, **ranks}, {**metadata, "optimizer": optimizer_meta}
 
         # Gathering the state, like copying it, runs in the background while the next
         # forward and backward pass run; the optimizer step (and the forward pass of a

@@ -91,9 +91,7 @@ def test_the_built_in_all_reduce_is_a_hook_of_the_same_interface():
 
 
 def test_an_unknown_or_reserved_hook_name_fails_before_training():
-    with pytest.raises(
-        ValueError, match="'none', 'bf16', 'fp16' or a registered communication hook"
-    ):
+    with pytest.raises(ValueError, match="'powersgd' or a registered communication hook"):
         TrainConfig(compression="powerful")
     with pytest.raises(ValueError, match="built-in"):
         register_comm_hook("bf16")(halved)

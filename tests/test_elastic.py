@@ -307,7 +307,7 @@ def test_the_next_steps_start_without_a_round_trip_and_run_once(ray_session, dig
         group.commit(0)
         group.train_steps(0, 0, 2, commit_at=2, then=Steps(0, 2, 3, 5))
         # Asked for nothing more, each worker has run steps 2 to 4 and committed step 5.
-        model, _, _ = group.call_rank0("committed_state", 5)
+        model, *_ = group.call_rank0("committed_state", 5)
         weights = group.call("state_dict")
         assert all(torch.equal(model[k], weights[0][k].cpu()) for k in model)
         steps = group.train_steps(0, 2, 3, commit_at=5)

@@ -330,7 +330,7 @@ def test_gpu_workers_get_a_gpu_each_and_commit_to_host_memory(gpu_ray, digits):
         group.commit(3)
         group.call("train_steps", 0, 3, 2)  # at once, while the copies may still be landing
         commit = group.call_rank0("committed_state", 3)
-        model, optimizer, _ = commit
+        model, optimizer, *_ = commit
         tensors = [*model.values()]
         tensors += [v for s in optimizer["state"].values() for v in s.values()]
         assert len(tensors) > len(model)  # the optimizer has state by now

@@ -212,7 +212,7 @@ class GradientBuckets:
         timeline = self.timeline
         mark = None if timeline is None else timeline.mark()  # on CPU the ring starts at once
         work = self._reduce(bucket)
-        if timeline is not None:
+        if timeline is not None and self._comm_hook is None:  # a hook's future: not watched
             nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
             timeline.launched(len(self._works), nbytes, mark, work)
         if self._comm_hook is not None:
@@ -231,6 +231,7 @@ class GradientBuckets:
             params=tuple(bucket.params),
             op=self._op,
             collective=self._collective,
+            last=len(self._works) == len(self._buckets) - 1,
         )
         return hook(state, grad_bucket)
 

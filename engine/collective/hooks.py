@@ -54,6 +54,8 @@ class GradBucket:
     reduced bucket must be."""
     collective: Collective
     """The ring (or the collective ``TrainConfig.collective`` names) to reduce it over."""
+    last: bool = False
+    """Whether it is the step's last bucket (the first layers')."""
 
     def gradients(self) -> list[torch.Tensor]:
         """Each parameter's gradient, a view of :attr:`buffer` shaped as the parameter."""

@@ -63,7 +63,7 @@ def register_comm_hook(
     """Decorator that makes a communication hook (``hook(state, bucket)``, see
     ``engine.collective.hooks``) selectable as ``TrainConfig.compression=name``; ``state``
     builds its state once per worker from ``(rank, world_size)``."""
-    if name in ("none", "bf16", "fp16"):
+    if name in ("none", "bf16", "fp16", "powersgd"):
         raise ValueError(f"{name!r} is a built-in compression; register the hook by another name")
 
     def decorate(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -89,6 +89,6 @@ def comm_hook(name: str) -> tuple[Callable[..., Any], Callable[[int, int], Any] 
         return _HOOKS[name]
     except KeyError:
         raise ValueError(
-            f"unknown compression {name!r}: 'none', 'bf16', 'fp16' or a registered "
+            f"unknown compression {name!r}: 'none', 'bf16', 'fp16', 'powersgd' or a registered "
             f"communication hook ({available_comm_hooks() or 'none registered'})"
         ) from None
