@@ -5,8 +5,9 @@ weights against a small batch), trained by ``engine.fit`` on 2 Ray workers of th
 whose ring all-reduces go over a link the benchmark limits to ``--link-gbps`` (1 Gb/s by
 default, as between hosts on gigabit Ethernet): every all-reduce completes no earlier than
 its bytes would take on that link, one transfer after another, while backward goes on
-(``throttled_ring``, a collective registered in ``bench._compression_parts``). On that link
-the workers wait for fp32 gradients more than half of each step, as between hosts.
+(``throttled_ring``, a collective registered in ``bench._compression_parts``). On a 1 x H200
+host's CPU that link takes more than half of an fp32 step (docs/benchmarks.md), as between
+hosts.
 
 For each of ``none`` (fp32), ``bf16`` and ``powersgd`` (rank ``--powersgd-rank``, warm-up
 ``--powersgd-warmup``), the same model, data, seed and steps: bytes each worker put on the
