@@ -361,11 +361,22 @@ class TrainConfig:
         worker's ``per_worker_batch_size``)."""
         return self.lr_reference_batch or self.per_worker_batch_size
 
-    def lr_factor(self) -> float:
-        """What ``lr_scaling`` multiplies the learning rates by once warmed up."""
+    @property
+    def batch_follows_workers(self) -> bool:
+        """Whether the global batch changes when elastic recovery changes the workers (weak
+        scaling with ``min_workers`` below ``workers``): each epoch's is the batch per
+        worker times the workers that start it (``engine.epochs``)."""
+        return (
+            self.per_worker_batch_size is not None
+            and (self.min_workers or self.workers) < self.workers
+        )
+
+    def lr_factor(self, batch_size: int | None = None) -> float:
+        """What ``lr_scaling`` multiplies the learning rates by once warmed up, for a global
+        batch of ``batch_size`` (``None``: this configuration's)."""
         if self.lr_scaling == "none":
             return 1.0
-        ratio = self.batch_size / self.reference_batch
+        ratio = (batch_size or self.batch_size) / self.reference_batch
         return ratio if self.lr_scaling == "linear" else ratio**0.5
 
     def _check_symm(self) -> None:
@@ -449,13 +460,6 @@ class TrainConfig:
             if self.min_workers > self.workers:
                 raise ValueError(
                     f"min_workers ({self.min_workers}) must not exceed workers ({self.workers})"
-                )
-            if self.min_workers < self.workers and self.per_worker_batch_size is not None:
-                raise ValueError(
-                    f"per_worker_batch_size with min_workers ({self.min_workers}) below "
-                    f"workers ({self.workers}) is not supported yet: the global batch would "
-                    "change with the workers mid-epoch; give batch_size (a global batch "
-                    "survivors share) or leave min_workers out (a lost worker is replaced)"
                 )
         _positive_int("commit_every", self.commit_every)
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int):

@@ -56,7 +56,7 @@ class Samples(Protocol):
     ``follow(position, plan)`` method, which ``engine.worker.epoch_batches`` calls with the
     ``(step, indices)`` it is about to ask :meth:`batch` for, so that a reader can prefetch.
     A stream of rows per rank (a Ray Dataset's splits, ``engine.ray_data``) has an
-    ``epoch_order(config, epoch=, world_size=)`` instead of a layout.
+    ``epoch_order(config, epoch=, world_size=, batch_size=)`` instead of a layout.
     """
 
     def __len__(self) -> int: ...
@@ -213,11 +213,14 @@ class _StreamSamples:
                 self._reader = None
         return self._size
 
-    def epoch_order(self, config: Any, *, epoch: int, world_size: int) -> StreamOrder:
-        """This epoch's order (``engine.worker.epoch_batches`` asks for it)."""
+    def epoch_order(
+        self, config: Any, *, epoch: int, world_size: int, batch_size: int | None = None
+    ) -> StreamOrder:
+        """This epoch's order (``engine.worker.epoch_batches`` asks for it), in global batches
+        of ``batch_size`` (``None``: ``config.batch_size``)."""
         if (config.seed, epoch) != (self._seed, self._epoch):
             self._seed, self._epoch, self._reader = config.seed, epoch, None
-        return StreamOrder(len(self), config.batch_size)
+        return StreamOrder(len(self), batch_size or config.batch_size)
 
     def batch(self, indices: torch.Tensor) -> Any:
         if not len(indices):

@@ -19,6 +19,7 @@ from ringflow.engine.elastic.coordinator import (
     GiveUp,
     WaitForWorkers,
 )
+from ringflow.engine.epochs import Epochs
 from ringflow.engine.errors import (
     CollectiveError,
     EngineError,
@@ -36,12 +37,14 @@ log = logging.getLogger("ringflow.engine")
 
 
 class Steps(NamedTuple):
-    """A call of steps: ``count`` steps of ``epoch`` from ``first``, committing ``commit_at``."""
+    """A call of steps: ``count`` steps of ``epoch`` from ``first``, committing ``commit_at``;
+    ``epochs``: each epoch's global batch, where it follows the workers (``engine.epochs``)."""
 
     epoch: int
     first: int
     count: int
     commit_at: int | None = None
+    epochs: Epochs | None = None
 
 
 class WorkerGroup:
@@ -64,6 +67,11 @@ class WorkerGroup:
     def commit(self, step: int) -> None:
         """Every worker keeps its state at ``step`` in memory, to roll back to."""
 
+    @property
+    def size(self) -> int:
+        """The members training now (data-parallel workers, or pipeline replicas)."""
+        return 1
+
     def train_steps(
         self,
         epoch: int,
@@ -73,6 +81,7 @@ class WorkerGroup:
         commit_at: int | None = None,
         then: Steps | None = None,
         then_runs_next: bool = False,
+        epochs: Epochs | None = None,
     ) -> list[Any]:
         """Every worker runs steps ``first .. first + count - 1`` of ``epoch``; then, given
         ``commit_at`` (the run's step reached), commits it (:meth:`commit`).
@@ -80,8 +89,9 @@ class WorkerGroup:
         ``then`` names the steps the driver asks for next, unless this call fails: a group may
         send them ahead, so the workers start them as soon as these end (the next call with
         those arguments then only collects them). ``then_runs_next`` says the steps after
-        ``then`` follow them at once too."""
-        results = self.call("train_steps", epoch, first, count)
+        ``then`` follow them at once too. ``epochs``: as :class:`Steps`'s."""
+        kwargs = {} if epochs is None else {"epochs": epochs}
+        results = self.call("train_steps", epoch, first, count, **kwargs)
         if commit_at is not None:
             self.commit(commit_at)
         return results
@@ -271,6 +281,10 @@ class RayWorkerGroup(WorkerGroup):
     def events(self) -> list[ElasticEvent]:
         return self.coordinator.events
 
+    @property
+    def size(self) -> int:
+        return len(self.coordinator.members)
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         refs = {w: getattr(self._actors[w], method).remote(*args, **kwargs) for w in self.members}
         return self._gather(method, refs)
@@ -307,6 +321,7 @@ class RayWorkerGroup(WorkerGroup):
         commit_at: int | None = None,
         then: Steps | None = None,
         then_runs_next: bool = False,
+        epochs: Epochs | None = None,
     ) -> list[Any]:
         """As :meth:`WorkerGroup.train_steps`, each worker committing at the end of its own
         call (``Worker.train_steps``), and the steps ``then`` sent before these return.
@@ -323,7 +338,7 @@ class RayWorkerGroup(WorkerGroup):
         first after ``then`` where ``then`` ends: no replacement joins at a commit where the
         members are a step past it.
         """
-        steps = Steps(epoch, first, count, commit_at)
+        steps = Steps(epoch, first, count, commit_at, epochs)
         # Sent ahead only while every place is filled (see above); then the workers may also
         # run the steps after them ahead, no replacement having to join where they end.
         filled = then is not None and not self._starting and not self.coordinator.vacancies()
@@ -352,6 +367,8 @@ class RayWorkerGroup(WorkerGroup):
             kwargs["commit_at"] = steps.commit_at
         if run_next and self._layout.elastic:  # data-parallel workers; pipeline stages do not
             kwargs["run_next"] = True
+        if steps.epochs is not None:
+            kwargs["epochs"] = steps.epochs
         args = (steps.epoch, steps.first, steps.count)
         return {w: self._actors[w].train_steps.remote(*args, **kwargs) for w in self.members}
 

@@ -308,6 +308,12 @@ class Pipeline(Layout):
                 f"compression={self.config.compression!r} (a communication hook reduces "
                 "data-parallel gradient buckets; pipeline stages reduce theirs in one piece)"
             )
+        if self.config.batch_follows_workers:
+            refused.append(
+                f"per_worker_batch_size={self.config.per_worker_batch_size} with "
+                f"min_workers={self.config.min_workers} (the global batch would follow the "
+                "replicas; the stages keep one: give batch_size)"
+            )
         return refused
 
     def checkpoint(self, group, store_url, run_key, *, step, metadata, metrics) -> None:

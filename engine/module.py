@@ -708,6 +708,15 @@ class TrainerView:
         self.num_training_batches = steps_per_epoch
         self.optimizer_steps_per_epoch = -(-steps_per_epoch // self.accumulate_grad_batches)
         self.estimated_stepping_batches = self.max_epochs * self.optimizer_steps_per_epoch
+        self._optimizer_start: int | None = None
+
+    def count_epoch(self, steps: int, optimizer_start: int) -> None:
+        """The epoch about to run has ``steps`` batches and starts after ``optimizer_start``
+        optimizer steps (epochs of different lengths: ``engine.epochs``); what the module
+        was told to expect in all (``estimated_stepping_batches``) stays."""
+        self.num_training_batches = steps
+        self.optimizer_steps_per_epoch = -(-steps // self.accumulate_grad_batches)
+        self._optimizer_start = optimizer_start
 
     @property
     def state(self) -> Any:
@@ -760,7 +769,10 @@ class TrainerView:
             if batch_idx >= self.num_training_batches
             else batch_idx // window
         )
-        self._batches_stepped = epoch * self.optimizer_steps_per_epoch + done
+        start = self._optimizer_start
+        self._batches_stepped = (
+            epoch * self.optimizer_steps_per_epoch if start is None else start
+        ) + done
         self.is_last_batch = batch_idx == self.num_training_batches - 1
 
 

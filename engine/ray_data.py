@@ -191,9 +191,12 @@ class _SplitRows:
     def __len__(self) -> int:
         return self._data.rows
 
-    def epoch_order(self, config: Any, *, epoch: int, world_size: int) -> SplitOrder:
-        """The epoch's order (``engine.worker.epoch_batches`` asks for it)."""
-        return SplitOrder(self._data.rows, config.batch_size, world_size)
+    def epoch_order(
+        self, config: Any, *, epoch: int, world_size: int, batch_size: int | None = None
+    ) -> SplitOrder:
+        """The epoch's order (``engine.worker.epoch_batches`` asks for it), in global batches
+        of ``batch_size`` (``None``: ``config.batch_size``)."""
+        return SplitOrder(self._data.rows, batch_size or config.batch_size, world_size)
 
     def follow(self, position: tuple[int, ...], plan: Any) -> None:
         """Continue reading this epoch's split, or ask for the split again at step ``first``

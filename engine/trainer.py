@@ -19,6 +19,7 @@ from ringflow.engine.cluster import dashboard_url
 from ringflow.engine.config import DataSpec, TrainConfig
 from ringflow.engine.data import as_data, samples_of
 from ringflow.engine.elastic.coordinator import ElasticEvent
+from ringflow.engine.epochs import Epochs
 from ringflow.engine.errors import EngineError, ModelError
 from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, Steps, WorkerGroup
 from ringflow.engine.layout import Layout, layout_of
@@ -50,6 +51,9 @@ class EpochMetrics:
     epoch: int
     metrics: dict[str, float]
     seconds: float
+    batch_size: int | None = None
+    """The global batch it trained at (under weak scaling with elastic workers, the batch
+    per worker times the workers that started it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -393,20 +397,22 @@ def _train(
     loggers: _Loggers,
 ) -> list[EpochMetrics]:
     """The driver loop: steps in chunks that end where a checkpoint or an epoch ends."""
-    steps_per_epoch = group.call_rank0("epoch_steps")
-    callbacks.trainer.count_batches(steps_per_epoch)
-    resume.restore(group, steps_per_epoch)
+    epochs = Epochs(
+        group.call_rank0("train_samples"), (config.batch_size,), config.accumulate_grad_batches
+    )
+    callbacks.trainer.count_batches(epochs.steps(0))
+    epochs = resume.restore(group, epochs)
     history = list(resume.history)
     logged, seconds = resume.logged, resume.seconds
-    step, total = resume.step, config.epochs * steps_per_epoch
-    optimizer_steps = -(-steps_per_epoch // config.accumulate_grad_batches)
-    chunks = _Chunks(config, steps_per_epoch)
+    step = resume.step
+    chunks = _Chunks(config, epochs)
     group.commit(step)
     callbacks.load_state_dict(resume.callbacks)
     group.call("fit_start")
     callbacks.fit_start()
     probe = False  # after a loss, commit after one step: the new ring is proven at once
-    while step < total and not callbacks.should_stop:
+    while step < chunks.epochs.start(config.epochs) and not callbacks.should_stop:
+        chunks.follow_workers(step, group.size)
         steps = chunks.at(step, probe=probe)
         epoch, first, count = steps.epoch, steps.first, steps.count
         if first == 0:
@@ -426,6 +432,7 @@ def _train(
                     commit_at=steps.commit_at,
                     then=then,
                     then_runs_next=then is not None and chunks.follows(then, resume.store_url),
+                    epochs=steps.epochs,
                 )
             )
             layout.settle(group)  # a checkpoint whose files its workers wrote is committed
@@ -452,14 +459,17 @@ def _train(
             loggers.write(row, step=at, epoch=epoch if own else None)
         logged = so_far
         if ended:
-            last = (epoch + 1) * optimizer_steps - 1  # Trainer's step for epoch-end rows
+            last = chunks.epochs.optimizer_start(epoch + 1) - 1  # Trainer's step for epoch-end rows
             validation_steps, validation_row = logger_rows(validation, epoch_end=True)
             for at, row in validation_steps.items():  # at each batch's index, as Trainer's
                 loggers.write(row, step=at, epoch=None)
             epoch_row = logger_rows(logged, epoch_end=True)[1]
             loggers.write(validation_row, step=last, epoch=epoch)
             loggers.write(epoch_row, step=last, epoch=epoch)
-            history.append(EpochMetrics(epoch=epoch, metrics=metrics, seconds=seconds))
+            batch = chunks.epochs.batch(epoch)
+            history.append(
+                EpochMetrics(epoch=epoch, metrics=metrics, seconds=seconds, batch_size=batch)
+            )
             progress.info("epoch %d/%d %s", epoch + 1, config.epochs, _fmt(metrics))
             callback_metrics = {**metrics, **validation_row, **epoch_row}
             logged, seconds = Logged(), 0.0
@@ -468,13 +478,13 @@ def _train(
             # EarlyStopping may stop the run here
             callbacks.epoch_end(epoch, last + 1, callback_metrics)
         if resume.store_url and chunks.checkpoint_due(step):
-            meta = resume.metadata(step, steps_per_epoch, history, logged, seconds)
+            meta = resume.metadata(step, chunks.epochs, history, logged, seconds)
             meta["callbacks"] = callbacks.state_dict()
             step = _checkpoint(group, layout, resume, step, meta, history)
     if resume.store_url is not None:
         for error in layout.flush(group):
             log.warning("a checkpoint of run %s was not saved: %s", resume.run_key, error)
-    group.call("fit_end", step // steps_per_epoch)
+    group.call("fit_end", chunks.epochs.locate(step)[0])
     callbacks.fit_end()
     return history
 
@@ -552,7 +562,7 @@ def _logged_hyperparameters(
     return merged, module
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Chunks:
     """Where the driver's chunks of steps end: at commits, checkpoints and epoch ends. With
     gradient accumulation, windows of ``accumulate_grad_batches`` batches start at every
@@ -560,20 +570,43 @@ class _Chunks:
     chunk never ends inside a window."""
 
     config: TrainConfig
-    per_epoch: int
+    epochs: Epochs
+
+    def follow_workers(self, step: int, workers: int) -> None:
+        """At an epoch's start, where the global batch follows the workers
+        (``TrainConfig.batch_follows_workers``): the batch per worker times the ``workers``
+        training now. Decided again after a rollback to the epoch's start."""
+        if not self.config.batch_follows_workers:
+            return
+        epoch, first = self.epochs.locate(step)
+        batch = self.config.per_worker_batch_size * workers
+        if first or batch == self.epochs.batch(epoch):
+            return
+        log.warning(
+            "epoch %d: global batch %d (%d workers x %d), learning rates x %.4g",
+            epoch + 1,
+            batch,
+            workers,
+            self.config.per_worker_batch_size,
+            self.config.lr_factor(batch),
+        )
+        self.epochs = self.epochs.decided(epoch, batch)
 
     def _since(self, step: int) -> int:
         """Steps since the origin commits count from: the run's start, or the epoch's."""
-        return step % self.per_epoch if self.config.accumulate_grad_batches > 1 else step
+        return self.epochs.locate(step)[1] if self.config.accumulate_grad_batches > 1 else step
 
     def size(self, step: int, *, probe: bool) -> int:
         """Steps in the chunk starting at ``step`` (``probe``: the shortest one possible)."""
-        first, window = step % self.per_epoch, self.config.accumulate_grad_batches
-        rest = self.per_epoch - first
+        epoch, first = self.epochs.locate(step)
+        window = self.config.accumulate_grad_batches
+        rest = self.epochs.steps(epoch) - first
         if probe:
             return min(rest, window - first % window)
         since = self._since(step)
-        bounds = [self.config.commit_every, self.config.checkpoint_every or self.per_epoch]
+        bounds = [self.config.commit_every]
+        if self.config.checkpoint_every:
+            bounds.append(self.config.checkpoint_every)
         return min([b - since % b for b in bounds] + [rest])
 
     def at(self, step: int, *, probe: bool) -> Steps:
@@ -581,9 +614,11 @@ class _Chunks:
         epoch's end the commit comes after the epoch's validation and schedulers' epoch step
         (``commit_at`` is ``None``)."""
         count = self.size(step, probe=probe)
+        epoch, first = self.epochs.locate(step)
         end = step + count
-        commit_at = None if end % self.per_epoch == 0 else end
-        return Steps(*divmod(step, self.per_epoch), count, commit_at)
+        commit_at = None if first + count == self.epochs.steps(epoch) else end
+        plan = self.epochs if self.config.batch_follows_workers else None
+        return Steps(epoch, first, count, commit_at, plan)
 
     def follows(self, steps: Steps, store_url: str | None) -> bool:
         """Whether the chunk after ``steps`` follows it at once: ``steps`` end inside an
@@ -592,8 +627,9 @@ class _Chunks:
         return end is not None and not (store_url and self.checkpoint_due(end))
 
     def checkpoint_due(self, step: int) -> bool:
-        every = self.config.checkpoint_every or self.per_epoch
-        return step % self.per_epoch == 0 or self._since(step) % every == 0
+        """A checkpoint is taken at every epoch's end, and every ``checkpoint_every`` steps."""
+        every = self.config.checkpoint_every
+        return self.epochs.locate(step)[1] == 0 or bool(every and self._since(step) % every == 0)
 
 
 def _checkpoint(
@@ -692,6 +728,8 @@ class _Resume:
     seconds: float = 0.0
     _history: list[dict[str, Any]] = field(default_factory=list, repr=False)
     """The history's entries as checkpoints record them, each made once (``metadata``)."""
+    _planned: Epochs | None = field(default=None, repr=False)
+    """The epochs at the configured global batch (:meth:`restore`)."""
 
     @classmethod
     def find(
@@ -733,21 +771,28 @@ class _Resume:
     def events(self) -> list[ElasticEvent]:
         return resumed_events(self.run_key, self.checkpoint)
 
-    def restore(self, group: WorkerGroup, steps_per_epoch: int) -> None:
-        """Load the checkpoint (if any) into every worker."""
-        self.check_layout(steps_per_epoch)
+    def restore(self, group: WorkerGroup, epochs: Epochs) -> Epochs:
+        """Load the checkpoint (if any) into every worker; the run's epochs as it recorded
+        them (each epoch's global batch, where it follows the workers)."""
+        self.check_layout(epochs.steps(0))
+        self._planned = epochs
         if self.checkpoint is None:
-            return
+            return epochs
+        recorded = self.checkpoint.metadata.get("epoch_batches")
+        if recorded:
+            epochs = Epochs(epochs.samples, tuple(recorded), epochs.accumulate)
         group.call("restore", self.store_url, self.checkpoint)
+        epoch, first = epochs.locate(self.step)
         log.info(
             "run %s resumes from step %d (epoch %d, step %d of %d) at %s",
             self.run_key,
             self.step,
-            self.step // steps_per_epoch + 1,
-            self.step % steps_per_epoch,
-            steps_per_epoch,
+            epoch + 1,
+            first,
+            epochs.steps(epoch),
             self.checkpoint.url,
         )
+        return epochs
 
     def check_layout(self, steps_per_epoch: int) -> None:
         if self.checkpoint is not None and (
@@ -762,7 +807,7 @@ class _Resume:
     def metadata(
         self,
         step: int,
-        steps_per_epoch: int,
+        epochs: Epochs,
         history: list[EpochMetrics],
         logged: Logged,
         seconds: float,
@@ -773,11 +818,17 @@ class _Resume:
         long run checkpointing often would spend longer on it with every epoch."""
         made = self._history  # the driver's history only grows
         made.extend(dataclasses.asdict(entry) for entry in history[len(made) :])
+        epoch, first = epochs.locate(step)
         return {
             "fingerprint": self.fingerprint,
-            "epoch": step // steps_per_epoch,
-            "step_in_epoch": step % steps_per_epoch,
-            "steps_per_epoch": steps_per_epoch,
+            "epoch": epoch,
+            "step_in_epoch": first,
+            "steps_per_epoch": self._planned.steps(0),  # at the configured global batch
+            **(
+                {"epoch_batches": list(epochs.batches)}
+                if epochs.batches != self._planned.batches
+                else {}
+            ),
             "history": list(made),
             "epoch_logged": logged.to_json(),
             "epoch_seconds": seconds,

@@ -24,6 +24,7 @@ from ringflow.engine.cluster import log_files
 from ringflow.engine.collective import Collective, create_collective, environment_overrides
 from ringflow.engine.config import WIRE_FORMATS, DataSpec, TensorData, TrainConfig
 from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of
+from ringflow.engine.epochs import Epochs
 from ringflow.engine.errors import EngineError, ModelError, PeerLostError
 from ringflow.engine.metrics import Logged, MetricLog
 from ringflow.engine.module import (
@@ -90,9 +91,15 @@ def epoch_batches(
     rank: int,
     world_size: int,
     device: torch.device,
+    batch_size: int | None = None,
+    start: int | None = None,
 ) -> Iterator[tuple[int, torch.Tensor, int]]:
     """Steps ``first .. first + count - 1`` of ``epoch``: each step's index, this rank's part
     of its global batch (sample indices) and the global batch's size.
+
+    ``batch_size`` is the epoch's global batch and ``start`` the run's step at the epoch's
+    first (``engine.epochs``, where epochs differ in length); by default
+    ``config.batch_size`` and ``epoch`` whole epochs of it.
 
     The order is a seeded function of the split's layout and the epoch
     (``engine.data.EpochOrder``; a number of samples is one block), and the generators are
@@ -107,10 +114,11 @@ def epoch_batches(
     """
     layout = Layout((samples,)) if isinstance(samples, int) else layout_of(samples)
     own_order = getattr(samples, "epoch_order", None)  # a stream per rank: engine.ray_data
+    batch_size = batch_size or config.batch_size
     order = (
-        own_order(config, epoch=epoch, world_size=world_size)
+        own_order(config, epoch=epoch, world_size=world_size, batch_size=batch_size)
         if own_order is not None
-        else EpochOrder(layout, seed=config.seed, epoch=epoch, batch_size=config.batch_size)
+        else EpochOrder(layout, seed=config.seed, epoch=epoch, batch_size=batch_size)
     )
     part = getattr(order, "part", split_global_batch)
     steps_per_epoch = order.steps
@@ -121,20 +129,27 @@ def epoch_batches(
         )
     follow = getattr(samples, "follow", None)
     if follow is not None:
-        position = (config.seed, config.batch_size, epoch, first, rank, world_size)
-        follow(position, _rank_parts(layout, config, epoch, first, rank, world_size))
+        position = (config.seed, batch_size, epoch, first, rank, world_size)
+        follow(position, _rank_parts(layout, config, batch_size, epoch, first, rank, world_size))
+    origin = epoch * steps_per_epoch if start is None else start
     for step in range(first, first + count):
-        _seed(step_seed(config.seed, epoch * steps_per_epoch + step, rank), device)
+        _seed(step_seed(config.seed, origin + step, rank), device)
         batch = order.batch(step)
         yield step, part(batch, rank=rank, world_size=world_size), len(batch)
 
 
 def _rank_parts(
-    layout: Layout, config: TrainConfig, epoch: int, first: int, rank: int, world_size: int
+    layout: Layout,
+    config: TrainConfig,
+    batch_size: int,
+    epoch: int,
+    first: int,
+    rank: int,
+    world_size: int,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """``(step, this rank's part)`` from ``first`` to the epoch's end, on its own order object
     (a reader's thread computes them ahead of the training loop)."""
-    order = EpochOrder(layout, seed=config.seed, epoch=epoch, batch_size=config.batch_size)
+    order = EpochOrder(layout, seed=config.seed, epoch=epoch, batch_size=batch_size)
     for step in range(first, order.steps):
         yield step, split_global_batch(order.batch(step), rank=rank, world_size=world_size)
 
@@ -321,6 +336,8 @@ class Worker:
         self.train = self.step.split("train")
         self._evaluated: dict[str, Any] = {}
         self.steps_per_epoch = -(-len(self.train) // config.batch_size)
+        self.epochs = Epochs(len(self.train), (config.batch_size,), config.accumulate_grad_batches)
+        """Each epoch's global batch; the driver's, when the batch follows the workers."""
         self.timeline = (  # None when off: a batch then costs one test, no allocation
             WorkerTimeline(
                 device=self.device,
@@ -438,6 +455,10 @@ class Worker:
     def epoch_steps(self) -> int:
         """Steps (global batches) in one epoch of the training split."""
         return self.steps_per_epoch
+
+    def train_samples(self) -> int:
+        """Samples in the training split."""
+        return len(self.train)
 
     def device_info(self) -> dict[str, str]:
         """Where this worker trains: its torch ``device`` and, on GPU, the ``gpu``'s name and
@@ -706,9 +727,11 @@ class Worker:
         count: int,
         commit_at: int | None = None,
         run_next: bool = False,
+        epochs: Epochs | None = None,
     ) -> Logged:
         """Run steps ``first .. first + count - 1`` of ``epoch``; then, given ``commit_at``
-        (the run's step reached), :meth:`commit` it.
+        (the run's step reached), :meth:`commit` it. ``epochs``: each epoch's global batch,
+        where it follows the workers (``TrainConfig.batch_follows_workers``).
 
         With ``run_next`` (the driver's word that its next call continues with the next step
         of this epoch), that step is queued too before the host waits for these to end, and
@@ -731,10 +754,22 @@ class Worker:
                 rank=self.rank,
             )
         try:
+            if epochs is not None:
+                self._enter(epochs, epoch)
             return self._train_steps(epoch, first, count, commit_at, run_next)
         except BaseException as err:
             self._failed = err
             raise
+
+    def _enter(self, epochs: Epochs, epoch: int) -> None:
+        """Epoch ``epoch`` of ``epochs``: its length for the module's Trainer, and the
+        learning-rate factor of its global batch."""
+        self.epochs = epochs
+        self.trainer.count_epoch(epochs.steps(epoch), epochs.optimizer_start(epoch))
+        if self.optimization.lr_scale is not None:
+            self.optimization.lr_scale = LrScale(
+                self.config.lr_factor(epochs.batch(epoch)), self.config.lr_warmup_steps
+            )
 
     def _train_steps(
         self, epoch: int, first: int, count: int, commit_at: int | None, run_next: bool
@@ -788,9 +823,11 @@ class Worker:
             rank=self.rank,
             world_size=self.world_size,
             device=self.device,
+            batch_size=self.epochs.batch(epoch),
+            start=self.epochs.start(epoch),
         ):
             self.module.train()
-            last = step == self.steps_per_epoch - 1
+            last = step == self.epochs.steps(epoch) - 1
             steps = step % window == window - 1 or last
             self.trainer.at(epoch, step)
             # Trainer asks at every batch whether the next optimizer step is due for the
@@ -828,7 +865,7 @@ class Worker:
     def train_epoch_end(self, epoch: int) -> Logged:
         """Trainer's ``on_train_epoch_end`` (after the epoch's validation); what it logged."""
         self._undo_ahead()
-        self.trainer.at(epoch, self.steps_per_epoch)  # after the epoch's last optimizer step
+        self.trainer.at(epoch, self.epochs.steps(epoch))  # after the epoch's last optimizer step
         self.metric_log.enter("on_train_epoch_end")
         self._hook("on_train_epoch_end")
         return self.metric_log.take()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ringflow.engine import TrainConfig, fit
+from ringflow.engine.epochs import Epochs
 from ringflow.engine.module import LrScale
 from ringflow.models.digits import DigitsClassifier
 from tests.test_elastic import _strike
@@ -99,7 +100,6 @@ def test_the_warm_up_ramps_linearly_from_the_modules_rate_to_the_factor():
     ("fields", "named"),
     [
         ({"workers": 2, "per_worker_batch_size": 16, "batch_size": 64}, "give one of them"),
-        ({"workers": 2, "per_worker_batch_size": 16, "min_workers": 1}, "min_workers"),
         ({"per_worker_batch_size": 0}, "per_worker_batch_size"),
         ({"lr_scaling": "linear"}, "lr_reference_batch"),
         ({"lr_scaling": "cubic", "per_worker_batch_size": 8}, "lr_scaling"),
@@ -109,6 +109,46 @@ def test_the_warm_up_ramps_linearly_from_the_modules_rate_to_the_factor():
 def test_bad_scaling_settings_fail_before_training(fields, named):
     with pytest.raises(ValueError, match=named):
         TrainConfig(**fields)
+
+
+def test_epochs_of_different_global_batches_are_counted_both_ways():
+    epochs = Epochs(100, (32, 32, 16))  # 4, 4, then 7 steps an epoch
+    assert [epochs.steps(e) for e in range(5)] == [4, 4, 7, 7, 7]
+    assert [epochs.start(e) for e in range(5)] == [0, 4, 8, 15, 22]
+    assert [epochs.locate(s) for s in (0, 3, 4, 8, 14, 15, 23)] == [
+        (0, 0),
+        (0, 3),
+        (1, 0),
+        (2, 0),
+        (2, 6),
+        (3, 0),
+        (4, 1),
+    ]
+    # A later epoch decided again (a rollback to its start) forgets what followed it.
+    assert epochs.decided(1, 64).batches == (32, 64)
+    assert epochs.decided(4, 8).batches == (32, 32, 16, 16, 8)
+    # Optimizer steps with accumulation: windows start at each epoch's start.
+    accumulating = Epochs(100, (32, 16), accumulate=2)
+    assert [accumulating.optimizer_start(e) for e in range(4)] == [0, 2, 6, 10]
+    # One global batch: the arithmetic of epochs of equal length.
+    fixed = Epochs(100, (32,))
+    assert all(fixed.locate(s) == divmod(s, 4) for s in range(50))
+    assert [fixed.start(e) for e in range(5)] == [0, 4, 8, 12, 16]
+
+
+def test_the_batch_follows_the_workers_only_under_weak_scaling_with_elastic_workers():
+    assert TrainConfig(workers=2, per_worker_batch_size=16, min_workers=1).batch_follows_workers
+    assert not TrainConfig(workers=2, per_worker_batch_size=16).batch_follows_workers
+    assert not TrainConfig(workers=2, batch_size=32, min_workers=1).batch_follows_workers
+
+
+def test_pipeline_stages_refuse_a_batch_that_follows_the_workers():
+    from ringflow.engine.pipeline import PipelineConfig
+    from ringflow.engine.trainer import check_layout
+
+    weak = TrainConfig(workers=2, per_worker_batch_size=16, min_workers=1)
+    with pytest.raises(ValueError, match="per_worker_batch_size=16 with min_workers=1"):
+        check_layout(weak, PipelineConfig(stages=2))
 
 
 # ---------------------------------------------------------------------------- in training
@@ -217,3 +257,116 @@ def test_a_replaced_worker_and_a_resumed_run_end_as_the_uninterrupted_one(
     # Another worker count is another global batch: refused, not resumed into.
     with pytest.raises(ValueError, match="batch_size"):
         _digits_fit(digits, tmp_path, "one", workers=1, epochs=4, store_url=store, run_key="weak")
+
+
+# ---------------------------------------------------------------------------- elastic
+
+
+def _in_a_ray_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+class DiesOnce(RecordsItsSteps):
+    """RecordsItsSteps whose rank 1 kills its own process at the global steps ``dies_at``,
+    as a preempted node, leaving ``mark``, which keeps any replacement from starting: the
+    membership history is the same in every run, whatever the timing (the driver builds
+    the module too, after training: it is let through)."""
+
+    def __init__(self, out: str, mark: str, dies_at: list[int], **hparams):
+        if Path(mark).exists() and _in_a_ray_actor():
+            raise RuntimeError("no replacement in this test")
+        super().__init__(out, **hparams)
+        self.mark, self.dies_at = mark, set(dies_at)
+
+    def configure_optimizers(self):
+        first, *rest = self.parameters()
+        optimizer = torch.optim.SGD([{"params": [first]}, {"params": rest, "lr": LR / 2}], lr=LR)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_rank == 1 and self.global_step in self.dies_at:
+            Path(self.mark).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch, batch_idx)
+
+
+def _elastic_weak(digits, tmp_path, name, *, hparams, epochs, **kw):
+    return fit(
+        DiesOnce,
+        hparams=hparams,
+        data=digits,
+        config=TrainConfig(
+            workers=2,
+            min_workers=1,
+            per_worker_batch_size=32,
+            lr_scaling="linear",
+            epochs=epochs,
+            seed=5,
+            commit_every=5,
+            cpus_per_worker=0.5,
+            collective_timeout_s=3.0,
+        ),
+        checkpoint_uri=str(tmp_path / name),
+        **kw,
+    )
+
+
+@pytest.mark.ray
+def test_a_lost_worker_halves_the_next_epochs_batch_and_learning_rate_and_resumes_exactly(
+    ray_session, digits, tmp_path
+):
+    samples = len(digits.read("train")[1])
+    two = Epochs(samples, (64,))
+    # Rank 1 dies 7 steps into epoch 1: the survivor goes back to a commit inside the epoch
+    # and finishes it on the whole batch of 64; from epoch 2 the batch is its own 32.
+    lost_at = two.start(1) + 7
+    after = Epochs(samples, (64, 64, 32))
+    again = after.start(3)  # a resumed run's rank 1 dies as the run resumes there
+    (tmp_path / "rows-whole").mkdir()
+    hparams = {
+        "out": str(tmp_path / "rows-whole"),
+        "mark": str(tmp_path / "whole.mark"),
+        "dies_at": [lost_at, again],
+        "hidden": 32,
+        "lr": LR,
+    }
+    whole = _elastic_weak(digits, tmp_path, "whole", hparams=hparams, epochs=5)
+    assert [m.batch_size for m in whole.history] == [64, 64, 32, 32, 32]
+    assert [e.kind for e in whole.events] == ["lost", "rollback", "recovered"]
+    back_to = whole.events[1].step  # a commit inside epoch 1: the epoch keeps its batch
+    assert two.start(1) < back_to < lost_at
+    epochs = Epochs(samples, (64, 64, 32))
+    rows = [row for ranks in _rows(tmp_path / "rows-whole") for row in ranks]
+    assert rows
+    for row in rows:
+        epoch, _ = epochs.locate(row["step"])
+        factor = epochs.batch(epoch) / 32  # linear, relative to one worker's batch
+        schedule = [LR * 0.9 ** (row["step"] // 20), LR / 2 * 0.9 ** (row["step"] // 20)]
+        assert row["during"] == pytest.approx([lr * factor for lr in schedule], rel=1e-12), row
+        assert row["between"] == pytest.approx(schedule, rel=1e-12), row
+    # The survivor alone takes the whole batch of 64 from the commit it went back to until
+    # epoch 1 ends (its last batch is short), then its own 32.
+    (survivor,) = [r for r in _rows(tmp_path / "rows-whole") if r[-1]["step"] >= epochs.start(2)]
+    last = {r["step"]: r["part"] for r in survivor}  # a redone step's second row
+    starts = {epochs.start(e) for e in range(6)}
+    assert {last[s] for s in range(back_to, epochs.start(2) - 1)} == {64}
+    full = [s for s in range(epochs.start(2), epochs.start(5)) if s + 1 not in starts]
+    assert {last[s] for s in full} == {32}  # every epoch's last batch is short
+
+    # The same run stopped after 3 epochs and resumed: its rank 1 dies at the first step
+    # after the resume, the survivor decides that epoch again at 32 and ends as `whole`.
+    (tmp_path / "rows-split").mkdir()
+    split = {**hparams, "out": str(tmp_path / "rows-split"), "mark": str(tmp_path / "split.mark")}
+    store = {"store_url": str(tmp_path / "store"), "run_key": "weak"}
+    first = _elastic_weak(digits, tmp_path, "first", hparams=split, epochs=3, **store)
+    assert [m.batch_size for m in first.history] == [64, 64, 32]
+    Path(split["mark"]).unlink()  # the resumed run starts both workers again
+    resumed = _elastic_weak(digits, tmp_path, "resumed", hparams=split, epochs=5, **store)
+    assert resumed.resumed_from == again
+    assert [e.kind for e in resumed.events] == ["resumed", "lost", "rollback", "recovered"]
+    assert resumed.events[2].step == again  # back to the resume: the epoch decided anew
+    assert [m.batch_size for m in resumed.history] == [64, 64, 32, 32, 32]
+    _assert_equal(resumed, whole)
