@@ -87,6 +87,10 @@ class Run:
     final_loss: float = float("nan")
     memory: dict[str, tuple[float, float]] = field(default_factory=dict)
     """``process`` and ``survivor``: RSS in MiB after the warm-up and at the end."""
+    crashes: list[str] = field(default_factory=list)
+    """Under the schedule, each time the training process failed on its own after a failure
+    of ours (the end of its output): it was started again, as a deployment's automations
+    bring a crashed run back, and the time counts against its goodput."""
 
     def recoveries(self) -> list[float]:
         """For each kill, the seconds until the next completed step."""
@@ -259,7 +263,11 @@ def _run(
         while (status := child.poll()) != 0:
             if status is not None:  # it failed on its own: not a kill of ours
                 tail = Path(f"{root}/{name}/output.log").read_text()[-2000:]
-                raise RuntimeError(f"{runner.name}'s training failed ({status}): {tail}")
+                if not run.kills or len(run.crashes) == _CRASHES:
+                    raise RuntimeError(f"{runner.name}'s training failed ({status}): {tail}")
+                run.crashes.append(" ".join(tail.split())[-300:])
+                child = _start(runner, workload, root, name, env)
+                continue
             time.sleep(0.05)
             if next_kill is None:
                 if steps_log.exists() and steps_log.stat().st_size:  # under way
@@ -289,6 +297,10 @@ def _run(
     run.final_loss = json.loads(Path(f"{root}/{name}/result.json").read_text())["final_loss"]
     run.memory = memory.summary()
     return run
+
+
+_CRASHES = 3
+"""Crashes after a failure of ours that a runner is started again from, under the schedule."""
 
 
 def _start(runner: Runner, workload: Workload, root: str, name: str, env: dict) -> subprocess.Popen:
@@ -635,7 +647,10 @@ def _report(rows: dict[str, tuple[Run, Run]], notes: dict[str, str], args) -> di
             "kill_to_step_max_s": round(max(back), 3) if back else None,
             "final_loss": chaos.final_loss,
             "memory_mib": chaos.memory,
+            "crashes": chaos.crashes,
         }
+        for crash in chaos.crashes:
+            print(f"{'':14}  crashed on its own after a failure, started again: {crash}")
     return {
         "goodput": goodput,
         "final_loss_rel_diff": rel,
