@@ -25,6 +25,8 @@ class RecordsItsSteps(DigitsClassifier):
     (``on_before_optimizer_step``) and between steps, and the size of its part of the batch;
     two param groups and a step schedule, so the scale is seen on top of both."""
 
+    step_size, gamma = 5, 0.5  # the schedule's
+
     def __init__(self, out: str, **hparams):
         super().__init__(**hparams)
         self.out = out
@@ -32,7 +34,9 @@ class RecordsItsSteps(DigitsClassifier):
     def configure_optimizers(self):
         first, *rest = self.parameters()
         optimizer = torch.optim.SGD([{"params": [first]}, {"params": rest, "lr": LR / 2}], lr=LR)
-        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+        schedule = torch.optim.lr_scheduler.StepLR(
+            optimizer, step_size=self.step_size, gamma=self.gamma
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_train_batch_start(self, batch, batch_idx):
@@ -274,17 +278,13 @@ class DiesOnce(RecordsItsSteps):
     membership history is the same in every run, whatever the timing (the driver builds
     the module too, after training: it is let through)."""
 
+    step_size, gamma = 20, 0.9  # a slower schedule: training goes on over 5 epochs
+
     def __init__(self, out: str, mark: str, dies_at: list[int], **hparams):
         if Path(mark).exists() and _in_a_ray_actor():
             raise RuntimeError("no replacement in this test")
         super().__init__(out, **hparams)
         self.mark, self.dies_at = mark, set(dies_at)
-
-    def configure_optimizers(self):
-        first, *rest = self.parameters()
-        optimizer = torch.optim.SGD([{"params": [first]}, {"params": rest, "lr": LR / 2}], lr=LR)
-        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.9)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def training_step(self, batch, batch_idx):
         if self.trainer.global_rank == 1 and self.global_step in self.dies_at:
