@@ -34,6 +34,10 @@ the reason in ``notes``).
 
     python -m bench.chaos                                   # a kill every 30 s, ~10 min each
     python -m bench.chaos --runners ours --epochs 8 --every 3 --warmup 2   # a short check
+
+A runner whose training run has not ended ``--deadline`` seconds after it started is stopped
+and reported as not finished (``null``, the reason in ``notes``), so that a peer that never
+comes back from a failure ends the benchmark's run of it, not the benchmark.
 """
 
 from __future__ import annotations
@@ -203,6 +207,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--failures", type=int, help="at most this many (default: no limit)")
     parser.add_argument("--warmup", type=float, default=20.0, help="seconds before the first")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model and the schedule")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        help="seconds a training run may take before its runner is stopped and reported as "
+        "not finished (default: no limit)",
+    )
     parser.add_argument("--keep", help="keep the runs' files in this folder")
     args = parser.parse_args(argv)
     workload = Workload(
@@ -261,6 +271,12 @@ def _run(
     next_kill = None
     try:
         while (status := child.poll()) != 0:
+            if args.deadline and time.time() - started > args.deadline:
+                tail = Path(f"{root}/{name}/output.log").read_text()[-1000:]
+                raise RuntimeError(
+                    f"{name} did not finish within {args.deadline:.0f} s "
+                    f"(after {len(run.kills)} failures): {tail}"
+                )
             if status is not None:  # it failed on its own: not a kill of ours
                 tail = Path(f"{root}/{name}/output.log").read_text()[-2000:]
                 if not run.kills or len(run.crashes) == _CRASHES:

@@ -8,12 +8,15 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).parents[1]
 pytestmark = pytest.mark.integration
+DEADLINE_S = 300
+"""Seconds a runner's training run may take (a minute idle, two under the suite's load)."""
 
 
 def test_every_runner_survives_the_schedule_and_the_benchmark_reports_its_goodput(tmp_path):
@@ -23,20 +26,28 @@ def test_every_runner_survives_the_schedule_and_the_benchmark_reports_its_goodpu
             sys.executable,
             *("-m", "bench.chaos", "--hidden", "64", "--layers", "2", "--epochs", "250"),
             *("--every", "6", "--warmup", "1", "--process-every", "3", "--failures", "3"),
-            *("--keep", str(tmp_path)),
+            *("--keep", str(tmp_path), "--deadline", str(DEADLINE_S)),
         ],
         env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=6 * DEADLINE_S + 300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
-    assert summary["notes"] == {}, summary["notes"]
+    assert "ours" not in summary["notes"], summary["notes"]
     assert summary["runners"]["ours"]["crashes"] == []  # ours never fails on its own
     for runner in ("ours", "torchtrainer", "torchft"):
+        if runner in summary["notes"]:
+            # A peer that never comes back from a failure (TorchTrainer's restarted group
+            # once waited forever on a loaded machine) is stopped and reported as such.
+            assert "did not finish within" in summary["notes"][runner], summary["notes"]
+            assert summary["goodput"][runner] is None, summary
+            assert any(line.startswith(f"{runner} ") and "not run" in line for line in lines)
+            warnings.warn(f"bench.chaos: {summary['notes'][runner]}", stacklevel=1)
+            continue
         row = summary["runners"][runner]
         assert row["failures"] == 3, (runner, row)
         assert row["process_failures"] == 1, (runner, row)

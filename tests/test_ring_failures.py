@@ -52,6 +52,9 @@ def _rank_main(rank: int, port: int, transport: str, queue) -> None:
         queue.put((rank, "raised", (type(err).__name__, err.peer, err.op, time.time(), str(err))))
     except BaseException as err:  # noqa: BLE001 - reported as a failure below
         queue.put((rank, "other", repr(err)))
+    # A survivor's process lives on after it raised, as a worker's does while its group
+    # recovers: another survivor still waiting must blame the victim, not a rank that ended.
+    time.sleep(DEADLINE_S + 60)
 
 
 @pytest.mark.parametrize(
