@@ -133,3 +133,18 @@ def test_the_reference_names_nothing_the_code_lacks():
         if name not in known and not name.startswith("POST /predict") and name not in serving
     )
     assert not stale, f"docs/reference.md documents what the code no longer has: {stale}"
+
+
+def test_what_pipeline_stages_refuse_is_listed_with_why():
+    """Every TrainConfig option the pipeline layout refuses has its row in the reference's
+    list of what pipeline stages refuse, with the reason."""
+    from ringflow.engine.layout import Pipeline
+
+    text = REFERENCE.read_text()
+    section = text.split("### What pipeline stages refuse", 1)[1].split("\n### ", 1)[0]
+    rows = re.findall(r"^\| (.+?) \| (.+?) \|$", section, re.M)[1:]  # past the header
+    listed = {name for first, _ in rows for name in re.findall(r"`([^`]+)`", first)}
+    refused = {*Pipeline._UNSUPPORTED, "compression", "per_worker_batch_size"}
+    refused |= {"min_workers", "commit_every"}  # on GPUs
+    assert refused <= listed, sorted(refused - listed)
+    assert all(why.strip() for _, why in rows)
