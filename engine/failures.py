@@ -38,10 +38,10 @@ def _not_users() -> tuple[str, ...]:
     import os
     import sysconfig
 
-    import ringflow.engine
     import ringflow.storage
 
-    ours = [os.path.dirname(p.__file__) for p in (ringflow.engine, ringflow.storage)]
+    engine = os.path.dirname(os.path.abspath(__file__))  # this module's own package
+    ours = [engine, os.path.dirname(ringflow.storage.__file__)]
     ours += [sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")]
     return (*dict.fromkeys(os.path.join(p, "") for p in ours), "<frozen ")
 
