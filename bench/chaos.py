@@ -47,6 +47,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                     calm = _run(runner, workload, root, f"{name}-calm", args, env, chaos=False)
                     chaos = _run(runner, workload, root, f"{name}-chaos", args, env, chaos=True)
             except RuntimeError as err:
-                notes[name] = " ".join(str(err).split())[:400]
+                notes[name] = str(err)
                 continue
             rows[name] = (calm, chaos)
             print(f"# {name}: {_line(calm, chaos)}", flush=True)
@@ -272,16 +273,15 @@ def _run(
     try:
         while (status := child.poll()) != 0:
             if args.deadline and time.time() - started > args.deadline:
-                tail = Path(f"{root}/{name}/output.log").read_text()[-1000:]
                 raise RuntimeError(
                     f"{name} did not finish within {args.deadline:.0f} s "
-                    f"(after {len(run.kills)} failures): {tail}"
+                    f"(after {len(run.kills)} failures): {_last_words(root, name)}"
                 )
             if status is not None:  # it failed on its own: not a kill of ours
-                tail = Path(f"{root}/{name}/output.log").read_text()[-2000:]
+                why = _last_words(root, name)
                 if not run.kills or len(run.crashes) == _CRASHES:
-                    raise RuntimeError(f"{runner.name}'s training failed ({status}): {tail}")
-                run.crashes.append(" ".join(tail.split())[-300:])
+                    raise RuntimeError(f"{runner.name}'s training failed ({status}): {why}")
+                run.crashes.append(why)
                 child = _start(runner, workload, root, name, env)
                 continue
             time.sleep(0.05)
@@ -314,6 +314,16 @@ def _run(
     run.memory = memory.summary()
     return run
 
+
+def _last_words(root: str, name: str) -> str:
+    """The end of a training process's output, where its error is, without Ray's log lines."""
+    lines = Path(f"{root}/{name}/output.log").read_text().splitlines()
+    said = [line.strip() for line in lines if line.strip() and not _LOG_LINE.match(line)]
+    return " ".join(" ".join(said[-4:]).split())[-400:]
+
+
+_LOG_LINE = re.compile(r"^(\([^)]*\) )?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+[A-Z]+\s")
+"""A Ray or logging line (``2026-12-05 10:05:01,214 INFO worker.py:1691 -- ...``)."""
 
 _CRASHES = 3
 """Crashes after a failure of ours that a runner is started again from, under the schedule."""
