@@ -27,12 +27,14 @@ For each: wall time uninterrupted and under the schedule, goodput (uninterrupted
 under failures), failures survived, steps redone, the time from each kill to the next
 completed step (median and max), the final loss (cross-entropy of the final weights on the
 whole training split) and its relative difference from the same runner's uninterrupted run,
-and the memory (RSS) of the training process and of the longest-lived worker after the
-warm-up and at the end. It prints a table, then one JSON object with ``goodput`` and
+and the memory (RSS and private) of the training process and of the longest-lived worker
+after the warm-up and at the last step. It prints a table, then one JSON object with ``goodput`` and
 ``final_loss_rel_diff`` (maps from runner to figure, ``null`` where a runner could not run,
 the reason in ``notes``).
 
     python -m bench.chaos                                   # a kill every 30 s, ~10 min each
+    python -m bench.chaos --runners ours --epochs 720 --process-every 1000 \
+        --spare-oldest --under-failures-only                # memory over 30 min of kills
     python -m bench.chaos --runners ours --epochs 8 --every 3 --warmup 2   # a short check
 
 A runner whose training run has not ended ``--deadline`` seconds after it started is stopped
@@ -90,8 +92,9 @@ class Run:
     steps: list[tuple[float, int]] = field(default_factory=list)
     """Each completed step (host time, step number), as the training logged it."""
     final_loss: float = float("nan")
-    memory: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """``process`` and ``survivor``: RSS in MiB after the warm-up and at the end."""
+    memory: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    """``process`` and ``survivor``: ``rss`` and ``private`` memory in MiB after the warm-up
+    and at the end (``_Memory``)."""
     crashes: list[str] = field(default_factory=list)
     """Under the schedule, each time the training process failed on its own after a failure
     of ours (the end of its output): it was started again, as a deployment's automations
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runners", default="ours,torchtrainer,torchft")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=400, help="of the digits, 22 steps each")
+    parser.add_argument("--epochs", type=int, default=260, help="of the digits, 23 steps each")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam's, for every runner")
@@ -213,6 +216,18 @@ def main(argv: list[str] | None = None) -> dict:
         type=float,
         help="seconds a training run may take before its runner is stopped and reported as "
         "not finished (default: no limit)",
+    )
+    parser.add_argument(
+        "--spare-oldest",
+        action="store_true",
+        help="never kill the oldest worker: it lives through every failure, and its memory "
+        "shows what recoveries leave behind (with --process-every above --failures, the "
+        "training process does too)",
+    )
+    parser.add_argument(
+        "--under-failures-only",
+        action="store_true",
+        help="skip the uninterrupted run (no goodput): a memory run",
     )
     parser.add_argument("--keep", help="keep the runs' files in this folder")
     args = parser.parse_args(argv)
@@ -244,7 +259,9 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             try:
                 with runner.cluster(workload) as env:
-                    calm = _run(runner, workload, root, f"{name}-calm", args, env, chaos=False)
+                    calm = None
+                    if not args.under_failures_only:
+                        calm = _run(runner, workload, root, f"{name}-calm", args, env, chaos=False)
                     chaos = _run(runner, workload, root, f"{name}-chaos", args, env, chaos=True)
             except RuntimeError as err:
                 notes[name] = str(err)
@@ -298,7 +315,7 @@ def _run(
                 child.wait()
                 run.kills.append((time.time(), "process"))
                 child = _start(runner, workload, root, name, env)
-            elif _kill_a_worker(runner, rng, workload.workers):
+            elif _kill_a_worker(runner, rng, workload.workers, spare_oldest=args.spare_oldest):
                 run.kills.append((time.time(), "worker"))
             else:
                 continue  # its workers are not all up yet: at the next look
@@ -311,7 +328,8 @@ def _run(
     Path(f"{root}/{name}/kills.json").write_text(json.dumps(run.kills))
     run.steps = [(float(t), int(s)) for t, s in (line.split() for line in steps_log.open())]
     run.final_loss = json.loads(Path(f"{root}/{name}/result.json").read_text())["final_loss"]
-    run.memory = memory.summary()
+    run.memory = memory.summary(until=max(t for t, _ in run.steps))
+    Path(f"{root}/{name}/memory.json").write_text(json.dumps(memory.series()))
     return run
 
 
@@ -375,11 +393,23 @@ def _workers(runner: Runner) -> list[int]:
     return sorted(pids)
 
 
-def _kill_a_worker(runner: Runner, rng: random.Random, workers: int) -> bool:
-    """SIGKILL a random one of the workers, once all ``workers`` are up."""
+def _kill_a_worker(
+    runner: Runner, rng: random.Random, workers: int, *, spare_oldest: bool = False
+) -> bool:
+    """SIGKILL a random one of the workers (with ``spare_oldest``, not the one that started
+    first), once all ``workers`` are up."""
+    import psutil
+
     pids = _workers(runner)
     if len(pids) < workers:
         return False
+    if spare_oldest:
+        try:
+            pids.remove(min(pids, key=lambda pid: psutil.Process(pid).create_time()))
+        except psutil.Error:
+            return False
+        if not pids:
+            return False
     try:
         os.kill(rng.choice(pids), signal.SIGKILL)
     except ProcessLookupError:
@@ -388,12 +418,14 @@ def _kill_a_worker(runner: Runner, rng: random.Random, workers: int) -> bool:
 
 
 class _Memory:
-    """Samples the RSS of the training process and of each worker every second."""
+    """Samples the memory of the training process and of each worker every second: RSS, and
+    the process's private memory (USS: what ending it would free; RSS also counts the pages
+    of Ray's shared object store a worker wrote a commit into for a joining worker)."""
 
     def __init__(self, runner: Runner, child) -> None:
         self._runner, self._child = runner, child
-        self._samples: dict[int, list[tuple[float, float]]] = {}
-        self._process: list[tuple[float, float]] = []
+        self._workers: dict[int, list[tuple[float, float, float]]] = {}
+        self._processes: dict[int, list[tuple[float, float, float]]] = {}
         self.warmed_at = float("inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -406,38 +438,54 @@ class _Memory:
         self._thread.join()
 
     def _sample(self) -> None:
-        import psutil
-
         while not self._stop.wait(1.0):
-            child, now = self._child(), time.time()
-            try:
-                rss = psutil.Process(child.pid).memory_info().rss / 2**20
-            except psutil.Error:
-                continue
-            if rss:  # 0: killed, not yet reaped
-                self._process.append((now, rss))
+            now = time.time()
+            _measure(self._child().pid, now, self._processes)
             for pid in _workers(self._runner):
-                try:
-                    rss = psutil.Process(pid).memory_info().rss / 2**20
-                except psutil.Error:
-                    continue
-                if rss:
-                    self._samples.setdefault(pid, []).append((now, rss))
+                _measure(pid, now, self._workers)
 
-    def summary(self) -> dict[str, tuple[float, float]]:
-        """RSS after the warm-up and at the end, of the process (its last start) and of the
-        worker that lived longest."""
+    def summary(self, *, until: float) -> dict[str, dict[str, tuple[float, float]]]:
+        """RSS and private memory after the warm-up and at the last step (``until``; not
+        what the process does after training), of the training process and of the worker
+        that lived longest through the failures (each started once)."""
         out = {}
-        for what, series in (("process", self._process), ("survivor", self._longest())):
-            warm = [rss for t, rss in series if t >= self.warmed_at]
+        for what, samples in (("process", self._processes), ("survivor", self._workers)):
+            series = _longest(samples)
+            # A worker started during the run imports torch and adopts a commit first.
+            since = max(self.warmed_at, series[0][0] + _SETTLE_S) if series else 0.0
+            warm = [(rss, private) for t, rss, private in series if since <= t <= until]
             if len(warm) >= 2:
-                out[what] = (round(warm[0], 1), round(warm[-1], 1))
+                out[what] = {
+                    "rss": (round(warm[0][0], 1), round(warm[-1][0], 1)),
+                    "private": (round(warm[0][1], 1), round(warm[-1][1], 1)),
+                }
         return out
 
-    def _longest(self) -> list[tuple[float, float]]:
-        if not self._samples:
-            return []
-        return max(self._samples.values(), key=lambda s: s[-1][0] - s[0][0])
+    def series(self) -> dict[str, list[tuple[float, float, float]]]:
+        """Every sample (time, RSS, private) of the process and the survivor of
+        :meth:`summary`."""
+        return {"process": _longest(self._processes), "survivor": _longest(self._workers)}
+
+
+_SETTLE_S = 15.0
+"""Seconds after a process's first sample before its memory counts (it is still starting)."""
+
+
+def _measure(pid: int, now: float, into: dict[int, list[tuple[float, float, float]]]) -> None:
+    import psutil
+
+    try:
+        info = psutil.Process(pid).memory_full_info()
+    except psutil.Error:
+        return
+    if info.rss:  # 0: killed, not yet reaped
+        into.setdefault(pid, []).append((now, info.rss / 2**20, info.uss / 2**20))
+
+
+def _longest(samples: dict[int, list[tuple[float, float, float]]]) -> list:
+    if not samples:
+        return []
+    return max(samples.values(), key=lambda s: s[-1][0] - s[0][0])
 
 
 # ----------------------------------------------------------------------------- training
@@ -630,18 +678,26 @@ def _load_checkpoint(path: str) -> dict:
 # ----------------------------------------------------------------------------- the report
 
 
-def _line(calm: Run, chaos: Run) -> str:
+def _line(calm: Run | None, chaos: Run) -> str:
+    if calm is None:
+        return f"{chaos.wall_s:.0f} s under {len(chaos.kills)} failures"
     return (
         f"{calm.wall_s:.0f} s uninterrupted, {chaos.wall_s:.0f} s under {len(chaos.kills)} "
         f"failures, goodput {calm.wall_s / chaos.wall_s:.3f}"
     )
 
 
+def _figure(value: float | None, spec: str) -> str:
+    """``value`` in a column of the table's, ``-`` where there is none."""
+    width = int(spec.split(".")[0])
+    return "-".rjust(width) if value is None else format(value, spec)
+
+
 def _seconds(values: list[float], how) -> str:
     return f"{how(values):.2f}" if values else "-"
 
 
-def _report(rows: dict[str, tuple[Run, Run]], notes: dict[str, str], args) -> dict:
+def _report(rows: dict[str, tuple[Run | None, Run]], notes: dict[str, str], args) -> dict:
     head = (
         f"{'runner':14}{'calm s':>8}{'chaos s':>9}{'goodput':>9}{'kills':>7}{'redone':>8}"
         f"{'to step med':>13}{'max':>7}{'final loss':>12}{'rel diff':>10}  memory MiB"
@@ -655,16 +711,24 @@ def _report(rows: dict[str, tuple[Run, Run]], notes: dict[str, str], args) -> di
             continue
         calm, chaos = rows[name]
         back = chaos.recoveries()
-        goodput[name] = round(calm.wall_s / chaos.wall_s, 4)
-        rel[name] = abs(chaos.final_loss - calm.final_loss) / abs(calm.final_loss)
-        memory = ", ".join(f"{k} {a:.0f}->{b:.0f}" for k, (a, b) in chaos.memory.items())
+        if calm is None:
+            notes.setdefault(name, "no uninterrupted run (--under-failures-only)")
+            goodput[name] = rel[name] = None
+        else:
+            goodput[name] = round(calm.wall_s / chaos.wall_s, 4)
+            rel[name] = abs(chaos.final_loss - calm.final_loss) / abs(calm.final_loss)
+        memory = ", ".join(
+            f"{what} " + " ".join(f"{kind} {a:.0f}->{b:.0f}" for kind, (a, b) in sizes.items())
+            for what, sizes in chaos.memory.items()
+        )
         print(
-            f"{name:14}{calm.wall_s:8.1f}{chaos.wall_s:9.1f}{goodput[name]:9.3f}"
-            f"{len(chaos.kills):7d}{chaos.redone():8d}{_seconds(back, statistics.median):>13}"
-            f"{_seconds(back, max):>7}{chaos.final_loss:12.6f}{rel[name]:10.2e}  {memory}"
+            f"{name:14}{_figure(calm and calm.wall_s, '8.1f')}{chaos.wall_s:9.1f}"
+            f"{_figure(goodput[name], '9.3f')}{len(chaos.kills):7d}{chaos.redone():8d}"
+            f"{_seconds(back, statistics.median):>13}{_seconds(back, max):>7}"
+            f"{chaos.final_loss:12.3e}{_figure(rel[name], '10.2e')}  {memory}"
         )
         summary_rows[name] = {
-            "uninterrupted_s": round(calm.wall_s, 2),
+            "uninterrupted_s": calm and round(calm.wall_s, 2),
             "under_failures_s": round(chaos.wall_s, 2),
             "failures": len(chaos.kills),
             "process_failures": sum(1 for _, what in chaos.kills if what == "process"),
@@ -672,6 +736,7 @@ def _report(rows: dict[str, tuple[Run, Run]], notes: dict[str, str], args) -> di
             "kill_to_step_median_s": round(statistics.median(back), 3) if back else None,
             "kill_to_step_max_s": round(max(back), 3) if back else None,
             "final_loss": chaos.final_loss,
+            "final_loss_abs_diff": calm and abs(chaos.final_loss - calm.final_loss),
             "memory_mib": chaos.memory,
             "crashes": chaos.crashes,
         }

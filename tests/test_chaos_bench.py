@@ -86,3 +86,61 @@ def test_a_failed_runner_is_reported_with_its_error_not_rays_log_lines(tmp_path)
     words = _last_words(str(tmp_path), "run")
     assert words.endswith("RayTaskError(ValueError): the checkpoint is gone"), words
     assert "INFO" not in words, words
+
+
+def test_a_memory_run_never_kills_the_oldest_worker(tmp_path):
+    """``--spare-oldest``: the worker that started first lives through every kill, so its
+    memory shows what the recoveries leave behind."""
+    import random
+    import time
+
+    from bench.chaos import Ours, _kill_a_worker, _workers
+
+    title = Ours.worker_title
+    started = []
+    try:
+        for _ in range(3):  # processes that look like ours' workers, oldest first
+            started.append(
+                subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", title])
+            )
+            time.sleep(0.05)
+        oldest = started[0].pid
+        rng = random.Random(0)
+        for left in (3, 2):
+            assert _workers(Ours()) == sorted(p.pid for p in started if p.poll() is None)
+            assert _kill_a_worker(Ours(), rng, left, spare_oldest=True)
+            time.sleep(0.2)
+            for proc in started[1:]:
+                proc.poll()  # reaped: no longer among the workers
+        assert started[0].poll() is None  # alive: never chosen
+        assert [p.wait(timeout=5) for p in started[1:]] == [-9, -9]
+        # the oldest alone is never killed: nothing else to choose
+        assert _kill_a_worker(Ours(), rng, 1, spare_oldest=True) is False
+        assert started[0].poll() is None
+        assert _workers(Ours()) == [oldest]
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
+
+
+def test_memory_is_read_between_the_warm_up_and_the_last_step():
+    """What a process holds after training (the final weights loaded for the loss) is not
+    read as growth over the failures."""
+    from bench.chaos import Ours, _Memory
+
+    memory = _Memory(Ours(), child=lambda: None)
+    memory.warmed_at = 10.0
+    # pid 1 lived longest; the sample at t=50 is after the last step (t=40)
+    memory._processes = {
+        1: [(-6.0, 10, 10), (5.0, 90, 80), (10.0, 100, 90), (40.0, 101, 91), (50.0, 200, 190)]
+    }
+    # worker 2 lived longest; its first 15 s it was starting
+    memory._workers = {
+        2: [(12.0, 30, 20), (27.0, 300, 200), (39.0, 310, 205)],
+        3: [(30.0, 900, 800), (31.0, 900, 800)],
+    }
+    assert memory.summary(until=40.0) == {
+        "process": {"rss": (100, 101), "private": (90, 91)},
+        "survivor": {"rss": (300, 310), "private": (200, 205)},
+    }
