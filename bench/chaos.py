@@ -28,9 +28,9 @@ under failures), failures survived, steps redone, the time from each kill to the
 completed step (median and max), the final loss (cross-entropy of the final weights on the
 whole training split) and its relative difference from the same runner's uninterrupted run,
 and the memory (RSS and private) of the training process and of the longest-lived worker
-after the warm-up and at the last step. It prints a table, then one JSON object with ``goodput`` and
-``final_loss_rel_diff`` (maps from runner to figure, ``null`` where a runner could not run,
-the reason in ``notes``).
+after the warm-up and at the last step. It prints a table, then one JSON object with
+``goodput`` and ``final_loss_rel_diff`` (maps from runner to figure, ``null`` where a runner
+could not run, the reason in ``notes``).
 
     python -m bench.chaos                                   # a kill every 30 s, ~10 min each
     python -m bench.chaos --runners ours --epochs 720 --process-every 1000 \
@@ -94,7 +94,7 @@ class Run:
     final_loss: float = float("nan")
     memory: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     """``process`` and ``survivor``: ``rss`` and ``private`` memory in MiB after the warm-up
-    and at the end (``_Memory``)."""
+    and at the last step (``_Memory.summary``)."""
     crashes: list[str] = field(default_factory=list)
     """Under the schedule, each time the training process failed on its own after a failure
     of ours (the end of its output): it was started again, as a deployment's automations

@@ -88,7 +88,7 @@ def test_a_failed_runner_is_reported_with_its_error_not_rays_log_lines(tmp_path)
     assert "INFO" not in words, words
 
 
-def test_a_memory_run_never_kills_the_oldest_worker(tmp_path):
+def test_a_memory_run_never_kills_the_oldest_worker():
     """``--spare-oldest``: the worker that started first lives through every kill, so its
     memory shows what the recoveries leave behind."""
     import random
