@@ -70,6 +70,9 @@ class DataParallelStep:
         self._hook: tuple[Any, Any, str] | None = None
         self._may_skip = True
         """Whether the module's ``training_step`` may return ``None`` (:meth:`_skipped`)."""
+        self.stepping = False
+        """Whether the batch being trained has begun to step the optimizer: a failure from
+        then on leaves a state that only a rollback undoes (``Worker.reached``)."""
 
     def split(self, split: str) -> Samples:
         return samples_of(self.worker.data, split)
@@ -189,6 +192,7 @@ class DataParallelStep:
             return self._train_manual(batch)
         w, mine, step, window = self.worker, batch.mine, batch.step, batch.window
         module, log_step = w.module, batch.log_step
+        self.stepping = False
         timeline = UNTIMED if w.timeline is None else w.timeline.begin(batch.epoch, step)
         if w.has_buffers:
             w.after_copies()
@@ -254,6 +258,7 @@ class DataParallelStep:
         w.after_copies()  # the module's hooks and the optimizer may change the weights
         if after_backward:
             call_hook(w.module, "on_after_backward")
+        self.stepping = True
         timeline.start("optimizer")  # with the last bucket's wait, when in two
         if in_two:
             w.optimization.step_in_two(

@@ -13,6 +13,7 @@ import torch
 
 from ringflow.engine.config import PLACEMENTS, TrainConfig
 from ringflow.engine.elastic.coordinator import (
+    Continue,
     Coordinator,
     ElasticEvent,
     FailurePolicy,
@@ -29,9 +30,10 @@ from ringflow.engine.errors import (
 )
 from ringflow.engine.failures import start_failure, user_error
 from ringflow.engine.layout import DataParallel, Layout
+from ringflow.engine.metrics import Logged
 from ringflow.engine.worker import NOSET_VISIBLE_DEVICES
 
-__all__ = ["LocalGroup", "MembershipLost", "RayWorkerGroup", "Steps", "WorkerGroup"]
+__all__ = ["LocalGroup", "MembershipLost", "RayWorkerGroup", "Recovery", "Steps", "WorkerGroup"]
 
 log = logging.getLogger("ringflow.engine")
 
@@ -45,6 +47,15 @@ class Steps(NamedTuple):
     count: int
     commit_at: int | None = None
     epochs: Epochs | None = None
+
+
+class Recovery(NamedTuple):
+    """Where training goes on after a loss (``WorkerGroup.recover``): the step, and, where
+    the survivors went on from the step that failed instead of rolling back, what the steps
+    of the failed call before it logged (``None`` after a rollback: nothing of it is kept)."""
+
+    step: int
+    logged: Logged | None = None
 
 
 class WorkerGroup:
@@ -96,7 +107,7 @@ class WorkerGroup:
             self.commit(commit_at)
         return results
 
-    def recover(self, lost: MembershipLost, *, at_step: int) -> int:
+    def recover(self, lost: MembershipLost, *, at_step: int) -> Recovery:
         raise lost
 
     @property
@@ -377,8 +388,12 @@ class RayWorkerGroup(WorkerGroup):
         if admit:
             self._admit_ready(step)
 
-    def recover(self, lost: MembershipLost, *, at_step: int) -> int:
-        """Apply the coordinator's decision on ``lost``; return the step training resumes at.
+    def recover(self, lost: MembershipLost, *, at_step: int) -> Recovery:
+        """Apply the coordinator's decision on ``lost``; return where training goes on.
+
+        Where every survivor failed at the same step with nothing of it kept
+        (``Worker.reached``), they go on from that step as they are: no step is redone, and
+        replacements join at the next commit. Otherwise they roll back to the last commit.
 
         Raises:
             EngineError: the failure budget is spent, or too few workers are left and no
@@ -402,10 +417,11 @@ class RayWorkerGroup(WorkerGroup):
                 decision.step,
                 at_step - decision.step,
             )
-            return decision.step
+            return Recovery(decision.step)
         # A unit goes whole: a pipeline replica is of no use without any of its stages.
         units = list(dict.fromkeys(self._unit_of(w) for w in lost.workers))
-        decision = self.coordinator.lost(units, at_step=at_step, cause=lost.cause)
+        reached, logged = self._reached([w for w in self.members if self._unit_of(w) not in units])
+        decision = self.coordinator.lost(units, at_step=at_step, cause=lost.cause, reached=reached)
         log.warning("%s", lost.cause)
         for unit in units:
             self._places.pop(unit, None)  # its place is free for a replacement
@@ -416,6 +432,17 @@ class RayWorkerGroup(WorkerGroup):
         if isinstance(decision, GiveUp):
             raise EngineError(f"training stopped: {decision.reason}")
         step = decision.step
+        if isinstance(decision, Continue) and decision.went_on:
+            self._rewire(joined=[])
+            self.call("go_on")
+            self._fill(0, wait=False)  # replacements start now and join at a commit
+            log.warning(
+                "training goes on with %d %s from step %d, where they were (no step redone)",
+                len(self.coordinator.members),
+                self._layout.units,
+                step,
+            )
+            return Recovery(step, logged)
         if isinstance(decision, WaitForWorkers):
             self._fill(decision.count, wait=True)
         self._rewire(joined=[])
@@ -428,7 +455,21 @@ class RayWorkerGroup(WorkerGroup):
             step,
             at_step - step,
         )
-        return step
+        return Recovery(step)
+
+    def _reached(self, survivors: list[str]) -> tuple[int | None, Logged | None]:
+        """The step every survivor failed at with nothing of it kept, and what they logged
+        before it, merged; ``(None, None)`` where any must roll back (or the layout's
+        workers never can go on: a pipeline's)."""
+        if not self._layout.elastic or not survivors:
+            return None, None
+        points = self._gather("reached", {w: self._actors[w].reached.remote() for w in survivors})
+        if any(p is None for p in points) or len({step for step, _ in points}) != 1:
+            return None, None
+        logged = Logged()
+        for _, part in points:
+            logged = logged.merge(part)
+        return points[0][0], logged
 
     def _failed(self, lost: MembershipLost) -> WorkerFailedError:
         """A layout that cannot go on without a worker fails naming it."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -266,6 +266,12 @@ def _logged_name(name: str, options: dict[str, bool], when: str) -> str:
     return f"{name}_{when}" if both else name
 
 
+class _Mark(NamedTuple):
+    epoch: dict[str, Value]
+    steps: set[int]
+    options: dict[str, dict[str, bool]]
+
+
 class MetricLog:
     """Stands in for ``LightningModule.log`` and ``log_dict`` in a worker.
 
@@ -355,6 +361,22 @@ class MetricLog:
             )
         if on_epoch:
             self._live[name] = metric
+
+    @property
+    def live(self) -> bool:
+        """Whether a Metric object is logged on_epoch (its state moves with every update)."""
+        return bool(self._live)
+
+    def mark(self) -> _Mark:
+        """Where the record stands, for :meth:`undo` (values kept on the host only)."""
+        epoch = {name: Value(v.reduce, v.total, v.weight) for name, v in self.logged.epoch.items()}
+        return _Mark(epoch, set(self.logged.steps), dict(self.logged.options))
+
+    def undo(self, mark: _Mark) -> None:
+        """Forget what was logged since ``mark`` (a step that failed and is not kept)."""
+        self.logged.epoch, self.logged.options = mark.epoch, mark.options
+        for step in [s for s in self.logged.steps if s not in mark.steps]:
+            del self.logged.steps[step]
 
     def reset(self) -> None:
         """Forget what was logged since the last :meth:`take` (a rollback to a commit)."""

@@ -445,18 +445,19 @@ def _train(
                 group.call("end_epoch", epoch, metrics)  # schedulers waiting for the metrics
                 group.commit(step + count)
         except MembershipLost as lost:
-            # Nothing of this chunk was kept: the members are back at the commit of ``step``.
-            step = group.recover(lost, at_step=step + count)
-            probe = True
+            # The members are back at the commit of ``step``, nothing of this chunk kept, or
+            # they went on from the step that failed, keeping the steps before it.
+            recovery = group.recover(lost, at_step=step + count)
+            if recovery.logged is not None:
+                logged = logged.merge(dataclasses.replace(recovery.logged, steps={}, rows=[]))
+                _write_rows(loggers, recovery.logged, epoch)
+                seconds += time.perf_counter() - started
+            step, probe = recovery.step, True
             continue
         step += count
         probe = False
         seconds += time.perf_counter() - started
-        # Callbacks' rows (LearningRateMonitor's, at a batch's start) before the step's own.
-        rows = [(at, 0, row) for at, row in chunk.rows]
-        rows += [(at, 1, row) for at, row in logger_rows(chunk, epoch_end=False)[0].items()]
-        for at, own, row in sorted(rows, key=lambda entry: entry[:2]):
-            loggers.write(row, step=at, epoch=epoch if own else None)
+        _write_rows(loggers, chunk, epoch)
         logged = so_far
         if ended:
             last = chunks.epochs.optimizer_start(epoch + 1) - 1  # Trainer's step for epoch-end rows
@@ -487,6 +488,15 @@ def _train(
     group.call("fit_end", chunks.epochs.locate(step)[0])
     callbacks.fit_end()
     return history
+
+
+def _write_rows(loggers: _Loggers, chunk: Logged, epoch: int) -> None:
+    """The rows of a chunk's steps to the loggers: callbacks' rows (LearningRateMonitor's,
+    at a batch's start) before the step's own."""
+    rows = [(at, 0, row) for at, row in chunk.rows]
+    rows += [(at, 1, row) for at, row in logger_rows(chunk, epoch_end=False)[0].items()]
+    for at, own, row in sorted(rows, key=lambda entry: entry[:2]):
+        loggers.write(row, step=at, epoch=epoch if own else None)
 
 
 def _merged(parts: list[Logged]) -> Logged:
@@ -652,7 +662,7 @@ def _checkpoint(
             metrics=history[-1].metrics if history else {},
         )
     except MembershipLost as lost:  # rank 0 went: the next checkpoint is taken as usual
-        return group.recover(lost, at_step=step)
+        return group.recover(lost, at_step=step).step
     return step
 
 

@@ -397,6 +397,11 @@ class Worker:
         self._failed: BaseException | None = None
         """Why the last call of steps failed, until a rollback: the steps the driver sent
         ahead of it are not run (``train_steps``)."""
+        self._reached: Reached | None = None
+        """Where the last call of steps failed, if nothing of the failed step is kept
+        (:meth:`reached`)."""
+        self._samples = 0
+        """The samples of the current call's steps done so far."""
 
     def _materialise_lazy(self) -> None:
         """Give lazy layers (``nn.LazyLinear``...) their shapes from a first forward, as under
@@ -753,6 +758,7 @@ class Worker:
                 op="train_steps",
                 rank=self.rank,
             )
+        self._reached = None
         try:
             if epochs is not None:
                 self._enter(epochs, epoch)
@@ -774,7 +780,7 @@ class Worker:
     def _train_steps(
         self, epoch: int, first: int, count: int, commit_at: int | None, run_next: bool
     ) -> Logged:
-        samples = 0
+        self._samples = 0
         ahead, self._ran_ahead = self._ran_ahead, None
         if ahead is not None:
             if (ahead.epoch, ahead.step) != (epoch, first):
@@ -782,13 +788,14 @@ class Worker:
                     f"steps {first}..{first + count - 1} of epoch {epoch} asked for, where "
                     f"step {ahead.step} of epoch {ahead.epoch} already ran"
                 )
-            first, count, samples = first + 1, count - 1, ahead.samples
+            first, count, self._samples = first + 1, count - 1, ahead.samples
         self.trainer.at(epoch, first)
         if first == 0:
             self.metric_log.enter("on_train_epoch_start")
             self.callbacks_run("on_train_epoch_start")
             self._hook("on_train_epoch_start")
-        samples += self._run(epoch, first, count)
+        self._run(epoch, first, count)
+        samples = self._samples
         ended = _stream_mark(self.device)
         # On a GPU the host is still steps ahead: what was logged is queued to the host now,
         # and read once the host has waited for the steps; a commit's copies go behind the
@@ -808,10 +815,15 @@ class Worker:
 
     def _run(self, epoch: int, first: int, count: int) -> int:
         """Run steps ``first .. first + count - 1`` of ``epoch``; the samples this worker
-        counted (a pipeline's last stage counts its replica's)."""
+        counted (a pipeline's last stage counts its replica's), also added to the call's.
+
+        Where the workers may go on from a failed step (:meth:`reached`), each step starts
+        with a mark of what was logged, and a step that fails with nothing of it kept (its
+        optimizer had not begun to step) leaves the worker where the step began."""
         if count == 0:
             return 0
         samples = 0
+        marks = self._goes_on()
         window = self.config.accumulate_grad_batches
         every = self.config.log_every_n_steps
         for step, mine, global_size in epoch_batches(
@@ -846,8 +858,51 @@ class Worker:
                 last=last,
                 log_step=stepped if steps and self.trainer.logs_due else None,
             )
-            samples += self.step.train(batch)
+            mark = self.metric_log.mark() if marks else None
+            try:
+                done = self.step.train(batch)
+            except BaseException:
+                if mark is not None and not self.step.stepping:
+                    self.metric_log.undo(mark)
+                    self._reached = Reached(self.epochs.start(epoch) + step, self._samples)
+                raise
+            samples += done
+            self._samples += done
         return samples
+
+    def _goes_on(self) -> bool:
+        """Whether a failed step can leave this worker where the step began, so that the
+        members may go on from it instead of rolling back to their last commit: a
+        data-parallel worker on a CPU that steps its optimizer where ringflow does, every
+        batch, with nothing else that a step's forward or collectives change (buffers,
+        a communication hook's state, a Metric's), nothing callbacks record and no stream."""
+        return (
+            self.device.type == "cpu"
+            and hasattr(self.step, "stepping")
+            and not self.optimization.manual
+            and self.config.accumulate_grad_batches == 1
+            and not self.has_buffers
+            and not self.config.timeline
+            and not getattr(self, "callbacks", ())
+            and not self.metric_log.live
+            and not hasattr(self.train, "restart")
+            and not self._comm_state()
+        )
+
+    def reached(self) -> tuple[int, Logged] | None:
+        """Where the last call of steps failed, if the members may go on from there: the
+        global step that failed (nothing of it kept: this worker is as at its start) and what
+        the steps of the call before it logged; ``None`` where the worker must roll back."""
+        if self._failed is None or self._reached is None:
+            return None
+        logged = self.metric_log.take()
+        logged.samples = self._reached.samples
+        return self._reached.step, logged
+
+    def go_on(self) -> None:
+        """Go on from where the last call of steps failed (:meth:`reached`), without a
+        rollback: the steps sent after it are forgotten."""
+        self._failed = self._ran_ahead = self._reached = None
 
     def _undo_ahead(self) -> None:
         """Return to where the last call of steps ended, if it ran the next step ahead and
@@ -1149,6 +1204,14 @@ class _Staged(NamedTuple):
     step: int
     state: Commit
     targets: list[torch.Tensor]
+
+
+class Reached(NamedTuple):
+    """The global step a call of steps failed at, nothing of it kept, and the samples of the
+    call's steps before it (``Worker.reached``)."""
+
+    step: int
+    samples: int
 
 
 class _RanAhead(NamedTuple):

@@ -63,6 +63,27 @@ def test_a_lost_worker_leaves_the_survivors_at_the_last_commit():
     assert [e.kind for e in c.events] == ["lost", "rollback", "recovered", "joined"]
 
 
+def test_survivors_that_reached_a_step_past_the_commit_go_on_from_it():
+    c = _coordinator(min_workers=1)
+    c.committed(20)
+    decision = c.lost(["w1"], at_step=27, cause="SIGKILL", reached=24)
+    assert decision == Continue(("w0", "w2"), 24, went_on=True)
+    lost, went_on = c.events
+    assert (lost.kind, lost.steps_lost) == ("lost", 0)  # steps 20..23 are kept
+    assert (went_on.kind, went_on.step, went_on.workers) == ("went_on", 24, 2)
+    c.committed(25)
+    assert c.events[-1].kind == "recovered"
+    # At the commit itself there is nothing to keep; below the minimum, replacements adopt a
+    # commit: both roll back.
+    assert c.lost(["w0"], at_step=30, cause="SIGKILL", reached=25) == Continue(("w2",), 25)
+    assert c.events[-1].kind == "rollback"
+    low = _coordinator(min_workers=3)
+    low.committed(20)
+    assert low.lost(["w1"], at_step=27, cause="SIGKILL", reached=24) == WaitForWorkers(
+        ("w0", "w2"), 1, 20
+    )
+
+
 def test_below_the_minimum_the_group_waits_for_replacements():
     c = _coordinator(min_workers=3)
     c.committed(10)
@@ -216,12 +237,17 @@ def test_a_killed_worker_leaves_two_that_go_on_and_a_third_rejoins(ray_session, 
     on_epoch, struck = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.02)
     result = _fit(digits, tmp_path, "elastic", min_workers=2, on_epoch=on_epoch, **paced)
     assert struck, "no worker was killed"
+    # The survivors go on from the step that failed, or roll back where a step had begun to
+    # change their state (the kill's moment decides).
     kinds = [e.kind for e in result.events]
-    assert kinds == ["lost", "rollback", "recovered", "joined"], result.events
-    lost, rollback, recovered, joined = result.events
+    assert kinds in (
+        ["lost", "went_on", "recovered", "joined"],
+        ["lost", "rollback", "recovered", "joined"],
+    ), result.events
+    lost, went, recovered, joined = result.events
     assert lost.workers == recovered.workers == 2
     assert joined.workers == 3
-    assert joined.step > rollback.step  # it joined at a later commit, not at once
+    assert joined.step > went.step  # it joined at a later commit, not at once
     assert lost.at - struck[0][1] < 10  # the loss was seen within seconds
     assert relative_difference(result.state_dict, reference.state_dict) < 1e-5
     assert (
@@ -283,7 +309,11 @@ def test_a_worker_hung_in_a_commit_is_dropped_at_the_deadline(ray_session, digit
     # Mid-epoch a worker commits at the end of its call of steps: it is lost during that.
     assert "lost during train_steps: it stopped answering" in lost.cause
     assert lost.at - float(marker.read_text()) < 3.0 + 2.0 + 5.0  # deadline + margin + slack
-    assert [e.kind for e in result.events][:3] == ["lost", "rollback", "recovered"]
+    # The others, past their steps (or the step run ahead), go on from there or roll back.
+    assert [e.kind for e in result.events][:3] in (
+        ["lost", "went_on", "recovered"],
+        ["lost", "rollback", "recovered"],
+    )
     assert time.monotonic() - started < 120
 
 
@@ -581,3 +611,76 @@ def test_steps_that_commit_hand_over_what_they_logged_as_steps_that_do_not(digit
     assert plain.results()
     assert committed.results() == plain.results()
     assert committed.steps.keys() == plain.steps.keys() == {0, 1, 2}
+
+
+class PeerGoesAt(DigitsClassifier):
+    """A collective's error at global step ``at``, once per worker: in ``training_step``
+    (nothing of the step done yet) or, ``stepping``, as the optimizer steps."""
+
+    def __init__(self, at: int, stepping: bool = False, **hparams) -> None:
+        super().__init__(**hparams)
+        self.at, self.stepping, self.went = at, stepping, False
+
+    def _peer_goes(self) -> None:
+        from ringflow.engine.errors import PeerLostError
+
+        if self.global_step == self.at and not self.went:
+            self.went = True
+            raise PeerLostError("rank 1 died", peer=1, op="allreduce", rank=0)
+
+    def training_step(self, batch, batch_idx):
+        if not self.stepping:
+            self._peer_goes()
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.stepping:
+            self._peer_goes()
+
+
+def test_a_step_that_failed_before_its_optimizer_stepped_leaves_the_worker_to_go_on_from(digits):
+    """The worker is as the steps before it left it, and hands over what they logged; going
+    on from there ends as steps never interrupted. A step whose optimizer had begun to step
+    leaves nothing to go on from: a rollback."""
+    from ringflow.engine.data_parallel import WholeModel
+    from ringflow.engine.errors import PeerLostError
+    from ringflow.engine.worker import Worker
+
+    config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0, log_every_n_steps=1)
+
+    def worker(**hparams):
+        made = Worker(
+            PeerGoesAt,
+            hparams={**HPARAMS, "at": 2, **hparams},
+            data=digits,
+            config=config,
+            rank=0,
+            plan=WholeModel(),
+        )
+        made.connect()
+        made.commit(0)
+        return made
+
+    plain = worker(at=-1)
+    before = plain.train_steps(0, 0, 2)
+    at_two = {k: v.clone() for k, v in plain.module.state_dict().items()}
+    plain.train_steps(0, 2, 3, commit_at=5)
+    failed = worker()
+    with pytest.raises(PeerLostError, match="rank 1 died"):
+        failed.train_steps(0, 0, 5, commit_at=5, run_next=True)
+    step, logged = failed.reached()
+    assert step == 2
+    assert (logged.samples, logged.steps.keys()) == (2 * 64, {0, 1})
+    assert logged.results() == before.results()
+    for name, tensor in failed.module.state_dict().items():
+        assert torch.equal(tensor, at_two[name]), name
+    failed.go_on()
+    failed.train_steps(0, 2, 3, commit_at=5)
+    for name, tensor in failed.module.state_dict().items():
+        assert torch.equal(tensor, plain.module.state_dict()[name]), name
+    stepped = worker(stepping=True)
+    with pytest.raises(PeerLostError):
+        stepped.train_steps(0, 0, 5)
+    assert stepped.reached() is None
+    for made in (plain, failed, stepped):
+        made.close()

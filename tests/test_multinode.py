@@ -104,7 +104,7 @@ def test_a_lost_node_is_survived_and_its_worker_grows_back(digits, tmp_path):
     finally:
         _cluster(env, "stop")
     kinds = [e["kind"] for e in json.loads(lines.last)["events"]]
-    assert kinds[:3] == ["lost", "rollback", "recovered"], kinds
+    assert kinds[:3] in (["lost", "went_on", "recovered"], ["lost", "rollback", "recovered"]), kinds
     assert "joined" in kinds, kinds
     reference = fit(
         DigitsClassifier,

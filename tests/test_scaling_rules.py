@@ -266,6 +266,35 @@ def test_a_replaced_worker_and_a_resumed_run_end_as_the_uninterrupted_one(
 # ---------------------------------------------------------------------------- elastic
 
 
+def _dies_at(digits, tmp_path, name, *, step, store=None, **config):
+    """2 workers on a fixed global batch; rank 1 dies at global step ``step``, no replacement."""
+    (tmp_path / name).mkdir()
+    hparams = {
+        "out": str(tmp_path / name),
+        "mark": str(tmp_path / f"{name}.mark"),
+        "dies_at": [step],
+        "hidden": 32,
+        "lr": LR,
+    }
+    return fit(
+        DiesOnce,
+        hparams=hparams,
+        data=digits,
+        config=TrainConfig(
+            workers=2,
+            min_workers=1,
+            batch_size=64,
+            epochs=3,
+            seed=5,
+            cpus_per_worker=0.5,
+            collective_timeout_s=3.0,
+            **config,
+        ),
+        checkpoint_uri=str(tmp_path / f"{name}-model"),
+        **(store or {}),
+    )
+
+
 def _in_a_ray_actor() -> bool:
     import ray
 
@@ -320,8 +349,9 @@ def test_a_lost_worker_halves_the_next_epochs_batch_and_learning_rate_and_resume
 ):
     samples = len(digits.read("train")[1])
     two = Epochs(samples, (64,))
-    # Rank 1 dies 7 steps into epoch 1: the survivor goes back to a commit inside the epoch
-    # and finishes it on the whole batch of 64; from epoch 2 the batch is its own 32.
+    # Rank 1 dies 7 steps into epoch 1: the survivor goes on from that step (the steps since
+    # the last commit are kept) and finishes the epoch on the whole batch of 64; from epoch 2
+    # the batch is its own 32.
     lost_at = two.start(1) + 7
     after = Epochs(samples, (64, 64, 32))
     again = after.start(3)  # a resumed run's rank 1 dies as the run resumes there
@@ -335,9 +365,9 @@ def test_a_lost_worker_halves_the_next_epochs_batch_and_learning_rate_and_resume
     }
     whole = _elastic_weak(digits, tmp_path, "whole", hparams=hparams, epochs=5)
     assert [m.batch_size for m in whole.history] == [64, 64, 32, 32, 32]
-    assert [e.kind for e in whole.events] == ["lost", "rollback", "recovered"]
-    back_to = whole.events[1].step  # a commit inside epoch 1: the epoch keeps its batch
-    assert two.start(1) < back_to < lost_at
+    assert [e.kind for e in whole.events] == ["lost", "went_on", "recovered"]
+    assert whole.events[1].step == lost_at  # inside epoch 1: the epoch keeps its batch
+    assert whole.events[0].steps_lost == 0
     epochs = Epochs(samples, (64, 64, 32))
     rows = [row for ranks in _rows(tmp_path / "rows-whole") for row in ranks]
     assert rows
@@ -347,12 +377,14 @@ def test_a_lost_worker_halves_the_next_epochs_batch_and_learning_rate_and_resume
         schedule = [LR * 0.9 ** (row["step"] // 20), LR / 2 * 0.9 ** (row["step"] // 20)]
         assert row["during"] == pytest.approx([lr * factor for lr in schedule], rel=1e-12), row
         assert row["between"] == pytest.approx(schedule, rel=1e-12), row
-    # The survivor alone takes the whole batch of 64 from the commit it went back to until
-    # epoch 1 ends (its last batch is short), then its own 32.
+    # The survivor alone takes the whole batch of 64 from the step it went on from until
+    # epoch 1 ends (its last batch is short), then its own 32; it ran every step once.
     (survivor,) = [r for r in _rows(tmp_path / "rows-whole") if r[-1]["step"] >= epochs.start(2)]
-    last = {r["step"]: r["part"] for r in survivor}  # a redone step's second row
+    assert [r["step"] for r in survivor] == list(range(epochs.start(5)))
+    last = {r["step"]: r["part"] for r in survivor}
     starts = {epochs.start(e) for e in range(6)}
-    assert {last[s] for s in range(back_to, epochs.start(2) - 1)} == {64}
+    assert {last[s] for s in range(two.start(1), lost_at)} == {32}
+    assert {last[s] for s in range(lost_at, epochs.start(2) - 1)} == {64}
     full = [s for s in range(epochs.start(2), epochs.start(5)) if s + 1 not in starts]
     assert {last[s] for s in full} == {32}  # every epoch's last batch is short
 
@@ -370,3 +402,25 @@ def test_a_lost_worker_halves_the_next_epochs_batch_and_learning_rate_and_resume
     assert resumed.events[2].step == again  # back to the resume: the epoch decided anew
     assert [m.batch_size for m in resumed.history] == [64, 64, 32, 32, 32]
     _assert_equal(resumed, whole)
+
+
+@pytest.mark.ray
+def test_survivors_go_on_from_the_step_that_failed_as_from_a_commit_there(
+    ray_session, digits, tmp_path
+):
+    lost_at = 33  # 3 steps past the commit at 30 (commits every 5 steps)
+    went_on = _dies_at(digits, tmp_path, "went-on", step=lost_at, commit_every=5)
+    assert [e.kind for e in went_on.events] == ["lost", "went_on", "recovered"]
+    lost, on, _ = went_on.events
+    assert (lost.steps_lost, on.step, on.workers) == (0, lost_at, 1)
+    (survivor,) = [r for r in _rows(tmp_path / "went-on") if r[-1]["step"] > lost_at]
+    assert [r["step"] for r in survivor] == list(range(3 * 23))  # each step once
+    # A commit (and a checkpoint: no step runs ahead of its call) at every step: the survivor
+    # rolls back to the commit at the step that failed, nothing lost, and ends alike.
+    store = {"store_url": str(tmp_path / "store"), "run_key": "each-step"}
+    committed = _dies_at(
+        digits, tmp_path, "committed", step=lost_at, commit_every=1, checkpoint_every=1, store=store
+    )
+    assert [e.kind for e in committed.events] == ["lost", "rollback", "recovered"]
+    assert committed.events[1].step == lost_at
+    _assert_equal(went_on, committed)

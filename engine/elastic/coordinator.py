@@ -69,6 +69,7 @@ class ElasticEvent:
 
     kind: str
     """``lost``, ``stalled`` (a deadline passed with every member alive), ``rollback``,
+    ``went_on`` (the survivors went on from the step that failed, nothing redone),
     ``recovered`` (the first commit after a loss), ``joined``, ``resumed`` or ``gave_up``."""
     step: int
     """The training step the group is at after the event."""
@@ -82,10 +83,12 @@ class ElasticEvent:
 
 @dataclass(frozen=True)
 class Continue:
-    """Roll the members back to ``step`` and train on with them."""
+    """Roll the members back to ``step`` and train on with them; with ``went_on``, ``step`` is
+    where they failed, and they go on from there as they are."""
 
     members: tuple[str, ...]
     step: int
+    went_on: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,19 +159,30 @@ class Coordinator:
             self._recovering = False
             self._record("recovered", len(self.members), "first steps done after the loss")
 
-    def lost(self, workers: Iterable[str], *, at_step: int, cause: str) -> Decision:
+    def lost(
+        self, workers: Iterable[str], *, at_step: int, cause: str, reached: int | None = None
+    ) -> Decision:
         """``workers`` died or stopped answering while the group worked towards ``at_step``.
 
+        ``reached``: the step every survivor failed at with nothing of it kept (the steps
+        before it done by all), where they can go on from instead of rolling back.
+
         Returns:
-            What the driver must do: go on with the survivors from the last commit, wait for
-            replacements first, or give up.
+            What the driver must do: go on with the survivors from the last commit (or from
+            ``reached``, past it, while enough of them are left), wait for replacements
+            first, or give up.
         """
         gone = [w for w in dict.fromkeys(workers) if w in self.members]
         if not gone:
             raise EngineError(f"lost workers {list(workers)} are not members {self.members}")
         self.members = tuple(w for w in self.members if w not in gone)
         self.failures += len(gone)
-        lost_steps = max(0, at_step - self.committed_step)
+        go_on = (
+            reached is not None
+            and reached > self.committed_step
+            and len(self.members) >= self.min_workers
+        )
+        lost_steps = 0 if go_on else max(0, at_step - self.committed_step)
         self._record("lost", len(self.members), f"{', '.join(gone)}: {cause}", lost_steps)
         if self.failures > self.policy.max_failures:
             return self._give_up(
@@ -177,6 +191,16 @@ class Coordinator:
             )
         if not self.members:
             return self._give_up(f"every worker was lost; last: {cause}")
+        if go_on:
+            self._recovering = True
+            self._record(
+                "went_on",
+                len(self.members),
+                f"from step {reached}, where the survivors were: the steps since the commit "
+                f"at step {self.committed_step} keep what the survivors logged",
+                step=reached,
+            )
+            return Continue(self.members, reached, went_on=True)
         self._record(
             "rollback",
             len(self.members),
@@ -262,11 +286,13 @@ class Coordinator:
         self._record("gave_up", len(self.members), reason)
         return GiveUp(reason)
 
-    def _record(self, kind: str, workers: int, cause: str, steps_lost: int = 0) -> None:
+    def _record(
+        self, kind: str, workers: int, cause: str, steps_lost: int = 0, *, step: int | None = None
+    ) -> None:
         self.events.append(
             ElasticEvent(
                 kind=kind,
-                step=self.committed_step,
+                step=self.committed_step if step is None else step,
                 workers=workers,
                 cause=cause,
                 steps_lost=steps_lost,
