@@ -140,6 +140,12 @@ class DataParallelStep:
                 self._hook = (hook, None if state is None else state(w.rank, w.world_size), name)
         return self._hook
 
+    @property
+    def keeps_comm_state(self) -> bool:
+        """Whether the communication hook keeps a state (:meth:`comm_state`), which every
+        all-reduce may change."""
+        return self._hook is not None and hasattr(self._hook[1], "state_dict")
+
     def comm_state(self) -> dict[str, torch.Tensor]:
         """The communication hook's state as CPU tensors (``state_dict()``), where it has one:
         commits and checkpoints keep it (PowerSGD's Q factors and this rank's error)."""

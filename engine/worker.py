@@ -878,7 +878,7 @@ class Worker:
         a communication hook's state, a Metric's), nothing callbacks record and no stream."""
         return (
             self.device.type == "cpu"
-            and hasattr(self.step, "stepping")
+            and hasattr(self.step, "stepping")  # a data-parallel worker's step
             and not self.optimization.manual
             and self.config.accumulate_grad_batches == 1
             and not self.has_buffers
@@ -886,7 +886,7 @@ class Worker:
             and not getattr(self, "callbacks", ())
             and not self.metric_log.live
             and not hasattr(self.train, "restart")
-            and not self._comm_state()
+            and not self.step.keeps_comm_state
         )
 
     def reached(self) -> tuple[int, Logged] | None:
