@@ -1182,13 +1182,14 @@ class _ShardWrites:
             concurrent.futures.wait([self._future])
 
     def result(self, step: int, *, wait: bool) -> dict[str, Any]:
+        # The outcome stays readable until the next write starts: the driver asks every
+        # stage, and asks again while another stage is still writing.
         if self._future is None or self._step != step:
             return {"state": "none"}
         if not wait and not self._future.done():
             return {"state": "writing"}
-        future, self._future, self._step = self._future, None, None
         try:
-            return {"state": "written", "record": future.result()}
+            return {"state": "written", "record": self._future.result()}
         except Exception as err:  # storage's, retried there: the checkpoint is not committed
             return {"state": "failed", "error": f"{type(err).__name__}: {err}"}
 

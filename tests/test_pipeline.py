@@ -645,3 +645,24 @@ def test_a_pipeline_commits_each_checkpoint_its_stages_wrote_mid_epoch_too(tmp_p
         assert checkpoint.metadata["stages"] == 2
     again = run(2, "again")
     assert again.resumed_from == 4
+
+
+def test_a_stages_written_shard_is_read_again_while_another_stage_still_writes():
+    """The driver asks every stage whether its shard is written, and asks again while one is
+    still writing: a stage that answered ``written`` must say so again, not ``none`` (which
+    reads as a stage replaced, and drops the checkpoint)."""
+    from ringflow.engine.worker import _ShardWrites
+
+    writes = _ShardWrites()
+    release = concurrent.futures.Future()
+    writes.start(2, lambda: {"shard": "stage-0"})
+    writes.wait()
+    assert writes.result(2, wait=False) == {"state": "written", "record": {"shard": "stage-0"}}
+    assert writes.result(2, wait=False) == {"state": "written", "record": {"shard": "stage-0"}}
+    assert writes.result(4, wait=False) == {"state": "none"}
+    writes.start(4, release.result)
+    assert writes.result(4, wait=False) == {"state": "writing"}
+    assert writes.result(2, wait=False) == {"state": "none"}
+    release.set_result({"shard": "stage-0 at 4"})
+    assert writes.result(4, wait=True)["record"] == {"shard": "stage-0 at 4"}
+    writes.close()
