@@ -31,6 +31,7 @@ from ringflow.engine.worker import (
     Batch,
     evaluate_module,
     free_address,
+    seed_generators,
     to_device,
 )
 from ringflow.storage.reshard import REPLICATED, load_data_parallel
@@ -196,6 +197,8 @@ class DataParallelStep:
         assert self.buckets is not None, "connect() must run before training"
         if self.worker.optimization.manual:
             return self._train_manual(batch)
+        if batch.shares:
+            return self._train_shares(batch)
         w, mine, step, window = self.worker, batch.mine, batch.step, batch.window
         module, log_step = w.module, batch.log_step
         self.stepping = False
@@ -246,6 +249,56 @@ class DataParallelStep:
             call_hook(module, "on_train_batch_end", out, data, step)
         timeline.end()
         return len(mine)
+
+    def _train_shares(self, batch: Batch) -> int:
+        """One batch where this worker trains the parts of several ranks of the run's full
+        size (``Worker.shares``): each part's forward seeded as its rank's, then their
+        backward passes summing into the gradients, the buckets started for the last; the
+        sums over the members are divided by the full size, as its ring divides them."""
+        w, step, module, log_step = self.worker, batch.step, self.worker.module, batch.log_step
+        self.stepping = False
+        timeline = UNTIMED if w.timeline is None else w.timeline.begin(batch.epoch, step)
+        w.optimization.zero_grad(step)
+        self._window_learns = False
+        passes = []
+        for seed, part in batch.shares:
+            seed_generators(seed, w.device)
+            timeline.start("data")
+            data = to_device(w.train.batch(part), w.device)
+            timeline.stop("data")
+            w.queue_deferred()
+            w.metric_log.enter("on_train_batch_start", batch_size=len(part), log_step=log_step)
+            w.callbacks_run("on_train_batch_start", data, step)
+            call_hook(module, "on_train_batch_start", data, step)
+            w.metric_log.enter("training_step", batch_size=len(part), log_step=log_step)
+            timeline.start("forward")
+            with w.precision.forward_context(), compiled_in_buckets(self.bucket_bytes):
+                out = module.training_step(
+                    *step_arguments(module.training_step, w.precision.convert_input(data), step)
+                )
+            timeline.stop("forward")
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            passes.append((data, out, loss, len(part)))
+        skipped = any(loss is None for _, _, loss, _ in passes)
+        learns = not self._skipped(None if skipped else passes[-1][2], has_data=True, batch=batch)
+        self._window_learns = learns
+        if learns:
+            for i, (_, _, loss, size) in enumerate(passes):
+                if i == len(passes) - 1:
+                    self.buckets.start(over=w.config.workers)
+                call_hook(module, "on_before_backward", loss)
+                timeline.start("backward")
+                w.precision.backward(loss)
+                timeline.stop("backward")
+                w.metric_log.record("train_loss", logged_number(loss), size)
+        else:
+            self.buckets.start(over=w.config.workers)  # cancelled: nothing to reduce
+        self._update(batch, timeline, after_backward=learns)
+        for data, out, _, size in passes:
+            w.metric_log.enter("on_train_batch_end", batch_size=size, log_step=log_step)
+            call_hook(module, "on_train_batch_end", out, data, step)
+        timeline.end()
+        return len(batch.mine)
 
     def _update(self, batch: Batch, timeline: Any, *, after_backward: bool) -> None:
         """The end of a window: reduce its gradients and step, as :meth:`train` says; where

@@ -58,6 +58,7 @@ __all__ = [
     "epoch_batches",
     "free_address",
     "split_global_batch",
+    "seed_generators",
     "step_seed",
     "worker_device",
 ]
@@ -133,7 +134,7 @@ def epoch_batches(
         follow(position, _rank_parts(layout, config, batch_size, epoch, first, rank, world_size))
     origin = epoch * steps_per_epoch if start is None else start
     for step in range(first, first + count):
-        _seed(step_seed(config.seed, origin + step, rank), device)
+        seed_generators(step_seed(config.seed, origin + step, rank), device)
         batch = order.batch(step)
         yield step, part(batch, rank=rank, world_size=world_size), len(batch)
 
@@ -200,7 +201,7 @@ def worker_device(config: TrainConfig) -> torch.device:
     return device
 
 
-def _seed(seed: int, device: torch.device) -> None:
+def seed_generators(seed: int, device: torch.device) -> None:
     """Seed the generators this worker draws from: the CPU's, and its GPU's if it has one.
 
     ``torch.manual_seed`` also seeds every CUDA, MTIA and XPU device; where those are not
@@ -245,6 +246,9 @@ class Batch(NamedTuple):
     """The epoch's last batch (epoch-interval schedulers step after it)."""
     log_step: int | None
     """The loggers' step, where this batch's values go to them."""
+    shares: tuple[tuple[int, torch.Tensor], ...] = ()
+    """Where this worker trains the parts of ranks that left (:meth:`Worker.shares`): each
+    part's seed and samples, in rank order (``mine`` is them together)."""
 
     @property
     def weight(self) -> float:
@@ -824,20 +828,35 @@ class Worker:
             return 0
         samples = 0
         marks = self._goes_on()
+        ranks, full = self.shares(), self.config.workers
         window = self.config.accumulate_grad_batches
         every = self.config.log_every_n_steps
+        origin = self.epochs.start(epoch)
         for step, mine, global_size in epoch_batches(
             self.train,
             self.config,
             epoch=epoch,
             first=first,
             count=count,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=0 if ranks else self.rank,
+            world_size=1 if ranks else self.world_size,
             device=self.device,
             batch_size=self.epochs.batch(epoch),
-            start=self.epochs.start(epoch),
+            start=origin,
         ):
+            parts: tuple[tuple[int, torch.Tensor], ...] = ()
+            if ranks and global_size % full == 0:
+                parts = tuple(
+                    (
+                        step_seed(self.config.seed, origin + step, rank),
+                        split_global_batch(mine, rank=rank, world_size=full),
+                    )
+                    for rank in ranks
+                )
+                mine = torch.cat([part for _, part in parts])
+            elif ranks:  # unequal parts: this worker's part of the members' split, as before
+                seed_generators(step_seed(self.config.seed, origin + step, self.rank), self.device)
+                mine = split_global_batch(mine, rank=self.rank, world_size=self.world_size)
             self.module.train()
             last = step == self.epochs.steps(epoch) - 1
             steps = step % window == window - 1 or last
@@ -857,6 +876,7 @@ class Worker:
                 steps=steps,
                 last=last,
                 log_step=stepped if steps and self.trainer.logs_due else None,
+                shares=parts,
             )
             mark = self.metric_log.mark() if marks else None
             try:
@@ -869,6 +889,30 @@ class Worker:
             samples += done
             self._samples += done
         return samples
+
+    def shares(self) -> tuple[int, ...]:
+        """The ranks of the run's full size (``TrainConfig.workers``) whose parts of each
+        global batch this worker trains while fewer workers train: each part apart, seeded as
+        its rank is, their gradients summed and the sum over the members divided by that
+        size, as the ring of the full size divides it. So the steps do the same math
+        whoever is left: where one worker is left of two, bit for bit the sums the ring
+        forms. Empty (one pass over its part of the members' split) where the run trains
+        at its full size, or where parts are not the whole story: accumulation, manual
+        optimisation, buffers, a communication hook, a global batch that follows the
+        workers, or an input read as one stream per rank."""
+        full, members = self.config.workers, self.world_size
+        if (
+            members >= full
+            or not hasattr(self.step, "stepping")  # a data-parallel worker's step
+            or self.optimization.manual
+            or self.config.accumulate_grad_batches != 1
+            or self.has_buffers
+            or self.config.batch_follows_workers
+            or self.config.compression not in WIRE_FORMATS
+            or hasattr(self.train, "epoch_order")
+        ):
+            return ()
+        return tuple(int(r) for r in torch.tensor_split(torch.arange(full), members)[self.rank])
 
     def _goes_on(self) -> bool:
         """Whether a failed step can leave this worker where the step began, so that the

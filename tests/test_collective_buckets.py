@@ -94,8 +94,28 @@ def test_where_every_share_is_alike_the_collective_averages_and_nothing_is_weigh
     assert set(collective.ops) == {"avg"}
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)  # not multiplied on the way in
-    with pytest.raises(ValueError, match="a weight or average, not both"):
+    with pytest.raises(ValueError, match="one of weight, average or over"):
         buckets.start(weight=0.5, average=True)
+
+
+def test_over_divides_the_sums_once_reduced_by_the_shares_a_batch_was_split_into():
+    """A rank that summed the parts of several ranks of the full size itself: the members'
+    sum is divided by that size once it is in, as the full ring divides its sum."""
+    model, reference = _model(), _model()
+    collective = _RecordingCollective(model, copies=2)
+    buckets = GradientBuckets(list(model.parameters()), collective, bucket_bytes=200)
+    _backward(model, buckets, over=3)
+    reference(
+        torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    ).square().sum().backward()
+    assert set(collective.ops) == {"sum"}
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, (q.grad * 2) / 3)
+    _backward(model, buckets)  # the next pass divides by nothing
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad * 2)
+    with pytest.raises(ValueError, match="one of weight, average or over"):
+        buckets.start(average=True, over=3)
 
 
 def test_a_parameter_without_gradient_still_takes_part():

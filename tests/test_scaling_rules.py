@@ -405,11 +405,16 @@ def test_a_lost_worker_halves_the_next_epochs_batch_and_learning_rate_and_resume
 
 
 @pytest.mark.ray
-def test_survivors_go_on_from_the_step_that_failed_as_from_a_commit_there(
+def test_survivors_go_on_from_the_step_that_failed_and_end_as_the_uninterrupted_run(
     ray_session, digits, tmp_path
 ):
     lost_at = 33  # 3 steps past the commit at 30 (commits every 5 steps)
     went_on = _dies_at(digits, tmp_path, "went-on", step=lost_at, commit_every=5)
+    # The survivor trains both workers' parts of each batch apart and divides their sum by
+    # two, as the ring of two does: the run ends bit for bit as the one that lost nobody.
+    calm = _dies_at(digits, tmp_path, "calm", step=10**6, commit_every=5)
+    assert calm.events == []
+    _assert_equal(went_on, calm)
     assert [e.kind for e in went_on.events] == ["lost", "went_on", "recovered"]
     lost, on, _ = went_on.events
     assert (lost.steps_lost, on.step, on.workers) == (0, lost_at, 1)

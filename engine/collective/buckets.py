@@ -89,6 +89,7 @@ class GradientBuckets:
         self._hooks = [_hook(p, self.ready) for p in self._slots] if hooks else []
         self._active = False
         self._weight, self._op = 1.0, "sum"
+        self._over: int | None = None
         self._works: list[CollectiveWork] = []
         self._comm_hook = comm_hook
         self.timeline: WorkerTimeline | None = None
@@ -99,9 +100,11 @@ class GradientBuckets:
         """Elements per bucket, in the order they are reduced."""
         return [b.buffer.numel() for b in self._buckets]
 
-    def start(self, *, weight: float = 1.0, average: bool = False) -> None:
+    def start(self, *, weight: float = 1.0, average: bool = False, over: int | None = None) -> None:
         """Get ready for one backward pass; each gradient is multiplied by ``weight``, or with
-        ``average`` the sums are divided by the number of ranks.
+        ``average`` the sums are divided by the number of ranks, or by ``over`` once reduced
+        (the number of equal shares the global batch was split into, where a rank summed
+        several of them itself: the division the ring would have done after its sum).
 
         The engine passes this rank's share of the global batch as ``weight``: the sum over
         the ranks is then the gradient of the global-batch mean, however unevenly the batch
@@ -109,9 +112,10 @@ class GradientBuckets:
         same result (bit for bit on 2, 4 or 8 ranks, whose division is exact) without a pass
         over each bucket: the collective divides as it reduces (on GPUs, inside the kernel).
         """
-        if average and weight != 1.0:
-            raise ValueError("start() takes a weight or average, not both")
+        if sum((weight != 1.0, average, over is not None)) > 1:
+            raise ValueError("start() takes one of weight, average or over")
         self._weight, self._op = weight, "avg" if average else "sum"
+        self._over = over
         self._works, self._active = [], True
         for bucket in self._buckets:
             bucket.filled = [False] * len(bucket.params)
@@ -217,6 +221,8 @@ class GradientBuckets:
             timeline.launched(len(self._works), nbytes, mark, work)
         if self._comm_hook is not None:
             work = Reduced(work, bucket.buffer, self._comm_hook[2])
+        if self._over is not None:
+            work = _Divided(work, bucket.buffer, self._over)
         self._works.append(work)
 
     def _reduce(self, bucket: _Bucket) -> Any:
@@ -234,6 +240,23 @@ class GradientBuckets:
             last=len(self._works) == len(self._buckets) - 1,
         )
         return hook(state, grad_bucket)
+
+
+class _Divided(CollectiveWork):
+    """A bucket's sum, divided by ``over`` once it is in."""
+
+    def __init__(self, work: CollectiveWork, buffer: torch.Tensor, over: int) -> None:
+        self._work, self._buffer, self._over, self._done = work, buffer, over, False
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        if not self._done:
+            self._buffer.div_(self._over)
+            self._done = True
+        return self._buffer
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
 
 def _hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Any:
