@@ -252,51 +252,56 @@ class DataParallelStep:
 
     def _train_shares(self, batch: Batch) -> int:
         """One batch where this worker trains the parts of several ranks of the run's full
-        size (``Worker.shares``): each part's forward seeded as its rank's, then their
-        backward passes summing into the gradients, the buckets started for the last; the
-        sums over the members are divided by the full size, as its ring divides them."""
+        size (``Worker.shares``), each as that rank would: its generators seeded as that
+        rank's, the module seeing that rank (``trainer.global_rank``, ``world_size``) in
+        its step and hooks. Their backward passes sum into the gradients, the buckets
+        started for the last, and the sums over the members are divided by the full size,
+        as its ring divides them."""
         w, step, module, log_step = self.worker, batch.step, self.worker.module, batch.log_step
+        full, trainer = w.config.workers, w.trainer
         self.stepping = False
         timeline = UNTIMED if w.timeline is None else w.timeline.begin(batch.epoch, step)
         w.optimization.zero_grad(step)
-        self._window_learns = False
         passes = []
-        for seed, part in batch.shares:
-            seed_generators(seed, w.device)
+        for share in batch.shares:
+            seed_generators(share.seed, w.device)
             timeline.start("data")
-            data = to_device(w.train.batch(part), w.device)
+            data = to_device(w.train.batch(share.samples), w.device)
             timeline.stop("data")
             w.queue_deferred()
-            w.metric_log.enter("on_train_batch_start", batch_size=len(part), log_step=log_step)
-            w.callbacks_run("on_train_batch_start", data, step)
-            call_hook(module, "on_train_batch_start", data, step)
-            w.metric_log.enter("training_step", batch_size=len(part), log_step=log_step)
-            timeline.start("forward")
-            with w.precision.forward_context(), compiled_in_buckets(self.bucket_bytes):
-                out = module.training_step(
-                    *step_arguments(module.training_step, w.precision.convert_input(data), step)
-                )
-            timeline.stop("forward")
+            size = len(share.samples)
+            with trainer.as_rank(share.rank, full):
+                w.metric_log.enter("on_train_batch_start", batch_size=size, log_step=log_step)
+                w.callbacks_run("on_train_batch_start", data, step)
+                call_hook(module, "on_train_batch_start", data, step)
+                w.metric_log.enter("training_step", batch_size=size, log_step=log_step)
+                timeline.start("forward")
+                with w.precision.forward_context(), compiled_in_buckets(self.bucket_bytes):
+                    out = module.training_step(
+                        *step_arguments(module.training_step, w.precision.convert_input(data), step)
+                    )
+                timeline.stop("forward")
             loss = out["loss"] if isinstance(out, Mapping) else out
-            passes.append((data, out, loss, len(part)))
-        skipped = any(loss is None for _, _, loss, _ in passes)
-        learns = not self._skipped(None if skipped else passes[-1][2], has_data=True, batch=batch)
+            passes.append((share, data, out, loss))
+        skipped = any(loss is None for *_, loss in passes)
+        learns = not self._skipped(None if skipped else passes[-1][3], has_data=True, batch=batch)
         self._window_learns = learns
         if learns:
-            for i, (_, _, loss, size) in enumerate(passes):
-                if i == len(passes) - 1:
-                    self.buckets.start(over=w.config.workers)
-                call_hook(module, "on_before_backward", loss)
+            for share, _, _, loss in passes:
+                if share is passes[-1][0]:
+                    self.buckets.start(over=full)
+                with trainer.as_rank(share.rank, full):
+                    call_hook(module, "on_before_backward", loss)
                 timeline.start("backward")
                 w.precision.backward(loss)
                 timeline.stop("backward")
-                w.metric_log.record("train_loss", logged_number(loss), size)
-        else:
-            self.buckets.start(over=w.config.workers)  # cancelled: nothing to reduce
+                w.metric_log.record("train_loss", logged_number(loss), len(share.samples))
         self._update(batch, timeline, after_backward=learns)
-        for data, out, _, size in passes:
-            w.metric_log.enter("on_train_batch_end", batch_size=size, log_step=log_step)
-            call_hook(module, "on_train_batch_end", out, data, step)
+        for share, data, out, _ in passes:
+            with trainer.as_rank(share.rank, full):
+                size = len(share.samples)
+                w.metric_log.enter("on_train_batch_end", batch_size=size, log_step=log_step)
+                call_hook(module, "on_train_batch_end", out, data, step)
         timeline.end()
         return len(batch.mine)
 

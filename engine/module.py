@@ -703,6 +703,17 @@ class TrainerView:
         self.logs_due = False
         self._logger_connector = self.fit_loop = self.epoch_loop = self
 
+    @contextlib.contextmanager
+    def as_rank(self, rank: int, world_size: int) -> Iterator[None]:
+        """The module sees ``rank`` of ``world_size`` while the block runs: a worker training
+        the part of the batch of a rank that left (``engine.worker.Worker.shares``)."""
+        kept = self.global_rank, self.world_size, self.is_global_zero
+        self.global_rank, self.world_size, self.is_global_zero = rank, world_size, rank == 0
+        try:
+            yield
+        finally:
+            self.global_rank, self.world_size, self.is_global_zero = kept
+
     def count_batches(self, steps_per_epoch: int) -> None:
         """An epoch has ``steps_per_epoch`` batches: what the step counts derive from."""
         self.num_training_batches = steps_per_epoch

@@ -58,6 +58,7 @@ __all__ = [
     "epoch_batches",
     "free_address",
     "split_global_batch",
+    "Share",
     "seed_generators",
     "step_seed",
     "worker_device",
@@ -227,6 +228,15 @@ def _assigned_gpu() -> int:
     return visible.split(",").index(ids[0]) if visible else int(ids[0])
 
 
+class Share(NamedTuple):
+    """The part of a global batch of one rank of the run's full size."""
+
+    rank: int
+    seed: int
+    """Its generators' seed at this step (:func:`step_seed`)."""
+    samples: torch.Tensor
+
+
 class Batch(NamedTuple):
     """One training batch as the worker hands it to its layout's step (``Step.train``)."""
 
@@ -246,9 +256,9 @@ class Batch(NamedTuple):
     """The epoch's last batch (epoch-interval schedulers step after it)."""
     log_step: int | None
     """The loggers' step, where this batch's values go to them."""
-    shares: tuple[tuple[int, torch.Tensor], ...] = ()
+    shares: tuple[Share, ...] = ()
     """Where this worker trains the parts of ranks that left (:meth:`Worker.shares`): each
-    part's seed and samples, in rank order (``mine`` is them together)."""
+    part, in rank order (``mine`` is them together)."""
 
     @property
     def weight(self) -> float:
@@ -844,16 +854,17 @@ class Worker:
             batch_size=self.epochs.batch(epoch),
             start=origin,
         ):
-            parts: tuple[tuple[int, torch.Tensor], ...] = ()
+            parts: tuple[Share, ...] = ()
             if ranks and global_size % full == 0:
                 parts = tuple(
-                    (
+                    Share(
+                        rank,
                         step_seed(self.config.seed, origin + step, rank),
                         split_global_batch(mine, rank=rank, world_size=full),
                     )
                     for rank in ranks
                 )
-                mine = torch.cat([part for _, part in parts])
+                mine = torch.cat([part.samples for part in parts])
             elif ranks:  # unequal parts: this worker's part of the members' split, as before
                 seed_generators(step_seed(self.config.seed, origin + step, self.rank), self.device)
                 mine = split_global_batch(mine, rank=self.rank, world_size=self.world_size)

@@ -42,6 +42,7 @@ class RecordsItsSteps(DigitsClassifier):
     def on_train_batch_start(self, batch, batch_idx):
         self._between = [g["lr"] for g in self.optimizers().optimizer.param_groups]
         self._part = len(batch[1])
+        self._ranks = [*getattr(self, "_ranks", []), self.trainer.global_rank]
 
     def on_before_optimizer_step(self, optimizer):
         row = {
@@ -49,7 +50,9 @@ class RecordsItsSteps(DigitsClassifier):
             "during": [g["lr"] for g in optimizer.param_groups],
             "between": self._between,
             "part": self._part,
+            "ranks": self._ranks,  # the ranks whose parts this worker trained in the step
         }
+        self._ranks = []
         with open(Path(self.out) / f"{os.getpid()}.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -316,7 +319,10 @@ class DiesOnce(RecordsItsSteps):
         self.mark, self.dies_at = mark, set(dies_at)
 
     def training_step(self, batch, batch_idx):
-        if self.trainer.global_rank == 1 and self.global_step in self.dies_at:
+        # Once: a survivor that trains rank 1's part after it sees rank 1 too.
+        died = Path(f"{self.mark}.{self.global_step}")
+        if self.trainer.global_rank == 1 and self.global_step in self.dies_at and not died.exists():
+            died.touch()
             Path(self.mark).touch()
             os.kill(os.getpid(), signal.SIGKILL)
         return super().training_step(batch, batch_idx)
@@ -420,6 +426,11 @@ def test_survivors_go_on_from_the_step_that_failed_and_end_as_the_uninterrupted_
     assert (lost.steps_lost, on.step, on.workers) == (0, lost_at, 1)
     (survivor,) = [r for r in _rows(tmp_path / "went-on") if r[-1]["step"] > lost_at]
     assert [r["step"] for r in survivor] == list(range(3 * 23))  # each step once
+    # Alone, it trained both ranks' parts, the module seeing each rank in turn (the step
+    # that failed began as rank 0 first).
+    assert {tuple(r["ranks"]) for r in survivor[:lost_at]} == {(0,)}
+    assert survivor[lost_at]["ranks"] == [0, 0, 1]
+    assert {tuple(r["ranks"]) for r in survivor[lost_at + 1 :]} == {(0, 1)}
     # A commit (and a checkpoint: no step runs ahead of its call) at every step: the survivor
     # rolls back to the commit at the step that failed, nothing lost, and ends alike.
     store = {"store_url": str(tmp_path / "store"), "run_key": "each-step"}
