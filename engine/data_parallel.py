@@ -205,15 +205,7 @@ class DataParallelStep:
         timeline = UNTIMED if w.timeline is None else w.timeline.begin(batch.epoch, step)
         if w.has_buffers:
             w.after_copies()
-        data = None
-        if len(mine):
-            timeline.start("data")
-            data = to_device(w.train.batch(mine), w.device)
-            timeline.stop("data")
-            w.queue_deferred()  # behind the input's copy, not ahead of it
-            w.metric_log.enter("on_train_batch_start", batch_size=len(mine), log_step=log_step)
-            w.callbacks_run("on_train_batch_start", data, step)
-            call_hook(module, "on_train_batch_start", data, step)
+        data = self._batch_start(mine, batch, timeline) if len(mine) else None
         if batch.opens_window:
             w.optimization.zero_grad(step)
             self._window_learns = False
@@ -221,15 +213,7 @@ class DataParallelStep:
             self._start_buckets(window=window, weight=batch.weight, global_size=batch.global_size)
         out = loss = None
         if data is not None:
-            w.metric_log.enter("training_step", batch_size=len(mine), log_step=log_step)
-            timeline.start("forward")
-            # What the step compiles is split at buckets: a module compiled whole overlaps too.
-            with w.precision.forward_context(), compiled_in_buckets(self.bucket_bytes):
-                out = module.training_step(
-                    *step_arguments(module.training_step, w.precision.convert_input(data), step)
-                )
-            timeline.stop("forward")
-            loss = out["loss"] if isinstance(out, Mapping) else out
+            out, loss = self._forward(data, len(mine), batch, timeline)
         learns = not self._skipped(loss, has_data=data is not None, batch=batch)
         self._window_learns |= learns
         if learns and loss is not None:
@@ -265,23 +249,9 @@ class DataParallelStep:
         passes = []
         for share in batch.shares:
             seed_generators(share.seed, w.device)
-            timeline.start("data")
-            data = to_device(w.train.batch(share.samples), w.device)
-            timeline.stop("data")
-            w.queue_deferred()
-            size = len(share.samples)
             with trainer.as_rank(share.rank, full):
-                w.metric_log.enter("on_train_batch_start", batch_size=size, log_step=log_step)
-                w.callbacks_run("on_train_batch_start", data, step)
-                call_hook(module, "on_train_batch_start", data, step)
-                w.metric_log.enter("training_step", batch_size=size, log_step=log_step)
-                timeline.start("forward")
-                with w.precision.forward_context(), compiled_in_buckets(self.bucket_bytes):
-                    out = module.training_step(
-                        *step_arguments(module.training_step, w.precision.convert_input(data), step)
-                    )
-                timeline.stop("forward")
-            loss = out["loss"] if isinstance(out, Mapping) else out
+                data = self._batch_start(share.samples, batch, timeline)
+                out, loss = self._forward(data, len(share.samples), batch, timeline)
             passes.append((share, data, out, loss))
         skipped = any(loss is None for *_, loss in passes)
         learns = not self._skipped(None if skipped else passes[-1][3], has_data=True, batch=batch)
@@ -304,6 +274,32 @@ class DataParallelStep:
                 call_hook(module, "on_train_batch_end", out, data, step)
         timeline.end()
         return len(batch.mine)
+
+    def _batch_start(self, samples: torch.Tensor, batch: Batch, timeline: Any) -> Any:
+        """``samples``' input on the worker's device, and the batch-start hooks run on it."""
+        w = self.worker
+        timeline.start("data")
+        data = to_device(w.train.batch(samples), w.device)
+        timeline.stop("data")
+        w.queue_deferred()  # behind the input's copy, not ahead of it
+        w.metric_log.enter("on_train_batch_start", batch_size=len(samples), log_step=batch.log_step)
+        w.callbacks_run("on_train_batch_start", data, batch.step)
+        call_hook(w.module, "on_train_batch_start", data, batch.step)
+        return data
+
+    def _forward(self, data: Any, size: int, batch: Batch, timeline: Any) -> tuple[Any, Any]:
+        """The module's ``training_step`` on ``data`` (``size`` samples): its output and
+        loss."""
+        w, module = self.worker, self.worker.module
+        w.metric_log.enter("training_step", batch_size=size, log_step=batch.log_step)
+        timeline.start("forward")
+        # What the step compiles is split at buckets: a module compiled whole overlaps too.
+        with w.precision.forward_context(), compiled_in_buckets(self.bucket_bytes):
+            out = module.training_step(
+                *step_arguments(module.training_step, w.precision.convert_input(data), batch.step)
+            )
+        timeline.stop("forward")
+        return out, out["loss"] if isinstance(out, Mapping) else out
 
     def _update(self, batch: Batch, timeline: Any, *, after_backward: bool) -> None:
         """The end of a window: reduce its gradients and step, as :meth:`train` says; where

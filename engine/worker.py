@@ -914,16 +914,23 @@ class Worker:
         full, members = self.config.workers, self.world_size
         if (
             members >= full
-            or not hasattr(self.step, "stepping")  # a data-parallel worker's step
-            or self.optimization.manual
-            or self.config.accumulate_grad_batches != 1
-            or self.has_buffers
+            or not self._steps_each_batch()
             or self.config.batch_follows_workers
             or self.config.compression not in WIRE_FORMATS
             or hasattr(self.train, "epoch_order")
         ):
             return ()
         return tuple(int(r) for r in torch.tensor_split(torch.arange(full), members)[self.rank])
+
+    def _steps_each_batch(self) -> bool:
+        """A data-parallel worker whose step changes only the weights and the optimizer, at
+        every batch: automatic optimisation, no accumulation, no buffers."""
+        return (
+            hasattr(self.step, "stepping")  # a data-parallel worker's step
+            and not self.optimization.manual
+            and self.config.accumulate_grad_batches == 1
+            and not self.has_buffers
+        )
 
     def _goes_on(self) -> bool:
         """Whether a failed step can leave this worker where the step began, so that the
@@ -933,10 +940,7 @@ class Worker:
         a communication hook's state, a Metric's), nothing callbacks record and no stream."""
         return (
             self.device.type == "cpu"
-            and hasattr(self.step, "stepping")  # a data-parallel worker's step
-            and not self.optimization.manual
-            and self.config.accumulate_grad_batches == 1
-            and not self.has_buffers
+            and self._steps_each_batch()
             and not self.config.timeline
             and not getattr(self, "callbacks", ())
             and not self.metric_log.live
