@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any, NamedTuple, NoReturn
 
 import torch
@@ -391,6 +392,23 @@ class RayWorkerGroup(WorkerGroup):
     def recover(self, lost: MembershipLost, *, at_step: int) -> Recovery:
         """Apply the coordinator's decision on ``lost``; return where training goes on.
 
+        A member lost while the others recover (while they report where they are, roll
+        back, rebuild the ring or admit a replacement) is one more loss for the same
+        decision, counted against the same budget.
+
+        Raises:
+            EngineError: the failure budget is spent, or too few workers are left and no
+                replacement came within ``config.timeout_s``.
+        """
+        while True:
+            try:
+                return self._recover(lost, at_step=at_step)
+            except MembershipLost as again:
+                lost = again.adding(lost, still=self._actors.keys())
+
+    def _recover(self, lost: MembershipLost, *, at_step: int) -> Recovery:
+        """:meth:`recover` for one loss.
+
         Where every survivor failed at the same step with nothing of it kept
         (``Worker.reached``), they go on from that step as they are: no step is redone, and
         replacements join at the next commit. Otherwise they roll back to the last commit.
@@ -575,13 +593,9 @@ class RayWorkerGroup(WorkerGroup):
             ready.append((unit, actors))
         if not ready:
             return
-        # Each new worker takes the commit of the member that holds the same part (a
-        # pipeline's stage) of the model.
-        first = self._units[self.coordinator.members[0]]
-        states = [self._actors[w].committed_state.remote(step) for w in first]
-        self._gather_new(
-            [a.adopt.remote(step, states[i]) for _, actors in ready for i, a in enumerate(actors)]
-        )
+        ready = self._adopted(ready, step)
+        if not ready:
+            return
         for unit, actors in ready:
             self._admit_unit(unit, actors)
         self.coordinator.joined([unit for unit, _ in ready])
@@ -594,10 +608,48 @@ class RayWorkerGroup(WorkerGroup):
         )
         self._rewire(joined=[unit for unit, _ in ready])
 
-    def _gather_new(self, refs: list) -> None:
+    def _adopted(
+        self, ready: list[tuple[str, list[Any]]], step: int
+    ) -> list[tuple[str, list[Any]]]:
+        """The units of ``ready`` that took the commit of ``step`` from the members; each new
+        worker takes it from the member that holds the same part (a pipeline's stage) of the
+        model.
+
+        A replacement lost while it adopts (its process died, it stopped answering) is
+        dropped as one that failed to start: the coordinator backs off and starts another.
+        Its code raising fails the run as the module's error, and a member lost while it
+        hands over its commit is lost as in any call (:class:`MembershipLost`).
+        """
         import ray
 
-        ray.get(refs, timeout=self._config.timeout_s)
+        first = self._units[self.coordinator.members[0]]
+        states = [self._actors[w].committed_state.remote(step) for w in first]
+        calls = {
+            unit: [a.adopt.remote(step, states[i]) for i, a in enumerate(actors)]
+            for unit, actors in ready
+        }
+        deadline = time.monotonic() + self._config.timeout_s
+        adopted = []
+        for unit, actors in ready:
+            try:
+                ray.get(calls[unit], timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.RayTaskError as err:
+                raise _worker_raised(
+                    err.cause, f"{unit}, in adopt", 0, self._module_cls, traceback_text=str(err)
+                ) from None
+            except ray.exceptions.RayError as err:
+                self._gather("committed_state", dict(zip(first, states, strict=True)))
+                for actor in actors:
+                    ray.kill(actor, no_restart=True)
+                timed_out = isinstance(err, ray.exceptions.GetTimeoutError)
+                why = "it stopped answering" if timed_out else _why_gone(err)
+                self.coordinator.spawn_failed(
+                    f"{unit} was lost while it took the commit of step {step}: {why}"
+                )
+                log.warning("%s was lost while it joined; another replacement starts", unit)
+                continue
+            adopted.append((unit, actors))
+        return adopted
 
     def _rewire(self, *, joined: list[str]) -> None:
         """Rebuild the rings among the members, in their order, without restarting them
@@ -749,10 +801,21 @@ class MembershipLost(EngineError):
 
     def __init__(self, workers: dict[str, str], *, during: str) -> None:
         self.workers = dict(workers)
+        self.during = during
         self.cause = "; ".join(
             f"{w} {self.verb} during {during}: {why}" for w, why in workers.items()
         )
         super().__init__(self.cause)
+
+    def adding(self, earlier: MembershipLost, *, still: Iterable[str]) -> MembershipLost:
+        """This loss and the workers of ``earlier`` that are ``still`` in the group (not
+        recovered from yet), as one."""
+        kept = {w: why for w, why in earlier.workers.items() if w in set(still)}
+        if not kept.keys() - self.workers.keys():
+            return self
+        both = type(self)({**kept, **self.workers}, during=self.during)
+        both.cause = f"{earlier.cause}; {self.cause}"
+        return both
 
 
 class Stalled(MembershipLost):
