@@ -30,11 +30,19 @@ from ringflow.engine.errors import (
     WorkerFailedError,
 )
 from ringflow.engine.failures import start_failure, user_error
-from ringflow.engine.layout import DataParallel, Layout
+from ringflow.engine.layout import DataParallel, Layout, Method
 from ringflow.engine.metrics import Logged
-from ringflow.engine.worker import NOSET_VISIBLE_DEVICES
+from ringflow.engine.worker import NOSET_VISIBLE_DEVICES, Worker
 
-__all__ = ["LocalGroup", "MembershipLost", "RayWorkerGroup", "Recovery", "Steps", "WorkerGroup"]
+__all__ = [
+    "LocalGroup",
+    "MembershipLost",
+    "RayWorkerGroup",
+    "Recovery",
+    "Steps",
+    "WorkerGroup",
+    "WorkerHandle",
+]
 
 log = logging.getLogger("ringflow.engine")
 
@@ -59,21 +67,46 @@ class Recovery(NamedTuple):
     logged: Logged | None = None
 
 
-class WorkerGroup:
-    """Calls one method on every worker and returns their results in worker order."""
+def _named(method: Method) -> str:
+    """The name of ``method``, which must be one of :class:`Worker`'s own."""
+    name = getattr(method, "__name__", "")
+    if getattr(Worker, name, None) is not method:
+        raise TypeError(f"{method!r} is not a method of Worker: workers are called by those")
+    return name
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+
+class WorkerHandle:
+    """One worker's Ray actor, called with :class:`Worker`'s own methods:
+    ``handle.call(Worker.evaluate, "validation")`` returns the call's ``ObjectRef``."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.actor, _named(method)).remote(*args, **kwargs)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor, no_restart=True)
+
+
+class WorkerGroup:
+    """Calls one method of :class:`Worker` on every worker and returns their results in
+    worker order."""
+
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         raise NotImplementedError
 
-    def call_each(self, method: str, arguments: list[tuple]) -> list[Any]:
+    def call_each(self, method: Method, arguments: list[tuple]) -> list[Any]:
         """Call ``method`` on every worker, each with its own positional ``arguments``."""
         raise NotImplementedError
 
-    def call_first(self, count: int, method: str, *args: Any) -> list[Any]:
+    def call_first(self, count: int, method: Method, *args: Any) -> list[Any]:
         """Call ``method`` on the first ``count`` workers (a pipeline's replica 0)."""
         raise NotImplementedError
 
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call_rank0(self, method: Method, *args: Any, **kwargs: Any) -> Any:
         return self.call_first(1, method, *args, **kwargs)[0]
 
     def commit(self, step: int) -> None:
@@ -103,7 +136,7 @@ class WorkerGroup:
         those arguments then only collects them). ``then_runs_next`` says the steps after
         ``then`` follow them at once too. ``epochs``: as :class:`Steps`'s."""
         kwargs = {} if epochs is None else {"epochs": epochs}
-        results = self.call("train_steps", epoch, first, count, **kwargs)
+        results = self.call(Worker.train_steps, epoch, first, count, **kwargs)
         if commit_at is not None:
             self.commit(commit_at)
         return results
@@ -165,12 +198,13 @@ class LocalGroup(WorkerGroup):
             self.shutdown()
             raise
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         return self.call_each(method, [args] * len(self._workers), **kwargs)
 
-    def call_each(self, method: str, arguments: list[tuple], **kwargs: Any) -> list[Any]:
+    def call_each(self, method: Method, arguments: list[tuple], **kwargs: Any) -> list[Any]:
+        _named(method)
         calls = [
-            functools.partial(getattr(w, method), *a, **kwargs)
+            functools.partial(method, w, *a, **kwargs)
             for w, a in zip(self._workers, arguments, strict=True)
         ]
         if self._pool is None:
@@ -180,7 +214,7 @@ class LocalGroup(WorkerGroup):
                 self._reraise(0, err)
         return self._gather([self._pool.submit(call) for call in calls])
 
-    def call_first(self, count: int, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_first(self, count: int, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         return self.call(method, *args, **kwargs)[:count]
 
     def _gather(self, futures: list[concurrent.futures.Future]) -> list[Any]:
@@ -255,14 +289,14 @@ class RayWorkerGroup(WorkerGroup):
                 "timeout_s"
             ) from None
         self._next_id = 0
-        self._actors: dict[str, Any] = {}
+        self._actors: dict[str, WorkerHandle] = {}
         self._units: dict[str, list[str]] = {}
         """The workers of each member unit (one worker, or a pipeline replica's stages), by
         unit id; the coordinator decides which units are members."""
         self._places: dict[str, int] = {}
         """Which place (a run of ``layout.unit`` placement-group bundles) each unit holds."""
         self._starting: dict[str, tuple[list[Any], list[Any]]] = {}
-        """Replacements being started: unit id -> (actors, refs of calls that end when up)."""
+        """Replacements being started: unit id -> (handles, refs of calls that end when up)."""
         self._ahead: tuple[Steps, dict[str, Any], bool] | None = None
         """Steps sent before the driver asked for them (``train_steps``'s ``then``), and
         whether their workers run the next step where they end."""
@@ -297,31 +331,27 @@ class RayWorkerGroup(WorkerGroup):
     def size(self) -> int:
         return len(self.coordinator.members)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        refs = {w: getattr(self._actors[w], method).remote(*args, **kwargs) for w in self.members}
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
+        refs = {w: self._actors[w].call(method, *args, **kwargs) for w in self.members}
         return self._gather(method, refs)
 
-    def call_each(self, method: str, arguments: list[tuple]) -> list[Any]:
+    def call_each(self, method: Method, arguments: list[tuple]) -> list[Any]:
         refs = {
-            w: getattr(self._actors[w], method).remote(*a)
+            w: self._actors[w].call(method, *a)
             for w, a in zip(self.members, arguments, strict=True)
         }
         return self._gather(method, refs)
 
-    def call_first(self, count: int, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_first(self, count: int, method: Method, *args: Any, **kwargs: Any) -> list[Any]:
         members = self.members[:count]
-        refs = {w: getattr(self._actors[w], method).remote(*args, **kwargs) for w in members}
+        refs = {w: self._actors[w].call(method, *args, **kwargs) for w in members}
         return self._gather(method, refs)
-
-    def _call_one(self, worker: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        ref = getattr(self._actors[worker], method).remote(*args, **kwargs)
-        return self._gather(method, {worker: ref})[0]
 
     def commit(self, step: int) -> None:
         """Every member commits ``step``; then ready replacements join the group."""
         if not self._layout.elastic:
             return
-        self.call("commit", step)
+        self.call(Worker.commit, step)
         self._committed(step)
 
     def train_steps(
@@ -364,7 +394,7 @@ class RayWorkerGroup(WorkerGroup):
         if filled:
             self._ahead = (then, self._send(then, run_next=then_runs_next), then_runs_next)
         try:
-            results = self._gather("train_steps", refs)
+            results = self._gather(Worker.train_steps, refs)
         except BaseException:
             self._ahead = None
             raise
@@ -382,7 +412,7 @@ class RayWorkerGroup(WorkerGroup):
         if steps.epochs is not None:
             kwargs["epochs"] = steps.epochs
         args = (steps.epoch, steps.first, steps.count)
-        return {w: self._actors[w].train_steps.remote(*args, **kwargs) for w in self.members}
+        return {w: self._actors[w].call(Worker.train_steps, *args, **kwargs) for w in self.members}
 
     def _committed(self, step: int, *, admit: bool = True) -> None:
         self.coordinator.committed(step)
@@ -417,7 +447,6 @@ class RayWorkerGroup(WorkerGroup):
             EngineError: the failure budget is spent, or too few workers are left and no
                 replacement came within ``config.timeout_s``.
         """
-        import ray
 
         if not self._layout.elastic:
             raise self._failed(lost) from lost
@@ -428,7 +457,7 @@ class RayWorkerGroup(WorkerGroup):
                 raise EngineError(f"training stopped: {decision.reason}")
             # The units link their own workers again too: a deadline closed those links.
             self._rewire(joined=list(dict.fromkeys(self._unit_of(w) for w in lost.workers)))
-            self.call("rollback", decision.step)
+            self.call(Worker.rollback, decision.step)
             log.warning(
                 "every worker is alive: training goes on from the commit at step %d "
                 "(%d steps redone)",
@@ -444,15 +473,15 @@ class RayWorkerGroup(WorkerGroup):
         for unit in units:
             self._places.pop(unit, None)  # its place is free for a replacement
             for worker in self._units.pop(unit, []):
-                actor = self._actors.pop(worker, None)
-                if actor is not None:
-                    ray.kill(actor, no_restart=True)
+                handle = self._actors.pop(worker, None)
+                if handle is not None:
+                    handle.kill()
         if isinstance(decision, GiveUp):
             raise EngineError(f"training stopped: {decision.reason}")
         step = decision.step
         if isinstance(decision, Continue) and decision.went_on:
             self._rewire(joined=[])
-            self.call("go_on")
+            self.call(Worker.go_on)
             self._fill(0, wait=False)  # replacements start now and join at a commit
             log.warning(
                 "training goes on with %d %s from step %d, where they were (no step redone)",
@@ -464,7 +493,7 @@ class RayWorkerGroup(WorkerGroup):
         if isinstance(decision, WaitForWorkers):
             self._fill(decision.count, wait=True)
         self._rewire(joined=[])
-        self.call("rollback", step)
+        self.call(Worker.rollback, step)
         self._admit_ready(step)
         log.warning(
             "training goes on with %d %s from the commit at step %d (%d steps lost)",
@@ -481,7 +510,8 @@ class RayWorkerGroup(WorkerGroup):
         workers never can go on: a pipeline's)."""
         if not self._layout.elastic or not survivors:
             return None, None
-        points = self._gather("reached", {w: self._actors[w].reached.remote() for w in survivors})
+        calls = {w: self._actors[w].call(Worker.reached) for w in survivors}
+        points = self._gather(Worker.reached, calls)
         if any(p is None for p in points) or len({step for step, _ in points}) != 1:
             return None, None
         logged = Logged()
@@ -496,12 +526,11 @@ class RayWorkerGroup(WorkerGroup):
         return WorkerFailedError(f"{self._layout.describe(index)} is lost: {why}", rank=index)
 
     def shutdown(self) -> None:
-        import ray
         from ray.util.placement_group import remove_placement_group
 
-        starting = [actor for actors, _ in self._starting.values() for actor in actors]
-        for actor in [*self._actors.values(), *starting]:
-            ray.kill(actor)
+        starting = [handle for handles, _ in self._starting.values() for handle in handles]
+        for handle in [*self._actors.values(), *starting]:
+            handle.kill()
         self._actors, self._starting = {}, {}
         remove_placement_group(self._pg)
 
@@ -523,19 +552,19 @@ class RayWorkerGroup(WorkerGroup):
         self._places[unit] = place
         return unit, actors
 
-    def _admit_unit(self, unit: str, actors: list[Any]) -> None:
+    def _admit_unit(self, unit: str, actors: list[WorkerHandle]) -> None:
         names = [unit] if len(actors) == 1 else [f"{unit}-stage-{i}" for i in range(len(actors))]
         for name, actor in zip(names, actors, strict=True):
             self._actors[name] = actor
         self._units[unit] = names
 
-    def _spawn(self, bundle: int, *, index: int) -> Any:
+    def _spawn(self, bundle: int, *, index: int) -> WorkerHandle:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         if self._config.gpus_per_worker:
             env[NOSET_VISIBLE_DEVICES] = "1"  # workers see each other's GPUs (worker_device)
-        return self._actor_cls.options(
+        actor = self._actor_cls.options(
             num_cpus=self._config.cpus_per_worker,
             num_gpus=self._config.gpus_per_worker,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -544,6 +573,7 @@ class RayWorkerGroup(WorkerGroup):
             runtime_env={"env_vars": env} if _single_node() else None,
             name=None,
         ).remote(self._module_cls, **self._layout.worker_kwargs(index), **self._spec)
+        return WorkerHandle(actor)
 
     def _fill(self, count: int, *, wait: bool) -> None:
         """Start replacement units in free places; with ``wait``, until ``count`` are up."""
@@ -553,7 +583,7 @@ class RayWorkerGroup(WorkerGroup):
         free = [p for p in range(self._config.workers) if p not in used]
         for place in free[: max(0, self.coordinator.vacancies() - len(self._starting))]:
             unit, actors = self._start_unit(place)
-            self._starting[unit] = (actors, [actor.epoch_steps.remote() for actor in actors])
+            self._starting[unit] = (actors, [actor.call(Worker.epoch_steps) for actor in actors])
         if not wait:
             return
         pending = list(self._starting.values())
@@ -587,7 +617,7 @@ class RayWorkerGroup(WorkerGroup):
                 ray.get(refs)
             except ray.exceptions.RayError as err:
                 for actor in actors:
-                    ray.kill(actor)
+                    actor.kill()
                 self.coordinator.spawn_failed(f"{unit} did not start: {err}")
                 continue
             ready.append((unit, actors))
@@ -623,9 +653,9 @@ class RayWorkerGroup(WorkerGroup):
         import ray
 
         first = self._units[self.coordinator.members[0]]
-        states = [self._actors[w].committed_state.remote(step) for w in first]
+        states = [self._actors[w].call(Worker.committed_state, step) for w in first]
         calls = {
-            unit: [a.adopt.remote(step, states[i]) for i, a in enumerate(actors)]
+            unit: [a.call(Worker.adopt, step, states[i]) for i, a in enumerate(actors)]
             for unit, actors in ready
         }
         deadline = time.monotonic() + self._config.timeout_s
@@ -638,9 +668,9 @@ class RayWorkerGroup(WorkerGroup):
                     err.cause, f"{unit}, in adopt", 0, self._module_cls, traceback_text=str(err)
                 ) from None
             except ray.exceptions.RayError as err:
-                self._gather("committed_state", dict(zip(first, states, strict=True)))
+                self._gather(Worker.committed_state, dict(zip(first, states, strict=True)))
                 for actor in actors:
-                    ray.kill(actor, no_restart=True)
+                    actor.kill()
                 timed_out = isinstance(err, ray.exceptions.GetTimeoutError)
                 why = "it stopped answering" if timed_out else _why_gone(err)
                 self.coordinator.spawn_failed(
@@ -689,16 +719,16 @@ class RayWorkerGroup(WorkerGroup):
                 lost.setdefault(called[peer], f"peers report: {error}")
         return lost
 
-    def call_ranked(self, method: str, arguments: list[tuple], workers: list[int]) -> list[Any]:
+    def call_ranked(self, method: Method, arguments: list[tuple], workers: list[int]) -> list[Any]:
         """Call ``method`` on the members at positions ``workers``, each with its arguments."""
         members = self.members
         refs = {
-            members[i]: getattr(self._actors[members[i]], method).remote(*a)
+            members[i]: self._actors[members[i]].call(method, *a)
             for i, a in zip(workers, arguments, strict=True)
         }
         return self._gather(method, refs)
 
-    def _gather(self, method: str, refs: dict[str, Any]) -> list[Any]:
+    def _gather(self, method: Method, refs: dict[str, Any]) -> list[Any]:
         """Results in rank order, or :class:`MembershipLost` naming the lost workers.
 
         A worker whose actor died is lost. A worker whose call failed with a collective
@@ -734,7 +764,7 @@ class RayWorkerGroup(WorkerGroup):
             except ray.exceptions.RayTaskError as err:
                 if not isinstance(err.cause, CollectiveError):  # the module's code, or a refusal
                     rank = list(refs).index(worker)
-                    where = f"{self._layout.describe(rank)}, in {method}"
+                    where = f"{self._layout.describe(rank)}, in {_named(method)}"
                     raise _worker_raised(
                         err.cause, where, rank, self._module_cls, traceback_text=str(err)
                     ) from None
@@ -744,13 +774,13 @@ class RayWorkerGroup(WorkerGroup):
         for worker in pending.values():
             lost[worker] = "it stopped answering"
         if lost or blamed:
-            self._raise_lost(method, list(refs), lost, blamed)
+            self._raise_lost(_named(method), list(refs), lost, blamed)
         if blamed:
             raise blamed[0][1]
         return [results[w] for w in refs]
 
 
-_ALIKE = frozenset({"train_steps", "commit"})
+_ALIKE = frozenset({Worker.train_steps, Worker.commit})
 """Calls in which every member does the same work, in step with the others (the same steps
 and collectives; the same state copied): one member still busy long after another returned
 has stopped answering."""

@@ -13,12 +13,14 @@ model is gathered at the end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ringflow.engine.config import WIRE_FORMATS, TrainConfig
+from ringflow.engine.worker import Worker
 from ringflow.storage.reshard import merge_optimizer_metadata
 from ringflow.storage.store import CheckpointStorageError, CheckpointStore
 
@@ -26,19 +28,27 @@ if TYPE_CHECKING:
     from ringflow.engine.pipeline.config import PipelineConfig
     from ringflow.engine.pipeline.partition import Partition
 
-__all__ = ["DataParallel", "Layout", "Pipeline", "Workers", "layout_of"]
+__all__ = ["DataParallel", "Layout", "Method", "Pipeline", "Workers", "layout_of"]
+
+Method = Callable[..., Any]
+"""A method of :class:`~ringflow.engine.worker.Worker` (``Worker.evaluate``): what the driver
+calls on its workers, named by the method itself, never by a string."""
 
 
 class Workers(Protocol):
     """What a layout calls on its started workers: the worker group (``engine.group``)."""
 
-    def call_each(self, method: str, arguments: list[tuple]) -> list[Any]: ...
+    def call(self, method: Method, *args: Any, **kwargs: Any) -> list[Any]: ...
 
-    def call_first(self, count: int, method: str, *args: Any) -> list[Any]: ...
+    def call_each(self, method: Method, arguments: list[tuple]) -> list[Any]: ...
 
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+    def call_first(self, count: int, method: Method, *args: Any) -> list[Any]: ...
 
-    def call_ranked(self, method: str, arguments: list[tuple], workers: list[int]) -> list[Any]: ...
+    def call_rank0(self, method: Method, *args: Any, **kwargs: Any) -> Any: ...
+
+    def call_ranked(
+        self, method: Method, arguments: list[tuple], workers: list[int]
+    ) -> list[Any]: ...
 
     @property
     def members(self) -> tuple[str, ...]: ...
@@ -66,8 +76,6 @@ class Layout:
 
     def worker_cls(self) -> type:
         """The one worker class (``engine.worker.Worker``), whatever the layout."""
-        from ringflow.engine.worker import Worker
-
         return Worker
 
     def worker_kwargs(self, index: int) -> dict[str, Any]:
@@ -160,33 +168,33 @@ class DataParallel(Layout):
 
     def connect(self, group: Workers) -> None:
         # One worker has no peers to meet (and may run where there is no Ray).
-        init_method = group.call_rank0("addresses")[0] if self.size > 1 else ""
-        group.call("connect", init_method)
+        init_method = group.call_rank0(Worker.addresses)[0] if self.size > 1 else ""
+        group.call(Worker.connect, init_method)
 
     def rewire(self, group: Workers, joined: list[list[int]]) -> None:
         size = len(group.members)
-        init_method = group.call_ranked("addresses", [()], [0])[0][0]
-        group.call_each("reconfigure", [(rank, size, init_method) for rank in range(size)])
+        init_method = group.call_ranked(Worker.addresses, [()], [0])[0][0]
+        group.call_each(Worker.reconfigure, [(rank, size, init_method) for rank in range(size)])
 
     def checkpoint(self, group, store_url, run_key, *, step, metadata, metrics) -> None:
         # Rank 0 copies the replicated state to host memory and writes it in the background,
         # with each rank's communication hook state (PowerSGD's errors differ by rank).
         hooked = self.config.compression not in WIRE_FORMATS
         group.call_rank0(
-            "checkpoint",
+            Worker.checkpoint,
             store_url,
             run_key,
             step=step,
             metadata=metadata,
             metrics=metrics,
-            comm_states=group.call("comm_state") if hooked else None,
+            comm_states=group.call(Worker.comm_state) if hooked else None,
         )
 
     def flush(self, group: Workers) -> list[str]:
-        return group.call_rank0("flush_checkpoints")["errors"]
+        return group.call_rank0(Worker.flush_checkpoints)["errors"]
 
     def model_state(self, group: Workers) -> dict[str, torch.Tensor]:
-        return group.call_rank0("state_dict")
+        return group.call_rank0(Worker.state_dict)
 
 
 class Pipeline(Layout):
@@ -240,9 +248,9 @@ class Pipeline(Layout):
         """Each replica meets at its stage 0's store, each stage's ring at replica 0's
         worker of that stage, and (on GPUs) the whole run at replica 0's stage 0."""
         stages = self.pipeline.stages
-        addresses = group.call("addresses")
+        addresses = group.call(Worker.addresses)
         group.call_each(
-            "connect",
+            Worker.connect,
             [
                 (addresses[i - i % stages][0], addresses[i % stages][1], addresses[0][0])
                 for i in range(self.size)
@@ -254,11 +262,11 @@ class Pipeline(Layout):
         again among the replicas, at replica 0's worker of that stage."""
         stages, size = self.pipeline.stages, len(group.members)
         for unit in joined:
-            addresses = group.call_ranked("addresses", [()] * stages, unit)
-            group.call_ranked("connect", [(addresses[0][0], "")] * stages, unit)
-        rings = group.call_ranked("addresses", [()] * stages, list(range(stages)))
+            addresses = group.call_ranked(Worker.addresses, [()] * stages, unit)
+            group.call_ranked(Worker.connect, [(addresses[0][0], "")] * stages, unit)
+        rings = group.call_ranked(Worker.addresses, [()] * stages, list(range(stages)))
         group.call_each(
-            "reconfigure",
+            Worker.reconfigure,
             [(i // stages, size // stages, rings[i % stages][1]) for i in range(size)],
         )
 
@@ -321,7 +329,9 @@ class Pipeline(Layout):
         # writes its own in the background, and the manifest follows once all are written
         # (at the next chunk's end, checkpoint or flush: ``settle``).
         self.settle(group, wait=True)
-        stages = group.call_first(self.pipeline.stages, "write_shard", store_url, run_key, step)
+        stages = group.call_first(
+            self.pipeline.stages, Worker.write_shard, store_url, run_key, step
+        )
         self._pending = _PendingCheckpoint(
             store_url,
             run_key,
@@ -341,7 +351,7 @@ class Pipeline(Layout):
         pending = self._pending
         if pending is None:
             return
-        writes = group.call_first(self.pipeline.stages, "shard_written", pending.step, wait)
+        writes = group.call_first(self.pipeline.stages, Worker.shard_written, pending.step, wait)
         states = {write["state"] for write in writes}
         if states == {"written"}:
             self._pending = None
@@ -369,7 +379,7 @@ class Pipeline(Layout):
 
     def model_state(self, group: Workers) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
-        for part in group.call_first(self.pipeline.stages, "state_dict"):
+        for part in group.call_first(self.pipeline.stages, Worker.state_dict):
             state.update(part)
         return state
 

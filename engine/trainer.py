@@ -27,7 +27,7 @@ from ringflow.engine.metrics import Logged, logger_rows
 from ringflow.engine.module import CALLED_HOOKS, overrides, uncalled_hooks
 from ringflow.engine.spec import build_module, model_hparams
 from ringflow.engine.timeline import TimelineSummary, chrome_trace, summarize, trace_bytes
-from ringflow.engine.worker import evaluate_module
+from ringflow.engine.worker import Worker, evaluate_module
 from ringflow.storage.checkpoint import Allowed, load_model, read_checkpoint, save_model
 from ringflow.storage.fs import atomic_write, join
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
@@ -187,7 +187,7 @@ def fit(
     worker_logs = _worker_logs(group, [], dashboard)
     try:
         if init_from is not None and resume.checkpoint is None:
-            group.call("warm_start", init_from)
+            group.call(Worker.warm_start, init_from)
             log.info("warm start from %s", init_from)
         callbacks = Callbacks(
             build_module(module_cls, hparams)
@@ -204,13 +204,15 @@ def fit(
                     "LearningRateMonitor is not supported with pipeline stages: each stage "
                     "holds its own optimizer"
                 )
-            group.call_rank0("add_callbacks", callbacks.in_workers, loggers=bool(writers.loggers))
+            group.call_rank0(
+                Worker.add_callbacks, callbacks.in_workers, loggers=bool(writers.loggers)
+            )
         if writers.loggers:
             writers.start(*logged)
         history = _train(group, layout, config, resume, on_epoch, callbacks, writers)
         timeline = _write_timeline(group, config, timeline_url or _trace_url(checkpoint_uri))
         state = layout.model_state(group)
-        environment = group.call_rank0("environment")
+        environment = group.call_rank0(Worker.environment)
         events = resume.events() + group.events
         worker_logs = _worker_logs(group, worker_logs, dashboard)
     except BaseException:
@@ -254,7 +256,7 @@ def _worker_logs(
     """``known`` and the log files of the group's workers not among them, each logged: where
     a person debugging the run looks."""
     seen = {where["stdout"] for where in known}
-    found = [w for w in group.call("log_files") if "stdout" in w and w["stdout"] not in seen]
+    found = [w for w in group.call(Worker.log_files) if "stdout" in w and w["stdout"] not in seen]
     for where in found:
         log.info(
             "worker %d on %s writes its output to %s%s",
@@ -278,7 +280,7 @@ def _write_timeline(group: WorkerGroup, config: TrainConfig, url: str) -> Timeli
     if not config.timeline:
         return None
     clock = "cuda events" if config.gpus_per_worker else "wall clock"
-    trace = chrome_trace(group.call("timeline_spans"), clock=clock)
+    trace = chrome_trace(group.call(Worker.timeline_spans), clock=clock)
     try:
         atomic_write(url, trace_bytes(trace))
     except OSError as err:
@@ -398,7 +400,7 @@ def _train(
 ) -> list[EpochMetrics]:
     """The driver loop: steps in chunks that end where a checkpoint or an epoch ends."""
     epochs = Epochs(
-        group.call_rank0("train_samples"), (config.batch_size,), config.accumulate_grad_batches
+        group.call_rank0(Worker.train_samples), (config.batch_size,), config.accumulate_grad_batches
     )
     callbacks.trainer.count_batches(epochs.steps(0))
     epochs = resume.restore(group, epochs)
@@ -408,7 +410,7 @@ def _train(
     chunks = _Chunks(config, epochs)
     group.commit(step)
     callbacks.load_state_dict(resume.callbacks)
-    group.call("fit_start")
+    group.call(Worker.fit_start)
     callbacks.fit_start()
     probe = False  # after a loss, commit after one step: the new ring is proven at once
     while step < chunks.epochs.start(config.epochs) and not callbacks.should_stop:
@@ -439,10 +441,10 @@ def _train(
             # The epoch so far; the chunk's step rows and callbacks' rows go to the loggers now.
             so_far = logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
             if ended:
-                validation = _merged(group.call("evaluate", "validation"))
-                so_far = so_far.merge(_merged(group.call("train_epoch_end", epoch)))
+                validation = _merged(group.call(Worker.evaluate, "validation"))
+                so_far = so_far.merge(_merged(group.call(Worker.train_epoch_end, epoch)))
                 metrics = {**so_far.results(), **validation.results()}
-                group.call("end_epoch", epoch, metrics)  # schedulers waiting for the metrics
+                group.call(Worker.end_epoch, epoch, metrics)  # schedulers waiting for the metrics
                 group.commit(step + count)
         except MembershipLost as lost:
             # The members are back at the commit of ``step``, nothing of this chunk kept, or
@@ -485,7 +487,7 @@ def _train(
     if resume.store_url is not None:
         for error in layout.flush(group):
             log.warning("a checkpoint of run %s was not saved: %s", resume.run_key, error)
-    group.call("fit_end", chunks.epochs.locate(step)[0])
+    group.call(Worker.fit_end, chunks.epochs.locate(step)[0])
     callbacks.fit_end()
     return history
 
@@ -791,7 +793,7 @@ class _Resume:
         recorded = self.checkpoint.metadata.get("epoch_batches")
         if recorded:
             epochs = Epochs(epochs.samples, tuple(recorded), epochs.accumulate)
-        group.call("restore", self.store_url, self.checkpoint)
+        group.call(Worker.restore, self.store_url, self.checkpoint)
         epoch, first = epochs.locate(self.step)
         log.info(
             "run %s resumes from step %d (epoch %d, step %d of %d) at %s",

@@ -20,6 +20,7 @@ from ringflow.engine.elastic.coordinator import (
     Phase,
     WaitForWorkers,
 )
+from ringflow.engine.worker import Worker
 from ringflow.models.digits import DigitsClassifier
 from tests.support.fitting import relative_difference
 
@@ -337,12 +338,12 @@ def test_the_next_steps_start_without_a_round_trip_and_run_once(ray_session, dig
         group.commit(0)
         group.train_steps(0, 0, 2, commit_at=2, then=Steps(0, 2, 3, 5))
         # Asked for nothing more, each worker has run steps 2 to 4 and committed step 5.
-        model, *_ = group.call_rank0("committed_state", 5)
-        weights = group.call("state_dict")
+        model, *_ = group.call_rank0(Worker.committed_state, 5)
+        weights = group.call(Worker.state_dict)
         assert all(torch.equal(model[k], weights[0][k].cpu()) for k in model)
         steps = group.train_steps(0, 2, 3, commit_at=5)
         assert sum(part.samples for part in steps) == 3 * 64
-        again = group.call("state_dict")
+        again = group.call(Worker.state_dict)
         assert all(torch.equal(again[1][k], weights[1][k]) for k in weights[1])
         group.train_steps(0, 5, 2, commit_at=7, then=Steps(0, 7, 2, 9))
         with pytest.raises(RuntimeError, match="were sent ahead"):
@@ -384,7 +385,6 @@ def test_steps_whose_collective_failed_after_its_wait_fail_and_are_never_committ
     queued behind them are refused until then (run, they could wait on the lost peer)."""
     from ringflow.engine.data_parallel import WholeModel
     from ringflow.engine.errors import PeerLostError
-    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
     worker = Worker(
@@ -413,7 +413,6 @@ def test_commits_reuse_the_host_tensors_of_those_dropped_and_keep_the_one_to_rol
     to step 4 and training again, the new commit of step 6 replaces the undone one, and 4
     stays. Every commit holds its own step's state, bit for bit."""
     from ringflow.engine.data_parallel import WholeModel
-    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
     worker = Worker(
@@ -473,7 +472,6 @@ def test_a_commit_where_steps_end_is_copied_behind_the_next_input_and_holds_its_
     its way (on a GPU the state's copies would hold that input up), yet before that step
     changes the state: rolled back to after more steps, it holds its step bit for bit."""
     from ringflow.engine.data_parallel import WholeModel
-    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
     worker = Worker(
@@ -504,7 +502,6 @@ def test_a_step_run_ahead_of_its_call_changes_nothing_the_calls_return_or_keep(d
     returns are those of calls that ran their own steps; any other call comes back to the
     commit first, and so does a rollback."""
     from ringflow.engine.data_parallel import WholeModel
-    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0, log_every_n_steps=1)
 
@@ -565,7 +562,6 @@ def test_a_step_run_ahead_that_fails_fails_its_call_and_leaves_no_commit(digits)
     succeeded, the step run ahead included: the call fails and the commit is not there to
     roll back to; the one before it is."""
     from ringflow.engine.data_parallel import WholeModel
-    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0)
     worker = Worker(
@@ -587,7 +583,6 @@ def test_steps_that_commit_hand_over_what_they_logged_as_steps_that_do_not(digit
     copies are queued) changes nothing in what the steps return; a rollback forgets what
     was logged and not yet taken."""
     from ringflow.engine.data_parallel import WholeModel
-    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0, log_every_n_steps=1)
 
@@ -644,7 +639,6 @@ def test_a_step_that_failed_before_its_optimizer_stepped_leaves_the_worker_to_go
     leaves nothing to go on from: a rollback."""
     from ringflow.engine.data_parallel import WholeModel
     from ringflow.engine.errors import PeerLostError
-    from ringflow.engine.worker import Worker
 
     config = TrainConfig(workers=1, epochs=1, batch_size=64, seed=0, log_every_n_steps=1)
 

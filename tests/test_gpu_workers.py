@@ -15,7 +15,7 @@ import torch
 
 from ringflow.engine import EngineError, TrainConfig, fit
 from ringflow.engine.group import RayWorkerGroup, _worker_bundle
-from ringflow.engine.worker import worker_device
+from ringflow.engine.worker import Worker, worker_device
 from ringflow.models.digits import DigitsClassifier
 from tests.support.fitting import relative_difference
 
@@ -320,39 +320,39 @@ def test_gpu_workers_get_a_gpu_each_and_commit_to_host_memory(gpu_ray, digits):
     wide = {**HPARAMS, "hidden": 1 << 16}
     group = RayWorkerGroup(DigitsClassifier, hparams=wide, data=digits, config=config)
     try:
-        where = group.call("device_info")
+        where = group.call(Worker.device_info)
         assert sorted(w["device"] for w in where) == ["cuda:0", "cuda:1"]
         assert where[0]["bus"] != where[1]["bus"]  # a GPU each, not the same one
         assert [w["transport"] for w in where] == ["symm", "symm"]  # GPU shared memory
-        group.call("train_steps", 0, 0, 3)
-        at_commit = [_cpu(s) for s in group.call("state_dict")]
+        group.call(Worker.train_steps, 0, 0, 3)
+        at_commit = [_cpu(s) for s in group.call(Worker.state_dict)]
         assert all(torch.equal(at_commit[0][k], at_commit[1][k]) for k in at_commit[0])
         group.commit(3)
-        group.call("train_steps", 0, 3, 2)  # at once, while the copies may still be landing
-        commit = group.call_rank0("committed_state", 3)
+        group.call(Worker.train_steps, 0, 3, 2)  # at once, while the copies may still be landing
+        commit = group.call_rank0(Worker.committed_state, 3)
         model, optimizer, *_ = commit
         tensors = [*model.values()]
         tensors += [v for s in optimizer["state"].values() for v in s.values()]
         assert len(tensors) > len(model)  # the optimizer has state by now
         assert all(t.device.type == "cpu" for t in tensors)
         assert all(torch.equal(model[k], at_commit[0][k]) for k in at_commit[0])
-        group.call("rollback", 3)
-        rolled_back = [_cpu(s) for s in group.call("state_dict")]
+        group.call(Worker.rollback, 3)
+        rolled_back = [_cpu(s) for s in group.call(Worker.state_dict)]
         assert all(torch.equal(s[k], at_commit[0][k]) for s in rolled_back for k in s)
-        group.call("train_steps", 0, 3, 2)
-        group.call("adopt", 3, commit)  # as a joining worker takes rank 0's commit
-        adopted = [_cpu(s) for s in group.call("state_dict")]
+        group.call(Worker.train_steps, 0, 3, 2)
+        group.call(Worker.adopt, 3, commit)  # as a joining worker takes rank 0's commit
+        adopted = [_cpu(s) for s in group.call(Worker.state_dict)]
         assert all(torch.equal(s[k], at_commit[0][k]) for s in adopted for k in s)
-        group.call("train_steps", 0, 3, 2)  # and training goes on from there, on the GPUs
+        group.call(Worker.train_steps, 0, 3, 2)  # and training goes on from there, on the GPUs
         # Committed and rolled back right after steps, and committed twice in a row.
         group.commit(5)
         group.commit(5)
-        group.call("train_steps", 0, 5, 2)
-        group.call("rollback", 5)
-        again = [_cpu(s) for s in group.call("state_dict")]
-        group.call("train_steps", 0, 5, 2)
-        group.call("rollback", 5)
-        assert all(torch.equal(s[k], again[0][k]) for s in group.call("state_dict") for k in s)
+        group.call(Worker.train_steps, 0, 5, 2)
+        group.call(Worker.rollback, 5)
+        again = [_cpu(s) for s in group.call(Worker.state_dict)]
+        group.call(Worker.train_steps, 0, 5, 2)
+        group.call(Worker.rollback, 5)
+        assert all(torch.equal(s[k], again[0][k]) for s in group.call(Worker.state_dict) for k in s)
     finally:
         group.shutdown()
 
