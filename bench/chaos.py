@@ -62,8 +62,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench import headline_json
+
 if TYPE_CHECKING:
     import torch
+
+HEADLINE = ("goodput", "final_loss_rel_diff")
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
 BATCH = 64
 """The global batch, for every runner."""
@@ -269,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows[name] = (calm, chaos)
             print(f"# {name}: {_line(calm, chaos)}", flush=True)
     summary = _report(rows, notes, args)
-    print(json.dumps(summary))
+    print(headline_json(summary, HEADLINE))
     return summary
 
 

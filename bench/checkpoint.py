@@ -26,7 +26,6 @@ object with ``save_vs_raw``, ``load_vs_raw`` and ``async_stall_fraction``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -43,8 +42,12 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.nn import functional as F
 
+from bench import headline_json
 from ringflow.models.digits import DigitsClassifier
 from ringflow.storage import AsyncCheckpointer, CheckpointStore, RetentionPolicy, training_state
+
+HEADLINE = ("save_vs_raw", "load_vs_raw", "async_stall_fraction")
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -371,7 +374,7 @@ def _print_report(
         summary["wide_async_stall_fraction"] = round(stalls[3].stall_fraction, 5)
         summary["wide_async_stall_vs_step"] = round(stalls[3].stall_vs_step, 4)
         summary["wide_async_stall_vs_step_copy_in_save"] = round(stalls[2].stall_vs_step, 4)
-    print(json.dumps(summary))
+    print(headline_json(summary, HEADLINE))
 
 
 if __name__ == "__main__":

@@ -38,9 +38,13 @@ from typing import Any
 import fsspec
 import torch
 
+from bench import headline_json
 from ringflow.storage import AsyncCheckpointer, CheckpointStore, LoadedCheckpoint, RetentionPolicy
 
 __all__ = ["KillReport", "expected_shards", "run_kills", "scan_committed"]
+
+HEADLINE = ("bad_loads",)
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
 _RUN_KEY = "kill-test"
 
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  bad: {problem}")
     summary = asdict(report)
     summary.pop("problems")
-    print(json.dumps({**summary, "seconds": round(elapsed, 1)}))
+    print(headline_json({**summary, "seconds": round(elapsed, 1)}, HEADLINE))
     return 1 if report.bad_loads else 0
 
 

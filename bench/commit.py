@@ -36,7 +36,6 @@ The last line is one JSON object: ``commit_s`` (ours, reused), ``per_tensor_s``,
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -44,6 +43,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from bench import headline_json
+
+HEADLINE = ("speedup", "commit_s", "queued_s")
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
 
 def _state(preset: str, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -251,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{label:<14} {ms:8.1f}")
         summary["step_ms"] = round(step_ms, 2)
         summary["in_training_ms"] = {k: round(v, 2) for k, v in costs.items()}
-    print(json.dumps(summary))
+    print(headline_json(summary, HEADLINE))
     return summary
 
 

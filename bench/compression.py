@@ -30,7 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import headline_json
 from bench._compression_parts import LINK_GBPS, WIRE_LOG, WideDigits
+
+HEADLINE = ("powersgd_time_to_target_vs_fp32", "powersgd_wire_ratio")
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
 
 def _digits(root: str):
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         "target_val_loss": target,
         "link_gbps": args.link_gbps,
     }
-    print(json.dumps(summary))
+    print(headline_json(summary, HEADLINE))
     return summary
 
 

@@ -47,8 +47,12 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
+from bench import headline_json
 from bench.ports import free_port
 from ringflow.engine.cluster import quiet_environment
+
+HEADLINE = ("ours_vs_ddp", "ours_processes_vs_ddp", "ours_vs_torchtrainer", "scaling_efficiency")
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
 quiet_environment()  # before Ray is imported: a local Ray stays on loopback
 
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary["per_worker_batch"] = per_worker
     if len({r.workers for r in results}) > 1:
         _print_scaling(summary)
-    print(json.dumps(summary), flush=True)
+    print(headline_json(summary, HEADLINE), flush=True)
     return summary
 
 

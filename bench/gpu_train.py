@@ -63,7 +63,16 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from bench import headline_json
 from ringflow.models.gpt import GPTModule
+
+HEADLINE = (
+    "ours_vs_ddp_by_gpus",
+    "ours_epoch_vs_ddp_by_gpus",
+    "ours_vs_fsdp_by_gpus",
+    "scaling_efficiency_4",
+)
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
 RUNNERS = ("ours", "ddp", "fsdp")
 MODES = ("eager", "compiled", "whole")
@@ -252,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary["device"] = _device_name(spec)
     summary["date"] = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}"
     _print_table(results, summary)
-    print(json.dumps(summary), flush=True)
+    print(headline_json(summary, HEADLINE), flush=True)
     return summary
 
 

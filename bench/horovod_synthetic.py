@@ -30,7 +30,11 @@ import torch
 import torch.multiprocessing as mp
 from torch.nn import functional as F
 
+from bench import headline_json
 from bench.ports import free_port
+
+HEADLINE = ("hvd_vs_ddp",)
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
 EXAMPLES = Path(__file__).parents[1] / "tests" / "horovod_examples"
 
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         **asdict(spec),
         "machine": where,
     }
-    print(json.dumps(summary), flush=True)
+    print(headline_json(summary, HEADLINE), flush=True)
     return summary
 
 

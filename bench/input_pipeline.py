@@ -44,7 +44,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from bench import headline_json
 from ringflow.models.digits import DigitsClassifier
+
+HEADLINE = ("ours_vs_ray_data", "ours_vs_dataloader")
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
 READERS = ("ours", "ray_data", "dataloader")
 _RSS_DIR = "INPUT_PIPELINE_RSS_DIR"
@@ -319,7 +323,7 @@ def _readers(args: argparse.Namespace) -> None:
         for other in ("ray_data", "dataloader"):
             if other in rates:
                 summary[f"ours_vs_{other}"] = round(rates["ours"] / rates[other], 3)
-    print(json.dumps(summary))
+    print(headline_json(summary, HEADLINE))
 
 
 def _training(args: argparse.Namespace) -> None:

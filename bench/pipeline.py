@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, replace
@@ -55,7 +54,11 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
+from bench import headline_json
 from bench.ports import free_port
+
+HEADLINE = ("ours_vs_torch_pipelining", "max_bubble_excess")
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         by_layout[f"{replicas}x{stages}"] = _run_layout(spec)
     summary = _summary(base, by_layout)
-    print(json.dumps(summary), flush=True)
+    print(headline_json(summary, HEADLINE), flush=True)
     return summary
 
 

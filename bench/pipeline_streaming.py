@@ -27,6 +27,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from bench import headline_json
+
+HEADLINE = ("peak_rss_mb", "same_weights")
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
+
 _RSS_DIR = "PIPELINE_STREAMING_RSS_DIR"
 """Where each stage writes its peak RSS (the actors inherit the driver's environment)."""
 STAGES = 3
@@ -127,12 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.equal(runs["stream"]["state"][k], v) for k, v in runs["whole"]["state"].items()
     )
     print(
-        json.dumps(
+        headline_json(
             {
                 "peak_rss_mb": {mode: run["peak_rss_mb"] for mode, run in runs.items()},
                 "seconds": {mode: round(run["seconds"], 1) for mode, run in runs.items()},
                 "same_weights": same,
-            }
+            },
+            HEADLINE,
         )
     )
     return 0

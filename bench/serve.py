@@ -43,7 +43,11 @@ from typing import Any
 
 import httpx
 
+from bench import headline_json
 from bench.ports import free_port
+
+HEADLINE = ("failed_requests", "rps", "p99_ms")
+"""The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
 PIXELS = 64
 DIGITS = "ringflow.models.digits:DigitsClassifier"
@@ -245,7 +249,7 @@ def _bench_main(args: argparse.Namespace) -> int:
     _print_table(runs)
     batched = runs[0]
     print(
-        json.dumps(
+        headline_json(
             {
                 "rps": batched["rps"],
                 "p50_ms": batched["p50_ms"],
@@ -257,7 +261,8 @@ def _bench_main(args: argparse.Namespace) -> int:
                     {k: r[k] for k in ("server", "rps", "p50_ms", "p99_ms", "failed_requests")}
                     for r in runs
                 ],
-            }
+            },
+            HEADLINE,
         )
     )
     return 0
@@ -386,7 +391,7 @@ def _redeploy_main(args: argparse.Namespace) -> int:
         "duration_s": args.duration,
         "rolling": args.rolling,
     }
-    print(json.dumps(summary))
+    print(headline_json(summary, HEADLINE))
     return 0
 
 

@@ -61,9 +61,9 @@ class SymmConfig:
     """How the ring's ``symm`` transport runs (GPUs of one host writing into each other's
     memory: ``engine.collective._symm`` and its fused kernel, ``engine.collective._fused``).
 
-    The defaults are the fastest measured (docs/benchmarks.md, "What the symm settings are
-    worth"); no setting changes the sums, only how fast they arrive. Each field has an
-    environment variable, ``RINGFLOW_SYMM_`` and the field's name in capitals
+    The defaults are the fastest measured (docs/benchmarks.md, "All-reduce: our ring
+    against the native collective"); no setting changes the sums, only how fast they arrive.
+    Each field has an environment variable, ``RINGFLOW_SYMM_`` and the field's name in capitals
     (``RINGFLOW_SYMM_DEPTH=4``), which overrides it in the process where it is set
     (:meth:`with_environment`); a run records the overrides its workers had beside its
     ``TrainConfig``.

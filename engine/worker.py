@@ -207,8 +207,7 @@ def seed_generators(seed: int, device: torch.device) -> None:
 
     ``torch.manual_seed`` also seeds every CUDA, MTIA and XPU device; where those are not
     initialised (any CPU worker) it queues the call with a formatted stack each time, which
-    cost 17-20% of the demo model's loop on one worker here and grows the queue by one entry
-    a step.
+    slows a small model's loop and grows the queue by one entry a step.
     """
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
@@ -559,23 +558,20 @@ class Worker:
 
         The previous commit is kept too: if the group loses a worker while committing, some
         members may have committed ``step`` and others not, and all roll back to the older.
-        Older ones are dropped first, and their host tensors take this one (allocating and
-        pinning 1.5 GB of host memory, GPT-2 small with AdamW, costs more than copying into
-        it); a CPU's tensors are copied in one call (``bench/commit.py``: 0.07 s, 2.1 s copied
-        tensor by tensor). A GPU's go as asynchronous copies into pinned memory on a stream of
-        their own, and the commit returns at once: the next steps' forward and backward passes
-        run while they land (1.5 GB in 0.03 s on an H100), and the next optimizer step waits
-        for them on the GPU, not the host (the forward pass, where the module has buffers).
+        Older ones are dropped first, and their host tensors take this one, since allocating
+        and pinning host memory costs more than copying into it. A CPU's tensors are copied in
+        one call. A GPU's go as asynchronous copies into pinned memory on a stream of their
+        own and the commit returns at once: the next steps run while they land, and the next
+        optimizer step waits for them on the GPU, not the host (the forward pass, where the
+        module has buffers).
         Whatever reads a commit (rollback, a joining worker) waits for its copies first.
         The copies are CPU tensors whatever the device (the same values, bit for bit), so a
         commit takes no GPU memory and can be sent to a joining worker through Ray.
 
         With ``defer`` (a commit where a call of steps ends, the next call sent ahead) the
         copies are queued only once the next step's input is on its way to the device, or
-        before anything changes or reads the state, whichever comes first. Queued at once,
-        1.5 GB of device-to-host copies hold up that input's host-to-device copy until they
-        land (28 ms on an H200, which then idles), where they could run behind its forward
-        and backward passes.
+        before anything changes or reads the state, whichever comes first: queued at once, they
+        would hold up that input's copy to the device until they land.
         """
         with self._kept_if_done(self._stage_commit(step, defer=defer)):
             collectives_succeeded(self.step.collective, self.device)

@@ -9,8 +9,8 @@ than the disk. The checksum is computed in a second thread while the bytes go ou
 
 Checksums are written as ``"{algorithm}:{hex digest}"``. ``crc32`` (the default of
 :class:`~storage.store.CheckpointStore`) is what S3, GCS and HDFS use to catch damaged data
-and runs at several GB/s; ``sha256`` is there for those who want a cryptographic digest at a
-third of the speed. Neither guards against someone who can also rewrite the manifest.
+and is fast; ``sha256`` is there for those who want a cryptographic digest at a few times
+the cost. Neither guards against someone who can also rewrite the manifest.
 
 Reading never unpickles anything: the header is JSON, checked field by field, and the data is
 raw bytes viewed as tensors of the declared dtype and shape.

@@ -1,10 +1,14 @@
 """docs/reference.md names every knob the code has: each flow parameter, each argument of
-``engine.fit``, each ``TrainConfig`` field and each ``RINGFLOW_*`` environment variable."""
+``engine.fit``, each ``TrainConfig`` field and each ``RINGFLOW_*`` environment variable; and
+docs/benchmarks.md's summary table has a row for every headline figure a benchmark prints."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+import itertools
+import json
 import re
 from pathlib import Path
 
@@ -148,3 +152,136 @@ def test_what_pipeline_stages_refuse_is_listed_with_why():
     refused |= {"min_workers", "commit_every"}  # on GPUs
     assert refused <= listed, sorted(refused - listed)
     assert all(why.strip() for _, why in rows)
+
+
+# -- docs/benchmarks.md: a summary row for every headline figure a benchmark prints ----------
+
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+# bench/*.py modules that are no benchmark of ringflow against a peer, and why.
+NOT_BENCHMARKS = {
+    "make_parquet": "writes the synthetic datasets the benchmarks read",
+    "scaling_model": "a model fitted to the all-reduce tables, checked in docs/scaling.md",
+    "ports": "a helper",
+}
+
+
+def _headlines() -> dict[str, tuple[str, ...]]:
+    """bench module -> its ``HEADLINE`` (a module-level tuple of strings), read statically."""
+    found: dict[str, tuple[str, ...]] = {}
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if (
+                isinstance(node, ast.Assign)
+                and [getattr(t, "id", None) for t in node.targets] == ["HEADLINE"]
+                and isinstance(node.value, ast.Tuple)
+            ):
+                found[path.stem] = tuple(ast.literal_eval(node.value))
+    return found
+
+
+def _benchmark_modules() -> list[str]:
+    return [
+        path.stem
+        for path in sorted((ROOT / "bench").glob("*.py"))
+        if not path.stem.startswith("_") and path.stem not in NOT_BENCHMARKS
+    ]
+
+
+def _summary_rows() -> list[tuple[set[str], set[str]]]:
+    """(headline names, bench modules its command runs) for each row of the page's first
+    table, the summary, found by its header's ``headline`` and ``command`` columns."""
+    lines = BENCHMARKS.read_text().split("\n## Summary", 1)[1].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), lines[first:]))
+
+    def cells(line: str) -> list[str]:
+        return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+    header = cells(table[0])
+    headline, command = header.index("headline"), header.index("command")
+    rows = []
+    for line in table[2:]:
+        row = cells(line)
+        assert len(row) == len(header), f"summary row with {len(row)} cells: {line}"
+        rows.append(
+            (
+                set(re.findall(r"`([^`]+)`", row[headline])),
+                set(re.findall(r"\bbench\.(\w+)", row[command])),
+            )
+        )
+    return rows
+
+
+def test_every_benchmark_names_its_headline_figures_and_prints_them():
+    """Each benchmark has a ``HEADLINE`` and prints its JSON line through ``headline_json``
+    with it, so the printed headline keys are exactly the tuple the summary test reads."""
+    headlines = _headlines()
+    lacking = [m for m in _benchmark_modules() if not headlines.get(m)]
+    assert not lacking, f"bench modules without a HEADLINE tuple: {lacking}"
+    unprinted = []
+    for module in headlines:
+        tree = ast.parse((ROOT / "bench" / f"{module}.py").read_text())
+        printed = any(
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "headline_json"
+            and len(node.args) == 2
+            and getattr(node.args[1], "id", None) == "HEADLINE"
+            for node in ast.walk(tree)
+        )
+        if not printed:
+            unprinted.append(module)
+    assert not unprinted, f"print(headline_json(summary, HEADLINE)) missing in: {unprinted}"
+
+
+def test_every_headline_figure_has_a_row_in_the_benchmarks_summary():
+    rows = _summary_rows()
+    missing = [
+        f"bench.{module}: {name}"
+        for module, names in _headlines().items()
+        for name in names
+        if not any(name in named and module in modules for named, modules in rows)
+    ]
+    assert not missing, (
+        "docs/benchmarks.md's summary table has no row (headline column, with the command "
+        "`python -m bench.<module> ...`) for: " + "; ".join(missing)
+    )
+
+
+def test_the_benchmarks_summary_names_no_figure_a_benchmark_lacks():
+    headlines = _headlines()
+    stale = [
+        f"{name} ({', '.join(sorted(modules)) or 'no bench command'})"
+        for named, modules in _summary_rows()
+        for name in named
+        if not any(name in headlines.get(module, ()) for module in modules)
+    ]
+    assert not stale, f"docs/benchmarks.md's summary names figures no benchmark prints: {stale}"
+
+
+def test_headline_json_puts_the_headline_first_and_marks_what_was_not_measured():
+    from bench import headline_json
+
+    line = headline_json({"rows": [1], "ratio": 1.5}, ("ratio", "absent"))
+    assert list(json.loads(line).items()) == [("ratio", 1.5), ("absent", None), ("rows", [1])]
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_links_into_the_benchmarks_page_point_at_its_headings():
+    anchors = {
+        _anchor(line.lstrip("#"))
+        for line in BENCHMARKS.read_text().splitlines()
+        if line.startswith("#")
+    }
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = [
+        f"{page.relative_to(ROOT)}: #{anchor}"
+        for page in pages
+        for anchor in re.findall(r"benchmarks\.md#([\w\-]+)", page.read_text())
+        if anchor not in anchors
+    ]
+    assert not broken, f"links to headings docs/benchmarks.md lacks: {broken}"

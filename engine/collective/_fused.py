@@ -1,35 +1,22 @@
 """One kernel for a whole all-reduce between the GPUs of one host.
 
-The ring over symmetric memory (``_symm``) launches about 25 small kernels a collective on 4
-GPUs (copies, signal puts and waits, additions); each costs a few microseconds however few
-bytes it moves, and its hops cross NVLink one neighbour at a time. NCCL runs a collective as
-one kernel. So does this path, a two-shot all-reduce in which every rank *pushes* (NVLink
-stores are posted, and go at nearly the link's rate; loads wait a round trip each):
+The ring over symmetric memory (``_symm``) takes about 25 small launches a collective and
+crosses NVLink one neighbour at a time; NCCL runs a collective as one kernel, and so does this
+path: a two-shot all-reduce in which every rank *pushes* (NVLink stores are posted and go at
+nearly the link's rate, where loads wait a round trip each).
 
 1. reduce-scatter: rank ``r`` stores chunk ``p`` of its tensor into slot ``r`` of rank ``p``'s
-   stage, for every other ``p`` at once (its own chunk ``r`` stays in its tensor: a local
-   copy would only take memory bandwidth from the backward pass the collective overlaps);
-2. a barrier; rank ``r`` sums its chunk ``r``, the others' from its slots and its own from
-   its tensor, in float32, in rank order, and stores the sum into its tensor and into every
-   other rank's stage;
-3. a barrier; rank ``r`` copies the sums the others pushed into its stage into its tensor
-   (not for tensors in symmetric memory: there the sums went straight into every rank's).
+   stage, for every other ``p`` at once (its own chunk stays in its tensor);
+2. a barrier; rank ``r`` sums its chunk in float32, in rank order, and stores the sum into its
+   tensor and into every other rank's stage;
+3. a barrier; rank ``r`` copies the sums pushed into its stage into its tensor (not for
+   tensors in symmetric memory: there the sums went straight into every rank's).
 
-From 64 MiB a tensor not in symmetric memory goes through the phases in rounds (4 by default),
-a barrier after each: a round's sums are copied into the tensor while the next round's go over
-the links, where a single round would leave the links idle during the whole copy.
-
-Each of the kernel's blocks handles the same offsets on every rank and synchronises only with
-the same block on the others, through its own signal slots per barrier. A rank starts the next
-collective only once its blocks all passed the last barrier, that is once every rank finished
-reading its slots: two barriers per collective suffice (R + 1 in R rounds), and the tensor
-is read where it lies (no copy in). Collectives larger than the stage go through it piece by
-piece.
-
-Measured against NCCL's all-reduce on 4 H100s (docs/benchmarks.md): the kernel alone, launched
-back to back, 1.2x as fast at 1-4 MiB, 1.0x at 16-32 MiB, 0.96 at 64 MiB; through the ring's
-Python path 0.82 at 16 MiB and 0.97 at 64 MiB, where the ring's 25 launches reached 0.46 and
-0.72.
+From 64 MiB a tensor not in symmetric memory goes through the phases in rounds, a barrier
+after each, so that one round's sums are copied while the next round's cross the links. Each
+block synchronises only with the same block on the other ranks; two barriers per collective
+(R + 1 in R rounds) suffice. Collectives larger than the stage go through it piece by piece.
+What it is worth against NCCL: docs/benchmarks.md.
 
 Failures. A wait gives up when this rank's ``abort`` word is set, which the watchdog does at
 the collective's deadline, or ``timeout`` after the kernel started. A dead peer never takes
@@ -62,15 +49,8 @@ _MAX_WORLD = 8
 _WARPS = 16
 _MAX_BLOCKS = 256
 _VECTORS = 2
-# The settings' defaults are SymmConfig's, measured here:
-# - fused_blocks 64, each of 16 warps moving two 16-byte vectors a thread a step: on 4 H100s
-#   as fast alone as one block per SM (132) with one vector, and half the SMs taken from the
-#   backward pass it overlaps with;
-# - rounds 4 from rounds_from_mb 64: on 2 H200s, 4 rounds against 1, plain tensors 5-6 %
-#   faster from 64 MiB to 1 GiB; at 32 MiB 4 rounds were no faster than one (0.118 against
-#   0.114 ms), and each round adds a barrier;
-# - piece_mb 256 (a stage is twice the piece, sized to the largest collective so far: 25 MiB
-#   gradient buckets take 64 MiB): on 4 H100s, 256 against 64, 0.97 of NCCL at 1 GiB, not 0.94.
+# The settings' defaults are SymmConfig's: the fastest of those tried on 4 H100s and 2 H200s
+# (docs/benchmarks.md), 64 blocks leaving half the SMs to the backward pass it overlaps.
 
 
 def fused_supported(dtype: torch.dtype, world_size: int) -> bool:

@@ -242,9 +242,8 @@ class NcclTransport(Transport):
     name = "nccl"
     wavefront = False  # the device has no cache to keep segments in; lookahead needs lag
     inline = True
-    # NCCL's point-to-point runs faster the larger the message (64 MiB each way: 237 GiB/s,
-    # 1 GiB: 331 GiB/s on 2 H100s), and each hop costs ~67 us of host time: whole chunks up to
-    # 512 MiB, pipelined beyond (measured best on 2 H200s, docs/benchmarks.md).
+    # NCCL's point-to-point runs faster the larger the message and each hop costs host time:
+    # whole chunks up to 512 MiB, pipelined beyond (the fastest tried, docs/benchmarks.md).
     pipeline_depth = 1
     segment_range = (4 << 20, 512 << 20)
     _hang = "an NCCL hop hung"

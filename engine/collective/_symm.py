@@ -18,14 +18,11 @@ segments, the pushes run on a second stream that joins the side stream at the en
 segment crosses NVLink while the one before it is added (``overlap=False``: one
 stream; ``depth``: segments per chunk; each setting is a field of ``SymmConfig``).
 
-Host time. A collective is a dozen small launches and their Python; on a slow host that costs
-more than the GPU's work (0.2-0.4 ms a collective on 2 H100s). So the first collective on
-a tensor (same address, length, dtype, reduction) is recorded as a CUDA graph, and later ones
-replay it: one launch. Gradient buckets and benchmark buffers are
-the same tensors every step. Growing the staging buffers drops the graphs. On 2 H100s a
-replayed 16 MiB collective runs at 0.81 of NCCL's all-reduce, launched kernel by kernel at
-0.29 (docs/benchmarks.md, "What the symm settings are worth");
-``graphs=False`` launches every kernel each time instead.
+Host time. A collective is a dozen small launches and their Python, which on a slow host cost
+more than the GPU's work. So the first collective on a tensor (same address, length, dtype,
+reduction) is recorded as a CUDA graph and later ones replay it: one launch. Gradient buckets
+and benchmark buffers are the same tensors every step; growing the staging buffers drops the
+graphs (``graphs=False`` launches every kernel each time instead).
 
 Failures. A peer that dies or stops answering leaves this rank's signal waits unanswered. At
 the deadline the watchdog agrees on the lost peer, as on NCCL, then answers the waits itself:
@@ -79,10 +76,8 @@ _GRAPHS = 64
 _FUSED_ALL = 1 << 62
 """``SymmConfig.fused_below=None``: all-reduces of fewer bytes than this run as one fused kernel
 (``_fused``) instead of the ring's schedule, where Triton is available and the wire is the
-tensor's dtype: all of them by default, since the fused kernel was the faster at every size
-measured (4 H100s, through the ring: 0.82 of NCCL at 16 MiB and 0.97 at 64 MiB, where the ring's
-schedule reached 0.46 and 0.72). The ring's schedule still carries what travels in another dtype
-than the tensor's (``compression``)."""
+tensor's dtype: all of them by default, the fused kernel being the faster at every size
+measured. The ring's schedule still carries what travels in another dtype (``compression``)."""
 _KERNEL_GRACE_S = 30.0
 """How long past the collective deadline a waiting kernel spins before it gives up: the
 watchdog must raise the typed error first."""
@@ -109,11 +104,8 @@ class SymmTransport(NcclTransport):
 
     name = "symm"
     # SymmConfig.depth, 2: chunks of 32 MiB and more go as two segments, so that one travels
-    # while the other is added (pushes run on a stream of their own); smaller chunks as one,
-    # whose two signals and launches would cost more than the overlap gains. Measured on 2
-    # H100s, CUDA graphs on: one segment 0.92-0.94 of NCCL's all-reduce from 128 MiB, two
-    # overlapped 0.98-1.00, four 0.95-0.99; at 16 MiB, one 0.81, two (4 MiB segments) 0.59
-    # (docs/benchmarks.md).
+    # while the other is added (pushes run on a stream of their own); smaller chunks go whole,
+    # where two signals and launches would cost more than the overlap gains.
     segment_range = (16 << 20, 1 << 62)
     _hang = "a hop through GPU shared memory hung"
 
