@@ -114,8 +114,11 @@ class Layout:
         """The options of this run that the layout cannot honour, each with why."""
         return []
 
-    def prepare(self, module_cls: type, hparams: dict[str, Any], data: Any) -> None:
-        """Check the model for this layout before any worker starts (builds it once)."""
+    def prepare(
+        self, module_cls: type, hparams: dict[str, Any], data: Any, *, module: torch.nn.Module
+    ) -> None:
+        """Check the model for this layout before any worker starts; ``module`` is the
+        driver's copy of it."""
         raise NotImplementedError
 
     def checkpoint(
@@ -152,11 +155,10 @@ class DataParallel(Layout):
     def size(self) -> int:
         return self.config.workers
 
-    def prepare(self, module_cls: type, hparams: dict[str, Any], data: Any) -> None:
+    def prepare(self, module_cls, hparams, data, *, module) -> None:
         from ringflow.engine.module import check_manual_optimisation
-        from ringflow.engine.spec import build_module
 
-        check_manual_optimisation(build_module(module_cls, hparams), self.config, pipeline=False)
+        check_manual_optimisation(module, self.config, pipeline=False)
 
     def worker_kwargs(self, index: int) -> dict[str, Any]:
         from ringflow.engine.data_parallel import WholeModel
@@ -227,7 +229,7 @@ class Pipeline(Layout):
     def size(self) -> int:
         return self.config.workers * self.pipeline.stages
 
-    def prepare(self, module_cls: type, hparams: dict[str, Any], data: Any) -> None:
+    def prepare(self, module_cls, hparams, data, *, module) -> None:
         from ringflow.engine.pipeline.checks import check_pipeline
 
         self.partition = check_pipeline(

@@ -168,19 +168,22 @@ def fit(
         )
     layout = check_layout(config, pipeline, init_from=init_from)
     hparams = model_hparams(module_cls, hparams, getattr(data, "schema", None))
-    layout.prepare(module_cls, hparams, data)  # a refused hyperparameter fails here
+    # The driver's one copy of the module (a refused hyperparameter fails here): checked,
+    # running its driver-side hooks, and at the end holding the trained weights to save.
+    module = build_module(module_cls, hparams)
+    layout.prepare(module_cls, hparams, data, module=module)
     if init_from is not None:
-        _check_warm_start(module_cls, hparams, init_from)
+        _check_warm_start(module, hparams, init_from)
     resume = _Resume.find(
         module_cls, hparams, data, config, store_url, run_key, init_from, layout=layout
     )
     writers = _Loggers(loggers)
-    logged = _logged_hyperparameters(module_cls, hparams, data) if writers.loggers else None
+    logged = _logged_hyperparameters(module, hparams, data) if writers.loggers else None
     _warn_uncalled_hooks(module_cls, pipeline)
     if hasattr(data, "prepare"):
         data.prepare()  # a DataModule's prepare_data: once, before any worker starts
     if overrides(module_cls, "prepare_data"):  # then the module's, as Trainer calls them
-        build_module(module_cls, hparams).prepare_data()
+        module.prepare_data()
     group_cls = LocalGroup if in_process else RayWorkerGroup
     group = _start_group(group_cls, layout, module_cls, hparams, data, config)
     dashboard = None if in_process else dashboard_url()
@@ -190,9 +193,7 @@ def fit(
             group.call(Worker.warm_start, init_from)
             log.info("warm start from %s", init_from)
         callbacks = Callbacks(
-            build_module(module_cls, hparams)
-            if _has_callbacks(module_cls) or callbacks
-            else torch.nn.Module(),
+            module if _has_callbacks(module_cls) or callbacks else torch.nn.Module(),
             max_epochs=config.epochs,
             world_size=config.workers,
             accumulate=config.accumulate_grad_batches,
@@ -222,7 +223,6 @@ def fit(
         writers.finish("success")
     finally:
         group.shutdown()
-    module = build_module(module_cls, hparams)
     module.load_state_dict(state, strict=True)
     uri = save_model(
         checkpoint_uri,
@@ -546,12 +546,11 @@ class _Loggers:
 
 
 def _logged_hyperparameters(
-    module_cls: type, hparams: dict[str, Any], data: Any
+    module: torch.nn.Module, hparams: dict[str, Any], data: Any
 ) -> tuple[dict[str, Any] | None, torch.nn.Module]:
     """What Trainer hands its loggers at the start (``hparams.yaml``): the hyperparameters
     the module saved (``save_hyperparameters``) and its DataModule's, merged, and the
     module for ``log_graph``; a module that is not a LightningModule, the ``hparams``."""
-    module = build_module(module_cls, hparams)
     if not hasattr(module, "hparams_initial"):
         return dict(hparams), module
     datamodule = getattr(data, "datamodule", None)
@@ -865,10 +864,10 @@ def evaluate(
     return logged.results()
 
 
-def _check_warm_start(module_cls: type, hparams: dict[str, Any], init_from: str) -> None:
+def _check_warm_start(module: torch.nn.Module, hparams: dict[str, Any], init_from: str) -> None:
     """The warm-start model must have this run's tensors, names and shapes."""
     saved = read_checkpoint(init_from).state_dict
-    wanted = module_cls(**hparams).state_dict()
+    wanted = module.state_dict()
     differ = sorted(
         name
         for name in set(saved) | set(wanted)
@@ -876,7 +875,7 @@ def _check_warm_start(module_cls: type, hparams: dict[str, Any], init_from: str)
     )
     if differ:
         raise ValueError(
-            f"cannot warm-start {module_cls.__name__}({hparams}) from {init_from}: tensors "
+            f"cannot warm-start {type(module).__name__}({hparams}) from {init_from}: tensors "
             f"{differ[:5]} are missing or shaped differently (trained with other hparams?)"
         )
 
