@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 from ringflow.engine.config import PRECISIONS
-from ringflow.engine.errors import ModelError
+from ringflow.engine.errors import ModelError, NotOfferedError
 from ringflow.engine.jsonstate import from_json, to_json
 
 __all__ = [
@@ -682,8 +684,11 @@ class TrainerView:
         accumulate: int = 1,
         rank: int = 0,
         module: torch.nn.Module | None = None,
+        datamodule: Any = None,
     ) -> None:
         self.max_epochs, self.lightning_module = max_epochs, module
+        self.max_steps, self.min_epochs, self.min_steps = -1, None, None
+        self.datamodule = datamodule
         self.accumulate_grad_batches = accumulate
         self.count_batches(steps_per_epoch)
         self.global_rank, self.world_size, self.local_rank, self.node_rank = rank, world_size, 0, 0
@@ -699,9 +704,38 @@ class TrainerView:
         self.loggers: list = []  # the recorder, when the run has loggers (``use_loggers``)
         self.logger = None
         self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.logged_metrics: dict[str, torch.Tensor] = {}
+        self.progress_bar_metrics: dict[str, float] = {}
         self.log_every_n_steps = 50
+        self.num_nodes, self.num_sanity_val_steps = 1, 0
+        self.num_val_batches: list[int] = []  # read as "validation every epoch" by callbacks
+        self.val_loop = _ValidationLoop()
+        self.ckpt_path = None
+        self.default_root_dir = os.getcwd()  # Trainer's default, resolved in the driver
+        self.callbacks: list[Any] = []
+        self.checkpoint_callback = self.early_stopping_callback = None
+        self.progress_bar_callback = None
         self.logs_due = False
         self._logger_connector = self.fit_loop = self.epoch_loop = self
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The module being trained (Trainer's ``strategy.model``; no DDP wrapper here)."""
+        return self.lightning_module
+
+    @property
+    def num_devices(self) -> int:
+        """Every worker is one device of one node."""
+        return self.world_size
+
+    def __getattr__(self, name: str) -> Any:
+        """Reached only for what the view does not hold: named, with the hook that read it."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise NotOfferedError(
+            f"self.trainer.{name} (read in {_reading_hook()}) is not offered by ringflow; "
+            "docs/own-model.md lists what self.trainer offers"
+        )
 
     @contextlib.contextmanager
     def as_rank(self, rank: int, world_size: int) -> Iterator[None]:
@@ -785,6 +819,26 @@ class TrainerView:
             epoch * self.optimizer_steps_per_epoch if start is None else start
         ) + done
         self.is_last_batch = batch_idx == self.num_training_batches - 1
+
+
+def _reading_hook() -> str:
+    """The method of a module or callback that is reading ``self.trainer`` (the innermost
+    frame whose ``self`` is one)."""
+    from lightning.pytorch import Callback, LightningModule
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, LightningModule | Callback):
+            return f"{type(owner).__name__}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "the module's code"
+
+
+class _ValidationLoop:
+    """What callbacks read of Trainer's validation loop: it ran before they are called."""
+
+    _has_run = True
 
 
 class _Recorder:

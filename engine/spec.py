@@ -21,7 +21,14 @@ import torch
 from ringflow.engine.errors import ModelError
 from ringflow.storage.dataset import TableSchema
 
-__all__ = ["DATA_HPARAMS", "ModelRef", "build_module", "import_model", "model_hparams"]
+__all__ = [
+    "DATA_HPARAMS",
+    "ModelRef",
+    "build_module",
+    "check_json_hparams",
+    "import_model",
+    "model_hparams",
+]
 
 DATA_HPARAMS = ("input_dim", "num_classes")
 """Constructor keywords that the dataset fills in, when the constructor declares them."""
@@ -46,10 +53,7 @@ class ModelRef:
             )
         if not isinstance(self.hparams, dict):
             raise ModelError(f"hparams must be a JSON object, got {self.hparams!r}")
-        try:
-            json.dumps(self.hparams)
-        except TypeError as err:
-            raise ModelError(f"hparams must hold JSON values only: {err}") from None
+        check_json_hparams(self.hparams)
 
     def resolve(self) -> type[torch.nn.Module]:
         """The model class; see :func:`import_model`."""
@@ -92,14 +96,34 @@ def import_model(path: str) -> type[torch.nn.Module]:
     return obj
 
 
+def check_json_hparams(hparams: dict[str, Any]) -> None:
+    """Every hyperparameter is JSON: ringflow records them with every checkpoint and sends
+    them to every worker, which builds its own module from them.
+
+    Raises:
+        ModelError: naming the first one that is not (a module, a ``functools.partial``...).
+    """
+    for name, value in hparams.items():
+        try:
+            json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError):
+            raise ModelError(
+                f"hparams {name!r} is a {type(value).__name__}, which is not JSON: pass "
+                "numbers, strings, lists and dicts, and build the object from them in the "
+                "module's __init__"
+            ) from None
+
+
 def model_hparams(
     module_cls: type, hparams: dict[str, Any], schema: TableSchema | None
 ) -> dict[str, Any]:
     """``hparams`` with what the data decides (:data:`DATA_HPARAMS` the constructor declares).
 
     Raises:
-        ModelError: ``hparams`` sets one of them to another value than the data has.
+        ModelError: ``hparams`` sets one of them to another value than the data has, or one
+            is not JSON (:func:`check_json_hparams`).
     """
+    check_json_hparams(hparams)
     if schema is None:
         return dict(hparams)
     accepted = inspect.signature(module_cls).parameters

@@ -370,10 +370,12 @@ class Worker:
             accumulate=config.accumulate_grad_batches,
             rank=rank,
             world_size=self.world_size,
+            datamodule=getattr(data, "datamodule", None),
         )
         self.metric_log = MetricLog()
         attach(module, self.trainer, self.metric_log)
         self.module = self.step.prepare(module)
+        self.trainer.lightning_module = self.module  # configure_optimizers may read trainer.model
         self.optimization = Optimization(self.module, self.precision)
         if config.lr_scaling != "none":
             self.optimization.lr_scale = LrScale(config.lr_factor(), config.lr_warmup_steps)

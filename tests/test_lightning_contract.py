@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from ringflow.engine import ModelError, TensorData, TrainConfig, fit
 from ringflow.engine.module import Optimization
 from ringflow.storage import CheckpointStore
-from tests.support.fitting import relative_difference
+from tests.support.fitting import one_thread, relative_difference
 
 FEATURES, CLASSES, BATCH, EPOCHS, SEED = 8, 3, 16, 3, 7
 
@@ -539,3 +539,60 @@ def test_lazy_layers_train_alike_on_every_worker(data, tmp_path, ray_session):
     one = under_ringflow(LazyLinears, hparams, data, tmp_path)
     two = under_ringflow(LazyLinears, hparams, data, tmp_path, workers=2, cpus_per_worker=0.5)
     assert relative_difference(two, one) < 1e-5
+
+
+class ReadsItsTrainer(OneCycle):
+    """Its optimizer over ``self.trainer.model``'s parameters, its schedule as long as
+    ``self.trainer.estimated_stepping_batches``, as Lightning's examples configure them (a
+    OneCycleLR stepped once too often raises)."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.trainer.model.parameters(), lr=self.hparams.max_lr)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer,
+            max_lr=self.hparams.max_lr,
+            total_steps=self.trainer.estimated_stepping_batches,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def test_configure_optimizers_reads_the_model_and_the_steps_of_trainer(
+    data, tmp_path, deterministic_off
+):
+    hparams = {"total_steps": 0}  # unused: the schedule's length comes from the trainer
+    with one_thread():
+        expected = under_trainer(ReadsItsTrainer, hparams, data, accumulate_grad_batches=2)
+        got = under_ringflow(ReadsItsTrainer, hparams, data, tmp_path, accumulate_grad_batches=2)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+class ReadsWhatIsNotOffered(OneCycle):
+    def configure_optimizers(self):
+        self.trainer.barebones  # noqa: B018
+        return super().configure_optimizers()
+
+
+def test_what_self_trainer_does_not_offer_is_named_with_the_hook_that_read_it(data, tmp_path):
+    with pytest.raises(ModelError) as raised:
+        under_ringflow(ReadsWhatIsNotOffered, {"total_steps": STEPS}, data, tmp_path)
+    message = str(raised.value)
+    assert "self.trainer.barebones (read in ReadsWhatIsNotOffered.configure_optimizers) is " in (
+        message
+    )
+    assert "not offered by ringflow" in message
+    assert "\n" not in message
+
+
+def test_hparams_that_are_not_json_are_refused_by_name_before_training(data, tmp_path):
+    import functools
+
+    with pytest.raises(ModelError, match="hparams 'make' is a partial, which is not JSON"):
+        fit(
+            OneCycle,
+            hparams={"total_steps": STEPS, "make": functools.partial(nn.Linear, 2)},
+            data=data,
+            config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+            checkpoint_uri=str(tmp_path / "model"),
+            in_process=True,
+        )
