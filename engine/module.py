@@ -55,6 +55,7 @@ __all__ = [
     "clip_gradients",
     "compile_in_place",
     "compiled_in_buckets",
+    "lightning_checkpoint",
 ]
 
 CLIP_ALGORITHMS = ("norm", "value")
@@ -737,6 +738,19 @@ class TrainerView:
             "docs/own-model.md lists what self.trainer offers"
         )
 
+    def save_checkpoint(
+        self, filepath: str, weights_only: bool = False, storage_options: Any = None
+    ) -> None:
+        """``Trainer.save_checkpoint`` in the driver: rank 0's worker writes the file
+        (``engine.callbacks``), with the states of the driver's callbacks."""
+        files = getattr(self.strategy, "files", None)
+        if files is None or storage_options is not None:
+            raise NotOfferedError(
+                "self.trainer.save_checkpoint is offered to callbacks in the driver, without "
+                "storage_options, and without pipeline stages (each holds part of the model)"
+            )
+        files.save(filepath, weights_only, {c.state_key: c.state_dict() for c in self.callbacks})
+
     @contextlib.contextmanager
     def as_rank(self, rank: int, world_size: int) -> Iterator[None]:
         """The module sees ``rank`` of ``world_size`` while the block runs: a worker training
@@ -912,9 +926,61 @@ class _Strategy:
 
 class _OneDecision:
     """The strategy of a view with no optimizers (the driver's): one decision for the whole
-    run, since what it decides on (the epoch's metrics) is already global."""
+    run, since what it decides on (the epoch's metrics) is already global; the files of
+    ``ModelCheckpoint`` are removed where they were written (``files``, set by the driver)."""
 
     reduce_boolean_decision = staticmethod(_Strategy.reduce_boolean_decision)
+
+    def __init__(self) -> None:
+        self.files: Any = None
+
+    @staticmethod
+    def broadcast(obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    def remove_checkpoint(self, filepath: str) -> None:
+        self.files.remove(filepath)
+
+
+def lightning_checkpoint(
+    module: torch.nn.Module,
+    optimization: Optimization,
+    trainer: TrainerView,
+    *,
+    weights_only: bool,
+    callbacks: dict[str, Any],
+) -> dict[str, Any]:
+    """What ``Trainer.save_checkpoint`` puts in a ``.ckpt`` file (its checkpoint connector's
+    ``dump_checkpoint``), so that ``load_from_checkpoint`` reads it: the epoch and step, the
+    weights, the hyperparameters the module saved, what ``on_save_checkpoint`` adds and,
+    unless ``weights_only``, the optimizers', schedulers', scaler's and ``callbacks``' states.
+    """
+    import lightning
+
+    checkpoint: dict[str, Any] = {
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "pytorch-lightning_version": lightning.__version__,
+        "state_dict": module.state_dict(),
+        "loops": {},
+    }
+    if not weights_only:
+        scaler = optimization.precision.scaler
+        checkpoint["callbacks"] = callbacks
+        checkpoint["optimizer_states"] = [o.state_dict() for o in optimization.optimizers]
+        checkpoint["lr_schedulers"] = [c.scheduler.state_dict() for c in optimization.configs]
+        if scaler is not None:  # under the name Lightning's MixedPrecision keeps it
+            checkpoint["MixedPrecision"] = scaler.state_dict()
+    hparams = getattr(module, "hparams", None)
+    if hparams:
+        if hasattr(module, "_hparams_name"):
+            checkpoint[module.CHECKPOINT_HYPER_PARAMS_NAME] = module._hparams_name
+        checkpoint[module.CHECKPOINT_HYPER_PARAMS_KEY] = dict(hparams)
+    call_hook(module, "on_save_checkpoint", checkpoint)
+    return checkpoint
 
 
 def module_checkpoint(module: torch.nn.Module) -> dict[str, Any]:

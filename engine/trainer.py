@@ -197,7 +197,10 @@ def fit(
             world_size=config.workers,
             accumulate=config.accumulate_grad_batches,
             extra=callbacks,
+            loggers=writers.loggers,
         )
+        if pipeline is None:
+            callbacks.write_files_with(group)
         if callbacks.in_workers:
             if pipeline is not None:
                 raise ValueError(

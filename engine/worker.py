@@ -34,6 +34,7 @@ from ringflow.engine.module import (
     TrainerView,
     attach,
     call_hook,
+    lightning_checkpoint,
     module_checkpoint,
     step_arguments,
 )
@@ -1007,6 +1008,28 @@ class Worker:
         a pipeline stage takes those of its layers."""
         state = self.step.own(read_checkpoint(model_uri).state_dict)
         self.module.load_state_dict(state, strict=True)
+
+    def save_lightning_checkpoint(
+        self, filepath: str, weights_only: bool, callbacks: dict[str, Any]
+    ) -> None:
+        """Write the ``.ckpt`` file ``Trainer.save_checkpoint`` writes (``ModelCheckpoint``'s)
+        to ``filepath``, any fsspec URL, through Lightning's own checkpoint IO."""
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        checkpoint = lightning_checkpoint(
+            self.module,
+            self.optimization,
+            self.trainer,
+            weights_only=weights_only,
+            callbacks=callbacks,
+        )
+        TorchCheckpointIO().save_checkpoint(checkpoint, filepath)
+
+    def remove_lightning_checkpoint(self, filepath: str) -> None:
+        """Remove a ``.ckpt`` file :meth:`save_lightning_checkpoint` wrote."""
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        TorchCheckpointIO().remove_checkpoint(filepath)
 
     def restore(self, store_url: str, checkpoint: CommittedCheckpoint) -> int:
         """Load the model and optimizer state of ``checkpoint``, whatever layout wrote it;

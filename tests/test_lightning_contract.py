@@ -596,3 +596,41 @@ def test_hparams_that_are_not_json_are_refused_by_name_before_training(data, tmp
             checkpoint_uri=str(tmp_path / "model"),
             in_process=True,
         )
+
+
+def test_model_checkpoint_keeps_the_files_trainer_keeps_and_stops_where_it_stops(
+    data, tmp_path, deterministic_off
+):
+    """``ModelCheckpoint(monitor="val_loss", save_top_k=2)`` beside the module's
+    ``EarlyStopping``: the same ``.ckpt`` files kept, the same best one and score, the run
+    stopped at the same epoch; ``load_from_checkpoint`` reads ringflow's file."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def checkpoints(where: str) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=str(tmp_path / where), monitor="val_loss", save_top_k=2)
+
+    hparams, epochs = {"total_steps": STEPS}, 12
+    theirs, ours = checkpoints("theirs"), checkpoints("ours")
+    _, trainer = trained_by_trainer(
+        Stopping, hparams, data, epochs=epochs, callbacks=[theirs], enable_checkpointing=True
+    )
+    assert trainer.current_epoch < epochs, "the oracle never stopped: the test proves nothing"
+    result = fit(
+        Stopping,
+        hparams=hparams,
+        data=data,
+        config=TrainConfig(workers=1, epochs=epochs, batch_size=BATCH, seed=SEED),
+        checkpoint_uri=str(tmp_path / "model"),
+        in_process=True,
+        callbacks=[ours],
+    )
+    assert len(result.history) == trainer.current_epoch
+    kept = sorted(p.name for p in (tmp_path / "theirs").iterdir())
+    assert len(kept) == 2
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == kept
+    assert Path(ours.best_model_path).name == Path(theirs.best_model_path).name
+    assert float(ours.best_model_score) == pytest.approx(float(theirs.best_model_score), rel=1e-6)
+    loaded = Stopping.load_from_checkpoint(ours.best_model_path)
+    oracle = Stopping.load_from_checkpoint(theirs.best_model_path)
+    assert relative_difference(loaded.state_dict(), oracle.state_dict()) < 1e-5
+    assert loaded.hparams == oracle.hparams
