@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ringflow.engine.errors import ModelError
+from ringflow.engine.failures import one_line
 from ringflow.engine.jsonstate import from_json, to_json
 from ringflow.engine.module import TrainerView
 
@@ -95,7 +96,13 @@ class Callbacks:
         from lightning.pytorch.trainer.connectors.callback_connector import _CallbackConnector
 
         configured = getattr(module, "configure_callbacks", None)
-        found = configured() if callable(configured) else []
+        try:
+            found = configured() if callable(configured) else []
+        except Exception as err:
+            raise ModelError(
+                f"{type(module).__name__}.configure_callbacks raised {type(err).__name__}: "
+                f"{one_line(str(err))}"
+            ) from err
         found = list(found) if isinstance(found, list | tuple) else [found]
         every = list(extra or []) + found
         for callback in every:
@@ -148,10 +155,9 @@ class Callbacks:
             except ModelError:
                 raise
             except Exception as err:
-                lines = str(err).strip().splitlines()
                 raise ModelError(
-                    f"callback {type(callback).__name__}.{hook} raised {type(err).__name__}"
-                    + (f": {lines[0]}" if lines else "")
+                    f"callback {type(callback).__name__}.{hook} raised {type(err).__name__}: "
+                    f"{one_line(str(err))}"
                 ) from err
 
     def fit_start(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ringflow.engine.errors import ModelError
+from ringflow.engine.failures import one_line
 from ringflow.storage.dataset import TableSchema
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "ModelRef",
     "build_module",
     "check_json_hparams",
+    "check_warm_start",
     "import_model",
     "model_hparams",
 ]
@@ -143,11 +145,36 @@ def model_hparams(
     return merged
 
 
+def check_warm_start(
+    name: str, saved: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor], init_from: str
+) -> None:
+    """The warm-start model ``saved`` has the tensors, names and shapes of ``wanted`` (the
+    module's state), the shapes of lazy parameters not yet materialised aside.
+
+    Raises:
+        ModelError: naming the tensors that are missing or shaped differently.
+    """
+    from torch.nn.parameter import is_lazy
+
+    differ = sorted(
+        key
+        for key in set(saved) | set(wanted)
+        if key not in saved
+        or key not in wanted
+        or (not is_lazy(wanted[key]) and saved[key].shape != wanted[key].shape)
+    )
+    if differ:
+        raise ModelError(
+            f"cannot warm-start {name} from {init_from}: tensors {differ[:5]} are missing or "
+            "shaped differently (trained with other hparams?)"
+        )
+
+
 def build_module(module_cls: type, hparams: dict[str, Any]) -> torch.nn.Module:
     """``module_cls(**hparams)``, with a one-line error naming what the constructor refused.
 
     Raises:
-        ModelError: the constructor does not take these keywords, or raised on their values.
+        ModelError: the constructor does not take these keywords, or raised.
     """
     name = module_cls.__name__
     try:
@@ -163,6 +190,10 @@ def build_module(module_cls: type, hparams: dict[str, Any]) -> torch.nn.Module:
         return module_cls(**hparams)
     except (TypeError, ValueError) as err:
         raise ModelError(f"{name}({_kwargs(hparams)}) refused its hparams: {err}") from None
+    except Exception as err:  # the user's code: the same raises again on every attempt
+        raise ModelError(
+            f"{name}({_kwargs(hparams)}) raised {type(err).__name__}: {one_line(str(err))}"
+        ) from err
 
 
 def _kwargs(hparams: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, St
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged, logger_rows
 from ringflow.engine.module import CALLED_HOOKS, overrides, uncalled_hooks
-from ringflow.engine.spec import build_module, model_hparams
+from ringflow.engine.spec import build_module, check_warm_start, model_hparams
 from ringflow.engine.timeline import TimelineSummary, chrome_trace, summarize, trace_bytes
 from ringflow.engine.worker import evaluate_module
 from ringflow.storage.checkpoint import Allowed, load_model, read_checkpoint, save_model
@@ -867,19 +867,11 @@ def evaluate(
 
 
 def _check_warm_start(module_cls: type, hparams: dict[str, Any], init_from: str) -> None:
-    """The warm-start model must have this run's tensors, names and shapes."""
+    """The warm-start model must have this run's tensors, names and shapes (a lazy layer's
+    shapes are checked by the workers, which materialise it from the data)."""
     saved = read_checkpoint(init_from).state_dict
-    wanted = module_cls(**hparams).state_dict()
-    differ = sorted(
-        name
-        for name in set(saved) | set(wanted)
-        if name not in saved or name not in wanted or saved[name].shape != wanted[name].shape
-    )
-    if differ:
-        raise ValueError(
-            f"cannot warm-start {module_cls.__name__}({hparams}) from {init_from}: tensors "
-            f"{differ[:5]} are missing or shaped differently (trained with other hparams?)"
-        )
+    wanted = build_module(module_cls, hparams).state_dict()
+    check_warm_start(f"{module_cls.__name__}({hparams})", saved, wanted, init_from)
 
 
 def _fmt(metrics: dict[str, float]) -> str:

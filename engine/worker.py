@@ -38,6 +38,7 @@ from ringflow.engine.module import (
     module_checkpoint,
     step_arguments,
 )
+from ringflow.engine.spec import check_warm_start
 from ringflow.engine.timeline import WorkerTimeline
 from ringflow.storage.checkpoint import read_checkpoint
 from ringflow.storage.checkpointer import AsyncCheckpointer, copy_to_host, host_buffer
@@ -1007,6 +1008,7 @@ class Worker:
         """Start from the weights of the committed model at ``model_uri`` (fresh optimizer);
         a pipeline stage takes those of its layers."""
         state = self.step.own(read_checkpoint(model_uri).state_dict)
+        check_warm_start(type(self.module).__name__, state, self.module.state_dict(), model_uri)
         self.module.load_state_dict(state, strict=True)
 
     def save_lightning_checkpoint(

@@ -634,3 +634,56 @@ def test_model_checkpoint_keeps_the_files_trainer_keeps_and_stops_where_it_stops
     oracle = Stopping.load_from_checkpoint(theirs.best_model_path)
     assert relative_difference(loaded.state_dict(), oracle.state_dict()) < 1e-5
     assert loaded.hparams == oracle.hparams
+
+
+def test_a_module_with_lazy_layers_warm_starts_from_a_committed_model(data, tmp_path):
+    """Its lazy layers take their shapes from the data before the committed weights load:
+    trained on at a learning rate of 0, it keeps them exactly."""
+    trained = fit(
+        Lazy,
+        hparams={"total_steps": STEPS},
+        data=data,
+        config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+        checkpoint_uri=str(tmp_path / "trained"),
+        in_process=True,
+    )
+    kept = fit(
+        Lazy,
+        hparams={"total_steps": STEPS, "max_lr": 0.0},
+        data=data,
+        config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED + 1),
+        checkpoint_uri=str(tmp_path / "kept"),
+        in_process=True,
+        init_from=trained.checkpoint,
+    )
+    for name in ("net.1.weight", "net.1.bias", "net.3.weight"):
+        assert torch.equal(kept.state_dict[name], trained.state_dict[name]), name
+
+
+class LazyWider(Lazy):
+    def __init__(self, **hparams):
+        super().__init__(**hparams)
+        self.net = nn.Sequential(
+            nn.LazyBatchNorm1d(), nn.LazyLinear(64), nn.Tanh(), nn.Linear(64, CLASSES)
+        )
+
+
+def test_a_lazy_layer_shaped_unlike_the_committed_model_is_refused_by_name(data, tmp_path):
+    trained = fit(
+        Lazy,
+        hparams={"total_steps": STEPS},
+        data=data,
+        config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+        checkpoint_uri=str(tmp_path / "trained"),
+        in_process=True,
+    )
+    with pytest.raises(ModelError, match=r"cannot warm-start LazyWider.*'net.1.bias'"):
+        fit(
+            LazyWider,
+            hparams={"total_steps": STEPS},
+            data=data,
+            config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+            checkpoint_uri=str(tmp_path / "wider"),
+            in_process=True,
+            init_from=trained.checkpoint,
+        )
