@@ -660,30 +660,26 @@ def test_a_module_with_lazy_layers_warm_starts_from_a_committed_model(data, tmp_
         assert torch.equal(kept.state_dict[name], trained.state_dict[name]), name
 
 
-class LazyWider(Lazy):
-    def __init__(self, **hparams):
-        super().__init__(**hparams)
-        self.net = nn.Sequential(
-            nn.LazyBatchNorm1d(), nn.LazyLinear(64), nn.Tanh(), nn.Linear(64, CLASSES)
-        )
-
-
 def test_a_lazy_layer_shaped_unlike_the_committed_model_is_refused_by_name(data, tmp_path):
+    """Trained on one more feature, the committed model's lazy layers are wider: the worker,
+    which sizes them from this run's data, names them."""
+    x, y = data.splits["train"]
+    wider = TensorData(splits={"train": (torch.cat([x, x[:, :1]], 1), y)})
     trained = fit(
         Lazy,
         hparams={"total_steps": STEPS},
-        data=data,
+        data=wider,
         config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
         checkpoint_uri=str(tmp_path / "trained"),
         in_process=True,
     )
-    with pytest.raises(ModelError, match=r"cannot warm-start LazyWider.*'net.1.bias'"):
+    with pytest.raises(ModelError, match=r"cannot warm-start Lazy from .*'net.1.weight'"):
         fit(
-            LazyWider,
+            Lazy,
             hparams={"total_steps": STEPS},
             data=data,
             config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
-            checkpoint_uri=str(tmp_path / "wider"),
+            checkpoint_uri=str(tmp_path / "narrower"),
             in_process=True,
             init_from=trained.checkpoint,
         )
