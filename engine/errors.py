@@ -7,6 +7,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "EngineError",
     "ModelError",
+    "NotOfferedError",
     "PeerLostError",
     "WorkerFailedError",
 ]
@@ -19,6 +20,11 @@ class EngineError(RuntimeError):
 class ModelError(EngineError, ValueError):
     """The model cannot be trained as asked: its import path, its hyperparameters, or their
     fit with the data. A retry cannot fix it; the message says what to change."""
+
+
+class NotOfferedError(ModelError, AttributeError):
+    """The module or a callback read an attribute of ``self.trainer`` that ringflow does not
+    offer. An ``AttributeError`` too, so ``getattr(trainer, name, default)`` still works."""
 
 
 class WorkerFailedError(EngineError):

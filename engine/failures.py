@@ -25,7 +25,7 @@ from types import TracebackType
 
 from ringflow.engine.errors import EngineError, ModelError
 
-__all__ = ["start_failure", "user_error", "user_error_from_text"]
+__all__ = ["one_line", "start_failure", "user_error", "user_error_from_text"]
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+, in (?P<func>\S+)')
 _RAISED = re.compile(r"^(?P<name>[A-Za-z_][\w.]*): ?(?P<message>.*)$")
@@ -63,10 +63,10 @@ def user_error(
             boundary without its own (Ray's ``RayTaskError.traceback_str``).
     """
     if isinstance(err, ModelError):  # ringflow's own refusal, which already says what to do
-        return ModelError(f"{_one_line(str(err))} ({where})")
+        return ModelError(f"{one_line(str(err))} ({where})")
     hook = _hook(_frames(err, traceback_text), module_cls)
     name = type(err).__name__
-    message = _one_line(str(err))
+    message = one_line(str(err))
     return ModelError(f"{hook} raised {name}{': ' + message if message else ''} ({where})")
 
 
@@ -77,10 +77,10 @@ def user_error_from_text(text: str, *, where: str, module_cls: type | None = Non
         (m for line in reversed(text.strip().splitlines()) if (m := _RAISED.match(line.strip()))),
         None,
     )
-    err = _Raised(raised["message"] if raised else _one_line(text))
+    err = _Raised(raised["message"] if raised else one_line(text))
     err.name = raised["name"].rpartition(".")[2] if raised else "an error"
     hook = _hook(_frames(err, text), module_cls)
-    return ModelError(f"{hook} raised {err.name}: {_one_line(str(err))} ({where})")
+    return ModelError(f"{hook} raised {err.name}: {one_line(str(err))} ({where})")
 
 
 def start_failure(text: str, *, where: str, module_cls: type | None = None) -> Exception:
@@ -138,6 +138,7 @@ def _source_file(module_cls: type | None) -> str | None:
         return None
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
+    """``text``'s first line, with ``...`` where more followed (an error's message)."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return " ".join(lines[:1] + (["..."] if len(lines) > 1 else []))

@@ -425,10 +425,26 @@ class MetricLog:
         logged, self.logged = self.logged, Logged()
         for name, metric in self._live.items():
             if metric._update_count:
-                logged.metrics[name] = copy.deepcopy(metric).cpu()
+                logged.metrics[name] = _detached_copy(metric)
                 logged.options[name] = self._options[name]
             metric.reset()
         return logged
+
+
+def _detached_copy(metric: Any) -> Any:
+    """A copy of ``metric`` on the CPU whose tensors hold no autograd graph.
+
+    A metric called in ``training_step`` (``self.train_loss(loss)``) keeps states computed
+    from the loss, which are not graph leaves, and ``copy.deepcopy`` refuses those; the copy
+    takes detached clones of them instead (``deepcopy``'s memo), the module's metric keeps
+    its own."""
+    memo: dict[int, Any] = {}
+    for part in metric.modules():
+        for value in vars(part).values():
+            for item in value if isinstance(value, list) else (value,):
+                if isinstance(item, torch.Tensor) and item.grad_fn is not None:
+                    memo[id(item)] = item.detach().clone()
+    return copy.deepcopy(metric, memo).cpu()
 
 
 def _values(logged: Logged) -> Iterator[Value]:

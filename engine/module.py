@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 from ringflow.engine.config import PRECISIONS
-from ringflow.engine.errors import ModelError
+from ringflow.engine.errors import ModelError, NotOfferedError
 from ringflow.engine.jsonstate import from_json, to_json
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "clip_gradients",
     "compile_in_place",
     "compiled_in_buckets",
+    "lightning_checkpoint",
 ]
 
 CLIP_ALGORITHMS = ("norm", "value")
@@ -682,8 +685,11 @@ class TrainerView:
         accumulate: int = 1,
         rank: int = 0,
         module: torch.nn.Module | None = None,
+        datamodule: Any = None,
     ) -> None:
         self.max_epochs, self.lightning_module = max_epochs, module
+        self.max_steps, self.min_epochs, self.min_steps = -1, None, None
+        self.datamodule = datamodule
         self.accumulate_grad_batches = accumulate
         self.count_batches(steps_per_epoch)
         self.global_rank, self.world_size, self.local_rank, self.node_rank = rank, world_size, 0, 0
@@ -699,9 +705,51 @@ class TrainerView:
         self.loggers: list = []  # the recorder, when the run has loggers (``use_loggers``)
         self.logger = None
         self.callback_metrics: dict[str, torch.Tensor] = {}
+        self.logged_metrics: dict[str, torch.Tensor] = {}
+        self.progress_bar_metrics: dict[str, float] = {}
         self.log_every_n_steps = 50
+        self.num_nodes, self.num_sanity_val_steps = 1, 0
+        self.num_val_batches: list[int] = []  # read as "validation every epoch" by callbacks
+        self.val_loop = _ValidationLoop()
+        self.ckpt_path = None
+        self.default_root_dir = os.getcwd()  # Trainer's default, resolved in the driver
+        self.callbacks: list[Any] = []
+        self.checkpoint_callback = self.early_stopping_callback = None
+        self.progress_bar_callback = None
         self.logs_due = False
         self._logger_connector = self.fit_loop = self.epoch_loop = self
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The module being trained (Trainer's ``strategy.model``; no DDP wrapper here)."""
+        return self.lightning_module
+
+    @property
+    def num_devices(self) -> int:
+        """Every worker is one device of one node."""
+        return self.world_size
+
+    def __getattr__(self, name: str) -> Any:
+        """Reached only for what the view does not hold: named, with the hook that read it."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise NotOfferedError(
+            f"self.trainer.{name} (read in {_reading_hook()}) is not offered by ringflow; "
+            "docs/own-model.md lists what self.trainer offers"
+        )
+
+    def save_checkpoint(
+        self, filepath: str, weights_only: bool = False, storage_options: Any = None
+    ) -> None:
+        """``Trainer.save_checkpoint`` in the driver: rank 0's worker writes the file
+        (``engine.callbacks``), with the states of the driver's callbacks."""
+        files = getattr(self.strategy, "files", None)
+        if files is None or storage_options is not None:
+            raise NotOfferedError(
+                "self.trainer.save_checkpoint is offered to callbacks in the driver, without "
+                "storage_options, and without pipeline stages (each holds part of the model)"
+            )
+        files.save(filepath, weights_only, {c.state_key: c.state_dict() for c in self.callbacks})
 
     @contextlib.contextmanager
     def as_rank(self, rank: int, world_size: int) -> Iterator[None]:
@@ -787,6 +835,26 @@ class TrainerView:
         self.is_last_batch = batch_idx == self.num_training_batches - 1
 
 
+def _reading_hook() -> str:
+    """The method of a module or callback that is reading ``self.trainer`` (the innermost
+    frame whose ``self`` is one)."""
+    from lightning.pytorch import Callback, LightningModule
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, LightningModule | Callback):
+            return f"{type(owner).__name__}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "the module's code"
+
+
+class _ValidationLoop:
+    """What callbacks read of Trainer's validation loop: it ran before they are called."""
+
+    _has_run = True
+
+
 class _Recorder:
     """A logger in a worker: keeps the rows callbacks log there (``LearningRateMonitor``'s)
     for the driver, which writes them to the run's loggers."""
@@ -858,9 +926,61 @@ class _Strategy:
 
 class _OneDecision:
     """The strategy of a view with no optimizers (the driver's): one decision for the whole
-    run, since what it decides on (the epoch's metrics) is already global."""
+    run, since what it decides on (the epoch's metrics) is already global; the files of
+    ``ModelCheckpoint`` are removed where they were written (``files``, set by the driver)."""
 
     reduce_boolean_decision = staticmethod(_Strategy.reduce_boolean_decision)
+
+    def __init__(self) -> None:
+        self.files: Any = None
+
+    @staticmethod
+    def broadcast(obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    def remove_checkpoint(self, filepath: str) -> None:
+        self.files.remove(filepath)
+
+
+def lightning_checkpoint(
+    module: torch.nn.Module,
+    optimization: Optimization,
+    trainer: TrainerView,
+    *,
+    weights_only: bool,
+    callbacks: dict[str, Any],
+) -> dict[str, Any]:
+    """What ``Trainer.save_checkpoint`` puts in a ``.ckpt`` file (its checkpoint connector's
+    ``dump_checkpoint``), so that ``load_from_checkpoint`` reads it: the epoch and step, the
+    weights, the hyperparameters the module saved, what ``on_save_checkpoint`` adds and,
+    unless ``weights_only``, the optimizers', schedulers', scaler's and ``callbacks``' states.
+    """
+    import lightning
+
+    checkpoint: dict[str, Any] = {
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "pytorch-lightning_version": lightning.__version__,
+        "state_dict": module.state_dict(),
+        "loops": {},
+    }
+    if not weights_only:
+        scaler = optimization.precision.scaler
+        checkpoint["callbacks"] = callbacks
+        checkpoint["optimizer_states"] = [o.state_dict() for o in optimization.optimizers]
+        checkpoint["lr_schedulers"] = [c.scheduler.state_dict() for c in optimization.configs]
+        if scaler is not None:  # under the name Lightning's MixedPrecision keeps it
+            checkpoint["MixedPrecision"] = scaler.state_dict()
+    hparams = getattr(module, "hparams", None)
+    if hparams:
+        if hasattr(module, "_hparams_name"):
+            checkpoint[module.CHECKPOINT_HYPER_PARAMS_NAME] = module._hparams_name
+        checkpoint[module.CHECKPOINT_HYPER_PARAMS_KEY] = dict(hparams)
+    call_hook(module, "on_save_checkpoint", checkpoint)
+    return checkpoint
 
 
 def module_checkpoint(module: torch.nn.Module) -> dict[str, Any]:

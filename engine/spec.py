@@ -19,9 +19,18 @@ from typing import Any
 import torch
 
 from ringflow.engine.errors import ModelError
+from ringflow.engine.failures import one_line
 from ringflow.storage.dataset import TableSchema
 
-__all__ = ["DATA_HPARAMS", "ModelRef", "build_module", "import_model", "model_hparams"]
+__all__ = [
+    "DATA_HPARAMS",
+    "ModelRef",
+    "build_module",
+    "check_json_hparams",
+    "check_warm_start",
+    "import_model",
+    "model_hparams",
+]
 
 DATA_HPARAMS = ("input_dim", "num_classes")
 """Constructor keywords that the dataset fills in, when the constructor declares them."""
@@ -46,10 +55,7 @@ class ModelRef:
             )
         if not isinstance(self.hparams, dict):
             raise ModelError(f"hparams must be a JSON object, got {self.hparams!r}")
-        try:
-            json.dumps(self.hparams)
-        except TypeError as err:
-            raise ModelError(f"hparams must hold JSON values only: {err}") from None
+        check_json_hparams(self.hparams)
 
     def resolve(self) -> type[torch.nn.Module]:
         """The model class; see :func:`import_model`."""
@@ -92,14 +98,34 @@ def import_model(path: str) -> type[torch.nn.Module]:
     return obj
 
 
+def check_json_hparams(hparams: dict[str, Any]) -> None:
+    """Every hyperparameter is JSON: ringflow records them with every checkpoint and sends
+    them to every worker, which builds its own module from them.
+
+    Raises:
+        ModelError: naming the first one that is not (a module, a ``functools.partial``...).
+    """
+    for name, value in hparams.items():
+        try:
+            json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError):
+            raise ModelError(
+                f"hparams {name!r} is a {type(value).__name__}, which is not JSON: pass "
+                "numbers, strings, lists and dicts, and build the object from them in the "
+                "module's __init__"
+            ) from None
+
+
 def model_hparams(
     module_cls: type, hparams: dict[str, Any], schema: TableSchema | None
 ) -> dict[str, Any]:
     """``hparams`` with what the data decides (:data:`DATA_HPARAMS` the constructor declares).
 
     Raises:
-        ModelError: ``hparams`` sets one of them to another value than the data has.
+        ModelError: ``hparams`` sets one of them to another value than the data has, or one
+            is not JSON (:func:`check_json_hparams`).
     """
+    check_json_hparams(hparams)
     if schema is None:
         return dict(hparams)
     accepted = inspect.signature(module_cls).parameters
@@ -119,11 +145,36 @@ def model_hparams(
     return merged
 
 
+def check_warm_start(
+    name: str, saved: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor], init_from: str
+) -> None:
+    """The warm-start model ``saved`` has the tensors, names and shapes of ``wanted`` (the
+    module's state), the shapes of lazy parameters not yet materialised aside.
+
+    Raises:
+        ModelError: naming the tensors that are missing or shaped differently.
+    """
+    from torch.nn.parameter import is_lazy
+
+    differ = sorted(
+        key
+        for key in set(saved) | set(wanted)
+        if key not in saved
+        or key not in wanted
+        or (not is_lazy(wanted[key]) and saved[key].shape != wanted[key].shape)
+    )
+    if differ:
+        raise ModelError(
+            f"cannot warm-start {name} from {init_from}: tensors {differ[:5]} are missing or "
+            "shaped differently (trained with other hparams?)"
+        )
+
+
 def build_module(module_cls: type, hparams: dict[str, Any]) -> torch.nn.Module:
     """``module_cls(**hparams)``, with a one-line error naming what the constructor refused.
 
     Raises:
-        ModelError: the constructor does not take these keywords, or raised on their values.
+        ModelError: the constructor does not take these keywords, or raised.
     """
     name = module_cls.__name__
     try:
@@ -139,6 +190,10 @@ def build_module(module_cls: type, hparams: dict[str, Any]) -> torch.nn.Module:
         return module_cls(**hparams)
     except (TypeError, ValueError) as err:
         raise ModelError(f"{name}({_kwargs(hparams)}) refused its hparams: {err}") from None
+    except Exception as err:  # the user's code: the same raises again on every attempt
+        raise ModelError(
+            f"{name}({_kwargs(hparams)}) raised {type(err).__name__}: {one_line(str(err))}"
+        ) from err
 
 
 def _kwargs(hparams: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, St
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged, logger_rows
 from ringflow.engine.module import CALLED_HOOKS, overrides, uncalled_hooks
-from ringflow.engine.spec import build_module, model_hparams
+from ringflow.engine.spec import build_module, check_warm_start, model_hparams
 from ringflow.engine.timeline import TimelineSummary, chrome_trace, summarize, trace_bytes
 from ringflow.engine.worker import Worker, evaluate_module
 from ringflow.storage.checkpoint import Allowed, load_model, read_checkpoint, save_model
@@ -198,7 +198,10 @@ def fit(
             world_size=config.workers,
             accumulate=config.accumulate_grad_batches,
             extra=callbacks,
+            loggers=writers.loggers,
         )
+        if pipeline is None:
+            callbacks.write_files_with(group)
         if callbacks.in_workers:
             if pipeline is not None:
                 raise ValueError(
@@ -865,19 +868,10 @@ def evaluate(
 
 
 def _check_warm_start(module: torch.nn.Module, hparams: dict[str, Any], init_from: str) -> None:
-    """The warm-start model must have this run's tensors, names and shapes."""
+    """The warm-start model must have this run's tensors, names and shapes (a lazy layer's
+    shapes are checked by the workers, which materialise it from the data)."""
     saved = read_checkpoint(init_from).state_dict
-    wanted = module.state_dict()
-    differ = sorted(
-        name
-        for name in set(saved) | set(wanted)
-        if name not in saved or name not in wanted or saved[name].shape != wanted[name].shape
-    )
-    if differ:
-        raise ValueError(
-            f"cannot warm-start {type(module).__name__}({hparams}) from {init_from}: tensors "
-            f"{differ[:5]} are missing or shaped differently (trained with other hparams?)"
-        )
+    check_warm_start(f"{type(module).__name__}({hparams})", saved, module.state_dict(), init_from)
 
 
 def _fmt(metrics: dict[str, float]) -> str:

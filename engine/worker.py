@@ -34,9 +34,11 @@ from ringflow.engine.module import (
     TrainerView,
     attach,
     call_hook,
+    lightning_checkpoint,
     module_checkpoint,
     step_arguments,
 )
+from ringflow.engine.spec import check_warm_start
 from ringflow.engine.timeline import WorkerTimeline
 from ringflow.storage.checkpoint import read_checkpoint
 from ringflow.storage.checkpointer import AsyncCheckpointer, copy_to_host, host_buffer
@@ -369,10 +371,12 @@ class Worker:
             accumulate=config.accumulate_grad_batches,
             rank=rank,
             world_size=self.world_size,
+            datamodule=getattr(data, "datamodule", None),
         )
         self.metric_log = MetricLog()
         attach(module, self.trainer, self.metric_log)
         self.module = self.step.prepare(module)
+        self.trainer.lightning_module = self.module  # configure_optimizers may read trainer.model
         self.optimization = Optimization(self.module, self.precision)
         if config.lr_scaling != "none":
             self.optimization.lr_scale = LrScale(config.lr_factor(), config.lr_warmup_steps)
@@ -1000,7 +1004,30 @@ class Worker:
         """Start from the weights of the committed model at ``model_uri`` (fresh optimizer);
         a pipeline stage takes those of its layers."""
         state = self.step.own(read_checkpoint(model_uri).state_dict)
+        check_warm_start(type(self.module).__name__, state, self.module.state_dict(), model_uri)
         self.module.load_state_dict(state, strict=True)
+
+    def save_lightning_checkpoint(
+        self, filepath: str, weights_only: bool, callbacks: dict[str, Any]
+    ) -> None:
+        """Write the ``.ckpt`` file ``Trainer.save_checkpoint`` writes (``ModelCheckpoint``'s)
+        to ``filepath``, any fsspec URL, through Lightning's own checkpoint IO."""
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        checkpoint = lightning_checkpoint(
+            self.module,
+            self.optimization,
+            self.trainer,
+            weights_only=weights_only,
+            callbacks=callbacks,
+        )
+        TorchCheckpointIO().save_checkpoint(checkpoint, filepath)
+
+    def remove_lightning_checkpoint(self, filepath: str) -> None:
+        """Remove a ``.ckpt`` file :meth:`save_lightning_checkpoint` wrote."""
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        TorchCheckpointIO().remove_checkpoint(filepath)
 
     def restore(self, store_url: str, checkpoint: CommittedCheckpoint) -> int:
         """Load the model and optimizer state of ``checkpoint``, whatever layout wrote it;

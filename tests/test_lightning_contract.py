@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from ringflow.engine import ModelError, TensorData, TrainConfig, fit
 from ringflow.engine.module import Optimization
 from ringflow.storage import CheckpointStore
-from tests.support.fitting import relative_difference
+from tests.support.fitting import one_thread, relative_difference
 
 FEATURES, CLASSES, BATCH, EPOCHS, SEED = 8, 3, 16, 3, 7
 
@@ -539,3 +539,147 @@ def test_lazy_layers_train_alike_on_every_worker(data, tmp_path, ray_session):
     one = under_ringflow(LazyLinears, hparams, data, tmp_path)
     two = under_ringflow(LazyLinears, hparams, data, tmp_path, workers=2, cpus_per_worker=0.5)
     assert relative_difference(two, one) < 1e-5
+
+
+class ReadsItsTrainer(OneCycle):
+    """Its optimizer over ``self.trainer.model``'s parameters, its schedule as long as
+    ``self.trainer.estimated_stepping_batches``, as Lightning's examples configure them (a
+    OneCycleLR stepped once too often raises)."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.trainer.model.parameters(), lr=self.hparams.max_lr)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer,
+            max_lr=self.hparams.max_lr,
+            total_steps=self.trainer.estimated_stepping_batches,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def test_configure_optimizers_reads_the_model_and_the_steps_of_trainer(
+    data, tmp_path, deterministic_off
+):
+    hparams = {"total_steps": 0}  # unused: the schedule's length comes from the trainer
+    with one_thread():
+        expected = under_trainer(ReadsItsTrainer, hparams, data, accumulate_grad_batches=2)
+        got = under_ringflow(ReadsItsTrainer, hparams, data, tmp_path, accumulate_grad_batches=2)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+class ReadsWhatIsNotOffered(OneCycle):
+    def configure_optimizers(self):
+        self.trainer.barebones  # noqa: B018
+        return super().configure_optimizers()
+
+
+def test_what_self_trainer_does_not_offer_is_named_with_the_hook_that_read_it(data, tmp_path):
+    with pytest.raises(ModelError) as raised:
+        under_ringflow(ReadsWhatIsNotOffered, {"total_steps": STEPS}, data, tmp_path)
+    message = str(raised.value)
+    assert "self.trainer.barebones (read in ReadsWhatIsNotOffered.configure_optimizers) is " in (
+        message
+    )
+    assert "not offered by ringflow" in message
+    assert "\n" not in message
+
+
+def test_hparams_that_are_not_json_are_refused_by_name_before_training(data, tmp_path):
+    import functools
+
+    with pytest.raises(ModelError, match="hparams 'make' is a partial, which is not JSON"):
+        fit(
+            OneCycle,
+            hparams={"total_steps": STEPS, "make": functools.partial(nn.Linear, 2)},
+            data=data,
+            config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+            checkpoint_uri=str(tmp_path / "model"),
+            in_process=True,
+        )
+
+
+def test_model_checkpoint_keeps_the_files_trainer_keeps_and_stops_where_it_stops(
+    data, tmp_path, deterministic_off
+):
+    """``ModelCheckpoint(monitor="val_loss", save_top_k=2)`` beside the module's
+    ``EarlyStopping``: the same ``.ckpt`` files kept, the same best one and score, the run
+    stopped at the same epoch; ``load_from_checkpoint`` reads ringflow's file."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def checkpoints(where: str) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=str(tmp_path / where), monitor="val_loss", save_top_k=2)
+
+    hparams, epochs = {"total_steps": STEPS}, 12
+    theirs, ours = checkpoints("theirs"), checkpoints("ours")
+    _, trainer = trained_by_trainer(
+        Stopping, hparams, data, epochs=epochs, callbacks=[theirs], enable_checkpointing=True
+    )
+    assert trainer.current_epoch < epochs, "the oracle never stopped: the test proves nothing"
+    result = fit(
+        Stopping,
+        hparams=hparams,
+        data=data,
+        config=TrainConfig(workers=1, epochs=epochs, batch_size=BATCH, seed=SEED),
+        checkpoint_uri=str(tmp_path / "model"),
+        in_process=True,
+        callbacks=[ours],
+    )
+    assert len(result.history) == trainer.current_epoch
+    kept = sorted(p.name for p in (tmp_path / "theirs").iterdir())
+    assert len(kept) == 2
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == kept
+    assert Path(ours.best_model_path).name == Path(theirs.best_model_path).name
+    assert float(ours.best_model_score) == pytest.approx(float(theirs.best_model_score), rel=1e-6)
+    loaded = Stopping.load_from_checkpoint(ours.best_model_path)
+    oracle = Stopping.load_from_checkpoint(theirs.best_model_path)
+    assert relative_difference(loaded.state_dict(), oracle.state_dict()) < 1e-5
+    assert loaded.hparams == oracle.hparams
+
+
+def test_a_module_with_lazy_layers_warm_starts_from_a_committed_model(data, tmp_path):
+    """Its lazy layers take their shapes from the data before the committed weights load:
+    trained on at a learning rate of 0, it keeps them exactly."""
+    trained = fit(
+        Lazy,
+        hparams={"total_steps": STEPS},
+        data=data,
+        config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+        checkpoint_uri=str(tmp_path / "trained"),
+        in_process=True,
+    )
+    kept = fit(
+        Lazy,
+        hparams={"total_steps": STEPS, "max_lr": 0.0},
+        data=data,
+        config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED + 1),
+        checkpoint_uri=str(tmp_path / "kept"),
+        in_process=True,
+        init_from=trained.checkpoint,
+    )
+    for name in ("net.1.weight", "net.1.bias", "net.3.weight"):
+        assert torch.equal(kept.state_dict[name], trained.state_dict[name]), name
+
+
+def test_a_lazy_layer_shaped_unlike_the_committed_model_is_refused_by_name(data, tmp_path):
+    """Trained on one more feature, the committed model's lazy layers are wider: the worker,
+    which sizes them from this run's data, names them."""
+    x, y = data.splits["train"]
+    wider = TensorData(splits={"train": (torch.cat([x, x[:, :1]], 1), y)})
+    trained = fit(
+        Lazy,
+        hparams={"total_steps": STEPS},
+        data=wider,
+        config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+        checkpoint_uri=str(tmp_path / "trained"),
+        in_process=True,
+    )
+    with pytest.raises(ModelError, match=r"cannot warm-start Lazy from .*'net.1.weight'"):
+        fit(
+            Lazy,
+            hparams={"total_steps": STEPS},
+            data=data,
+            config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+            checkpoint_uri=str(tmp_path / "narrower"),
+            in_process=True,
+            init_from=trained.checkpoint,
+        )

@@ -223,3 +223,19 @@ def test_a_callback_reads_of_trainer_what_trainer_gives_it(tmp_path):
     by_trainer_then_ringflow(OneCycle, tmp_path, theirs=[theirs], ours=[ours])
     assert len(theirs.seen) == 2
     assert ours.seen == theirs.seen
+
+
+def test_a_model_checkpoint_saving_within_epochs_is_refused_before_training(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    with pytest.raises(ModelError, match=r"ModelCheckpoint\(every_n_train_steps=4\) is not "):
+        fit(
+            OneCycle,
+            hparams={"total_steps": 8},
+            data=table(),
+            config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+            checkpoint_uri=str(tmp_path / "model"),
+            in_process=True,
+            callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4)],
+        )
+    assert not (tmp_path / "ckpt").exists()

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 from torch.nn import functional as F
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 from ringflow.engine import TrainConfig, fit
@@ -37,6 +38,7 @@ class Logs(OneCycle):
         super().__init__(**hparams)
         self.train_acc = MulticlassAccuracy(num_classes=CLASSES, average="micro")
         self.val_f1 = MulticlassF1Score(num_classes=CLASSES, average="macro")
+        self.train_loss = MeanMetric()  # updated with the loss itself, its graph included
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -45,6 +47,8 @@ class Logs(OneCycle):
         self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
         loss = F.cross_entropy(logits, y)
         self.log("loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        self.train_loss(loss)
+        self.log("train/loss", self.train_loss, on_step=True, on_epoch=True)
         self.log("correct", (logits.argmax(1) == y).sum().float(), on_epoch=True, reduce_fx="sum")
         worst = F.cross_entropy(logits, y, reduction="none").max()
         self.log_dict({"worst": worst}, on_step=False, on_epoch=True, reduce_fx="max")
@@ -148,6 +152,7 @@ def test_the_csv_logger_gets_trainers_names_steps_and_values(
     assert {"val_loss", "val_acc", "epoch_seen", "global_step_seen", "val_seen"} <= names
     assert {"val_both_step", "val_both_epoch", "val_each"} <= names
     assert {"train_acc_step", "train_acc_epoch", "val_f1", "lr-AdamW", "lr-AdamW-momentum"} <= names
+    assert {"train/loss_step", "train/loss_epoch"} <= names
     same_rows(logged_by_ringflow(data, tmp_path, workers=1), trainers_rows, 1e-6)
     # the hyperparameters the module saved, as Trainer writes them
     ours = (tmp_path / "ringflow-1" / "run" / "version_0" / "hparams.yaml").read_text()
