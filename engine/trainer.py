@@ -134,7 +134,8 @@ def fit(
             ``input_dim`` and ``num_classes`` come from the data where the constructor
             declares them (``engine.spec.model_hparams``).
         data: the preprocessed dataset (``DataSpec``), ``TensorData``, a
-            ``LightningDataModule`` or ``DatasetData`` of map-style datasets (``engine.data``).
+            ``LightningDataModule`` or ``DatasetData`` of map-style datasets (``engine.data``);
+            ``None`` (or the module) for the module's own ``train_dataloader()``.
         config: workers, epochs, global batch, seed, collective, checkpoint interval.
         checkpoint_uri: fsspec URL where the trained model is committed.
         in_process: run the single worker in this process instead of a Ray actor.
@@ -160,7 +161,7 @@ def fit(
             ``run_key`` written by a different configuration.
         CheckpointStorageError: ``store_url`` cannot be written (checked before training).
     """
-    data = as_data(data, batch_size=config.batch_size)
+    data = as_data(data, batch_size=config.batch_size, module_cls=module_cls)
     if pipeline is not None and not hasattr(data, "read"):
         raise ValueError(
             f"pipeline stages train on tables (a DataSpec or TensorData), not on "
