@@ -17,7 +17,7 @@ import torch
 from ringflow.engine.callbacks import Callbacks
 from ringflow.engine.cluster import dashboard_url
 from ringflow.engine.config import DataSpec, TrainConfig
-from ringflow.engine.data import as_data, samples_of
+from ringflow.engine.data import ModuleData, as_data, samples_of
 from ringflow.engine.elastic.coordinator import ElasticEvent
 from ringflow.engine.epochs import Epochs
 from ringflow.engine.errors import EngineError, ModelError
@@ -177,7 +177,7 @@ def fit(
     )
     writers = _Loggers(loggers)
     logged = _logged_hyperparameters(module_cls, hparams, data) if writers.loggers else None
-    _warn_uncalled_hooks(module_cls, pipeline)
+    _warn_uncalled_hooks(module_cls, pipeline, own_data=isinstance(data, ModuleData))
     if hasattr(data, "prepare"):
         data.prepare()  # a DataModule's prepare_data: once, before any worker starts
     if overrides(module_cls, "prepare_data"):  # then the module's, as Trainer calls them
@@ -295,8 +295,11 @@ def _write_timeline(group: WorkerGroup, config: TrainConfig, url: str) -> Timeli
     return summary
 
 
-def _warn_uncalled_hooks(module_cls: type, pipeline: PipelineConfig | None) -> None:
-    """Name the hooks the module overrides that this run will not call (never silence)."""
+def _warn_uncalled_hooks(
+    module_cls: type, pipeline: PipelineConfig | None, *, own_data: bool = False
+) -> None:
+    """Name the hooks the module overrides that this run will not call (never silence);
+    with ``own_data``, its training and validation loaders are called."""
     if not isinstance(module_cls, type) or not issubclass(module_cls, torch.nn.Module):
         return
     import lightning as L
@@ -306,6 +309,8 @@ def _warn_uncalled_hooks(module_cls: type, pipeline: PipelineConfig | None) -> N
     # A pipeline stage holds part of the module: none of its hooks run there but the step's
     # (prepare_data runs in the driver).
     called = frozenset({"prepare_data", "optimizer_step"}) if pipeline else CALLED_HOOKS
+    if own_data:
+        called |= {"train_dataloader", "val_dataloader"}
     uncalled = uncalled_hooks(module_cls, called=called)
     if uncalled:
         log.warning(

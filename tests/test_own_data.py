@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from ringflow.engine import DatasetData
+from ringflow.engine import DatasetData, TrainConfig
 from tests.support.fitting import one_thread, relative_difference
 from tests.test_lightning_contract import (
     BATCH,
@@ -278,3 +278,14 @@ def test_a_dataset_holding_a_numpy_generator_trains_on_two_workers(tmp_path, ray
     two = under_ringflow(OneCycle, {"total_steps": 30}, data, tmp_path, workers=2)
     one = under_ringflow(OneCycle, {"total_steps": 30}, data, tmp_path)
     assert relative_difference(two, one) < 1e-5
+
+
+def test_a_module_given_no_data_and_no_train_dataloader_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match="OneCycle has no train_dataloader") as refused:
+        under_ringflow(OneCycle, {"total_steps": 30}, None, tmp_path)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_negative_reload_interval_is_refused_by_name():
+    with pytest.raises(ValueError, match="reload_dataloaders_every_n_epochs"):
+        TrainConfig(reload_dataloaders_every_n_epochs=-1)
