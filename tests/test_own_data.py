@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from ringflow.engine import DatasetData, TrainConfig
+from ringflow.engine import DatasetData, TrainConfig, fit
 from tests.support.fitting import one_thread, relative_difference
 from tests.test_lightning_contract import (
     BATCH,
@@ -24,6 +24,7 @@ from tests.test_lightning_contract import (
     SEED,
     EpochOrder,
     OneCycle,
+    Preempted,
     ReseededEachBatch,
     deterministic_off,  # noqa: F401 (a fixture)
     table,
@@ -246,6 +247,37 @@ def test_numpy_and_random_are_seeded_at_every_step_as_torch_is(tmp_path):
         module, _ = trained_by_trainer(Noisy, hparams, table(), callbacks=[ReseededEachBatch()])
     got = under_ringflow(Noisy, hparams, table(), tmp_path)
     assert relative_difference(got, module.state_dict()) < 1e-6
+
+
+class NoisyPreempted(Preempted, Noisy):
+    """``Noisy``, whose process dies at its ``dies_at``-th batch."""
+
+
+def test_a_run_drawing_from_numpy_and_random_resumed_mid_epoch_ends_bit_for_bit(tmp_path):
+    def run(run_key: str):
+        return fit(
+            NoisyPreempted,
+            hparams={"total_steps": 30},
+            data=table(),
+            config=TrainConfig(
+                workers=1, epochs=2, batch_size=BATCH, seed=SEED, checkpoint_every=2
+            ),
+            checkpoint_uri=str(tmp_path / run_key),
+            in_process=True,
+            store_url=str(tmp_path / "store"),
+            run_key=run_key,
+        )
+
+    whole = run("whole")
+    NoisyPreempted.dies_at = 12  # after 11 steps (8 an epoch), checkpointed at 10
+    try:
+        with pytest.raises(RuntimeError, match="preempted"):
+            run("cut")
+    finally:
+        NoisyPreempted.dies_at = None
+    again = run("cut")
+    assert again.resumed_from == 10
+    assert_equal(again.state_dict, whole.state_dict)
 
 
 @pytest.mark.ray
