@@ -245,6 +245,9 @@ class TrainConfig:
     log_every_n_steps: Annotated[int, Ge(0)] = 50
     """Values a module logs every step reach the loggers every this many optimizer steps, as
     Lightning's ``log_every_n_steps``; 0 sends only epoch values."""
+    reload_dataloaders_every_n_epochs: Annotated[int, Ge(0)] = 0
+    """Lightning's: the training data is opened again (a DataModule's or the module's own
+    ``train_dataloader()`` called again) every this many epochs; 0 opens it once."""
     collective_timeout_s: Annotated[float, Gt(0)] = 10.0
     """Every collective's deadline: a worker that died or stopped answering makes the others
     fail with ``PeerLostError`` within this time."""
@@ -422,6 +425,11 @@ class TrainConfig:
 
     def _check_accumulation(self) -> None:
         _positive_int("accumulate_grad_batches", self.accumulate_grad_batches)
+        reload = self.reload_dataloaders_every_n_epochs
+        if isinstance(reload, bool) or not isinstance(reload, int) or reload < 0:
+            raise ValueError(
+                f"reload_dataloaders_every_n_epochs must be 0 (never) or more, got {reload!r}"
+            )
         if self.log_every_n_steps != 0:  # counts optimizer steps, as accumulation sets them
             _positive_int("log_every_n_steps", self.log_every_n_steps)
         window = self.accumulate_grad_batches

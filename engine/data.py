@@ -24,12 +24,15 @@ seeded ``torch.randperm`` of the split per epoch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from ringflow.engine.seeding import generator_states, seed_host_generators, set_generator_states
 from ringflow.storage.stream import Layout
 
 __all__ = [
@@ -37,9 +40,11 @@ __all__ = [
     "DatasetData",
     "EpochOrder",
     "Layout",
+    "ModuleData",
     "Samples",
     "TableSamples",
     "as_data",
+    "has_split",
     "layout_of",
 ]
 
@@ -191,8 +196,8 @@ class _StreamSamples:
     new epoch asks for a position behind the reader: the stream is started again
     (``set_epoch(epoch)`` first, where the dataset has it) and read up to there. So that the
     stream gives the same samples however often and by whichever worker it is read, it
-    draws from torch's generator with a state of its own, seeded by the run's seed and the
-    epoch, never the training's (which ringflow reseeds at every step).
+    draws from torch's, numpy's and Python's generators with states of their own, seeded by
+    the run's seed and the epoch, never the training's (which ringflow reseeds at every step).
     """
 
     def __init__(self, dataset: Any, collate_fn: Any, what: str) -> None:
@@ -200,8 +205,9 @@ class _StreamSamples:
         self._seed, self._epoch = 0, 0
         self._reader: Any = None
         self._at = 0  # the position the reader yields next
-        self._rng: torch.Tensor | None = None
+        self._rng: tuple[Any, ...] | None = None
         self._size: int | None = None
+        self._last = 0  # the position of the epoch's last batch
 
     def __len__(self) -> int:
         if self._size is None:
@@ -220,7 +226,9 @@ class _StreamSamples:
         of ``batch_size`` (``None``: ``config.batch_size``)."""
         if (config.seed, epoch) != (self._seed, self._epoch):
             self._seed, self._epoch, self._reader = config.seed, epoch, None
-        return StreamOrder(len(self), batch_size or config.batch_size)
+        order = StreamOrder(len(self), batch_size or config.batch_size)
+        self._last = (order.steps - 1) * order.batch_size
+        return order
 
     def batch(self, indices: torch.Tensor) -> Any:
         if not len(indices):
@@ -232,32 +240,37 @@ class _StreamSamples:
             for _ in range(first - self._at):
                 next(self._reader)
             items = [next(self._reader) for _ in range(count)]
-        self._at = first + count
+            self._at = first + count
+            if first >= self._last:
+                self._run_to_end()
         return self.collate_fn(items)
+
+    def _run_to_end(self) -> None:
+        """Read the stream past its last sample, as Trainer's loader does at an epoch's end,
+        so that what its ``__iter__`` runs after the last ``yield`` (clearing a rollout) runs."""
+        for _ in self._reader:
+            pass
+        self._reader, self._at = None, 0
 
     def _restart(self) -> Any:
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self._epoch)
-        self._rng = _generator(self._seed, self._epoch, 0).get_state()
-        torch.default_generator.set_state(self._rng)
+        seed = (self._seed + self._epoch) % 2**63
+        torch.default_generator.manual_seed(seed)
+        seed_host_generators(seed)
         return iter(self.dataset)
 
-    def _own_generator(self) -> Any:
-        import contextlib
-
-        @contextlib.contextmanager
-        def swapped():
-            training = torch.default_generator.get_state()
-            if self._rng is not None:
-                torch.default_generator.set_state(self._rng)
-            try:
-                yield
-            finally:
-                self._rng = torch.default_generator.get_state()
-                torch.default_generator.set_state(training)
-
-        return swapped()
+    @contextlib.contextmanager
+    def _own_generator(self) -> Iterator[None]:
+        training = generator_states()
+        if self._rng is not None:
+            set_generator_states(self._rng)
+        try:
+            yield
+        finally:
+            self._rng = generator_states()
+            set_generator_states(training)
 
 
 def _stream_of(dataset: Any, collate_fn: Any, what: str) -> _StreamSamples:
@@ -324,6 +337,9 @@ class DatasetData:
     def prepare(self) -> None:
         """Nothing to do once per run."""
 
+    def has(self, split: str) -> bool:
+        return split in _LOADERS and getattr(self, split) is not None
+
     def samples(self, split: str) -> Samples:
         dataset = getattr(self, split if split in _LOADERS else "", None)
         if dataset is None:
@@ -346,6 +362,12 @@ class DataModuleData:
 
     def prepare(self) -> None:
         self.datamodule.prepare_data()
+
+    def has(self, split: str) -> bool:
+        """Whether the DataModule has its own loader of ``split`` (Lightning's defaults raise)."""
+        from ringflow.engine.module import overrides
+
+        return split in _LOADERS and overrides(self.datamodule, _LOADERS[split])
 
     def samples(self, split: str) -> Samples:
         if split not in _LOADERS:
@@ -377,10 +399,62 @@ class DataModuleData:
         return f"datamodule:{cls.__module__}.{cls.__qualname__}"
 
 
-def as_data(data: Any, *, batch_size: int | None = None) -> Any:
+@dataclass(frozen=True)
+class ModuleData:
+    """The module's own data (``fit(data=None)``): its ``*_dataloader()`` methods, called in
+    each worker on the module that trains (:meth:`bind`), so that a loader may serve what
+    the module gathers as it trains (a replay buffer, rollouts of its current policy).
+
+    Raises:
+        ValueError: the module has no ``train_dataloader()`` of its own.
+    """
+
+    module_cls: Any
+
+    def __post_init__(self) -> None:
+        if not self.has("train"):
+            raise ValueError(
+                f"{self.module_cls.__name__} has no train_dataloader() and no data was given: "
+                "define train_dataloader() in the module, or pass data=..."
+            )
+
+    def prepare(self) -> None:
+        """Nothing: the module's own ``prepare_data`` runs in ``fit``, as for any module."""
+
+    def has(self, split: str) -> bool:
+        from ringflow.engine.module import overrides
+
+        return split in _LOADERS and overrides(self.module_cls, _LOADERS[split])
+
+    def bind(self, module: Any, batch_size: int) -> DataModuleData:
+        """``module``'s loaders, read as a DataModule's; its ``setup`` is not called here:
+        the worker calls it as Trainer does, before the first loader."""
+        return DataModuleData(datamodule=module, batch_size=batch_size, _stages={"fit", "test"})
+
+    def identity(self) -> str:
+        return f"module:{self.module_cls.__module__}.{self.module_cls.__qualname__}"
+
+
+def has_split(data: Any, split: str) -> bool:
+    """Whether ``data`` has ``split`` (a table is taken to have every split it is asked for)."""
+    has = getattr(data, "has", None)
+    return True if has is None else has(split)
+
+
+def _is_lightning_module(data: Any) -> bool:
+    import lightning as L
+
+    cls = data if isinstance(data, type) else type(data)
+    return issubclass(cls, L.LightningModule)
+
+
+def as_data(data: Any, *, batch_size: int | None = None, module_cls: type | None = None) -> Any:
     """``data`` as the engine takes it: a table (``DataSpec``, ``TensorData``), a
-    ``LightningDataModule``, a map-style ``Dataset`` (its ``train`` split) or a
-    ``ray.data.Dataset`` (its ``train`` split, ``engine.ray_data.RayDatasetData``)."""
+    ``LightningDataModule``, a map-style ``Dataset`` (its ``train`` split), a
+    ``ray.data.Dataset`` (its ``train`` split, ``engine.ray_data.RayDatasetData``), or
+    ``None`` or the module itself for ``module_cls``'s own loaders (:class:`ModuleData`)."""
+    if module_cls is not None and (data is None or _is_lightning_module(data)):
+        return ModuleData(module_cls)
     if hasattr(data, "samples") or hasattr(data, "read"):
         return data
     if all(hasattr(data, hook) for hook in ("prepare_data", "setup", "train_dataloader")):

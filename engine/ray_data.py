@@ -370,6 +370,9 @@ class RayDatasetData:
                 f"{sorted(names)[:10]}: rename them, or give the schema of its columns"
             )
 
+    def has(self, split: str) -> bool:
+        return split in _SPLITS and getattr(self, split) is not None
+
     def samples(self, split: str) -> Any:
         if split == "validation" and self.validation is None:
             return _NoRows()  # as Trainer without a val_dataloader: no validation metrics

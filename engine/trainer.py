@@ -17,7 +17,7 @@ import torch
 from ringflow.engine.callbacks import Callbacks
 from ringflow.engine.cluster import dashboard_url
 from ringflow.engine.config import DataSpec, TrainConfig
-from ringflow.engine.data import as_data, samples_of
+from ringflow.engine.data import ModuleData, as_data, samples_of
 from ringflow.engine.elastic.coordinator import ElasticEvent
 from ringflow.engine.epochs import Epochs
 from ringflow.engine.errors import EngineError, ModelError
@@ -134,7 +134,8 @@ def fit(
             ``input_dim`` and ``num_classes`` come from the data where the constructor
             declares them (``engine.spec.model_hparams``).
         data: the preprocessed dataset (``DataSpec``), ``TensorData``, a
-            ``LightningDataModule`` or ``DatasetData`` of map-style datasets (``engine.data``).
+            ``LightningDataModule`` or ``DatasetData`` of map-style datasets (``engine.data``);
+            ``None`` (or the module) for the module's own ``train_dataloader()``.
         config: workers, epochs, global batch, seed, collective, checkpoint interval.
         checkpoint_uri: fsspec URL where the trained model is committed.
         in_process: run the single worker in this process instead of a Ray actor.
@@ -160,7 +161,7 @@ def fit(
             ``run_key`` written by a different configuration.
         CheckpointStorageError: ``store_url`` cannot be written (checked before training).
     """
-    data = as_data(data, batch_size=config.batch_size)
+    data = as_data(data, batch_size=config.batch_size, module_cls=module_cls)
     if pipeline is not None and not hasattr(data, "read"):
         raise ValueError(
             f"pipeline stages train on tables (a DataSpec or TensorData), not on "
@@ -179,7 +180,7 @@ def fit(
     )
     writers = _Loggers(loggers)
     logged = _logged_hyperparameters(module, hparams, data) if writers.loggers else None
-    _warn_uncalled_hooks(module_cls, pipeline)
+    _warn_uncalled_hooks(module_cls, pipeline, own_data=isinstance(data, ModuleData))
     if hasattr(data, "prepare"):
         data.prepare()  # a DataModule's prepare_data: once, before any worker starts
     if overrides(module_cls, "prepare_data"):  # then the module's, as Trainer calls them
@@ -299,8 +300,11 @@ def _write_timeline(group: WorkerGroup, config: TrainConfig, url: str) -> Timeli
     return summary
 
 
-def _warn_uncalled_hooks(module_cls: type, pipeline: PipelineConfig | None) -> None:
-    """Name the hooks the module overrides that this run will not call (never silence)."""
+def _warn_uncalled_hooks(
+    module_cls: type, pipeline: PipelineConfig | None, *, own_data: bool = False
+) -> None:
+    """Name the hooks the module overrides that this run will not call (never silence);
+    with ``own_data``, its training and validation loaders are called."""
     if not isinstance(module_cls, type) or not issubclass(module_cls, torch.nn.Module):
         return
     import lightning as L
@@ -310,6 +314,8 @@ def _warn_uncalled_hooks(module_cls: type, pipeline: PipelineConfig | None) -> N
     # A pipeline stage holds part of the module: none of its hooks run there but the step's
     # (prepare_data runs in the driver).
     called = frozenset({"prepare_data", "optimizer_step"}) if pipeline else CALLED_HOOKS
+    if own_data:
+        called |= {"train_dataloader", "val_dataloader"}
     uncalled = uncalled_hooks(module_cls, called=called)
     if uncalled:
         log.warning(

@@ -23,7 +23,7 @@ import torch
 from ringflow.engine.cluster import log_files
 from ringflow.engine.collective import Collective, create_collective, environment_overrides
 from ringflow.engine.config import WIRE_FORMATS, DataSpec, TensorData, TrainConfig
-from ringflow.engine.data import EpochOrder, Layout, Samples, layout_of
+from ringflow.engine.data import EpochOrder, Layout, Samples, has_split, layout_of
 from ringflow.engine.epochs import Epochs
 from ringflow.engine.errors import EngineError, ModelError, PeerLostError
 from ringflow.engine.metrics import Logged, MetricLog
@@ -36,8 +36,10 @@ from ringflow.engine.module import (
     call_hook,
     lightning_checkpoint,
     module_checkpoint,
+    overrides,
     step_arguments,
 )
+from ringflow.engine.seeding import seed_host_generators
 from ringflow.engine.spec import check_warm_start
 from ringflow.engine.timeline import WorkerTimeline
 from ringflow.storage.checkpoint import read_checkpoint
@@ -205,7 +207,8 @@ def worker_device(config: TrainConfig) -> torch.device:
 
 
 def seed_generators(seed: int, device: torch.device) -> None:
-    """Seed the generators this worker draws from: the CPU's, and its GPU's if it has one.
+    """Seed the generators this worker draws from: torch's CPU one, its GPU's if it has one,
+    numpy's and Python's ``random`` (``seed_everything``'s, reseeded with torch's at every step).
 
     ``torch.manual_seed`` also seeds every CUDA, MTIA and XPU device; where those are not
     initialised (any CPU worker) it queues the call with a formatted stack each time, which
@@ -214,6 +217,7 @@ def seed_generators(seed: int, device: torch.device) -> None:
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         torch.cuda.manual_seed(seed)
+    seed_host_generators(seed)
 
 
 def _assigned_gpu() -> int:
@@ -345,14 +349,32 @@ class Worker:
         self.data = data
         self.device = worker_device(config)
         torch.manual_seed(config.seed)  # every worker builds the same initial weights
+        seed_host_generators(config.seed)
         self.precision = Precision(config.precision, self.device)
         self.step: Step = plan.build(self)
         module = module_cls(**hparams)
-        self.train = self.step.split("train")
         self._evaluated: dict[str, Any] = {}
-        self.steps_per_epoch = -(-len(self.train) // config.batch_size)
-        self.epochs = Epochs(len(self.train), (config.batch_size,), config.accumulate_grad_batches)
-        """Each epoch's global batch; the driver's, when the batch follows the workers."""
+        bind = getattr(data, "bind", None)  # the module's own loaders (engine.data.ModuleData)
+        if bind is None:  # a DataModule's setup before the module's, as Trainer calls them
+            self._open_train()
+        # What the module's own code reads of its Trainer, and its ``self.log``: set before
+        # ``configure_optimizers`` runs, which may ask for ``estimated_stepping_batches``.
+        self.trainer = TrainerView(
+            max_epochs=config.epochs,
+            steps_per_epoch=self.steps_per_epoch if bind is None else 0,
+            accumulate=config.accumulate_grad_batches,
+            rank=rank,
+            world_size=self.world_size,
+            datamodule=getattr(data, "datamodule", None),
+        )
+        self.metric_log = MetricLog()
+        attach(module, self.trainer, self.metric_log)
+        self.module = self.step.prepare(module)
+        self.trainer.lightning_module = self.module  # configure_optimizers may read trainer.model
+        if bind is not None:  # on the module that trains, after its setup and configure_model
+            self.data = bind(self.module, config.batch_size)
+            self._open_train()
+            self.trainer.count_batches(self.steps_per_epoch)
         self.timeline = (  # None when off: a batch then costs one test, no allocation
             WorkerTimeline(
                 device=self.device,
@@ -363,20 +385,6 @@ class Worker:
             if config.timeline
             else None
         )
-        # What the module's own code reads of its Trainer, and its ``self.log``: set before
-        # ``configure_optimizers`` runs, which may ask for ``estimated_stepping_batches``.
-        self.trainer = TrainerView(
-            max_epochs=config.epochs,
-            steps_per_epoch=self.steps_per_epoch,
-            accumulate=config.accumulate_grad_batches,
-            rank=rank,
-            world_size=self.world_size,
-            datamodule=getattr(data, "datamodule", None),
-        )
-        self.metric_log = MetricLog()
-        attach(module, self.trainer, self.metric_log)
-        self.module = self.step.prepare(module)
-        self.trainer.lightning_module = self.module  # configure_optimizers may read trainer.model
         self.optimization = Optimization(self.module, self.precision)
         if config.lr_scaling != "none":
             self.optimization.lr_scale = LrScale(config.lr_factor(), config.lr_warmup_steps)
@@ -419,6 +427,39 @@ class Worker:
         (:meth:`reached`)."""
         self._samples = 0
         """The samples of the current call's steps done so far."""
+
+    def _open_train(self) -> None:
+        """Open the training split (a loader's ``train_dataloader()`` called) and count its
+        epoch's steps.
+
+        Raises:
+            ModelError: the split was opened before and now has another number of samples.
+        """
+        before = getattr(self, "train", None)
+        self.train = self.step.split("train")
+        if before is not None and len(self.train) != len(before):
+            raise ModelError(
+                f"train_dataloader() reloaded at epoch {self.trainer.current_epoch} holds "
+                f"{len(self.train)} samples, the first held {len(before)}: ringflow fixes an "
+                "epoch's length when training starts; keep the dataset's length, or set "
+                "reload_dataloaders_every_n_epochs=0"
+            )
+        if before is not None:
+            if hasattr(before, "close") and before is not self.train:
+                before.close()
+            return
+        self.steps_per_epoch = -(-len(self.train) // self.config.batch_size)
+        self.epochs = Epochs(
+            len(self.train), (self.config.batch_size,), self.config.accumulate_grad_batches
+        )
+        """Each epoch's global batch; the driver's, when the batch follows the workers."""
+
+    def _reload_train(self, epoch: int) -> None:
+        """Call the training loader again at the epochs Trainer does
+        (``reload_dataloaders_every_n_epochs``), where the data comes from a loader."""
+        every = self.config.reload_dataloaders_every_n_epochs
+        if every and epoch and epoch % every == 0 and hasattr(self.data, "datamodule"):
+            self._open_train()
 
     def _materialise_lazy(self) -> None:
         """Give lazy layers (``nn.LazyLinear``...) their shapes from a first forward, as under
@@ -805,6 +846,7 @@ class Worker:
             first, count, self._samples = first + 1, count - 1, ahead.samples
         self.trainer.at(epoch, first)
         if first == 0:
+            self._reload_train(epoch)
             self.metric_log.enter("on_train_epoch_start")
             self.callbacks_run("on_train_epoch_start")
             self._hook("on_train_epoch_start")
@@ -992,11 +1034,20 @@ class Worker:
 
     def evaluate(self, split: str) -> Logged:
         """Evaluate this worker's part of ``split`` (the module's validation or test step, or
-        a pipeline's loss and metrics)."""
+        a pipeline's loss and metrics); nothing, as under Trainer, where the module has no
+        step for it or the data no such split."""
         self._undo_ahead()
+        if not self._evaluates(split):
+            return Logged()
         if split not in self._evaluated:  # opened once: evaluation runs every epoch
             self._evaluated[split] = self.step.split(split)
         return self.step.evaluate(split, self._evaluated[split])
+
+    def _evaluates(self, split: str) -> bool:
+        step = "test_step" if split == "test" else "validation_step"
+        if self.step.calls_hooks and not overrides(self.module, step):
+            return False
+        return has_split(self.data, split)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -164,7 +164,8 @@ def trained_by_trainer(
     cls, hparams: dict, data, *, epochs: int = EPOCHS, seed: int = SEED, **options
 ) -> tuple[L.LightningModule, L.Trainer]:
     """``cls`` trained by ``lightning.Trainer`` on ringflow's batch order; module and trainer.
-    ``data``: ``TensorData``, or a ``LightningDataModule`` whose train loader has that order."""
+    ``data``: ``TensorData``, a ``LightningDataModule`` whose train loader has that order, or
+    ``None`` for the module's own loaders."""
     torch.manual_seed(seed)
     module = cls(**hparams)
     trainer = L.Trainer(
@@ -181,6 +182,9 @@ def trained_by_trainer(
             **options,
         }
     )
+    if data is None:  # the module's own loaders
+        trainer.fit(module)
+        return module, trainer
     if isinstance(data, L.LightningDataModule):
         trainer.fit(module, datamodule=data)
         return module, trainer
@@ -504,14 +508,15 @@ class Lazy(OneCycle):
 
 
 class ReseededEachBatch(L.Callback):
-    """Trainer's generator reseeded before each batch as ringflow reseeds it
-    (``engine.worker.step_seed``): a lazy layer draws its initial weights there."""
+    """Trainer's generators (torch's, numpy's, ``random``) reseeded before each batch as
+    ringflow reseeds them (``engine.worker.step_seed``): a lazy layer draws its initial
+    weights there."""
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        from ringflow.engine.worker import step_seed
+        from ringflow.engine.worker import seed_generators, step_seed
 
         step = trainer.current_epoch * trainer.num_training_batches + batch_idx
-        torch.default_generator.manual_seed(step_seed(SEED, step, 0))
+        seed_generators(step_seed(SEED, step, 0), torch.device("cpu"))
 
 
 def test_lazy_layers_end_with_trainers_weights(data, tmp_path, deterministic_off):
