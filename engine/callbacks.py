@@ -21,6 +21,7 @@ from ringflow.engine.errors import ModelError
 from ringflow.engine.failures import one_line
 from ringflow.engine.jsonstate import from_json, to_json
 from ringflow.engine.module import TrainerView
+from ringflow.engine.worker import Worker
 
 __all__ = ["Callbacks", "in_worker"]
 
@@ -205,7 +206,7 @@ class _RankZeroFiles:
         self.group = group
 
     def save(self, filepath: str, weights_only: bool, callbacks: dict[str, Any]) -> None:
-        self.group.call_rank0("save_lightning_checkpoint", filepath, weights_only, callbacks)
+        self.group.call_rank0(Worker.save_lightning_checkpoint, filepath, weights_only, callbacks)
 
     def remove(self, filepath: str) -> None:
-        self.group.call_rank0("remove_lightning_checkpoint", filepath)
+        self.group.call_rank0(Worker.remove_lightning_checkpoint, filepath)
