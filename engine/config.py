@@ -557,6 +557,10 @@ class TensorData:
 
     splits: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    def has(self, split: str) -> bool:
+        """Whether ``split`` was given (no ``validation``: the run trains without it)."""
+        return split in self.splits
+
     def read(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         if split not in self.splits:
             raise ValueError(f"TensorData has no split {split!r}; it has {sorted(self.splits)}")

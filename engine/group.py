@@ -32,6 +32,7 @@ from ringflow.engine.errors import (
 from ringflow.engine.failures import start_failure, user_error
 from ringflow.engine.layout import DataParallel, Layout, Method
 from ringflow.engine.metrics import Logged
+from ringflow.engine.pool import HostLease, WorkerHost, pool_key, pooled
 from ringflow.engine.worker import NOSET_VISIBLE_DEVICES, Worker
 
 __all__ = [
@@ -76,14 +77,15 @@ def _named(method: Method) -> str:
 
 
 class WorkerHandle:
-    """One worker's Ray actor, called with :class:`Worker`'s own methods:
-    ``handle.call(Worker.evaluate, "validation")`` returns the call's ``ObjectRef``."""
+    """One worker's Ray actor (an ``engine.pool.WorkerHost``), called with
+    :class:`Worker`'s own methods: ``handle.call(Worker.evaluate, "validation")`` returns the
+    call's ``ObjectRef``."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
     def call(self, method: Method, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.actor, _named(method)).remote(*args, **kwargs)
+        return self.actor.run.remote(_named(method), *args, **kwargs)
 
     def kill(self) -> None:
         import ray
@@ -148,7 +150,8 @@ class WorkerGroup:
     def events(self) -> list[ElasticEvent]:
         return []
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, reuse: bool = False) -> None:
+        """End the workers; ``reuse``: the run ended well, so they may serve another."""
         raise NotImplementedError
 
 
@@ -235,7 +238,7 @@ class LocalGroup(WorkerGroup):
             raise err
         raise _worker_raised(err, self._layout.describe(index), index, self._module_cls) from err
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, reuse: bool = False) -> None:
         for worker in getattr(self, "_workers", []):
             worker.close()
         if self._pool is not None:
@@ -273,8 +276,10 @@ class RayWorkerGroup(WorkerGroup):
         self._config = config
         self._layout = layout = layout or DataParallel(config)
         self._spec = {"hparams": hparams, "data": data, "config": config}
-        self._actor_cls = ray.remote(layout.worker_cls())
         self._module_cls = module_cls
+        self._env_vars = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        if config.gpus_per_worker:
+            self._env_vars[NOSET_VISIBLE_DEVICES] = "1"  # workers see each other's GPUs
         lower = "workers" if layout.size == config.workers else f"workers, {layout.what}"
         _check_capacity(config, count=layout.size, what=layout.what, lower=lower)
         bundles = [_worker_bundle(config) for _ in range(layout.size)]
@@ -288,6 +293,16 @@ class RayWorkerGroup(WorkerGroup):
                 f"within {config.timeout_s:.0f} s; free resources, lower {lower} or raise "
                 "timeout_s"
             ) from None
+        # CPU workers on one node are leased warm from the cluster's pool (engine.pool); the
+        # placement group reserves their resources while the run trains.
+        single = _single_node()
+        self._lease = (
+            HostLease(pool_key(config.cpus_per_worker, self._env_vars), self._env_vars)
+            if pooled(config.gpus_per_worker, single)
+            else None
+        )
+        self._runtime_env = {"env_vars": self._env_vars} if single else None
+        self._warm = self._lease.take(layout.size) if self._lease is not None else []
         self._next_id = 0
         self._actors: dict[str, WorkerHandle] = {}
         self._units: dict[str, list[str]] = {}
@@ -295,15 +310,16 @@ class RayWorkerGroup(WorkerGroup):
         unit id; the coordinator decides which units are members."""
         self._places: dict[str, int] = {}
         """Which place (a run of ``layout.unit`` placement-group bundles) each unit holds."""
-        self._starting: dict[str, tuple[list[Any], list[Any]]] = {}
-        """Replacements being started: unit id -> (handles, refs of calls that end when up)."""
+        self._starting: dict[str, tuple[list[WorkerHandle], list[Any]]] = {}
+        """Replacements being started: unit id -> (handles, refs of their starts)."""
         self._ahead: tuple[Steps, dict[str, Any], bool] | None = None
         """Steps sent before the driver asked for them (``train_steps``'s ``then``), and
         whether their workers run the next step where they end."""
-        units = []
+        units, starts = [], {}
         for place in range(config.workers):
-            unit, actors = self._start_unit(place, first=True)
-            self._admit_unit(unit, actors)
+            unit, handles, refs = self._start_unit(place, first=True)
+            self._admit_unit(unit, handles)
+            starts.update(zip(self._units[unit], refs, strict=True))
             units.append(unit)
         # The coordinator counts units: data-parallel workers, or pipeline replicas.
         self.coordinator = Coordinator(
@@ -313,10 +329,25 @@ class RayWorkerGroup(WorkerGroup):
             policy=FailurePolicy(max_failures=config.max_failures if layout.elastic else 0),
         )
         try:
+            self._started(starts)
             layout.connect(self)
         except BaseException:
             self.shutdown()
             raise
+
+    def _started(self, starts: dict[str, Any]) -> None:
+        """Wait for the workers' starts; the first one that failed fails the group as the
+        start failure it is (``engine.failures.start_failure``)."""
+        import ray
+
+        timeout = self._config.timeout_s
+        ready, _ = ray.wait(list(starts.values()), num_returns=len(starts), timeout=timeout)
+        if len(ready) < len(starts):
+            raise EngineError(
+                f"{len(starts) - len(ready)} of {len(starts)} {self._layout.what} did not start "
+                f"within timeout_s={timeout:g}; free the cluster's resources or raise timeout_s"
+            )
+        self._gather(Worker.__init__, starts)
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -525,14 +556,27 @@ class RayWorkerGroup(WorkerGroup):
         index = self.members.index(worker)
         return WorkerFailedError(f"{self._layout.describe(index)} is lost: {why}", rank=index)
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, reuse: bool = False) -> None:
+        """End the workers; with ``reuse`` (the run ended well), pooled ones are reset and go
+        back to the pool, warm for the next run."""
         from ray.util.placement_group import remove_placement_group
 
+        if self._pg is None:
+            return
         starting = [handle for handles, _ in self._starting.values() for handle in handles]
-        for handle in [*self._actors.values(), *starting]:
-            handle.kill()
+        members = list(self._actors.values())
         self._actors, self._starting = {}, {}
+        try:
+            if self._lease is not None:  # hosts not given back clean are killed by the pool
+                self._lease.give_back([h.actor for h in members], reuse=reuse)
+        except Exception as err:
+            log.warning("the worker pool could not take its workers back: %s", err)
+            reuse = False
+        if self._lease is None or not reuse:
+            for handle in [*members, *starting]:
+                handle.kill()
         remove_placement_group(self._pg)
+        self._pg = None
 
     # ------------------------------------------------------------------------ membership
 
@@ -540,7 +584,9 @@ class RayWorkerGroup(WorkerGroup):
         """The unit ``worker`` belongs to (itself while it is not admitted yet)."""
         return next((unit for unit, workers in self._units.items() if worker in workers), worker)
 
-    def _start_unit(self, place: int, *, first: bool = False) -> tuple[str, list[Any]]:
+    def _start_unit(
+        self, place: int, *, first: bool = False
+    ) -> tuple[str, list[WorkerHandle], list[Any]]:
         """Start the workers of one unit in ``place``'s bundles; its id and actors. The first
         units are workers ``place * unit ..``; a replacement's workers are made as replica
         0's (each joins at its members' rank)."""
@@ -548,9 +594,9 @@ class RayWorkerGroup(WorkerGroup):
         unit = f"worker-{self._next_id}" if size == 1 else f"replica-{self._next_id}"
         self._next_id += 1
         indices = [place * size + i if first else i for i in range(size)]
-        actors = [self._spawn(place * size + i, index=index) for i, index in enumerate(indices)]
+        spawned = [self._spawn(place * size + i, index=index) for i, index in enumerate(indices)]
         self._places[unit] = place
-        return unit, actors
+        return unit, [handle for handle, _ in spawned], [start for _, start in spawned]
 
     def _admit_unit(self, unit: str, actors: list[WorkerHandle]) -> None:
         names = [unit] if len(actors) == 1 else [f"{unit}-stage-{i}" for i in range(len(actors))]
@@ -558,22 +604,38 @@ class RayWorkerGroup(WorkerGroup):
             self._actors[name] = actor
         self._units[unit] = names
 
-    def _spawn(self, bundle: int, *, index: int) -> WorkerHandle:
+    def _spawn(self, bundle: int, *, index: int) -> tuple[WorkerHandle, Any]:
+        """A worker for bundle ``bundle`` as worker ``index`` of the layout, and the ref of
+        its start: a warm host from the pool, or a new one in the bundle."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        env = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
-        if self._config.gpus_per_worker:
-            env[NOSET_VISIBLE_DEVICES] = "1"  # workers see each other's GPUs (worker_device)
-        actor = self._actor_cls.options(
-            num_cpus=self._config.cpus_per_worker,
-            num_gpus=self._config.gpus_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self._pg, placement_group_bundle_index=bundle
-            ),
-            runtime_env={"env_vars": env} if _single_node() else None,
-            name=None,
-        ).remote(self._module_cls, **self._layout.worker_kwargs(index), **self._spec)
-        return WorkerHandle(actor)
+        if self._warm:
+            actor = self._warm.pop(0)
+        elif self._lease is not None:
+            actor = self._lease.take(1)[0]
+        else:
+            actor = (
+                self._host_cls()
+                .options(
+                    num_cpus=self._config.cpus_per_worker,
+                    num_gpus=self._config.gpus_per_worker,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self._pg, placement_group_bundle_index=bundle
+                    ),
+                    runtime_env=self._runtime_env,
+                )
+                .remote()
+            )
+        start = actor.start.remote(
+            self._module_cls, **self._layout.worker_kwargs(index), **self._spec
+        )
+        return WorkerHandle(actor), start
+
+    @staticmethod
+    def _host_cls() -> Any:
+        import ray
+
+        return ray.remote(WorkerHost)
 
     def _fill(self, count: int, *, wait: bool) -> None:
         """Start replacement units in free places; with ``wait``, until ``count`` are up."""
@@ -582,8 +644,8 @@ class RayWorkerGroup(WorkerGroup):
         used = {self._places[u] for u in (*self.coordinator.members, *self._starting)}
         free = [p for p in range(self._config.workers) if p not in used]
         for place in free[: max(0, self.coordinator.vacancies() - len(self._starting))]:
-            unit, actors = self._start_unit(place)
-            self._starting[unit] = (actors, [actor.call(Worker.epoch_steps) for actor in actors])
+            unit, handles, starts = self._start_unit(place)
+            self._starting[unit] = (handles, starts)
         if not wait:
             return
         pending = list(self._starting.values())
@@ -762,6 +824,11 @@ class RayWorkerGroup(WorkerGroup):
                     ) from None
                 lost[worker] = _why_gone(err)
             except ray.exceptions.RayTaskError as err:
+                if method is Worker.__init__:  # its start raised
+                    where = self._layout.describe(list(refs).index(worker))
+                    raise start_failure(
+                        str(err), where=where, module_cls=self._module_cls
+                    ) from None
                 if not isinstance(err.cause, CollectiveError):  # the module's code, or a refusal
                     rank = list(refs).index(worker)
                     where = f"{self._layout.describe(rank)}, in {_named(method)}"

@@ -222,11 +222,10 @@ def fit(
         worker_logs = _worker_logs(group, worker_logs, dashboard)
     except BaseException:
         writers.finish("failed")
-        raise
-    else:
-        writers.finish("success")
-    finally:
         group.shutdown()
+        raise
+    writers.finish("success")
+    group.shutdown(reuse=True)  # pooled workers go back warm for the next run
     module.load_state_dict(state, strict=True)
     uri = save_model(
         checkpoint_uri,

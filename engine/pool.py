@@ -1,0 +1,416 @@
+"""Warm workers that outlive a run.
+
+A worker's process is a :class:`WorkerHost`: a Ray actor that imported torch, Lightning and
+the engine once and builds one :class:`~ringflow.engine.worker.Worker` per run in it. When a
+run ends well its hosts are reset (the worker closed, the environment, working directory,
+threads, loggers and the user's modules as they were before it) and go back to the cluster's
+pool, one named actor (:data:`POOL_NAME`) that any driver on the cluster leases from: the next
+fit, tuning trial or retried flow run starts on warm processes instead of cold ones.
+
+Hosts are pooled by what makes one reusable (:func:`pool_key`): the worker's resources, the
+digest of the code the driver runs (ringflow's and the user's, so changed code never runs in a
+stale process), the Python environment and the job's runtime environment. A pooled host
+reserves no resources of its own: the run's placement group reserves them while it trains, so
+an idle host never keeps Serve, Tune or Ray Data from a CPU. Idle hosts are released after
+``RINGFLOW_POOL_IDLE_S`` seconds (300) and with the cluster (``deployments/stop.sh``); a lease
+whose driver stops renewing it for ``RINGFLOW_POOL_GRACE_S`` seconds (30) is ended and its
+hosts killed. ``RINGFLOW_WORKER_POOL=0`` starts every run on fresh processes.
+
+Pooled runs are CPU workers on a one-node cluster (a laptop, a workstation, the local stack);
+GPU workers and multi-node clusters start fresh hosts in their placement group, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import json
+import logging
+import os
+import sys
+import sysconfig
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ringflow.engine.worker import Worker
+
+__all__ = ["POOL_NAME", "HostLease", "WorkerHost", "pool_key", "pooled", "release_idle"]
+
+log = logging.getLogger("ringflow.engine")
+
+POOL_NAME = "ringflow-worker-pool"
+NAMESPACE = "ringflow"
+
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {os.environ[name]!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 seconds, got {value:g}")
+    return value
+
+
+def pooled(gpus_per_worker: float, single_node: bool) -> bool:
+    """Whether a run's workers are leased from the pool (see the module docstring)."""
+    return (
+        os.environ.get("RINGFLOW_WORKER_POOL", "1") != "0" and not gpus_per_worker and single_node
+    )
+
+
+# ---------------------------------------------------------------------------- what is reusable
+
+_INSTALLED = tuple(
+    os.path.realpath(p)
+    for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sys.prefix}
+)
+
+
+def _user_files() -> list[str]:
+    """The source files of the modules this process runs that are not installed packages nor
+    the standard library: ringflow in a checkout, the user's project, a script."""
+    files = set()
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path and not os.path.realpath(path).startswith(_INSTALLED):
+            files.add(path)
+    return sorted(files)
+
+
+def code_digest() -> str:
+    """A digest of the code this process runs outside installed packages (each file's path,
+    size and modification time): it changes when any of it is edited."""
+    digest = hashlib.sha256()
+    for path in _user_files():
+        with contextlib.suppress(OSError):
+            stat = os.stat(path)
+            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def pool_key(cpus_per_worker: float, env_vars: dict[str, str]) -> str:
+    """What a host must share with a run to serve it: resources, code, Python and the job's
+    runtime environment (``env_vars``: what the run's hosts start with)."""
+    import ray
+
+    parts = {
+        "cpus": cpus_per_worker,
+        "code": code_digest(),
+        "python": sys.executable,
+        "path": sys.path,
+        "env_vars": env_vars,
+        "runtime_env": ray.get_runtime_context().runtime_env,
+        "torch": torch.__version__,
+    }
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+# ---------------------------------------------------------------------------- the host
+
+
+@dataclass
+class _Baseline:
+    """What a host process was like before its first run, restored after every run."""
+
+    environ: dict[str, str]
+    cwd: str
+    path: list[str]
+    modules: frozenset[str]
+    threads: frozenset[int]
+    torch_threads: int
+    handlers: list[logging.Handler] = field(default_factory=list)
+
+    @classmethod
+    def take(cls) -> _Baseline:
+        return cls(
+            environ=dict(os.environ),
+            cwd=os.getcwd(),
+            path=list(sys.path),
+            modules=frozenset(sys.modules),
+            threads=frozenset(t.ident for t in threading.enumerate() if t.ident),
+            torch_threads=torch.get_num_threads(),
+            handlers=list(logging.getLogger().handlers),
+        )
+
+    def restore(self) -> list[str]:
+        """Put the process back; what could not be (a reason each: the host is not reused)."""
+        dirty = []
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(self.environ)
+        with contextlib.suppress(OSError):
+            os.chdir(self.cwd)
+        sys.path[:] = self.path
+        for name in [n for n in sys.modules if n not in self.modules]:
+            path = getattr(sys.modules[name], "__file__", None) or ""
+            if path and not name.startswith("ringflow.") and not path.startswith(_INSTALLED):
+                del sys.modules[name]  # the user's code: imported afresh by the next run
+        logging.getLogger().handlers[:] = self.handlers
+        torch.set_num_threads(self.torch_threads)
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        gc.collect()
+        deadline = time.monotonic() + 2.0
+        while (left := self._new_threads()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dirty += [f"thread {t.name} still runs" for t in left]
+        return dirty
+
+    def _new_threads(self) -> list[threading.Thread]:
+        return [
+            t
+            for t in threading.enumerate()
+            if t.ident not in self.threads and not t.daemon and t.is_alive()
+        ]
+
+
+class WorkerHost:
+    """One worker process that outlives runs: builds a :class:`Worker` per run
+    (:meth:`start`), runs its methods (:meth:`run`, called through
+    ``engine.group.WorkerHandle``) and leaves nothing of it (:meth:`reset`)."""
+
+    def __init__(self) -> None:
+        import lightning.pytorch  # noqa: F401  (imported once, before any run)
+
+        self.worker: Worker | None = None
+        self._baseline = _Baseline.take()
+
+    def start(self, module_cls: type, **kwargs: Any) -> None:
+        """Build this run's worker (``Worker(module_cls, **kwargs)``)."""
+        if self.worker is not None:
+            raise RuntimeError("this worker host already holds a run's worker")
+        self.worker = Worker(module_cls, **kwargs)
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.worker is None:
+            raise RuntimeError(f"Worker.{method} called on a host with no worker started")
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    def reset(self) -> list[str]:
+        """Close the run's worker and restore the process; what kept it from being reused."""
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            worker.close()
+        del worker
+        return self._baseline.restore()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+# ---------------------------------------------------------------------------- the pool
+
+
+@dataclass
+class _Idle:
+    host: Any
+    pid: int
+    since: float
+
+
+class _Pool:
+    """The cluster's one pool (an async Ray actor): idle hosts by key, and the leases of
+    running drivers, each renewed while its driver lives."""
+
+    def __init__(self, idle_s: float, grace_s: float) -> None:
+        self.idle_s, self.grace_s = idle_s, grace_s
+        self.idle: dict[str, list[_Idle]] = {}
+        self.leases: dict[str, tuple[str, dict[int, Any], float]] = {}
+        self._reaper: asyncio.Task | None = None
+
+    def _ensure_reaper(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.5, min(self.idle_s, self.grace_s) / 4))
+            self.reap()
+
+    def reap(self) -> None:
+        now = time.monotonic()
+        for key, hosts in list(self.idle.items()):
+            expired = [h for h in hosts if now - h.since >= self.idle_s]
+            self.idle[key] = [h for h in hosts if h not in expired]
+            _kill([h.host for h in expired])
+        for lease_id, (_, hosts, renewed) in list(self.leases.items()):
+            if now - renewed >= self.grace_s:
+                del self.leases[lease_id]
+                _kill(list(hosts.values()))
+
+    async def lease(self, lease_id: str, key: str, count: int) -> list[tuple[Any, int]]:
+        """Up to ``count`` idle hosts of ``key``, now leased to ``lease_id``."""
+        self._ensure_reaper()
+        idle = self.idle.get(key, [])
+        taken, self.idle[key] = idle[-count:] if count else [], idle[: len(idle) - count]
+        _, hosts, _ = self.leases.setdefault(lease_id, (key, {}, time.monotonic()))
+        hosts.update({h.pid: h.host for h in taken})
+        self.renew(lease_id)
+        return [(h.host, h.pid) for h in taken]
+
+    async def add(self, lease_id: str, key: str, host: Any, pid: int) -> None:
+        """A host the driver started for its lease."""
+        self._ensure_reaper()
+        _, hosts, _ = self.leases.setdefault(lease_id, (key, {}, time.monotonic()))
+        hosts[pid] = host
+        self.renew(lease_id)
+
+    def renew(self, lease_id: str) -> bool:
+        if lease_id not in self.leases:
+            return False
+        key, hosts, _ = self.leases[lease_id]
+        self.leases[lease_id] = (key, hosts, time.monotonic())
+        return True
+
+    async def give_back(self, lease_id: str, clean: list[int], cap: int) -> None:
+        """End the lease: its ``clean`` hosts (by pid) are idle now, the rest are killed;
+        at most ``cap`` hosts stay idle in all (the oldest go first)."""
+        key, hosts, _ = self.leases.pop(lease_id, (None, {}, 0.0))
+        now = time.monotonic()
+        for pid, host in hosts.items():
+            if pid in clean:
+                self.idle.setdefault(key, []).append(_Idle(host, pid, now))
+            else:
+                _kill([host])
+        everyone = sorted((h.since, k, h) for k, hs in self.idle.items() for h in hs)
+        for _, k, h in everyone[: max(0, len(everyone) - cap)]:
+            self.idle[k].remove(h)
+            _kill([h.host])
+
+    async def release_idle(self) -> int:
+        hosts = [h.host for hs in self.idle.values() for h in hs]
+        self.idle = {}
+        _kill(hosts)
+        return len(hosts)
+
+    async def pids(self) -> dict[str, list[int]]:
+        return {
+            "idle": sorted(h.pid for hs in self.idle.values() for h in hs),
+            "leased": sorted(pid for _, hosts, _ in self.leases.values() for pid in hosts),
+        }
+
+
+def _kill(hosts: list[Any]) -> None:
+    import ray
+
+    for host in hosts:
+        with contextlib.suppress(Exception):
+            ray.kill(host, no_restart=True)
+
+
+def _pool() -> Any:
+    import ray
+
+    return (
+        ray.remote(_Pool)
+        .options(
+            name=POOL_NAME,
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+        )
+        .remote(
+            idle_s=_seconds("RINGFLOW_POOL_IDLE_S", 300.0),
+            grace_s=_seconds("RINGFLOW_POOL_GRACE_S", 30.0),
+        )
+    )
+
+
+def release_idle() -> int:
+    """Kill the pool's idle hosts (this process must be connected to Ray); how many."""
+    import ray
+
+    return ray.get(_pool().release_idle.remote())
+
+
+def worker_pids() -> dict[str, list[int]]:
+    """The pids of the pool's ``idle`` hosts and of those ``leased`` to running drivers."""
+    import ray
+
+    return ray.get(_pool().pids.remote())
+
+
+class HostLease:
+    """A driver's hosts from the pool: leased idle ones first, then fresh ones; renewed from
+    a thread while the driver lives; reset and given back at the end."""
+
+    def __init__(self, key: str, env_vars: dict[str, str]) -> None:
+        self.key, self.env_vars = key, env_vars
+        self.id = uuid.uuid4().hex
+        self._pool = _pool()
+        self._pids: dict[int, int] = {}  # id(actor) -> pid
+        self._stop = threading.Event()
+        self._renewing = threading.Thread(target=self._renew, name="ringflow-lease", daemon=True)
+        self._renewing.start()
+
+    def _renew(self) -> None:
+        every = max(0.5, _seconds("RINGFLOW_POOL_GRACE_S", 30.0) / 4)
+        while not self._stop.wait(every):
+            self._pool.renew.remote(self.id)
+
+    def take(self, count: int) -> list[Any]:
+        """``count`` hosts: idle ones of this lease's key, the rest started now."""
+        import ray
+
+        hosts = ray.get(self._pool.lease.remote(self.id, self.key, count))
+        for host, pid in hosts:
+            self._pids[id(host)] = pid
+        taken = [host for host, _ in hosts]
+        if len(taken) < count:
+            log.debug("%d warm worker(s), %d started", len(taken), count - len(taken))
+        fresh = [self._start() for _ in range(count - len(taken))]
+        return taken + fresh
+
+    def _start(self) -> Any:
+        import ray
+
+        host = (
+            ray.remote(WorkerHost)
+            .options(
+                num_cpus=0,
+                lifetime="detached",
+                runtime_env={"env_vars": self.env_vars},
+            )
+            .remote()
+        )
+        pid = host.pid.remote()
+        self._pool.add.remote(self.id, self.key, host, pid)
+        self._pids[id(host)] = pid
+        return host
+
+    def give_back(self, hosts: list[Any], *, reuse: bool, timeout_s: float = 10.0) -> None:
+        """End the lease: ``hosts`` that reset clean (with ``reuse``) go back to the pool,
+        every other host of the lease is killed."""
+        import ray
+
+        self._stop.set()
+        clean: list[int] = []
+        if reuse and hosts:
+            resets = {host.reset.remote(): host for host in hosts}
+            done, _ = ray.wait(list(resets), num_returns=len(resets), timeout=timeout_s)
+            for ref in done:
+                host = resets[ref]
+                try:
+                    dirty = ray.get(ref)
+                    pid = self._pids[id(host)]
+                    pid = pid if isinstance(pid, int) else ray.get(pid, timeout=timeout_s)
+                except Exception as err:  # a host that died or failed its reset is killed
+                    log.debug("a worker host was not reused: %s", err)
+                    continue
+                if dirty:
+                    log.info("a worker process is not reused: %s", "; ".join(dirty))
+                else:
+                    clean.append(pid)
+        cap = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+        ray.get(self._pool.give_back.remote(self.id, clean, cap))
