@@ -297,7 +297,9 @@ class RayWorkerGroup(WorkerGroup):
         # placement group reserves their resources while the run trains.
         single = _single_node()
         self._lease = (
-            HostLease(pool_key(config.cpus_per_worker, self._env_vars), self._env_vars)
+            HostLease(
+                pool_key(config.cpus_per_worker, self._env_vars, module_cls, data), self._env_vars
+            )
             if pooled(config.gpus_per_worker, single)
             else None
         )

@@ -74,36 +74,68 @@ _INSTALLED = tuple(
 )
 
 
-def _user_files() -> list[str]:
-    """The source files of the modules this process runs that are not installed packages nor
-    the standard library: ringflow in a checkout, the user's project, a script."""
-    files = set()
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None)
-        if path and not os.path.realpath(path).startswith(_INSTALLED):
-            files.add(path)
+_RINGFLOW_PACKAGES = (
+    "engine",
+    "storage",
+    "models",
+    "flows",
+    "tasks",
+    "serving",
+    "tuning",
+    "horovod",
+)
+"""The folders of ``ringflow.*`` in a checkout (pyproject.toml's package-dir)."""
+
+
+def _installed(path: str) -> bool:
+    return os.path.realpath(path).startswith(_INSTALLED)
+
+
+def _sources(objects: tuple[Any, ...]) -> list[str]:
+    """The source files a run's code comes from, outside installed packages and the standard
+    library: ringflow's own (a checkout), the top-level package (or module) of each of
+    ``objects``' classes, and the script run as ``__main__``."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    roots = set() if _installed(here) else {os.path.join(here, p) for p in _RINGFLOW_PACKAGES}
+    for obj in objects:
+        cls = obj if isinstance(obj, type) else type(obj)
+        top = sys.modules.get(cls.__module__.split(".")[0])
+        origin = getattr(top, "__file__", None)
+        if origin and not _installed(origin):
+            roots.add(os.path.dirname(origin) if origin.endswith("__init__.py") else origin)
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    files = {main} if main and not _installed(main) else set()
+    for root in roots:
+        if os.path.isfile(root):
+            files.add(root)
+            continue
+        for folder, dirs, names in os.walk(root):
+            dirs[:] = [d for d in dirs if not d.startswith((".", "__pycache__"))]
+            files.update(os.path.join(folder, n) for n in names if n.endswith(".py"))
     return sorted(files)
 
 
-def code_digest() -> str:
-    """A digest of the code this process runs outside installed packages (each file's path,
-    size and modification time): it changes when any of it is edited."""
+def code_digest(*objects: Any) -> str:
+    """A digest of the code a run of ``objects`` (the module class, the data) runs outside
+    installed packages (each file's path, size and modification time): it changes when any
+    of it is edited."""
     digest = hashlib.sha256()
-    for path in _user_files():
+    for path in _sources(objects):
         with contextlib.suppress(OSError):
             stat = os.stat(path)
             digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
 
-def pool_key(cpus_per_worker: float, env_vars: dict[str, str]) -> str:
-    """What a host must share with a run to serve it: resources, code, Python and the job's
-    runtime environment (``env_vars``: what the run's hosts start with)."""
+def pool_key(cpus_per_worker: float, env_vars: dict[str, str], *objects: Any) -> str:
+    """What a host must share with a run to serve it: resources, code (of ``objects``: the
+    module class and the data), Python and the job's runtime environment (``env_vars``: what
+    the run's hosts start with)."""
     import ray
 
     parts = {
         "cpus": cpus_per_worker,
-        "code": code_digest(),
+        "code": code_digest(*objects),
         "python": sys.executable,
         "path": sys.path,
         "env_vars": env_vars,
@@ -153,7 +185,7 @@ class _Baseline:
         sys.path[:] = self.path
         for name in [n for n in sys.modules if n not in self.modules]:
             path = getattr(sys.modules[name], "__file__", None) or ""
-            if path and not name.startswith("ringflow.") and not path.startswith(_INSTALLED):
+            if path and not name.startswith("ringflow.") and not _installed(path):
                 del sys.modules[name]  # the user's code: imported afresh by the next run
         logging.getLogger().handlers[:] = self.handlers
         torch.set_num_threads(self.torch_threads)
@@ -218,14 +250,22 @@ class _Idle:
     since: float
 
 
+@dataclass
+class _Lease:
+    key: str
+    grace_s: float
+    hosts: dict[int, Any] = field(default_factory=dict)
+    renewed: float = field(default_factory=time.monotonic)
+
+
 class _Pool:
     """The cluster's one pool (an async Ray actor): idle hosts by key, and the leases of
     running drivers, each renewed while its driver lives."""
 
-    def __init__(self, idle_s: float, grace_s: float) -> None:
-        self.idle_s, self.grace_s = idle_s, grace_s
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
         self.idle: dict[str, list[_Idle]] = {}
-        self.leases: dict[str, tuple[str, dict[int, Any], float]] = {}
+        self.leases: dict[str, _Lease] = {}
         self._reaper: asyncio.Task | None = None
 
     def _ensure_reaper(self) -> None:
@@ -234,7 +274,7 @@ class _Pool:
 
     async def _reap_forever(self) -> None:
         while True:
-            await asyncio.sleep(max(0.5, min(self.idle_s, self.grace_s) / 4))
+            await asyncio.sleep(0.5)
             self.reap()
 
     def reap(self) -> None:
@@ -243,46 +283,55 @@ class _Pool:
             expired = [h for h in hosts if now - h.since >= self.idle_s]
             self.idle[key] = [h for h in hosts if h not in expired]
             _kill([h.host for h in expired])
-        for lease_id, (_, hosts, renewed) in list(self.leases.items()):
-            if now - renewed >= self.grace_s:
+        for lease_id, lease in list(self.leases.items()):
+            if now - lease.renewed >= lease.grace_s:
                 del self.leases[lease_id]
-                _kill(list(hosts.values()))
+                _kill(list(lease.hosts.values()))
 
-    async def lease(self, lease_id: str, key: str, count: int) -> list[tuple[Any, int]]:
-        """Up to ``count`` idle hosts of ``key``, now leased to ``lease_id``."""
+    def _lease(self, lease_id: str, key: str, grace_s: float) -> _Lease:
         self._ensure_reaper()
+        return self.leases.setdefault(lease_id, _Lease(key, grace_s))
+
+    async def lease(
+        self, lease_id: str, key: str, count: int, grace_s: float
+    ) -> list[tuple[Any, int]]:
+        """Up to ``count`` idle hosts of ``key``, now leased to ``lease_id``, which ends
+        unless renewed every ``grace_s`` seconds."""
+        lease = self._lease(lease_id, key, grace_s)
         idle = self.idle.get(key, [])
-        taken, self.idle[key] = idle[-count:] if count else [], idle[: len(idle) - count]
-        _, hosts, _ = self.leases.setdefault(lease_id, (key, {}, time.monotonic()))
-        hosts.update({h.pid: h.host for h in taken})
-        self.renew(lease_id)
+        kept = len(idle) - min(count, len(idle))
+        taken, self.idle[key] = idle[kept:], idle[:kept]
+        lease.hosts.update({h.pid: h.host for h in taken})
+        lease.renewed = time.monotonic()
         return [(h.host, h.pid) for h in taken]
 
-    async def add(self, lease_id: str, key: str, host: Any, pid: int) -> None:
+    async def add(self, lease_id: str, key: str, grace_s: float, host: Any, pid: int) -> None:
         """A host the driver started for its lease."""
-        self._ensure_reaper()
-        _, hosts, _ = self.leases.setdefault(lease_id, (key, {}, time.monotonic()))
-        hosts[pid] = host
-        self.renew(lease_id)
+        lease = self._lease(lease_id, key, grace_s)
+        lease.hosts[pid] = host
+        lease.renewed = time.monotonic()
 
     def renew(self, lease_id: str) -> bool:
         if lease_id not in self.leases:
             return False
-        key, hosts, _ = self.leases[lease_id]
-        self.leases[lease_id] = (key, hosts, time.monotonic())
+        self.leases[lease_id].renewed = time.monotonic()
         return True
 
     async def give_back(self, lease_id: str, clean: list[int], cap: int) -> None:
         """End the lease: its ``clean`` hosts (by pid) are idle now, the rest are killed;
         at most ``cap`` hosts stay idle in all (the oldest go first)."""
-        key, hosts, _ = self.leases.pop(lease_id, (None, {}, 0.0))
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:  # ended already: its hosts were killed
+            return
         now = time.monotonic()
-        for pid, host in hosts.items():
+        for pid, host in lease.hosts.items():
             if pid in clean:
-                self.idle.setdefault(key, []).append(_Idle(host, pid, now))
+                self.idle.setdefault(lease.key, []).append(_Idle(host, pid, now))
             else:
                 _kill([host])
-        everyone = sorted((h.since, k, h) for k, hs in self.idle.items() for h in hs)
+        everyone = sorted(
+            ((h.since, k, h) for k, hs in self.idle.items() for h in hs), key=lambda e: e[0]
+        )
         for _, k, h in everyone[: max(0, len(everyone) - cap)]:
             self.idle[k].remove(h)
             _kill([h.host])
@@ -296,7 +345,7 @@ class _Pool:
     async def pids(self) -> dict[str, list[int]]:
         return {
             "idle": sorted(h.pid for hs in self.idle.values() for h in hs),
-            "leased": sorted(pid for _, hosts, _ in self.leases.values() for pid in hosts),
+            "leased": sorted(pid for lease in self.leases.values() for pid in lease.hosts),
         }
 
 
@@ -320,10 +369,7 @@ def _pool() -> Any:
             get_if_exists=True,
             num_cpus=0,
         )
-        .remote(
-            idle_s=_seconds("RINGFLOW_POOL_IDLE_S", 300.0),
-            grace_s=_seconds("RINGFLOW_POOL_GRACE_S", 30.0),
-        )
+        .remote(idle_s=_seconds("RINGFLOW_POOL_IDLE_S", 300.0))
     )
 
 
@@ -348,6 +394,7 @@ class HostLease:
     def __init__(self, key: str, env_vars: dict[str, str]) -> None:
         self.key, self.env_vars = key, env_vars
         self.id = uuid.uuid4().hex
+        self.grace_s = _seconds("RINGFLOW_POOL_GRACE_S", 30.0)
         self._pool = _pool()
         self._pids: dict[int, int] = {}  # id(actor) -> pid
         self._stop = threading.Event()
@@ -355,7 +402,7 @@ class HostLease:
         self._renewing.start()
 
     def _renew(self) -> None:
-        every = max(0.5, _seconds("RINGFLOW_POOL_GRACE_S", 30.0) / 4)
+        every = max(0.2, self.grace_s / 4)
         while not self._stop.wait(every):
             self._pool.renew.remote(self.id)
 
@@ -363,7 +410,7 @@ class HostLease:
         """``count`` hosts: idle ones of this lease's key, the rest started now."""
         import ray
 
-        hosts = ray.get(self._pool.lease.remote(self.id, self.key, count))
+        hosts = ray.get(self._pool.lease.remote(self.id, self.key, count, self.grace_s))
         for host, pid in hosts:
             self._pids[id(host)] = pid
         taken = [host for host, _ in hosts]
@@ -385,7 +432,7 @@ class HostLease:
             .remote()
         )
         pid = host.pid.remote()
-        self._pool.add.remote(self.id, self.key, host, pid)
+        self._pool.add.remote(self.id, self.key, self.grace_s, host, pid)
         self._pids[id(host)] = pid
         return host
 

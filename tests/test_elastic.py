@@ -178,16 +178,10 @@ class PacedDigits(DigitsClassifier):
 
 
 def _worker_pids() -> list[int]:
-    import psutil
+    """The processes of the running fit's workers (not the pool's idle ones)."""
+    from ringflow.engine.pool import worker_pids
 
-    pids = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if " ".join(p.cmdline()).startswith("ray::Worker"):
-                pids.append(p.pid)
-        except psutil.Error:
-            continue
-    return sorted(pids)
+    return worker_pids()["leased"]
 
 
 def _fit(

@@ -1,0 +1,200 @@
+"""Workers that outlive a run: leased warm from the cluster's pool, given back clean, keyed
+by the code they run, and never left behind by a driver that is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from ringflow.engine import TrainConfig, fit
+from ringflow.engine.pool import _Pool, pool_key, worker_pids
+from ringflow.models.digits import DigitsClassifier
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = {"workers": 2, "epochs": 2, "batch_size": 64, "seed": 4, "cpus_per_worker": 0.5}
+_IMPORTS = {"count": 0}
+_IMPORTS["count"] += 1  # once per import of this module in a process
+
+
+def _in_a_worker() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+class LeavesTraces(DigitsClassifier):
+    """Leaves in its worker's process what careless code leaves (an environment variable, a
+    module's global changed, the working directory moved) and logs whether it found any of
+    that from an earlier run."""
+
+    def __init__(self, **hparams) -> None:
+        super().__init__(**hparams)
+        self.found = 0.0
+        if _in_a_worker():
+            self.found = float("RINGFLOW_TEST_TRACE" in os.environ or _IMPORTS["count"] > 1)
+            self.found += float(os.getcwd() == "/")
+            os.environ["RINGFLOW_TEST_TRACE"] = "left"
+            _IMPORTS["count"] += 1
+            os.chdir("/")
+
+    def training_step(self, batch, batch_idx):
+        self.log("found_traces", self.found, on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+
+class LeavesAThread(DigitsClassifier):
+    """Starts a thread in its worker that never ends: that process cannot be reused."""
+
+    def __init__(self, **hparams) -> None:
+        super().__init__(**hparams)
+        if _in_a_worker():
+            threading.Thread(target=time.sleep, args=(3600,), name="left-running").start()
+
+
+def _fit(tmp_path, name, module=DigitsClassifier, **config):
+    return fit(
+        module,
+        hparams={"hidden": 16},
+        data=_fit.digits,
+        config=TrainConfig(**{**CONFIG, **config}),
+        checkpoint_uri=str(tmp_path / name),
+    )
+
+
+@pytest.fixture(autouse=True)
+def _digits(digits):
+    _fit.digits = digits
+
+
+@pytest.mark.ray
+def test_consecutive_fits_run_on_the_same_warm_processes_and_end_bit_for_bit(ray_session, tmp_path):
+    first = _fit(tmp_path, "first")
+    idle = set(worker_pids()["idle"])
+    second = _fit(tmp_path, "second")
+    assert set(worker_pids()["idle"]) == idle  # the second ran on the first's processes
+    assert len(idle) >= 2
+    for name, tensor in first.state_dict.items():
+        assert torch.equal(second.state_dict[name], tensor), name
+
+
+@pytest.mark.ray
+def test_a_reused_worker_holds_nothing_of_the_run_before(ray_session, tmp_path):
+    first = _fit(tmp_path, "first", LeavesTraces)
+    idle = set(worker_pids()["idle"])
+    second = _fit(tmp_path, "second", LeavesTraces)
+    assert set(worker_pids()["idle"]) == idle  # the same processes served both runs
+    assert first.metrics["found_traces"] == 0.0
+    assert second.metrics["found_traces"] == 0.0  # no variable, global or directory kept
+
+
+@pytest.mark.ray
+def test_a_worker_its_run_left_unclean_is_not_reused(ray_session, tmp_path):
+    before = set(worker_pids()["idle"])
+    _fit(tmp_path, "threads", LeavesAThread)
+    after = set(worker_pids()["idle"])
+    assert not after - before  # its processes were not given back
+    gone = before - after  # idle ones it leased (none when it started fresh processes)
+    deadline = time.monotonic() + 20
+    while any(psutil.pid_exists(pid) for pid in gone) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in gone if psutil.pid_exists(pid)]  # killed, not kept
+
+
+@pytest.mark.ray
+def test_changed_code_never_runs_in_a_stale_worker(ray_session, tmp_path, monkeypatch):
+    (tmp_path / "usermodel.py").write_text("import torch\nclass M(torch.nn.Module):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import usermodel
+
+    try:
+        key = pool_key(0.5, {}, usermodel.M)
+        assert pool_key(0.5, {}, usermodel.M) == key
+        (tmp_path / "usermodel.py").write_text("import torch\nclass M(torch.nn.Module):\n  x=1\n")
+        assert pool_key(0.5, {}, usermodel.M) != key  # the edited file: other workers
+        assert pool_key(1.0, {}, usermodel.M) != pool_key(0.5, {}, usermodel.M)
+    finally:
+        sys.modules.pop("usermodel", None)
+
+
+_DRIVER = textwrap.dedent(
+    """
+    import json, sys, time
+    import ray
+    from ringflow.engine import DataSpec, TrainConfig, fit
+    from ringflow.engine.pool import worker_pids
+    from ringflow.models.digits import SCHEMA, DigitsClassifier
+
+    class Slow(DigitsClassifier):
+        def training_step(self, batch, batch_idx):
+            time.sleep(0.05)
+            return super().training_step(batch, batch_idx)
+
+    ray.init(address=sys.argv[2], log_to_driver=False)
+
+    def report(_metrics):
+        print(json.dumps(worker_pids()["leased"]), flush=True)
+        time.sleep(3600)  # the driver never returns
+
+    fit(Slow, hparams={"hidden": 16}, data=DataSpec(dataset_url=sys.argv[1], schema=SCHEMA),
+        config=TrainConfig(workers=2, epochs=3, batch_size=64, cpus_per_worker=0.5),
+        checkpoint_uri=sys.argv[3], on_epoch=report)
+    """
+)
+
+
+@pytest.mark.ray
+def test_a_driver_that_never_returns_leaves_no_worker_behind(ray_session, digits, tmp_path):
+    address = ray_session.get_runtime_context().gcs_address
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, digits.dataset_url, address, str(tmp_path / "m")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "RINGFLOW_POOL_GRACE_S": "2"},
+    )
+    try:
+        leased = json.loads(driver.stdout.readline())
+        assert len(leased) >= 2, leased
+        assert all(psutil.pid_exists(pid) for pid in leased)
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(pid) for pid in leased) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in leased if psutil.pid_exists(pid)]  # ended with the grace
+    assert not set(leased) & set(worker_pids()["idle"])
+
+
+def test_idle_workers_are_released_after_their_idle_time():
+    pool = _Pool(idle_s=0.0)
+
+    async def lease_and_give_back() -> None:
+        await pool.add("lease", "key", 5.0, "host-a", 11)
+        await pool.add("lease", "key", 5.0, "host-b", 12)
+        await pool.give_back("lease", clean=[11], cap=8)  # host-b did not come back clean
+
+    asyncio.run(lease_and_give_back())
+    assert [h.pid for h in pool.idle["key"]] == [11]
+    pool.reap()
+    assert pool.idle["key"] == []
+
+
+def test_a_lease_not_renewed_within_its_grace_ends():
+    pool = _Pool(idle_s=60.0)
+    asyncio.run(pool.add("lease", "key", 0.0, "host", 11))
+    assert pool.renew("lease")
+    pool.reap()
+    assert "lease" not in pool.leases
+    assert not pool.renew("lease")
