@@ -15,6 +15,7 @@ __all__ = [
     "SECRET_ENV",
     "connect",
     "dashboard_url",
+    "trains_in_process",
     "log_files",
     "quiet_environment",
     "without_secrets",
@@ -88,6 +89,18 @@ def connect(
     where = ray.get_runtime_context().gcs_address
     log.info("connected to Ray at %s", where)
     return where
+
+
+def trains_in_process(*, workers: int, gpus_per_worker: float, stages: int = 1) -> bool:
+    """Whether a run trains in this process, starting no Ray: one CPU worker in one piece,
+    with no cluster named (``RAY_ADDRESS``) and none this process is already connected to
+    (a run that used Ray before, or will serve on it, trains where its workers are warm)."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    connected = ray is not None and ray.is_initialized()
+    alone = workers == 1 and not gpus_per_worker and stages == 1
+    return alone and not connected and not os.environ.get("RAY_ADDRESS")
 
 
 def dashboard_url() -> str | None:

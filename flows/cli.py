@@ -195,7 +195,67 @@ def main(flow: Callable[..., Any], argv: list[str] | None = None) -> int:
             raise
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2
-    return _run(_load(flow), params, keep_serving=keep_serving)
+    _use_local_stack()
+    server = _temporary_server()  # starts while the flow's libraries are imported
+    flow = _load(flow)
+    if server is not None:
+        server.join()
+    return _run(flow, params, keep_serving=keep_serving)
+
+
+def _use_local_stack() -> None:
+    """Run on the local stack ``deployments/start.sh`` started, when it runs and the
+    environment names no Prefect server or Ray cluster of its own: its Prefect server, its
+    Ray head and the head's warm workers serve the run, with nothing started for it.
+    ``RINGFLOW_LOCAL_STACK=0`` starts a temporary server and a private Ray instead."""
+    if os.environ.get("RINGFLOW_LOCAL_STACK", "1") == "0":
+        return
+    if os.environ.get("PREFECT_API_URL") or os.environ.get("RAY_ADDRESS"):
+        return
+    state = os.environ.get("RINGFLOW_STATE", ".ringflow")
+    if not all(_alive(os.path.join(state, "run", f"{n}.pid")) for n in _STACK):
+        return
+    api = f"http://127.0.0.1:{os.environ.get('RINGFLOW_PREFECT_PORT', '4200')}/api"
+    os.environ.update(
+        PREFECT_API_URL=api,
+        RAY_ADDRESS=f"127.0.0.1:{os.environ.get('RINGFLOW_RAY_PORT', '6379')}",
+        RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "token"),
+        RAY_AUTH_TOKEN_PATH=os.path.abspath(os.path.join(state, "ray", "auth_token")),
+    )
+    print(f"running on the local stack ({api}; {os.environ['RAY_ADDRESS']})", file=sys.stderr)
+
+
+_STACK = ("prefect-server", "ray-head")
+"""What ``deployments/start.sh`` starts for a run to use, by the names of its pid files."""
+
+
+def _alive(pid_file: str) -> bool:
+    try:
+        with open(pid_file) as f:
+            os.kill(int(f.read().strip()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _temporary_server() -> Any:
+    """With no Prefect server named, start the temporary one the run needs in a thread now,
+    so that it comes up while this process imports the flow's libraries; the thread."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    import threading
+
+    def start() -> None:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        try:
+            SubprocessASGIServer().start(timeout=180)
+        except Exception:  # the run starts it again, and says why if it cannot
+            return
+
+    thread = threading.Thread(target=start, name="prefect-temporary-server", daemon=True)
+    thread.start()
+    return thread
 
 
 def _check_command_line(flow: Callable[..., Any], argv: list[str]) -> tuple[dict, bool]:

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ringflow.engine import DataSpec, EpochMetrics, TrainConfig, fit
 from ringflow.engine import evaluate as evaluate_model
-from ringflow.engine.cluster import connect
+from ringflow.engine.cluster import connect, trains_in_process
 from ringflow.engine.pipeline import PipelineConfig
 from ringflow.engine.spec import ModelRef
 from ringflow.engine.timeline import TimelineSummary
@@ -40,7 +40,9 @@ def train(
     loggers: tuple[str, ...] = (),
     model_name: str | None = None,
 ) -> dict:
-    """Train ``model`` on Ray actors; return the checkpoint URL and the final metrics.
+    """Train ``model`` on Ray actors; return the checkpoint URL and the final metrics. One
+    CPU worker with no Ray cluster named trains in this process and starts no Ray
+    (``engine.cluster.trains_in_process``).
 
     Args:
         model: the model class by import path, and its hyperparameters.
@@ -58,7 +60,12 @@ def train(
     machine, else when the holder's lease has not expired within ``RINGFLOW_LEASE_TTL_S``; a
     second start of this same flow run exits quietly and leaves the run to the one holding it.
     """
-    connect(model=model.path)  # first: the lease names this process's Ray job as its writer
+    stages = pipeline.stages if pipeline is not None else 1
+    in_process = trains_in_process(
+        workers=config.workers, gpus_per_worker=config.gpus_per_worker, stages=stages
+    )
+    if not in_process:
+        connect(model=model.path)  # first: the lease names this process's Ray job as its writer
     workspace = Workspace(storage_url)
     if pipeline is not None and pipeline.stages > 1 and config.cpus_per_worker == 1.0:
         cpus = _stage_cpus(config.workers * pipeline.stages)
@@ -73,6 +80,7 @@ def train(
                 data=DataSpec(dataset_url=dataset_url),
                 config=config,
                 checkpoint_uri=workspace.run_model(run_key),
+                in_process=in_process,
                 on_epoch=on_epoch,
                 store_url=workspace.checkpoints,
                 run_key=run_key,

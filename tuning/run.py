@@ -695,6 +695,9 @@ def _fit_tuner(trainable, queue, proposer, scheduler, cfg, lines, scratch) -> di
             scheduler=scheduler,
             search_alg=searcher,
             max_concurrent_trials=concurrent,
+            # A trial's process serves the next trial (its imports done), as the engine's
+            # warm workers serve the next fit; RINGFLOW_WORKER_POOL=0 starts each afresh.
+            reuse_actors=os.environ.get("RINGFLOW_WORKER_POOL", "1") != "0",
         ),
         run_config=tune.RunConfig(
             storage_path=scratch,
