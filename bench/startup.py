@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
         if summary.get(f"{name}_s"):
             summary[f"{name}_vs_trainer"] = round(summary[f"{name}_s"] / trainer, 2)
     if summary.get("tuning_cold_s"):
-        summary["tuning_warm_vs_cold"] = round(summary["tuning_warm_s"] / summary["tuning_cold_s"], 2)
+        warm, cold = summary["tuning_warm_s"], summary["tuning_cold_s"]
+        summary["tuning_warm_vs_cold"] = round(warm / cold, 2)
     print(f"{'figure':<24}{'value':>10}")
     for key, value in summary.items():
         print(f"{key:<24}{value:>10}")
