@@ -111,6 +111,13 @@ class WorkerGroup:
     def call_rank0(self, method: Method, *args: Any, **kwargs: Any) -> Any:
         return self.call_first(1, method, *args, **kwargs)[0]
 
+    remembers = False
+    """Whether the driver's state is kept beside each commit (``RayWorkerGroup.remember``)."""
+    adopted: tuple[int, dict[str, Any]] | None = None
+
+    def remember(self, step: int, state: dict[str, Any]) -> None:
+        """Keep the driver's state at the commit of ``step`` (where :attr:`remembers`)."""
+
     def commit(self, step: int) -> None:
         """Every worker keeps its state at ``step`` in memory, to roll back to."""
 
@@ -164,7 +171,14 @@ class LocalGroup(WorkerGroup):
     """
 
     def __init__(
-        self, module_cls: type, *, hparams: dict, data: Any, config: TrainConfig, layout: Layout
+        self,
+        module_cls: type,
+        *,
+        hparams: dict,
+        data: Any,
+        config: TrainConfig,
+        layout: Layout,
+        run: str | None = None,
     ) -> None:
         if config.workers != 1:
             raise ValueError(f"in_process runs exactly 1 worker (workers=1), got {config.workers}")
@@ -269,6 +283,7 @@ class RayWorkerGroup(WorkerGroup):
         data: Any,
         config: TrainConfig,
         layout: Layout | None = None,
+        run: str | None = None,
     ) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -296,15 +311,22 @@ class RayWorkerGroup(WorkerGroup):
         # CPU workers on one node are leased warm from the cluster's pool (engine.pool); the
         # placement group reserves their resources while the run trains.
         single = _single_node()
+        # ``run`` names the run's state (its key and configuration): a driver of that run
+        # lost before this one left its workers, which this one adopts (engine.pool).
+        run = run if layout.elastic else None
         self._lease = (
             HostLease(
-                pool_key(config.cpus_per_worker, self._env_vars, module_cls, data), self._env_vars
+                pool_key(config.cpus_per_worker, self._env_vars, module_cls, data),
+                self._env_vars,
+                run=run,
             )
             if pooled(config.gpus_per_worker, single)
             else None
         )
+        self.remembers = self._lease is not None and run is not None
+        """Whether rank 0 keeps the driver's state at each commit (:meth:`remember`)."""
         self._runtime_env = {"env_vars": self._env_vars} if single else None
-        self._warm = self._lease.take(layout.size) if self._lease is not None else []
+        self._warm: list[Any] = []
         self._next_id = 0
         self._actors: dict[str, WorkerHandle] = {}
         self._units: dict[str, list[str]] = {}
@@ -317,12 +339,16 @@ class RayWorkerGroup(WorkerGroup):
         self._ahead: tuple[Steps, dict[str, Any], bool] | None = None
         """Steps sent before the driver asked for them (``train_steps``'s ``then``), and
         whether their workers run the next step where they end."""
-        units, starts = [], {}
-        for place in range(config.workers):
-            unit, handles, refs = self._start_unit(place, first=True)
-            self._admit_unit(unit, handles)
-            starts.update(zip(self._units[unit], refs, strict=True))
-            units.append(unit)
+        self.adopted = self._take_over(self._lease.adopt()) if self.remembers else None
+        """``(step, driver state)`` of the commit the adopted workers go on from."""
+        units, starts = list(self._units), {}
+        if self.adopted is None:
+            self._warm = self._lease.take(layout.size) if self._lease is not None else []
+            for place in range(config.workers):
+                unit, handles, refs = self._start_unit(place, first=True)
+                self._admit_unit(unit, handles)
+                starts.update(zip(self._units[unit], refs, strict=True))
+                units.append(unit)
         # The coordinator counts units: data-parallel workers, or pipeline replicas.
         self.coordinator = Coordinator(
             units,
@@ -331,11 +357,51 @@ class RayWorkerGroup(WorkerGroup):
             policy=FailurePolicy(max_failures=config.max_failures if layout.elastic else 0),
         )
         try:
-            self._started(starts)
-            layout.connect(self)
+            if self.adopted is None:
+                self._started(starts)
+                layout.connect(self)
+            else:
+                self._rewire(joined=[])  # their ring, anew, among the same ranks
         except BaseException:
             self.shutdown()
             raise
+
+    def _take_over(self, hosts: list[Any]) -> tuple[int, dict[str, Any]] | None:
+        """Admit ``hosts``, which a lost driver of this run left, as the ranks they were; the
+        newest commit they all hold with the driver's state at it, and that state. ``None``
+        (and the hosts killed) where they are not the whole group or hold no such commit."""
+        import ray
+
+        if not hosts:
+            return None
+        handles = [WorkerHandle(host) for host in hosts]
+        try:
+            standings = ray.get(
+                [h.call(Worker.standing) for h in handles], timeout=self._config.timeout_s
+            )
+            ranks = sorted(range(len(hosts)), key=lambda i: standings[i][0])
+            common = set.intersection(*(set(steps) for _, steps in standings))
+            if [standings[i][0] for i in ranks] != list(range(self._layout.size)) or not common:
+                raise ValueError(f"their ranks and commits do not make a whole group: {standings}")
+            step = max(common)
+            state = ray.get(handles[ranks[0]].call(Worker.driver_state, step))
+        except (ray.exceptions.RayError, ValueError) as err:
+            log.warning("the workers a lost driver left are not adopted: %s", err)
+            for handle in handles:
+                handle.kill()
+            return None
+        for place, i in enumerate(ranks):
+            unit = f"worker-{self._next_id}"
+            self._next_id += 1
+            self._places[unit] = place
+            self._admit_unit(unit, [handles[i]])
+        log.info("adopted %d workers of a lost driver at their commit of step %d", len(hosts), step)
+        return step, state
+
+    def remember(self, step: int, state: dict[str, Any]) -> None:
+        """Rank 0 keeps the driver's ``state`` at the commit of ``step``, for a driver that
+        adopts the workers if this one is lost (nothing waits for it)."""
+        self._actors[self.members[0]].call(Worker.remember, step, state)
 
     def _started(self, starts: dict[str, Any]) -> None:
         """Wait for the workers' starts; the first one that failed fails the group as the

@@ -41,7 +41,16 @@ import torch
 
 from ringflow.engine.worker import Worker
 
-__all__ = ["POOL_NAME", "HostLease", "WorkerHost", "pool_key", "pooled", "release_idle"]
+__all__ = [
+    "POOL_NAME",
+    "HostLease",
+    "WorkerHost",
+    "owner",
+    "pool_key",
+    "pooled",
+    "release_idle",
+    "worker_pids",
+]
 
 log = logging.getLogger("ringflow.engine")
 
@@ -137,7 +146,6 @@ def pool_key(cpus_per_worker: float, env_vars: dict[str, str], *objects: Any) ->
         "cpus": cpus_per_worker,
         "code": code_digest(*objects),
         "python": sys.executable,
-        "path": sys.path,
         "env_vars": env_vars,
         "runtime_env": ray.get_runtime_context().runtime_env,
         "torch": torch.__version__,
@@ -254,6 +262,14 @@ class _Idle:
 class _Lease:
     key: str
     grace_s: float
+    run: str | None = None
+    """The run whose in-memory commits the hosts hold: a lease its driver lost is kept for
+    a driver of the same run to adopt (:meth:`_Pool.adopt`)..."""
+    adopt_s: float = 180.0
+    """... for this many seconds (``RINGFLOW_ADOPT_S``), then its hosts are killed."""
+    owner: dict[str, Any] = field(default_factory=dict)
+    """The driver's process (``pid`` and its ``start`` time, on this one node): when it is
+    gone the pool knows at once, without waiting out the grace."""
     hosts: dict[int, Any] = field(default_factory=dict)
     renewed: float = field(default_factory=time.monotonic)
 
@@ -266,6 +282,8 @@ class _Pool:
         self.idle_s = idle_s
         self.idle: dict[str, list[_Idle]] = {}
         self.leases: dict[str, _Lease] = {}
+        self.orphans: dict[str, tuple[_Lease, float]] = {}
+        """Leases of lost drivers by run, each until its deadline (``RINGFLOW_ADOPT_S``)."""
         self._reaper: asyncio.Task | None = None
 
     def _ensure_reaper(self) -> None:
@@ -275,7 +293,24 @@ class _Pool:
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(0.5)
+            await self._find_lost_drivers()
             self.reap()
+
+    async def _find_lost_drivers(self) -> None:
+        for lease_id, lease in list(self.leases.items()):
+            if _owner_died(lease.owner):
+                self._lost(lease_id)
+
+    def _lost(self, lease_id: str) -> None:
+        """The lease's driver is gone: its hosts wait for a driver of its run, or go."""
+        lease = self.leases.pop(lease_id)
+        if lease.run is None:
+            _kill(list(lease.hosts.values()))
+            return
+        old = self.orphans.pop(lease.run, None)
+        if old is not None:
+            _kill(list(old[0].hosts.values()))
+        self.orphans[lease.run] = (lease, time.monotonic() + lease.adopt_s)
 
     def reap(self) -> None:
         now = time.monotonic()
@@ -285,19 +320,51 @@ class _Pool:
             _kill([h.host for h in expired])
         for lease_id, lease in list(self.leases.items()):
             if now - lease.renewed >= lease.grace_s:
-                del self.leases[lease_id]
+                self._lost(lease_id)
+        for run, (lease, deadline) in list(self.orphans.items()):
+            if now >= deadline:
+                del self.orphans[run]
                 _kill(list(lease.hosts.values()))
 
-    def _lease(self, lease_id: str, key: str, grace_s: float) -> _Lease:
+    async def adopt(
+        self, lease_id: str, run: str, key: str, grace_s: float, owner: dict[str, Any]
+    ) -> list[tuple[Any, int]]:
+        """The hosts a lost driver of ``run`` left, now leased to ``lease_id``; none when
+        no driver of that run was lost (a live one keeps its hosts)."""
+        for other_id, lease in list(self.leases.items()):
+            if lease.run == run and _owner_died(lease.owner):
+                self._lost(other_id)
+        found = self.orphans.pop(run, None)
+        lease = self._lease(lease_id, key, grace_s, run, owner)
+        if found is not None and found[0].key != key:  # other code: never run it
+            _kill(list(found[0].hosts.values()))
+            found = None
+        if found is None:
+            return []
+        lease.hosts.update(found[0].hosts)
+        return [(host, pid) for pid, host in found[0].hosts.items()]
+
+    def _lease(
+        self, lease_id: str, key: str, grace_s: float, run: str | None, owner: dict[str, Any]
+    ) -> _Lease:
         self._ensure_reaper()
-        return self.leases.setdefault(lease_id, _Lease(key, grace_s))
+        if lease_id not in self.leases:
+            adopt_s = float((owner or {}).get("adopt_s", 180.0))
+            self.leases[lease_id] = _Lease(key, grace_s, run, adopt_s, owner)
+        return self.leases[lease_id]
 
     async def lease(
-        self, lease_id: str, key: str, count: int, grace_s: float
+        self,
+        lease_id: str,
+        key: str,
+        count: int,
+        grace_s: float,
+        run: str | None = None,
+        owner: dict[str, Any] | None = None,
     ) -> list[tuple[Any, int]]:
         """Up to ``count`` idle hosts of ``key``, now leased to ``lease_id``, which ends
-        unless renewed every ``grace_s`` seconds."""
-        lease = self._lease(lease_id, key, grace_s)
+        unless renewed every ``grace_s`` seconds or when ``owner`` is lost."""
+        lease = self._lease(lease_id, key, grace_s, run, owner or {})
         idle = self.idle.get(key, [])
         kept = len(idle) - min(count, len(idle))
         taken, self.idle[key] = idle[kept:], idle[:kept]
@@ -305,9 +372,18 @@ class _Pool:
         lease.renewed = time.monotonic()
         return [(h.host, h.pid) for h in taken]
 
-    async def add(self, lease_id: str, key: str, grace_s: float, host: Any, pid: int) -> None:
+    async def add(
+        self,
+        lease_id: str,
+        key: str,
+        grace_s: float,
+        host: Any,
+        pid: int,
+        run: str | None = None,
+        owner: dict[str, Any] | None = None,
+    ) -> None:
         """A host the driver started for its lease."""
-        lease = self._lease(lease_id, key, grace_s)
+        lease = self._lease(lease_id, key, grace_s, run, owner or {})
         lease.hosts[pid] = host
         lease.renewed = time.monotonic()
 
@@ -346,7 +422,31 @@ class _Pool:
         return {
             "idle": sorted(h.pid for hs in self.idle.values() for h in hs),
             "leased": sorted(pid for lease in self.leases.values() for pid in lease.hosts),
+            "orphaned": sorted(pid for lease, _ in self.orphans.values() for pid in lease.hosts),
         }
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (``/proc``), or ``None`` where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def owner() -> dict[str, Any]:
+    """This process, as a lease names its driver, and how long its workers wait for a
+    driver of the same run if it is lost (``RINGFLOW_ADOPT_S``)."""
+    pid = os.getpid()
+    return {"pid": pid, "start": _started(pid), "adopt_s": _seconds("RINGFLOW_ADOPT_S", 180.0)}
+
+
+def _owner_died(owner: dict[str, Any]) -> bool:
+    """Whether the driver ``owner`` names is gone (leases are pooled on one node only)."""
+    if not owner or owner.get("start") is None:
+        return False  # not known: the lease ends when it is not renewed
+    return _started(owner["pid"]) != owner["start"]
 
 
 def _kill(hosts: list[Any]) -> None:
@@ -391,9 +491,10 @@ class HostLease:
     """A driver's hosts from the pool: leased idle ones first, then fresh ones; renewed from
     a thread while the driver lives; reset and given back at the end."""
 
-    def __init__(self, key: str, env_vars: dict[str, str]) -> None:
-        self.key, self.env_vars = key, env_vars
+    def __init__(self, key: str, env_vars: dict[str, str], *, run: str | None = None) -> None:
+        self.key, self.env_vars, self.run = key, env_vars, run
         self.id = uuid.uuid4().hex
+        self.owner = owner()
         self.grace_s = _seconds("RINGFLOW_POOL_GRACE_S", 30.0)
         self._pool = _pool()
         self._pids: dict[int, int] = {}  # id(actor) -> pid
@@ -410,7 +511,9 @@ class HostLease:
         """``count`` hosts: idle ones of this lease's key, the rest started now."""
         import ray
 
-        hosts = ray.get(self._pool.lease.remote(self.id, self.key, count, self.grace_s))
+        hosts = ray.get(
+            self._pool.lease.remote(self.id, self.key, count, self.grace_s, self.run, self.owner)
+        )
         for host, pid in hosts:
             self._pids[id(host)] = pid
         taken = [host for host, _ in hosts]
@@ -418,6 +521,20 @@ class HostLease:
             log.debug("%d warm worker(s), %d started", len(taken), count - len(taken))
         fresh = [self._start() for _ in range(count - len(taken))]
         return taken + fresh
+
+    def adopt(self) -> list[Any]:
+        """The hosts a lost driver of this lease's run left, with their in-memory commits,
+        now this lease's; none if there are none."""
+        import ray
+
+        if self.run is None:
+            return []
+        hosts = ray.get(
+            self._pool.adopt.remote(self.id, self.run, self.key, self.grace_s, self.owner)
+        )
+        for host, pid in hosts:
+            self._pids[id(host)] = pid
+        return [host for host, _ in hosts]
 
     def _start(self) -> Any:
         import ray
@@ -432,7 +549,7 @@ class HostLease:
             .remote()
         )
         pid = host.pid.remote()
-        self._pool.add.remote(self.id, self.key, self.grace_s, host, pid)
+        self._pool.add.remote(self.id, self.key, self.grace_s, host, pid, self.run, self.owner)
         self._pids[id(host)] = pid
         return host
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import time
@@ -186,11 +187,13 @@ def fit(
     if overrides(module_cls, "prepare_data"):  # then the module's, as Trainer calls them
         module.prepare_data()
     group_cls = LocalGroup if in_process else RayWorkerGroup
-    group = _start_group(group_cls, layout, module_cls, hparams, data, config)
+    group = _start_group(group_cls, layout, module_cls, hparams, data, config, resume.identity())
+    if group.adopted is not None:
+        resume.adopt(*group.adopted)
     dashboard = None if in_process else dashboard_url()
     worker_logs = _worker_logs(group, [], dashboard)
     try:
-        if init_from is not None and resume.checkpoint is None:
+        if init_from is not None and resume.checkpoint is None and resume.adopted is None:
             group.call(Worker.warm_start, init_from)
             log.info("warm start from %s", init_from)
         callbacks = Callbacks(
@@ -245,7 +248,7 @@ def fit(
         history=history,
         metrics=history[-1].metrics,
         state_dict=state,
-        resumed_from=resume.step if resume.checkpoint is not None else None,
+        resumed_from=resume.step if resume.resumed else None,
         events=events,
         timeline=timeline,
         dashboard=dashboard,
@@ -376,8 +379,10 @@ def _start_group(
     hparams: dict[str, Any],
     data: Any,
     config: TrainConfig,
+    run: str | None = None,
 ) -> WorkerGroup:
-    """Start the workers; a worker lost while they connect starts the group again.
+    """Start the workers (adopting those a lost driver of ``run`` left, where there are);
+    a worker lost while they connect starts the group again.
 
     Nothing is committed yet at that point, so there is nothing to roll back to: the group is
     shut down and started afresh, up to ``config.max_failures`` times. A worker that raised
@@ -386,7 +391,9 @@ def _start_group(
     """
     for attempt in range(config.max_failures + 1):
         try:
-            return group_cls(module_cls, hparams=hparams, data=data, config=config, layout=layout)
+            return group_cls(
+                module_cls, hparams=hparams, data=data, config=config, layout=layout, run=run
+            )
         except MembershipLost as err:
             if attempt == config.max_failures:
                 raise EngineError(
@@ -488,16 +495,38 @@ def _train(
                 on_epoch(history[-1])
             # EarlyStopping may stop the run here
             callbacks.epoch_end(epoch, last + 1, callback_metrics)
-        if resume.store_url and chunks.checkpoint_due(step):
-            meta = resume.metadata(step, chunks.epochs, history, logged, seconds)
-            meta["callbacks"] = callbacks.state_dict()
-            step = _checkpoint(group, layout, resume, step, meta, history)
+        step = _committed(group, layout, resume, chunks, step, history, logged, seconds, callbacks)
     if resume.store_url is not None:
         for error in layout.flush(group):
             log.warning("a checkpoint of run %s was not saved: %s", resume.run_key, error)
     group.call(Worker.fit_end, chunks.epochs.locate(step)[0])
     callbacks.fit_end()
     return history
+
+
+def _committed(
+    group: WorkerGroup,
+    layout: Layout,
+    resume: _Resume,
+    chunks: _Chunks,
+    step: int,
+    history: list[EpochMetrics],
+    logged: Logged,
+    seconds: float,
+    callbacks: Callbacks,
+) -> int:
+    """After the commit of ``step``: the driver's state kept beside it (a driver that adopts
+    the workers goes on from there), and the checkpoint due there taken; the step training
+    goes on from."""
+    checkpoint = bool(resume.store_url and chunks.checkpoint_due(step))
+    if not (checkpoint or group.remembers):
+        return step
+    meta = resume.metadata(step, chunks.epochs, history, logged, seconds)
+    meta["callbacks"] = callbacks.state_dict()
+    group.remember(step, meta)
+    if checkpoint:
+        return _checkpoint(group, layout, resume, step, meta, history)
+    return step
 
 
 def _write_rows(loggers: _Loggers, chunk: Logged, epoch: int) -> None:
@@ -749,6 +778,12 @@ class _Resume:
     """The history's entries as checkpoints record them, each made once (``metadata``)."""
     _planned: Epochs | None = field(default=None, repr=False)
     """The epochs at the configured global batch (:meth:`restore`)."""
+    config: TrainConfig | None = None
+    adopted: int | None = None
+    """The step of the commit that workers a lost driver left went on from (:meth:`adopt`)."""
+    _recorded: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The metadata of where the run goes on from: its checkpoint's, or the adopted
+    workers' driver state."""
 
     @classmethod
     def find(
@@ -777,17 +812,51 @@ class _Resume:
             **({"init_from": init_from} if init_from else {}),
             **layout.identity(),
         )
-        resume = cls(store_url=store.url, run_key=run_key, fingerprint=fingerprint)
+        resume = cls(store_url=store.url, run_key=run_key, fingerprint=fingerprint, config=config)
         if latest is None:
             return resume
-        resume.checkpoint, resume.step = latest, latest.step
-        resume.history = [EpochMetrics(**entry) for entry in latest.metadata["history"]]
-        resume.callbacks = latest.metadata.get("callbacks", {})
-        resume.logged = Logged.from_json(latest.metadata["epoch_logged"])
-        resume.seconds = float(latest.metadata["epoch_seconds"])
+        resume.checkpoint = latest
+        resume._go_on_from(latest.step, latest.metadata)
         return resume
 
+    def _go_on_from(self, step: int, recorded: dict[str, Any]) -> None:
+        self.step, self._recorded = step, recorded
+        self.history = [EpochMetrics(**entry) for entry in recorded["history"]]
+        self.callbacks = recorded.get("callbacks", {})
+        self.logged = Logged.from_json(recorded["epoch_logged"])
+        self.seconds = float(recorded["epoch_seconds"])
+
+    def identity(self) -> str | None:
+        """The run's state by its key and whole configuration: what a driver restarted
+        under the same run key must share with the lost one to adopt its workers."""
+        if self.store_url is None or self.config is None:
+            return None
+        text = json.dumps(
+            [self.store_url, self.run_key, self.fingerprint, dataclasses.asdict(self.config)],
+            sort_keys=True,
+            default=str,
+        )
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def adopt(self, step: int, state: dict[str, Any]) -> None:
+        """Go on from the adopted workers' commit of ``step`` (``state``: the lost driver's
+        there, as a checkpoint records it) where it is newer than the checkpoint."""
+        if step < self.step:
+            return
+        self.adopted = step
+        self._go_on_from(step, state)
+
+    @property
+    def resumed(self) -> bool:
+        return self.checkpoint is not None or self.adopted is not None
+
     def events(self) -> list[ElasticEvent]:
+        if self.adopted is not None:
+            cause = (
+                f"run {self.run_key} went on from the in-memory commit its lost driver's "
+                f"workers held at step {self.adopted}"
+            )
+            return [ElasticEvent(kind="resumed", step=self.adopted, workers=0, cause=cause)]
         return resumed_events(self.run_key, self.checkpoint)
 
     def restore(self, group: WorkerGroup, epochs: Epochs) -> Epochs:
@@ -795,11 +864,15 @@ class _Resume:
         them (each epoch's global batch, where it follows the workers)."""
         self.check_layout(epochs.steps(0))
         self._planned = epochs
-        if self.checkpoint is None:
+        if not self.resumed:
             return epochs
-        recorded = self.checkpoint.metadata.get("epoch_batches")
+        recorded = self._recorded.get("epoch_batches")
         if recorded:
             epochs = Epochs(epochs.samples, tuple(recorded), epochs.accumulate)
+        if self.adopted is not None:
+            group.call(Worker.rollback, self.adopted)
+            log.info("run %s goes on from its workers' commit of step %d", self.run_key, self.step)
+            return epochs
         group.call(Worker.restore, self.store_url, self.checkpoint)
         epoch, first = epochs.locate(self.step)
         log.info(
@@ -814,13 +887,11 @@ class _Resume:
         return epochs
 
     def check_layout(self, steps_per_epoch: int) -> None:
-        if self.checkpoint is not None and (
-            self.checkpoint.metadata["steps_per_epoch"] != steps_per_epoch
-        ):
+        if self.resumed and self._recorded["steps_per_epoch"] != steps_per_epoch:
+            where = self.checkpoint.url if self.adopted is None else "its workers' commit"
             raise ValueError(
-                f"{self.checkpoint.url} was written with "
-                f"{self.checkpoint.metadata['steps_per_epoch']} steps per epoch, this run has "
-                f"{steps_per_epoch}: the dataset changed; use a new run key"
+                f"{where} was written with {self._recorded['steps_per_epoch']} steps per "
+                f"epoch, this run has {steps_per_epoch}: the dataset changed; use a new run key"
             )
 
     def metadata(

@@ -427,6 +427,8 @@ class Worker:
         (:meth:`reached`)."""
         self._samples = 0
         """The samples of the current call's steps done so far."""
+        self._driver_states: dict[int, dict[str, Any]] = {}
+        """The driver's state at commits, by step (:meth:`remember`)."""
 
     def _open_train(self) -> None:
         """Open the training split (a loader's ``train_dataloader()`` called) and count its
@@ -737,6 +739,24 @@ class Worker:
         if landed is not None:
             landed.synchronize()
         return self._commits[step]
+
+    def remember(self, step: int, state: dict[str, Any]) -> None:
+        """Keep the driver's state at the commit of ``step`` (its history and what the epoch
+        logged so far, as a checkpoint records them): a driver restarted after this one's
+        was lost goes on from the commit with it (``engine.pool``, adoption)."""
+        self._driver_states[step] = state
+        for old in [s for s in self._driver_states if s not in self._commits]:
+            del self._driver_states[old]
+
+    def standing(self) -> tuple[int, list[int]]:
+        """This worker's rank and the steps of its commits (rank 0: those with the driver's
+        state), for a driver adopting it."""
+        steps = [s for s in self._commits if self.rank or s in self._driver_states]
+        return self.rank, sorted(steps)
+
+    def driver_state(self, step: int) -> dict[str, Any]:
+        """The driver's state :meth:`remember` kept at ``step``."""
+        return self._driver_states[step]
 
     def adopt(self, step: int, state: Commit) -> None:
         """Take the survivors' commit of ``step`` as this worker's state."""

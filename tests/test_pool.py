@@ -146,22 +146,29 @@ _DRIVER = textwrap.dedent(
         print(json.dumps(worker_pids()["leased"]), flush=True)
         time.sleep(3600)  # the driver never returns
 
+    store = {"store_url": sys.argv[4], "run_key": "never"} if len(sys.argv) > 4 else {}
     fit(Slow, hparams={"hidden": 16}, data=DataSpec(dataset_url=sys.argv[1], schema=SCHEMA),
         config=TrainConfig(workers=2, epochs=3, batch_size=64, cpus_per_worker=0.5),
-        checkpoint_uri=sys.argv[3], on_epoch=report)
+        checkpoint_uri=sys.argv[3], on_epoch=report, **store)
     """
 )
 
 
 @pytest.mark.ray
-def test_a_driver_that_never_returns_leaves_no_worker_behind(ray_session, digits, tmp_path):
+@pytest.mark.parametrize("adoptable", [False, True], ids=["plain", "with-a-run-key"])
+def test_a_driver_that_never_returns_leaves_no_worker_behind(
+    ray_session, digits, tmp_path, adoptable
+):
+    """Killed, its workers go at once; with a run key (in-memory commits a restarted
+    driver could adopt), when nobody adopted them within ``RINGFLOW_ADOPT_S``."""
     address = ray_session.get_runtime_context().gcs_address
+    store = [str(tmp_path / "store")] if adoptable else []
     driver = subprocess.Popen(
-        [sys.executable, "-c", _DRIVER, digits.dataset_url, address, str(tmp_path / "m")],
+        [sys.executable, "-c", _DRIVER, digits.dataset_url, address, str(tmp_path / "m")] + store,
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "RINGFLOW_POOL_GRACE_S": "2"},
+        env={**os.environ, "RINGFLOW_POOL_GRACE_S": "30", "RINGFLOW_ADOPT_S": "2"},
     )
     try:
         leased = json.loads(driver.stdout.readline())
@@ -198,3 +205,79 @@ def test_a_lease_not_renewed_within_its_grace_ends():
     pool.reap()
     assert "lease" not in pool.leases
     assert not pool.renew("lease")
+
+
+class Paced(DigitsClassifier):
+    """The demo model with steps that wait as if on an accelerator: a driver killed after an
+    epoch is killed inside the next one."""
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.02)
+        return super().training_step(batch, batch_idx)
+
+
+ADOPTED = {"workers": 2, "epochs": 4, "batch_size": 64, "seed": 5, "cpus_per_worker": 0.5}
+
+_LOST_DRIVER = textwrap.dedent(
+    """
+    import sys
+    import ray
+    from ringflow.engine import DataSpec, TrainConfig, fit
+    from ringflow.models.digits import SCHEMA
+    from tests.test_pool import ADOPTED, Paced
+
+    ray.init(address=sys.argv[2], log_to_driver=False)
+    fit(Paced, hparams={"hidden": 16}, data=DataSpec(dataset_url=sys.argv[1], schema=SCHEMA),
+        config=TrainConfig(**ADOPTED), checkpoint_uri=sys.argv[3], store_url=sys.argv[4],
+        run_key="adopted", on_epoch=lambda m: print(m.epoch, flush=True))
+    """
+)
+
+
+@pytest.mark.ray
+def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit(
+    ray_session, digits, tmp_path
+):
+    def run(name, **where):
+        return fit(
+            Paced,
+            hparams={"hidden": 16},
+            data=digits,
+            config=TrainConfig(**ADOPTED),
+            checkpoint_uri=str(tmp_path / name),
+            **where,
+        )
+
+    reference = run("reference")
+    store = str(tmp_path / "store")
+    address = ray_session.get_runtime_context().gcs_address
+    lost = subprocess.Popen(
+        [sys.executable, "-c", _LOST_DRIVER, digits.dataset_url, address]
+        + [str(tmp_path / "lost"), store],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        while lost.stdout.readline().strip() != "1":  # its second epoch ended
+            assert lost.poll() is None, "the first driver ended before it was killed"
+        time.sleep(0.3)  # into the third
+    finally:
+        lost.send_signal(signal.SIGKILL)
+        lost.wait()
+    orphaned = set(worker_pids()["leased"])
+    result = run("restarted", store_url=store, run_key="adopted")
+    resumed = result.events[0]
+    assert resumed.kind == "resumed", result.events
+    assert "in-memory commit" in resumed.cause, resumed.cause
+    steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
+    assert result.resumed_from > 2 * steps_per_epoch  # past the last checkpoint: none redone
+    assert orphaned <= set(worker_pids()["idle"])  # the lost driver's processes trained on
+    for name, tensor in reference.state_dict.items():
+        assert torch.equal(result.state_dict[name], tensor), name
+
+
+def digits_train_rows(digits):
+    from ringflow.engine.data import samples_of
+
+    return samples_of(digits, "train")
