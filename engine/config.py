@@ -248,6 +248,12 @@ class TrainConfig:
     reload_dataloaders_every_n_epochs: Annotated[int, Ge(0)] = 0
     """Lightning's: the training data is opened again (a DataModule's or the module's own
     ``train_dataloader()`` called again) every this many epochs; 0 opens it once."""
+    sync_batchnorm: bool = False
+    """Lightning's: every ``BatchNorm*d`` layer normalises with the statistics of the whole
+    global batch, summed over the data-parallel workers in forward (and their gradients in
+    backward), so several workers train as one process on the whole batch
+    (``engine.sync_batchnorm``); ``False``: each worker's statistics are its part's, as DDP.
+    Nothing changes on one worker; pipeline stages refuse it."""
     collective_timeout_s: Annotated[float, Gt(0)] = 10.0
     """Every collective's deadline: a worker that died or stopped answering makes the others
     fail with ``PeerLostError`` within this time."""
@@ -316,6 +322,7 @@ class TrainConfig:
             raise ValueError(
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
             )
+        self._check_switches()
         self._check_timeline()
 
     def _check_batch(self) -> None:
@@ -398,9 +405,12 @@ class TrainConfig:
                 f"collective must be one of {available_collectives()}, got {self.collective!r}"
             )
 
+    def _check_switches(self) -> None:
+        for name in ("timeline", "sync_batchnorm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
     def _check_timeline(self) -> None:
-        if not isinstance(self.timeline, bool):
-            raise ValueError(f"timeline must be True or False, got {self.timeline!r}")
         if isinstance(self.timeline_warmup, bool) or not isinstance(self.timeline_warmup, int):
             raise ValueError(f"timeline_warmup must be an integer, got {self.timeline_warmup!r}")
         if self.timeline_warmup < 0:

@@ -426,6 +426,18 @@ class ModuleData:
 
         return split in _LOADERS and overrides(self.module_cls, _LOADERS[split])
 
+    def evaluation_split(self) -> str | None:
+        """The split a trained module is evaluated on: ``test`` where it has its own
+        ``test_dataloader()`` and ``test_step``, else ``validation`` (``val_dataloader()`` and
+        ``validation_step``), else ``None``: it has no data to evaluate on."""
+        from ringflow.engine.module import overrides
+
+        steps = {"test": "test_step", "validation": "validation_step"}
+        return next(
+            (s for s, step in steps.items() if self.has(s) and overrides(self.module_cls, step)),
+            None,
+        )
+
     def bind(self, module: Any, batch_size: int) -> DataModuleData:
         """``module``'s loaders, read as a DataModule's; its ``setup`` is not called here:
         the worker calls it as Trainer does, before the first loader."""

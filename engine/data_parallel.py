@@ -26,6 +26,7 @@ from ringflow.engine.module import (
     may_return_none,
     step_arguments,
 )
+from ringflow.engine.sync_batchnorm import attach_collective, convert_sync_batchnorm
 from ringflow.engine.timeline import UNTIMED
 from ringflow.engine.worker import (
     Batch,
@@ -71,6 +72,9 @@ class DataParallelStep:
         self._hook: tuple[Any, Any, str] | None = None
         self._may_skip = True
         """Whether the module's ``training_step`` may return ``None`` (:meth:`_skipped`)."""
+        self.syncs_batchnorm = worker.config.sync_batchnorm and worker.config.workers > 1
+        """Whether the module's BatchNorm layers normalise over every worker's part
+        (``TrainConfig.sync_batchnorm``)."""
         self.stepping = False
         """Whether the batch being trained has begun to step the optimizer: a failure from
         then on leaves a state that only a rollback undoes (``Worker.reached``)."""
@@ -79,13 +83,16 @@ class DataParallelStep:
         return samples_of(self.worker.data, split)
 
     def prepare(self, module: torch.nn.Module) -> torch.nn.Module:
-        """As Trainer: ``setup``, then ``configure_model``, then the device. Built on the CPU,
-        so the initial weights are the same wherever the worker trains; moved before the
-        optimizer exists, so its state is created on the device."""
+        """As Trainer: ``setup``, then ``configure_model``, then ``sync_batchnorm``'s
+        conversion, then the device. Built on the CPU, so the initial weights are the same
+        wherever the worker trains; moved before the optimizer exists, so its state is
+        created on the device."""
         w = self.worker
         self._may_skip = may_return_none(type(module).training_step)
         call_hook(module, "setup", "fit")
         call_hook(module, "configure_model")
+        if self.syncs_batchnorm:
+            module = convert_sync_batchnorm(module)
         compile_in_place(module)  # eager state names, whatever configure_model compiled
         return w.precision.convert_module(module.to(w.device))
 
@@ -105,6 +112,8 @@ class DataParallelStep:
     def join(self, init_method: str = "") -> None:
         """Join the ring of the worker's current rank and world size."""
         self.collective = self.worker.ring(init_method)
+        if self.syncs_batchnorm:
+            attach_collective(self.worker.module, self.collective)
         self.prepare_buckets()
 
     def prepare_buckets(self) -> None:
@@ -163,6 +172,8 @@ class DataParallelStep:
                 state.reset_errors()
 
     def leave(self) -> None:
+        if self.syncs_batchnorm and hasattr(self.worker, "module"):
+            attach_collective(self.worker.module, None)
         if self.buckets is not None:
             self.buckets.close()
             self.buckets = None
@@ -184,8 +195,9 @@ class DataParallelStep:
         global batch (and by 1/``accumulate_grad_batches``, as Lightning scales the loss)
         makes the sum over ranks and batches the gradient Trainer computes on one process.
         Without accumulation the weight is applied to each gradient on its way into a bucket
-        (where every share is alike, the buckets' all-reduces average instead); with it, to
-        the loss, and the buckets reduce the window's summed gradients once.
+        (where every share is alike, the buckets' all-reduces average instead); with it, and
+        under ``sync_batchnorm`` where shares differ, to the loss, and the buckets reduce the
+        window's summed gradients once.
         The module's hooks run where Trainer runs them (``on_after_backward`` sees the
         averaged gradients of a window's last batch). Where nothing reads every gradient
         before the step, the optimizer steps the parameters whose buckets are reduced while
@@ -209,8 +221,9 @@ class DataParallelStep:
         if batch.opens_window:
             w.optimization.zero_grad(step)
             self._window_learns = False
+        scale = self._loss_weight(batch, window)
         if batch.steps:  # buckets start their all-reduces from inside backward
-            self._start_buckets(window=window, weight=batch.weight, global_size=batch.global_size)
+            self._start_buckets(batch, summed=scale is not None)
         out = loss = None
         if data is not None:
             out, loss = self._forward(data, len(mine), batch, timeline)
@@ -219,7 +232,7 @@ class DataParallelStep:
         if learns and loss is not None:
             call_hook(module, "on_before_backward", loss)
             timeline.start("backward")
-            w.precision.backward(loss if window == 1 else loss * (batch.weight / window))
+            w.precision.backward(loss if scale is None else loss * scale)
             timeline.stop("backward")
             w.metric_log.record("train_loss", logged_number(loss), len(mine))
         if batch.steps:
@@ -379,10 +392,12 @@ class DataParallelStep:
         call_hook(module, "on_train_batch_start", data, step)
         w.metric_log.enter("training_step", batch_size=len(mine), log_step=log_step)
 
+        scale = self._loss_weight(batch, 1)
+
         def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             call_hook(module, "on_before_backward", loss)
-            self._start_buckets(window=1, weight=batch.weight, global_size=batch.global_size)
-            w.precision.backward(loss, *args, **kwargs)
+            self._start_buckets(batch, summed=scale is not None)
+            w.precision.backward(loss if scale is None else loss * scale, *args, **kwargs)
             self.buckets.finish()
             call_hook(module, "on_after_backward")
 
@@ -407,13 +422,24 @@ class DataParallelStep:
         timeline.end()
         return len(mine)
 
-    def _start_buckets(self, *, window: int, weight: float, global_size: int) -> None:
-        if window > 1:
+    def _loss_weight(self, batch: Batch, window: int) -> float | None:
+        """What the loss is multiplied by before backward where it carries this worker's
+        share of the batch (the buckets then only sum): in an accumulation ``window`` of
+        batches, and under ``sync_batchnorm`` where the parts differ in size, since the
+        BatchNorm gradients cross the workers inside backward (``engine.sync_batchnorm``);
+        ``None`` elsewhere: the buckets weight the gradients."""
+        unequal = batch.global_size % self.worker.world_size
+        if window > 1 or (self.syncs_batchnorm and unequal):
+            return batch.weight / window
+        return None
+
+    def _start_buckets(self, batch: Batch, *, summed: bool) -> None:
+        if summed:
             self.buckets.start()  # the loss carried the weight
-        elif global_size % self.worker.world_size == 0:
+        elif batch.global_size % self.worker.world_size == 0:
             self.buckets.start(average=True)  # every rank's share alike: the mean of the sums
         else:
-            self.buckets.start(weight=weight)
+            self.buckets.start(weight=batch.weight)
 
     # ------------------------------------------------------------------ evaluation, state
 

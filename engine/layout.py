@@ -297,6 +297,7 @@ class Pipeline(Layout):
     _UNSUPPORTED = {
         "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule",
         "timeline": "the timeline records data-parallel workers' steps",
+        "sync_batchnorm": "a stage's BatchNorm layers normalise its replica's micro-batches",
     }
     _ON_GPUS = (
         "on GPUs the replicas share one NCCL world, which is not rebuilt around a lost one: "

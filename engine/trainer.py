@@ -25,7 +25,7 @@ from ringflow.engine.errors import EngineError, ModelError
 from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, Steps, WorkerGroup
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged, logger_rows
-from ringflow.engine.module import CALLED_HOOKS, overrides, uncalled_hooks
+from ringflow.engine.module import CALLED_HOOKS, call_hook, overrides, uncalled_hooks
 from ringflow.engine.spec import build_module, check_warm_start, model_hparams
 from ringflow.engine.timeline import TimelineSummary, chrome_trace, summarize, trace_bytes
 from ringflow.engine.worker import Worker, evaluate_module
@@ -927,7 +927,7 @@ class _Resume:
 
 def evaluate(
     model_uri: str,
-    data: DataSpec,
+    data: DataSpec | None,
     *,
     model: Allowed,
     split: str = "test",
@@ -937,8 +937,17 @@ def evaluate(
 
     ``model`` is the class (or classes) the checkpoint may hold, or their import paths, from
     the caller's configuration: a checkpoint naming another class is refused before anything is
-    imported (``storage.checkpoint.ModelClassRefused``)."""
+    imported (``storage.checkpoint.ModelClassRefused``). ``data=None``: the module's own
+    loaders, its test split or else its validation split (``ModuleData.evaluation_split``,
+    after its ``setup`` as Trainer calls it); no metrics where it has neither."""
     module, _ = load_model(model_uri, allowed=model)
+    if data is None:
+        own = ModuleData(type(module))
+        split = own.evaluation_split()
+        if split is None:
+            return {}
+        call_hook(module, "setup", "test" if split == "test" else "validate")
+        data = own.bind(module, batch_size)
     logged = evaluate_module(module, samples_of(data, split), split=split, batch_size=batch_size)
     return logged.results()
 

@@ -390,14 +390,7 @@ class Worker:
             self.optimization.lr_scale = LrScale(config.lr_factor(), config.lr_warmup_steps)
         self.optimizer = self.optimization.optimizer
         self.trainer.adopt(self.optimization, self.module)
-        last = len(self.train) % config.batch_size
-        if self.optimization.manual and 0 < last < config.workers:
-            raise ModelError(
-                f"{module_cls.__name__} optimises manually, and the epoch's last batch "
-                f"({last} samples) leaves some of the {config.workers} workers nothing to run "
-                "its training_step on: choose a batch_size that divides the "
-                f"{len(self.train)} training samples, or leaves at least {config.workers}"
-            )
+        self._check_every_worker_has_a_part(module_cls.__name__)
         self._materialise_lazy()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.checkpointer: AsyncCheckpointer | None = None
@@ -429,6 +422,31 @@ class Worker:
         """The samples of the current call's steps done so far."""
         self._driver_states: dict[int, dict[str, Any]] = {}
         """The driver's state at commits, by step (:meth:`remember`)."""
+
+    def _check_every_worker_has_a_part(self, name: str) -> None:
+        """Refuse what needs every worker to run each batch's ``training_step`` (manual
+        optimisation, ``sync_batchnorm``'s collectives in forward) where the epoch's last
+        batch leaves a worker nothing.
+
+        Raises:
+            ModelError: naming the batch sizes that would do.
+        """
+        config = self.config
+        last = len(self.train) % config.batch_size
+        if not 0 < last < config.workers:
+            return
+        if self.optimization.manual:
+            why = f"{name} optimises manually"
+        elif config.sync_batchnorm:
+            why = f"{name}'s BatchNorm layers are synchronised (sync_batchnorm)"
+        else:
+            return
+        raise ModelError(
+            f"{why}, and the epoch's last batch ({last} samples) leaves some of the "
+            f"{config.workers} workers nothing to run its training_step on: choose a "
+            f"batch_size that divides the {len(self.train)} training samples, or leaves at "
+            f"least {config.workers}"
+        )
 
     def _open_train(self) -> None:
         """Open the training split (a loader's ``train_dataloader()`` called) and count its
@@ -972,13 +990,15 @@ class Worker:
         forms. Empty (one pass over its part of the members' split) where the run trains
         at its full size, or where parts are not the whole story: accumulation, manual
         optimisation, buffers, a communication hook, a global batch that follows the
-        workers, or an input read as one stream per rank."""
+        workers, an input read as one stream per rank, or ``sync_batchnorm`` (whose
+        statistics are those of the members' parts together: the whole global batch)."""
         full, members = self.config.workers, self.world_size
         if (
             members >= full
             or not self._steps_each_batch()
             or self.config.batch_follows_workers
             or self.config.compression not in WIRE_FORMATS
+            or self.config.sync_batchnorm
             or hasattr(self.train, "epoch_order")
         ):
             return ()

@@ -15,6 +15,7 @@ from typing import Any
 
 from ringflow.engine import TrainConfig
 from ringflow.engine.errors import ModelError
+from ringflow.engine.module import overrides
 from ringflow.engine.pipeline import PipelineConfig
 from ringflow.engine.pipeline.checks import check_micro_batches
 from ringflow.engine.spec import ModelRef
@@ -36,6 +37,9 @@ class RunSpec:
     model: ModelRef
     model_name: str
     data_url: str | None
+    own_data: bool
+    """The model makes its own data (its ``train_dataloader()``; no ``data_url``): no
+    preprocessing, training with ``data=None``, evaluation on its own loaders."""
     data: dict[str, Any]
     """Keywords of the ``preprocess`` task: label, features, task, bounds, classes..."""
     workspace: Workspace
@@ -95,10 +99,14 @@ class RunSpec:
         # Last: importing the model (and Lightning) takes longest.
         model = ModelRef(path=p["model"], hparams=dict(p["hparams"] or {}))
         _check_keywords(model)
+        own_data = not p["data_url"] and overrides(model.resolve(), "train_dataloader")
+        if own_data:
+            _check_own_data(model, p)
         return cls(
             model=model,
             model_name=p["model_name"] or model.name,
             data_url=absolute(p["data_url"]) if p["data_url"] else None,
+            own_data=own_data,
             data=_data_parameters(model, p),
             workspace=Workspace(p["storage_url"]),
             run_key=p["run_key"] or "local",
@@ -143,6 +151,35 @@ def _check_keywords(model: ModelRef) -> None:
     if unknown:
         raise ModelError(
             f"hparams {unknown} are not keywords of {model.path}; it takes {sorted(params)}"
+        )
+
+
+_NOT_FOR_OWN_DATA = {
+    **dict.fromkeys(_DATA, "it describes a data file's columns"),
+    "preprocess_engine": "nothing is preprocessed",
+    "tune_trials": "the search trains its trials on a data file: set it to 0",
+    "pipeline_stages": "pipeline stages train on tables: leave it at 1",
+    "serve": "a served model reads requests by a data file's columns: pass --no-serve",
+}
+"""What a run of a model that makes its own data refuses where it is given, and why."""
+_UNSET = {"task": "auto", "preprocess_engine": "auto", "pipeline_stages": 1}
+
+
+def _check_own_data(model: ModelRef, p: dict[str, Any]) -> None:
+    """Refuse, in one line, what does not apply to a model that makes its own data.
+
+    Raises:
+        ValueError: naming each such parameter and why.
+    """
+    given = [
+        f"{name}={p[name]!r} ({why})"
+        for name, why in _NOT_FOR_OWN_DATA.items()
+        if p[name] and p[name] != _UNSET.get(name)
+    ]
+    if given:
+        raise ValueError(
+            f"{model.path} makes its own data (its train_dataloader()) and no data_url was "
+            "given, so these do not apply: " + "; ".join(given)
         )
 
 

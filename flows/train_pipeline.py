@@ -70,8 +70,10 @@ def train_pipeline(
             and num_classes are set from the data where the constructor takes them.
         model_name: the model's name in the registry; empty means the class's model_name, or
             its name in snake case.
-        data_url: CSV or Parquet file (any fsspec URL); empty means the model's example data
-            (its example_data hook), dropped under storage_url.
+        data_url: CSV or Parquet file (any fsspec URL); empty means the model's own data
+            where it has a train_dataloader() (trained as it is, evaluated on its own
+            test_dataloader() or val_dataloader(); then tune_trials 0 and --no-serve), else
+            its example data (its example_data hook), dropped under storage_url.
         label: the target column; empty means the model's data_defaults, else 'label'.
         features: the input columns; empty means every other column.
         task: classification or regression; auto reads it from the label column.
@@ -238,16 +240,23 @@ def publish_summary(result: dict[str, Any]) -> None:
     )
 
 
-def _run(spec: RunSpec, attempt: int) -> dict:
-    """The pipeline itself: every task in order, each given the typed parts it needs."""
-    source = spec.data_url or example_data(spec.model, spec.storage_url)
-    dataset = preprocess(
-        source,
+def _dataset(spec: RunSpec) -> dict:
+    """The preprocessed dataset (``preprocess``'s record) of the data file, or of the model's
+    example data; none (``dataset_url`` ``None``) for a model that makes its own data."""
+    if spec.own_data:
+        return {"dataset_url": None, "task": None, "rejected_rows": 0}
+    return preprocess(
+        spec.data_url or example_data(spec.model, spec.storage_url),
         spec.storage_url,
         **spec.data,
         seed=spec.config.seed,
         engine=spec.preprocess_engine,
     )
+
+
+def _run(spec: RunSpec, attempt: int) -> dict:
+    """The pipeline itself: every task in order, each given the typed parts it needs."""
+    dataset = _dataset(spec)
     model, config, best = spec.model, spec.config, None
     if spec.tune:
         best = tune(
@@ -280,15 +289,20 @@ def _run(spec: RunSpec, attempt: int) -> dict:
         spec.storage_url,
         metrics=test,
         dataset_url=dataset["dataset_url"],
+        data_fingerprint=f"module:{model.path}" if spec.own_data else None,
         run_key=spec.run_key,
         model=spec.model_name,
     )
-    gate = promote(
-        version["version"],
-        spec.storage_url,
-        model=spec.model_name,
-        allowed=spec.allowed_models,
-        tolerance=spec.tolerance,
+    gate = (
+        promote(
+            version["version"],
+            spec.storage_url,
+            model=spec.model_name,
+            allowed=spec.allowed_models,
+            tolerance=spec.tolerance,
+        )
+        if test
+        else {"promoted": False, "reason": "no test metrics to judge it by: production stays"}
     )
     result = {
         **test,

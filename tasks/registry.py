@@ -54,20 +54,27 @@ def register(
     storage_url: str,
     *,
     metrics: Mapping[str, float],
-    dataset_url: str,
+    dataset_url: str | None,
     run_key: str,
     model: str,
+    data_fingerprint: str | None = None,
 ) -> dict:
-    """Register a trained checkpoint as the model's next version; return its record."""
+    """Register a trained checkpoint as the model's next version; return its record.
+    ``data_fingerprint``: what it was trained on where that is no dataset (a model's own
+    data: its class), else the dataset's (``dataset_fingerprint``)."""
     record = model_registry(storage_url, model).register(
         checkpoint,
         metrics=metrics,
-        data_fingerprint=dataset_fingerprint(dataset_url),
+        data_fingerprint=data_fingerprint or dataset_fingerprint(dataset_url),
         dataset_url=dataset_url,
         run_key=run_key,
     )
     _logger().info("registered %s %s (%s)", model, record.version, record.uri)
     return record.as_dict()
+
+
+_GATE_METRICS = ("test_accuracy", "test_loss", "val_accuracy", "val_loss")
+"""What the gate compares by default, the first a version has."""
 
 
 @task(name="promote")
@@ -83,8 +90,9 @@ def promote(
 ) -> dict:
     """Promote ``version`` to production if it is at least as good as the current one.
 
-    The metric defaults to ``test_accuracy`` (higher is better) where the version has one,
-    else ``test_loss`` (lower is better).
+    The metric defaults to the first the version has of ``test_accuracy`` (higher is
+    better), ``test_loss`` (lower is better), ``val_accuracy`` and ``val_loss`` (a model
+    evaluated on its own validation loader), else ``test_loss``.
 
     When the two were trained on different data, both are re-evaluated on the candidate's
     held-out test split, each loaded only if its checkpoint holds one of the ``allowed``
@@ -95,7 +103,7 @@ def promote(
     registry = model_registry(storage_url, model)
     if metric is None:
         stored = registry.get(version).metrics
-        metric = "test_accuracy" if "test_accuracy" in stored else "test_loss"
+        metric = next((m for m in _GATE_METRICS if m in stored), "test_loss")
     mode = mode or ("min" if metric.endswith("loss") else "max")
     decision = promote_if_better(
         registry,

@@ -30,7 +30,7 @@ from ringflow.tasks.report import epoch_table, loss_curve
 @task(name="train")
 def train(
     model: ModelRef,
-    dataset_url: str,
+    dataset_url: str | None,
     storage_url: str,
     *,
     run_key: str,
@@ -46,6 +46,8 @@ def train(
 
     Args:
         model: the model class by import path, and its hyperparameters.
+        dataset_url: the preprocessed dataset; ``None``: the model's own
+            ``train_dataloader()``.
         config: workers, epochs, batch size, seed, elasticity, CPUs and GPUs per worker...
         pipeline: with more than one stage the model is split into pipeline stages,
             ``config.workers`` replicas of them.
@@ -77,7 +79,7 @@ def train(
             result = fit(
                 model.resolve(),
                 hparams=model.hparams,
-                data=DataSpec(dataset_url=dataset_url),
+                data=_data(dataset_url),
                 config=config,
                 checkpoint_uri=workspace.run_model(run_key),
                 in_process=in_process,
@@ -355,9 +357,23 @@ def _epoch_progress(epochs: int):
 
 
 @task(name="evaluate")
-def evaluate(checkpoint: str, dataset_url: str, *, model: str) -> dict:
+def evaluate(checkpoint: str, dataset_url: str | None, *, model: str) -> dict:
     """Held-out test metrics of the committed checkpoint, which must hold ``model`` (the
-    class's import path): a checkpoint naming another class is refused, never imported."""
-    metrics = evaluate_model(checkpoint, DataSpec(dataset_url=dataset_url), model=model)
-    get_run_logger().info("test metrics %s", metrics)
+    class's import path): a checkpoint naming another class is refused, never imported.
+    ``dataset_url`` ``None``: on the model's own test (else validation) loader; none where
+    it has neither."""
+    metrics = evaluate_model(checkpoint, _data(dataset_url), model=model)
+    if metrics or dataset_url is not None:
+        get_run_logger().info("test metrics %s", metrics)
+    else:
+        get_run_logger().info(
+            "not evaluated: %s has neither test_dataloader() and test_step nor "
+            "val_dataloader() and validation_step",
+            model,
+        )
     return metrics
+
+
+def _data(dataset_url: str | None) -> DataSpec | None:
+    """The dataset at ``dataset_url``; ``None`` (the model's own loaders) without one."""
+    return None if dataset_url is None else DataSpec(dataset_url=dataset_url)

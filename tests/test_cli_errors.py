@@ -222,3 +222,15 @@ def test_help_lists_the_choices_of_every_option_that_has_them():
     assert {"placement", "precision", "task", "tune_algorithm"} <= set(choices)
     for name, values in choices.items():
         assert f"--{name.replace('_', '-')} {{{','.join(values)}}}" in help_text, name
+
+
+def test_what_a_model_that_makes_its_own_data_cannot_use_is_one_line_before_prefect_or_ray():
+    result, imported = _cli("--model", "tests.test_own_data:DQN", "--pipeline-stages", "2")
+    _assert_one_line_error(
+        result,
+        "tests.test_own_data:DQN makes its own data (its train_dataloader())",
+        "tune_trials=8 (the search trains its trials on a data file: set it to 0)",
+        "pipeline_stages=2",
+        "serve=True (a served model reads requests by a data file's columns: pass --no-serve)",
+    )
+    assert "prefect" not in imported

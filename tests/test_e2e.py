@@ -24,6 +24,7 @@ from sklearn.datasets import load_digits
 
 from ringflow.models.digits import write_digits_csv
 from tests.support.net import free_port
+from tests.support.stack import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,15 +44,6 @@ def _assert_serves_digits(endpoint: str) -> None:
         assert reply.status_code == 400, reply.text
         assert reply.json()["error"]
     assert httpx.post(endpoint, json={"pixels": pixels}, timeout=30).json()["digit"] == label
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PREFECT_", "RAY_ADDRESS", "RINGFLOW_"))
-    }
-    return {**env, **extra}
 
 
 def _digits_with_bad_rows(path: Path) -> int:
@@ -100,7 +92,7 @@ def _serving_run(tmp_path: Path, *args: str, on_line=None):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+        env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
     )
     try:
         result = _result_line(proc, on_line)
@@ -197,7 +189,7 @@ def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
         "--run-key=nightly-7",
         f"--storage-url={storage}",
     ]
-    env = _clean_env(PREFECT_HOME=str(tmp_path / "prefect"))
+    env = clean_env(PREFECT_HOME=str(tmp_path / "prefect"))
     first = subprocess.Popen(args, cwd=ROOT, env=env, start_new_session=True, **_QUIET)
     store = CheckpointStore(str(storage / "checkpoints"))
     try:
@@ -264,7 +256,7 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_resumes_and_serves_
         [sys.executable, "-m", "ringflow.flows.train_pipeline", *args, "--epochs=1"]
         + ["--no-serve", f"--storage-url={tmp_path / 'storage'}"],
         cwd=ROOT,
-        env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+        env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
         capture_output=True,
         text=True,
         timeout=600,
@@ -310,7 +302,7 @@ def test_missing_data_url_fails_the_run_naming_it(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+        env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
     )
     assert result.returncode != 0
     assert f"{missing} does not exist" in result.stdout + result.stderr

@@ -6,7 +6,11 @@ module draws from numpy and ``random`` is seeded in every worker as torch is."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -18,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ringflow.engine import DatasetData, TrainConfig, fit
 from tests.support.fitting import one_thread, relative_difference
+from tests.support.stack import clean_env
 from tests.test_lightning_contract import (
     BATCH,
     FEATURES,
@@ -33,6 +38,7 @@ from tests.test_lightning_contract import (
 )
 
 STATES = 6
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("deterministic_off")  # Trainer(deterministic=True)
 
 
@@ -201,6 +207,112 @@ def test_a_ppo_stream_runs_to_its_end_every_epoch(tmp_path):
     expected, got = trained(PPO, {}, tmp_path)
     assert_equal(got, expected)
     assert got["stale"] == 0  # every pass found the last one's rollout cleared
+
+
+# Two workers are compared with one (which ends bit for bit at Trainer's weights, above), not
+# with Trainer under DDP: Lightning does not split an IterableDataset among DDP's ranks, so
+# each rank would train on the whole stream, where ringflow splits every global batch.
+@pytest.mark.ray
+@pytest.mark.parametrize(("cls", "own"), [(DQN, "new_seen"), (PPO, None)])
+def test_two_workers_train_a_module_on_its_own_data_as_one_does(cls, own, tmp_path, ray_session):
+    """Each worker's module plays alike (the same weights, environment and seeds), so each
+    worker's loader serves the batches one worker's does, and each trains on its part."""
+    one = under_ringflow(cls, {}, None, tmp_path / "one")
+    two = under_ringflow(cls, {}, None, tmp_path / "two", workers=2)
+    if own is not None:  # counts what rank 0's part held: its own, not the batch's
+        assert 0 < two.pop(own) < one.pop(own)
+    assert relative_difference(two, one) < 1e-5
+
+
+@pytest.mark.ray
+def test_model_checkpoint_save_last_on_two_workers_writes_what_load_from_checkpoint_reads(
+    tmp_path, ray_session
+):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saved = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), monitor="val_loss", save_last=True)
+    result = fit(
+        OneCycle,
+        hparams={"total_steps": 30},
+        data=table(),
+        config=TrainConfig(workers=2, epochs=2, batch_size=BATCH, seed=SEED),
+        checkpoint_uri=str(tmp_path / "model"),
+        callbacks=[saved],
+    )
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()
+    last = OneCycle.load_from_checkpoint(saved.last_model_path)
+    assert_equal(last.state_dict(), result.state_dict)  # the last epoch's: the run's end
+    best = OneCycle.load_from_checkpoint(saved.best_model_path)
+    assert best.hparams == {"total_steps": 30, "max_lr": 0.05}
+
+
+class ItsOwnTable(OneCycle):
+    """A table of its own: train, validation and test loaders, and a ``test_step``."""
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*table().splits["train"]), batch_size=BATCH)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(*table().splits["validation"]), batch_size=BATCH)
+
+    def test_dataloader(self):
+        return self.val_dataloader()
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y))
+
+
+class ValidatesOnly(ItsOwnTable):
+    test_dataloader = L.LightningModule.test_dataloader  # Lightning's own: none
+
+
+@pytest.mark.parametrize(
+    ("cls", "hparams", "metrics"),
+    [
+        (ItsOwnTable, {"total_steps": 30}, {"test_loss"}),
+        (ValidatesOnly, {"total_steps": 30}, {"val_loss"}),
+        (DQN, {}, set()),
+    ],
+    ids=["its test loader", "its validation loader", "none"],
+)
+def test_a_model_trained_on_its_own_data_is_evaluated_on_its_own_loaders(
+    cls, hparams, metrics, tmp_path
+):
+    from ringflow.engine import evaluate
+
+    fit(
+        cls,
+        hparams=hparams,
+        data=None,
+        config=TrainConfig(workers=1, epochs=1, batch_size=BATCH, seed=SEED),
+        checkpoint_uri=str(tmp_path / "model"),
+        in_process=True,
+    )
+    assert set(evaluate(str(tmp_path / "model"), None, model=cls)) == metrics
+
+
+@pytest.mark.integration  # a private Ray and Prefect of its own
+def test_the_flow_trains_a_model_on_its_own_data_given_no_data_file(tmp_path):
+    """No data_url, no preprocessing: trained on two workers with the module's loaders,
+    evaluated on its own test loader, registered and promoted."""
+    run = subprocess.run(
+        [sys.executable, "-m", "ringflow.flows.train_pipeline"]
+        + ["--model", f"{__name__}:ItsOwnTable", "--hparams", '{"total_steps": 16}']
+        + ["--workers", "2", "--epochs", "2", "--tune-trials", "0", "--no-serve"]
+        + ["--storage-url", str(tmp_path / "storage")],
+        cwd=ROOT,
+        env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["dataset_url"] is None
+    assert summary["test_loss"] > 0
+    assert summary["promoted"] is True
+    assert not list((tmp_path / "storage").rglob("_manifest.json"))  # nothing preprocessed
 
 
 class Counted(OneCycle):

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from tests.support.net import free_port
-from tests.support.stack import Stack, descendants
+from tests.support.stack import Stack, clean_env, descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -64,15 +64,6 @@ def test_the_walkthrough_is_the_one_the_docs_show():
     assert "tests/test_own_project.py" in doc
 
 
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("PREFECT_", "RAY_ADDRESS", "RINGFLOW_"))
-    }
-    return {**env, **extra}
-
-
 def _python(command: str) -> list[str]:
     """A documented ``python ...`` command, run with this interpreter (ringflow's venv)."""
     return [sys.executable, *command.split()[1:]]
@@ -83,7 +74,7 @@ def _houses_project(tmp_path: Path) -> Path:
     project = shutil.copytree(EXAMPLES / "regression", tmp_path / "houses")
     committed = (project / "houses.csv").read_text()
     (project / "houses.csv").unlink()
-    subprocess.run(_python(MAKE_DATA), cwd=project, check=True, timeout=60, env=_clean_env())
+    subprocess.run(_python(MAKE_DATA), cwd=project, check=True, timeout=60, env=clean_env())
     assert (project / "houses.csv").read_text() == committed, "make_data.py != houses.csv"
     return project
 
@@ -136,7 +127,7 @@ def test_the_walkthrough_trains_tunes_and_serves_your_model_locally(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+        env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
     )
     try:
         result, output = None, []
@@ -282,7 +273,7 @@ def test_your_own_flow_deployed_from_your_project_trains_on_the_ray_head_and_ser
         capture_output=True,
         text=True,
         timeout=120,
-        env=_clean_env(),
+        env=clean_env(),
     )
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["production"] == "v0001"

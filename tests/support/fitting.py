@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
 
 
 def relative_difference(a: dict, b: dict) -> float:
-    """The largest relative difference, by norm, between two state dicts' tensors."""
+    """The largest relative difference, by norm, between two state dicts' tensors; integer
+    tensors (BatchNorm's ``num_batches_tracked``) are equal (0) or infinitely apart."""
     assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in a)
+    return max(_difference(a[k], b[k]) for k in a)
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    if not b.is_floating_point():
+        return 0.0 if torch.equal(a, b) else math.inf
+    return ((a - b).norm() / b.norm()).item()
 
 
 @contextlib.contextmanager

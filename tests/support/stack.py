@@ -26,6 +26,17 @@ from tests.support.net import free_port, prefect_api
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without Prefect's, Ray's address and ringflow's settings,
+    and with ``extra``: for a command that starts a private Prefect and Ray of its own."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PREFECT_", "RAY_ADDRESS", "RINGFLOW_"))
+    }
+    return {**env, **extra}
+
+
 class Stack:
     """The run's stack: its environment, and calls into its scripts and API."""
 
