@@ -181,6 +181,8 @@ def main(flow: Callable[..., Any], argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv or os.environ.get("RINGFLOW_DEBUG", "0") not in ("", "0")
+    if debug:
+        os.environ["RINGFLOW_DEBUG"] = "1"  # the run's own tracebacks too (flows/logs.py)
     try:
         params, keep_serving = _check_command_line(flow, argv)
         # As before: the temporary Prefect server sends nothing out, gloo stays on loopback.

@@ -180,6 +180,7 @@ logging.getLogger("ray.serve").addFilter(
     lambda record: "http_options/controller_options will not be applied" not in record.getMessage()
 )
 
+from ringflow.flows.logs import one_error_per_failure
 from ringflow.flows.result import describe
 from ringflow.flows.spec import RunSpec
 from ringflow.storage import CheckpointStore
@@ -196,6 +197,7 @@ from ringflow.tasks import (
     warm_start_checkpoint,
 )
 
+one_error_per_failure()  # a failed run says why once, at ERROR
 train_pipeline = flow(
     name="train-pipeline",
     retries=1,

@@ -177,3 +177,8 @@ def test_through_the_command_line_the_run_fails_once_without_a_retry(tmp_path):
     assert "AwaitingRetry" not in out, out[-3000:]  # no flow retry
     assert "lost" not in out, out[-3000:]
     assert (tmp_path / "raised").exists(), out[-3000:]
+    # Its log says why once, at ERROR, with no traceback (--debug shows them).
+    errors = [line for line in out.splitlines() if "| ERROR" in line]
+    assert len(errors) == 1, errors
+    assert "RaisesAtTheThirdStep.training_step raised ValueError" in errors[0], errors
+    assert "Traceback" not in out, out[-3000:]
