@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -43,7 +44,7 @@ from prefect.events.actions import ChangeFlowRunState
 from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.events.schemas.events import ResourceSpecification
 
-__all__ = ["ResumePolicy", "apply", "automations", "retire_old"]
+__all__ = ["ResumePolicy", "apply", "automations", "retire_old", "unwatched"]
 
 CRASH_SILENT = "ringflow: crash silent runs"
 RESCHEDULE_KILLED = "ringflow: reschedule killed runs"
@@ -197,6 +198,58 @@ def _reschedule(policy: ResumePolicy, why: str) -> ChangeFlowRunState:
     )
 
 
+WATCHED_FLOWS = ("train-pipeline", "horovod-train")
+"""ringflow's flows: a deployment of one of them is checked for what resuming needs."""
+
+
+def unwatched(deployments: list[dict], policy: ResumePolicy, names: set[str]) -> list[str]:
+    """One warning per deployment of a ringflow flow (or named in ``names``: a project's
+    own) whose runs a preemption would leave Crashed: without ``policy.tag``, which the
+    automations watch, or without ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` in its job variables'
+    ``env``, by which a lost host is noticed. Each deployment is a dict with ``flow``,
+    ``name``, ``tags`` and ``job_variables``."""
+    warnings = []
+    for deployment in deployments:
+        if deployment["flow"] not in WATCHED_FLOWS and deployment["name"] not in names:
+            continue
+        env = (deployment.get("job_variables") or {}).get("env") or {}
+        missing = [f"the tag {policy.tag!r}"] if policy.tag not in deployment["tags"] else []
+        if "PREFECT_FLOWS_HEARTBEAT_FREQUENCY" not in env:
+            missing.append("job_variables.env.PREFECT_FLOWS_HEARTBEAT_FREQUENCY")
+        if missing:
+            warnings.append(
+                f"warning: deployment {deployment['flow']}/{deployment['name']} lacks "
+                f"{' and '.join(missing)}: a preempted run of it is not brought back "
+                "(docs/own-model.md has a prefect.yaml that has both)"
+            )
+    return warnings
+
+
+def deployed() -> list[dict]:
+    """The server's deployments, as :func:`unwatched` reads them."""
+    with get_client(sync_client=True) as client:
+        flows = {flow.id: flow.name for flow in client.read_flows()}
+        return [
+            {
+                "flow": flows.get(d.flow_id, ""),
+                "name": d.name,
+                "tags": list(d.tags or []),
+                "job_variables": dict(d.job_variables or {}),
+            }
+            for d in client.read_deployments()
+        ]
+
+
+def names_in(prefect_file: str | None) -> set[str]:
+    """The deployments a ``prefect.yaml`` defines, by name."""
+    if prefect_file is None:
+        return set()
+    import yaml
+
+    with open(prefect_file) as f:
+        return {d["name"] for d in (yaml.safe_load(f) or {}).get("deployments") or []}
+
+
 def retire_old() -> list[str]:
     """Delete the automations of this script's older versions; return their names."""
     removed = []
@@ -229,7 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         "PREFECT_FLOWS_HEARTBEAT_FREQUENCY, RINGFLOW_HEARTBEAT_GRACE_SECONDS, "
         "RINGFLOW_MAX_RESTARTS.",
     )
-    parser.parse_args(argv)
+    parser.add_argument(
+        "--prefect-file",
+        help="a project's prefect.yaml just deployed: its deployments are checked too",
+    )
+    args = parser.parse_args(argv)
     try:
         policy = ResumePolicy.from_env()
     except ValueError as err:
@@ -239,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     for automation in automations(policy):
         applied = apply(automation)
         print(f"automation {applied.name!r}: {applied.id}")
+    for warning in unwatched(deployed(), policy, names_in(args.prefect_file)):
+        print(warning, file=sys.stderr)
     return 0
 
 

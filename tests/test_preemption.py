@@ -493,3 +493,43 @@ def test_steps_lost_are_counted_in_steps_from_what_the_stopped_start_had_begun()
     # No record of the stopped start (a run key without a lease): unknown, not guessed.
     assert steps_lost([], 240, None) is None
     assert steps_lost([], 240, lease({})) is None
+
+
+def _template_deployments(text: str, tag: str) -> tuple[list[dict], set[str]]:
+    """The deployments a prefect.yaml defines, as the server would hold them once deployed
+    with ``RINGFLOW_RESUME_TAG`` set to ``tag`` (other ``{{ $VAR }}`` values: anything)."""
+    import yaml
+
+    text = text.replace("{{ $RINGFLOW_RESUME_TAG }}", tag)
+    spec = yaml.safe_load(re.sub(r"\{\{ \$\w+ \}\}", "x", text))
+    deployments = [
+        {
+            "flow": "train-pipeline" if d["entrypoint"].endswith(":train_pipeline") else "own",
+            "name": d["name"],
+            "tags": d.get("tags", []),
+            "job_variables": (d.get("work_pool") or {}).get("job_variables", {}),
+        }
+        for d in spec["deployments"]
+    ]
+    return deployments, {d["name"] for d in deployments}
+
+
+def test_a_users_deployment_written_from_the_templates_is_resumed_and_one_without_is_named():
+    automations = _automations_module()
+    policy = automations.ResumePolicy()
+    guide = (ROOT / "docs" / "own-model.md").read_text()
+    (template,) = [b for b in re.findall(r"```yaml\n(.*?)```", guide, re.S) if "deployments:" in b]
+    for text in (
+        template,
+        (ROOT / "examples" / "regression" / "prefect.yaml").read_text(),
+        (ROOT / "examples" / "user-project" / "prefect.yaml").read_text(),
+    ):
+        deployments, names = _template_deployments(text, policy.tag)
+        assert automations.unwatched(deployments, policy, names) == [], deployments
+    bare = {"flow": "train-pipeline", "name": "houses", "tags": [], "job_variables": {}}
+    (warning,) = automations.unwatched([bare], policy, set())
+    assert "train-pipeline/houses" in warning
+    assert "'auto-resume'" in warning
+    assert "PREFECT_FLOWS_HEARTBEAT_FREQUENCY" in warning
+    elsewhere = {**bare, "flow": "someone-elses"}
+    assert automations.unwatched([elsewhere], policy, set()) == []  # not ours, not named
