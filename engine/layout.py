@@ -60,6 +60,8 @@ class Layout:
     elastic = False
     """Whether lost workers are replaced while the others roll back (in-memory commits)."""
     what = "workers"
+    in_words = ""
+    """How a message names a run of this layout after what it does: `` with pipeline stages``."""
     """The workers in words, for messages."""
     units = "workers"
     """What the elastic group counts, in words: workers, or pipeline replicas."""
@@ -113,6 +115,27 @@ class Layout:
     def refused(self, *, init_from: str | None) -> list[str]:
         """The options of this run that the layout cannot honour, each with why."""
         return []
+
+    def refuse(self, *, data: Any = None, init_from: str | None = None) -> None:
+        """Refuse, before anything starts, the data or an option this layout would not
+        honour.
+
+        Raises:
+            ValueError: in one line, naming every such option and why.
+        """
+
+    def called_hooks(self) -> frozenset[str]:
+        """The module's hooks a run of this layout calls (the others are named in a warning)."""
+        from ringflow.engine.module import CALLED_HOOKS
+
+        return CALLED_HOOKS
+
+    def attach_callbacks(self, callbacks: Any, group: Workers, *, loggers: bool) -> None:
+        """Give Lightning's callbacks (``engine.callbacks.Callbacks``) what they reach in the
+        workers: files written by rank 0, callbacks that read the optimizer run there."""
+        callbacks.write_files_with(group)
+        if callbacks.in_workers:
+            group.call_rank0(Worker.add_callbacks, callbacks.in_workers, loggers=loggers)
 
     def prepare(
         self, module_cls: type, hparams: dict[str, Any], data: Any, *, module: torch.nn.Module
@@ -204,6 +227,7 @@ class Pipeline(Layout):
     ``replica * stages + stage`` runs that stage of that replica."""
 
     what = "stage workers"
+    in_words = " with pipeline stages"
     units = "replicas"
 
     @property
@@ -303,6 +327,32 @@ class Pipeline(Layout):
         "on GPUs the replicas share one NCCL world, which is not rebuilt around a lost one: "
         "a lost stage fails the run, and a retried run resumes from its last checkpoint"
     )
+
+    def refuse(self, *, data: Any = None, init_from: str | None = None) -> None:
+        if data is not None and not hasattr(data, "read"):
+            raise ValueError(
+                f"pipeline stages train on tables (a DataSpec or TensorData), not on "
+                f"{type(data).__name__}; train a DataModule or Dataset without pipeline stages"
+            )
+        refused = self.refused(init_from=init_from)
+        if refused:
+            raise ValueError(
+                f"with {self.pipeline.stages} pipeline stages these options are not supported: "
+                + "; ".join(refused)
+                + ". Leave them at their defaults or train without pipeline stages"
+            )
+
+    def called_hooks(self) -> frozenset[str]:
+        # A stage holds part of the module: none of its hooks run there but the step's
+        # (prepare_data runs in the driver).
+        return frozenset({"prepare_data", "optimizer_step"})
+
+    def attach_callbacks(self, callbacks: Any, group: Workers, *, loggers: bool) -> None:
+        if callbacks.in_workers:
+            raise ValueError(
+                "LearningRateMonitor is not supported with pipeline stages: each stage "
+                "holds its own optimizer"
+            )
 
     def refused(self, *, init_from: str | None) -> list[str]:
         defaults = TrainConfig()

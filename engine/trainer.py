@@ -25,7 +25,7 @@ from ringflow.engine.errors import EngineError, ModelError
 from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, Steps, WorkerGroup
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged, logger_rows
-from ringflow.engine.module import CALLED_HOOKS, call_hook, overrides, uncalled_hooks
+from ringflow.engine.module import call_hook, overrides, uncalled_hooks
 from ringflow.engine.spec import build_module, check_warm_start, model_hparams
 from ringflow.engine.timeline import TimelineSummary, chrome_trace, summarize, trace_bytes
 from ringflow.engine.worker import Worker, evaluate_module
@@ -163,12 +163,7 @@ def fit(
         CheckpointStorageError: ``store_url`` cannot be written (checked before training).
     """
     data = as_data(data, batch_size=config.batch_size, module_cls=module_cls)
-    if pipeline is not None and not hasattr(data, "read"):
-        raise ValueError(
-            f"pipeline stages train on tables (a DataSpec or TensorData), not on "
-            f"{type(data).__name__}; train a DataModule or Dataset without pipeline stages"
-        )
-    layout = check_layout(config, pipeline, init_from=init_from)
+    layout = check_layout(config, pipeline, data=data, init_from=init_from)
     hparams = model_hparams(module_cls, hparams, getattr(data, "schema", None))
     # The driver's one copy of the module (a refused hyperparameter fails here): checked,
     # running its driver-side hooks, and at the end holding the trained weights to save.
@@ -181,7 +176,7 @@ def fit(
     )
     writers = _Loggers(loggers)
     logged = _logged_hyperparameters(module, hparams, data) if writers.loggers else None
-    _warn_uncalled_hooks(module_cls, pipeline, own_data=isinstance(data, ModuleData))
+    _warn_uncalled_hooks(module_cls, layout, own_data=isinstance(data, ModuleData))
     if hasattr(data, "prepare"):
         data.prepare()  # a DataModule's prepare_data: once, before any worker starts
     if overrides(module_cls, "prepare_data"):  # then the module's, as Trainer calls them
@@ -204,17 +199,7 @@ def fit(
             extra=callbacks,
             loggers=writers.loggers,
         )
-        if pipeline is None:
-            callbacks.write_files_with(group)
-        if callbacks.in_workers:
-            if pipeline is not None:
-                raise ValueError(
-                    "LearningRateMonitor is not supported with pipeline stages: each stage "
-                    "holds its own optimizer"
-                )
-            group.call_rank0(
-                Worker.add_callbacks, callbacks.in_workers, loggers=bool(writers.loggers)
-            )
+        layout.attach_callbacks(callbacks, group, loggers=bool(writers.loggers))
         if writers.loggers:
             writers.start(*logged)
         history = _train(group, layout, config, resume, on_epoch, callbacks, writers)
@@ -302,9 +287,7 @@ def _write_timeline(group: WorkerGroup, config: TrainConfig, url: str) -> Timeli
     return summary
 
 
-def _warn_uncalled_hooks(
-    module_cls: type, pipeline: PipelineConfig | None, *, own_data: bool = False
-) -> None:
+def _warn_uncalled_hooks(module_cls: type, layout: Layout, *, own_data: bool = False) -> None:
     """Name the hooks the module overrides that this run will not call (never silence);
     with ``own_data``, its training and validation loaders are called."""
     if not isinstance(module_cls, type) or not issubclass(module_cls, torch.nn.Module):
@@ -313,9 +296,7 @@ def _warn_uncalled_hooks(
 
     if not issubclass(module_cls, L.LightningModule):
         return
-    # A pipeline stage holds part of the module: none of its hooks run there but the step's
-    # (prepare_data runs in the driver).
-    called = frozenset({"prepare_data", "optimizer_step"}) if pipeline else CALLED_HOOKS
+    called = layout.called_hooks()
     if own_data:
         called |= {"train_dataloader", "val_dataloader"}
     uncalled = uncalled_hooks(module_cls, called=called)
@@ -325,7 +306,7 @@ def _warn_uncalled_hooks(
             "it calls)",
             module_cls.__name__,
             ", ".join(uncalled),
-            " with pipeline stages" if pipeline else "",
+            layout.in_words,
         )
 
 
@@ -338,21 +319,20 @@ def _has_callbacks(module_cls: type) -> bool:
 
 
 def check_layout(
-    config: TrainConfig, pipeline: PipelineConfig | None, *, init_from: str | None = None
+    config: TrainConfig,
+    pipeline: PipelineConfig | None,
+    *,
+    data: Any = None,
+    init_from: str | None = None,
 ) -> Layout:
-    """The run's layout, refusing, before anything starts, an option it would not honour.
+    """The run's layout, refusing, before anything starts, data or an option it would not
+    honour (``Layout.refuse``).
 
     Raises:
         ValueError: naming every such option and why.
     """
     layout = layout_of(config, pipeline)
-    refused = layout.refused(init_from=init_from)
-    if refused:
-        raise ValueError(
-            f"with {pipeline.stages} pipeline stages these options are not supported: "
-            + "; ".join(refused)
-            + ". Leave them at their defaults or train without pipeline stages"
-        )
+    layout.refuse(data=data, init_from=init_from)
     return layout
 
 
