@@ -15,6 +15,9 @@ __all__ = [
     "Average",
     "HorovodError",
     "HorovodInternalError",
+    "Max",
+    "Min",
+    "Product",
     "Sum",
     "cross_rank",
     "cross_size",
@@ -30,6 +33,9 @@ __all__ = [
 
 Average, Sum = "avg", "sum"
 """Horovod's reduction ops, as ringflow's ring spells them (``op=hvd.Average``)."""
+Min, Max, Product = "min", "max", "product"
+"""Horovod's elementwise reductions: every rank's tensor gathered, then reduced on each rank."""
+OPS = (Average, Sum, Min, Max, Product)
 
 VARIABLES = {
     "rank": "RINGFLOW_HOROVOD_RANK",
@@ -40,9 +46,11 @@ VARIABLES = {
     "cross_size": "RINGFLOW_HOROVOD_CROSS_SIZE",
     "address": "RINGFLOW_HOROVOD_ADDRESS",
     "timeout_s": "RINGFLOW_HOROVOD_TIMEOUT_S",
+    "job": "RINGFLOW_HOROVOD_JOB",
 }
 """What the launcher (:func:`ringflow.horovod.run`) tells each rank, by variable: its place
-among the ranks, rank 0's rendezvous and every collective's deadline."""
+among the ranks, rank 0's rendezvous, every collective's deadline and the run's own token
+(a rank joins only a rendezvous of its own run)."""
 
 
 class HorovodError(RuntimeError):
@@ -66,11 +74,14 @@ class _Ranks:
     address: str
     timeout_s: float
     generation: int = 0
+    job: str = ""
 
 
 _ranks: _Ranks | None = None
 _ring: Any = None
 _generation = 0  # the last generation of an elastic run this process was a rank of
+_rendezvous: dict[str, Any] = {}  # this process's store at the run's address (rank 0 hosts it)
+_rings_formed: dict[str, int] = {}  # rings formed at each address: each init has its own keys
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
@@ -90,7 +101,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     _ring = RingCollective(
         rank=ranks.rank,
         world_size=ranks.size,
-        init_method=ranks.address,
+        store=_store_for(ranks),
         timeout_s=ranks.timeout_s,
     )
     if os.environ.get(TIMELINE):
@@ -125,6 +136,7 @@ def _from_environment() -> _Ranks:
         cross_size=number("cross_size", "1"),
         address=address,
         timeout_s=float(os.environ.get(VARIABLES["timeout_s"], "30")),
+        job=os.environ.get(VARIABLES["job"], ""),
     )
 
 
@@ -132,9 +144,59 @@ def _from_membership() -> _Ranks:
     """This worker's place in the next generation of an elastic run (waits for it)."""
     place = ask({"op": "join", "after": _generation})
     return _Ranks(
-        **{key: place[key] for key in _Ranks.__dataclass_fields__ if key != "timeout_s"},
+        **{
+            key: place[key]
+            for key in _Ranks.__dataclass_fields__
+            if key not in ("timeout_s", "job")
+        },
         timeout_s=float(os.environ.get(VARIABLES["timeout_s"], "30")),
+        job=os.environ.get(VARIABLES["job"], ""),
     )
+
+
+def _store_for(ranks: _Ranks) -> Any:
+    """The keys this init's ring forms under, in the run's rendezvous store.
+
+    The store is opened once per address and kept for the process's life, as ``horovodrun``'s
+    rendezvous server lives for the job: rank 0 never gives up the address while its ranks
+    may re-init, so neither a stale store nor another run can take it in between. Each init
+    forms its ring under keys of its own (the ranks init in step, as Horovod's do).
+
+    Raises:
+        HorovodError: the store at the address is another run's.
+    """
+    if ranks.size == 1:
+        return None
+    import torch.distributed as dist
+
+    from ringflow.engine.collective._rendezvous import open_store
+
+    for address in [a for a in _rendezvous if a != ranks.address]:  # an elastic run's last
+        del _rendezvous[address], _rings_formed[address]
+    if ranks.address not in _rendezvous:
+        store = open_store(
+            ranks.address,
+            rank=ranks.rank,
+            world_size=ranks.size,
+            timeout_s=max(60.0, ranks.timeout_s),
+        )
+        _check_run(store, ranks)
+        _rendezvous[ranks.address], _rings_formed[ranks.address] = store, 0
+    _rings_formed[ranks.address] += 1
+    return dist.PrefixStore(f"init-{_rings_formed[ranks.address]}", _rendezvous[ranks.address])
+
+
+def _check_run(store: Any, ranks: _Ranks) -> None:
+    """Rank 0 marks its store with the run's token; every other rank checks the mark."""
+    if ranks.rank == 0:
+        store.set("run", ranks.job)
+        return
+    theirs = store.get("run").decode()
+    if theirs != ranks.job:
+        raise HorovodError(
+            f"the rendezvous at {ranks.address} belongs to another run: start every rank with "
+            "the same ringflow-run (or ringflow.horovod.run)"
+        )
 
 
 def worker_waiting() -> bool:
@@ -155,7 +217,8 @@ def _at_exit() -> None:
 
 
 def shutdown() -> None:
-    """Leave the ring; ``init`` may join again."""
+    """Leave the ring: its connections, shared memory and thread are released; ``init``
+    forms a new ring of the same ranks."""
     global _ranks, _ring
     if _ring is not None:
         _ring.close()

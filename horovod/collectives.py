@@ -1,62 +1,119 @@
 """Horovod's tensor and object collectives on ringflow's ring.
 
 Every rank calls them in the same order, as under Horovod (``name=`` is accepted and only
-names the operation in errors: the ring matches operations by order, not by name).
+names the operation in errors: the ring matches operations by order, not by name). Each
+tensor collective is differentiable as Horovod's is (``ringflow.horovod.differentiable``).
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from ringflow.engine.collective.base import CompletedWork
 from ringflow.horovod import negotiation
-from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
+from ringflow.horovod.basics import OPS, Average, HorovodError, Max, Min, Sum, ring, size
 from ringflow.horovod.negotiation import agree
 from ringflow.horovod.timeline import naming
 
 __all__ = [
+    "Handle",
     "allgather",
-    "barrier",
-    "join",
-    "alltoall",
+    "allgather_async",
     "allgather_object",
     "allreduce",
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
     "broadcast",
     "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "join",
     "poll",
     "reducescatter",
+    "reducescatter_async",
     "synchronize",
 ]
 
-
-class _Handle:
-    """An all-reduce in flight (``allreduce_async``): ``synchronize`` gives its result."""
-
-    def __init__(self, work: Any, target: torch.Tensor, scale: float) -> None:
-        self.work, self.target, self.scale = work, target, scale
-        self.result: torch.Tensor | None = None
+_PENDING = object()
 
 
-_in_flight: dict[str, _Handle] = {}  # this rank's async operations by name, not yet waited for
+class Handle:
+    """An operation started by an ``*_async`` call: :func:`poll` tells whether it finished,
+    :func:`synchronize` waits for it and gives its result."""
+
+    def __init__(self, wait: Callable[[], Any], done: Callable[[], bool] = lambda: True) -> None:
+        self._wait, self._done = wait, done
+        self.result: Any = _PENDING
+
+    def finished(self) -> bool:
+        return self.result is not _PENDING or self._done()
+
+    def wait(self) -> Any:
+        if self.result is _PENDING:
+            self.result = self._wait()
+        return self.result
 
 
-def _op(average: bool | None, op: str | None) -> str:
+def _on(work: Any, finish: Callable[[torch.Tensor], Any]) -> Handle:
+    """The handle of ``work`` (a ring collective in flight); ``finish`` makes its result."""
+    return Handle(lambda: finish(work.wait()), work.is_completed)
+
+
+def _done(result: Any) -> Handle:
+    return Handle(lambda: result)
+
+
+def _group(handles: list[Handle]) -> Handle:
+    """One handle for a grouped operation: its result is every member's, in order."""
+    return Handle(lambda: [h.wait() for h in handles], lambda: all(h.finished() for h in handles))
+
+
+_in_flight: dict[str, Handle] = {}  # this rank's async operations by name, not yet waited for
+
+
+def _named(kind: str, name: str | None) -> None:
+    """Refuse a second operation of a name still in flight, as Horovod does.
+
+    Raises:
+        ValueError: an operation of this ``name`` is still in flight on this rank.
+    """
+    if name is not None and name in _in_flight and _in_flight[name].result is _PENDING:
+        raise ValueError(f"{kind} {name!r}: an operation of that name is still in flight")
+
+
+def _started(name: str | None, handle: Handle) -> Handle:
+    if name is not None:
+        _in_flight[name] = handle
+    return handle
+
+
+def _op(average: bool | None, op: str | None, default: str = Average) -> str:
     if average is not None and op is not None:
-        raise HorovodError("allreduce takes average= or op=, not both")
+        raise ValueError("allreduce takes average= or op=, not both")
     if op is None:
-        return Sum if average is False else Average
-    if op not in (Average, Sum):
-        raise HorovodError(f"op {op!r} is not supported: ringflow's ring sums and averages")
+        return default if average is None else (Average if average else Sum)
+    if op not in OPS:
+        raise HorovodError(f"op {op!r} is not supported: ringflow.horovod has {', '.join(OPS)}")
     return op
 
 
@@ -67,154 +124,327 @@ def allreduce_async_(
     op: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-) -> _Handle:
-    """Start replacing ``tensor`` by its average (``op=Average``, the default) or sum over
-    the ranks; returns a handle for :func:`synchronize`. An integer tensor's average is
-    truncated toward zero, as Horovod's.
+) -> Handle:
+    """Start replacing ``tensor`` by its average (``op=Average``, the default), sum, min, max
+    or product over the ranks; returns a handle for :func:`synchronize`. An integer
+    tensor's average is truncated toward zero, as Horovod's.
 
     Raises:
         HorovodError: the ranks gave tensors of different dtypes or shapes, or ops.
         ValueError: an operation of this ``name`` is still in flight on this rank.
     """
     op = _op(average, op)
-    if name is not None and name in _in_flight and _in_flight[name].result is None:
-        raise ValueError(f"allreduce {name!r}: an operation of that name is still in flight")
+    _named("allreduce", name)
     agree("allreduce", tensor, name, op=op)
     with naming(name):
-        handle = _reduce(tensor, op, prescale_factor, postscale_factor)
-    if name is not None:
-        _in_flight[name] = handle
-    return handle
+        return _started(name, _reduce(tensor, op, prescale_factor, postscale_factor))
 
 
-def _reduce(tensor: torch.Tensor, op: str, pre: float, post: float) -> _Handle:
-    """The all-reduce itself (``DistributedOptimizer``'s gradients come here directly: their
-    shapes were agreed once, when it was built)."""
+def _reduce(tensor: torch.Tensor, op: str, pre: float, post: float) -> Handle:
+    """The all-reduce itself, into ``tensor`` (``DistributedOptimizer``'s gradients come
+    here directly: their shapes were agreed once, when it was built)."""
     flat = tensor.detach().reshape(-1).contiguous()
     if pre != 1.0:
         flat = _scaled(flat.clone(), pre)
-    work = ring().allreduce_async_(flat, op="sum")
-    return _Handle(work, tensor, post / (size() if op == Average else 1))
+    scale = post / (size() if op == Average else 1)
+    if op in (Average, Sum):
+        work = ring().allreduce_async_(flat, op="sum")
+    else:  # the ring sums: min, max and product reduce every rank's tensor here
+        work = CompletedWork(_elementwise(flat, op))
+    return _on(work, lambda reduced: _into(tensor, _scaled(reduced, scale)))
+
+
+def _elementwise(flat: torch.Tensor, op: str) -> torch.Tensor:
+    every = torch.stack(ring().all_gather(flat))
+    if op == Min:
+        return every.amin(0)
+    if op == Max:
+        return every.amax(0)
+    return every.prod(0).to(flat.dtype)
+
+
+def _into(target: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
+    if reduced.data_ptr() != target.data_ptr():
+        target.detach().copy_(reduced.view_as(target))
+    return target
 
 
 def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     """``tensor`` times ``factor``, in place; integers truncated toward zero."""
+    if factor == 1.0:
+        return tensor
     if tensor.is_floating_point():
         return tensor.mul_(factor)
     return tensor.copy_((tensor.double() * factor).trunc())
 
 
-def allreduce_async(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> _Handle:
+def allreduce_async(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> Handle:
     """As :func:`allreduce_async_`, into a new tensor (``tensor`` is left as it is)."""
     return allreduce_async_(tensor.detach().clone(), average, name, op, **kw)
 
 
-def poll(handle: _Handle) -> bool:
+def poll(handle: Handle) -> bool:
     """Whether the operation behind ``handle`` finished."""
-    return handle.result is not None or handle.work.is_completed()
+    return handle.finished()
 
 
-def synchronize(handle: _Handle) -> torch.Tensor:
-    """Wait for the operation behind ``handle``; its result (the reduced tensor)."""
-    if handle.result is None:
-        reduced = handle.work.wait()
-        if handle.scale != 1.0:
-            reduced = _scaled(reduced, handle.scale)
-        target = handle.target
-        if reduced.data_ptr() != target.data_ptr():
-            target.detach().copy_(reduced.view_as(target))
-        handle.result = target
-    return handle.result
+def synchronize(handle: Handle) -> Any:
+    """Wait for the operation behind ``handle``; its result (a tensor; a list of them for a
+    grouped operation; ``(tensor, received_splits)`` for an alltoall)."""
+    try:
+        return handle.wait()
+    finally:
+        for name in [n for n, h in _in_flight.items() if h is handle]:
+            del _in_flight[name]
 
 
 def allreduce_(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> torch.Tensor:
-    """Replace ``tensor`` by its average (or sum) over the ranks; return it."""
+    """Replace ``tensor`` by its average (or sum, min, max, product) over the ranks."""
     return synchronize(allreduce_async_(tensor, average, name, op, **kw))
 
 
-def allreduce(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> torch.Tensor:
-    """The average (or sum) of ``tensor`` over the ranks, as a new tensor."""
-    return synchronize(allreduce_async(tensor, average, name, op, **kw))
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """The average (or sum, min, max, product) of ``tensor`` over the ranks, as a new
+    tensor; differentiable (the gradient is reduced the same way, as Horovod's)."""
+    from ringflow.horovod.differentiable import Allreduce
+
+    wire, ctx = compression.compress(tensor) if compression else (tensor, None)
+    reduced = Allreduce.apply(wire, average, name, op, prescale_factor, postscale_factor)
+    return compression.decompress(reduced, ctx) if compression else reduced
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor], average=None, name=None, op=None, **kw
+):
+    """Start :func:`allreduce_async_` of each tensor; one handle for them all."""
+    return _group(
+        [allreduce_async_(t, average, _member(name, i), op, **kw) for i, t in enumerate(tensors)]
+    )
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor], average=None, name=None, op=None, **kw
+):
+    """As :func:`grouped_allreduce_async_`, into new tensors."""
+    return grouped_allreduce_async_([t.detach().clone() for t in tensors], average, name, op, **kw)
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name=None, op=None, **kw):
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, **kw))
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor], average=None, name=None, compression=None, op=None, **kw
+):
+    """:func:`allreduce` of each tensor, in order; a list of the results."""
+    return [
+        allreduce(t, average, _member(name, i), compression, op, **kw)
+        for i, t in enumerate(tensors)
+    ]
+
+
+def _member(name: str | None, index: int) -> str | None:
+    return None if name is None else f"{name}.{index}"
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
+    """Replace ``tensor`` by rank ``root_rank``'s; a handle whose result is ``tensor``."""
+    _named("broadcast", name)
+    refusal = None
+    if not 0 <= root_rank < size():
+        refusal = HorovodError(f"broadcast: root_rank {root_rank} is not one of the {size()} ranks")
+    agree("broadcast", tensor, name, root=root_rank, refusal=refusal)
+    flat = tensor.detach().reshape(-1).contiguous()
+    ring().broadcast_(flat, src=root_rank)
+    return _started(name, _done(_into(tensor, flat)))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
+    """As :func:`broadcast_async_`, into a new tensor."""
+    return broadcast_async_(tensor.detach().clone(), root_rank, name)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Replace ``tensor`` by rank ``root_rank``'s; return it."""
-    if not 0 <= root_rank < size():
-        raise HorovodError(f"broadcast: root_rank {root_rank} is not one of the {size()} ranks")
-    agree("broadcast", tensor, name, root=root_rank)
-    flat = tensor.detach().reshape(-1).contiguous()
-    ring().broadcast_(flat, src=root_rank)
-    if flat.data_ptr() != tensor.data_ptr():
-        tensor.detach().copy_(flat.view_as(tensor))
-    return tensor
+    return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """Rank ``root_rank``'s ``tensor``, as a new tensor on every rank."""
-    return broadcast_(tensor.detach().clone(), root_rank, name)
+    """Rank ``root_rank``'s ``tensor``, as a new tensor on every rank; differentiable (the
+    root's gradient is the average of every rank's, the others' zero, as Horovod's)."""
+    from ringflow.horovod.differentiable import Broadcast
+
+    return Broadcast.apply(tensor, root_rank, name)
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along the first dimension, in rank order; the
-    first dimension may differ between ranks, the others may not."""
+def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Handle:
+    """Start :func:`allgather`; a handle for :func:`synchronize`."""
+    _named("allgather", name)
+    return _started(name, _done(_gathered(tensor, name)))
+
+
+def _gathered(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
     agree("allgather", tensor, name, first_dim_may_differ=True)
-    local = tensor.detach().contiguous()
-    rows = torch.tensor([local.shape[0] if local.dim() else 1], dtype=torch.int64)
+    return _concatenated(tensor)
+
+
+def _concatenated(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows (a scalar is one row), in rank order."""
+    local = tensor.detach().reshape(-1, *tensor.shape[1:]).contiguous()
+    rows = torch.tensor([local.shape[0]], dtype=torch.int64)
     counts = [int(n) for n in ring().all_gather(rows)]
-    shape = local.shape[1:] if local.dim() else ()
-    padded = local.new_zeros((max(counts), *shape))
-    padded[: counts[ring().rank]] = local.reshape(-1, *shape)
+    padded = local.new_zeros((max(counts), *local.shape[1:]))
+    padded[: counts[ring().rank]] = local
     parts = ring().all_gather(padded)
     return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
 
 
-def alltoall(
-    tensor: torch.Tensor, splits: torch.Tensor | list[int] | None = None, name: str | None = None
-) -> torch.Tensor:
-    """Rank ``r`` gets part ``r`` of every rank's ``tensor``, concatenated in rank order: the
-    first dimension cut into ``splits`` rows per rank (equal parts by default). It travels as
-    an all-gather over the ring (each rank receives every rank's whole tensor)."""
-    agree("alltoall", tensor, name, first_dim_may_differ=True)
-    n, me = size(), ring().rank
-    rows = tensor.shape[0]
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along the first dimension, in rank order; the
+    first dimension may differ between ranks, the others may not. Differentiable."""
+    from ringflow.horovod.differentiable import Allgather
+
+    return Allgather.apply(tensor, name)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> Handle:
+    return _group([allgather_async(t, _member(name, i)) for i, t in enumerate(tensors)])
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: str | None = None
+) -> list[torch.Tensor]:
+    """:func:`allgather` of each tensor, in order."""
+    return [allgather(t, _member(name, i)) for i, t in enumerate(tensors)]
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Handle:
+    """Start :func:`alltoall`; the handle's result is ``(tensor, received_splits)``."""
+    _named("alltoall", name)
+    return _started(name, _done(_exchanged(tensor, splits, name)))
+
+
+def _exchanged(
+    tensor: torch.Tensor, splits: Any, name: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``r``'s parts of every rank's ``tensor``, and how many rows came from each. It
+    travels as an all-gather over the ring (each rank receives every rank's whole tensor)."""
+    counts, refusal = _splits(tensor, splits)
+    agree("alltoall", tensor, name, first_dim_may_differ=True, refusal=refusal)
+    me = ring().rank
+    every_split = torch.stack(ring().all_gather(torch.tensor(counts, dtype=torch.int64)))
+    gathered = _concatenated(tensor)
+    starts = torch.cumsum(every_split.sum(1), 0) - every_split.sum(1)
+    offsets = starts + every_split[:, :me].sum(1)
+    received = every_split[:, me]
+    parts = [gathered[int(o) : int(o) + int(n)] for o, n in zip(offsets, received, strict=True)]
+    return torch.cat(parts), received.to(torch.int32)
+
+
+def _splits(tensor: torch.Tensor, splits: Any) -> tuple[list[int], ValueError | None]:
+    """The rows for each rank, or why ``splits`` cannot be taken (as Horovod's errors)."""
+    n = size()
+    rows = tensor.shape[0] if tensor.dim() else 0
     if splits is None:
         if rows % n:
-            raise HorovodError(f"alltoall: {rows} rows do not split into {n} equal parts")
-        splits = [rows // n] * n
-    splits = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
-    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
-        raise HorovodError(f"alltoall: splits {splits} must be {n} counts adding up to {rows}")
-    every_split = allgather(torch.tensor([splits], dtype=torch.int64))
-    gathered = allgather(tensor)
-    parts, start = [], 0
-    for counts in every_split.tolist():
-        offset = start + sum(counts[:me])
-        parts.append(gathered[offset : offset + counts[me]])
-        start += sum(counts)
-    return torch.cat(parts)
+            return [0] * n, ValueError(f"alltoall: {rows} rows do not split into {n} equal parts")
+        return [rows // n] * n, None
+    if torch.is_tensor(splits) and splits.dtype != torch.int32:
+        return [0] * n, ValueError(
+            f"alltoall: splits must be a tensor of int32, not {splits.dtype}"
+        )
+    counts = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
+    if len(counts) != n or sum(counts) != rows or min(counts) < 0:
+        return [0] * n, ValueError(
+            f"alltoall: splits {counts} must be {n} counts adding up to {rows}"
+        )
+    return counts, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Any:
+    """Rank ``r`` gets part ``r`` of every rank's ``tensor``, concatenated in rank order: the
+    first dimension cut into ``splits`` rows per rank (equal parts by default). With
+    ``splits``, ``(tensor, received_splits)``: how many rows came from each rank, as
+    Horovod's. Differentiable."""
+    from ringflow.horovod.differentiable import Alltoall
+
+    received, counts = Alltoall.apply(tensor, splits, name)
+    return received if splits is None else (received, counts)
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: str = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
+    """Start :func:`reducescatter`; a handle for :func:`synchronize`."""
+    op = _op(None, op)
+    _named("reducescatter", name)
+    refusal = None
+    if tensor.dim() == 0:
+        refusal = ValueError("reducescatter takes a tensor of 1 or more dimensions")
+    elif op not in (Average, Sum):
+        refusal = ValueError(f"reducescatter takes op=Average or op=Sum, not {op}")
+    agree("reducescatter", tensor, name, op=op, refusal=refusal)
+    n, me, rows = size(), ring().rank, tensor.shape[0]
+    counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
+    start = sum(counts[:me])
+    reduced = _reduce(tensor.detach().clone(), op, prescale_factor, postscale_factor)
+    return _started(
+        name, Handle(lambda: reduced.wait()[start : start + counts[me]].clone(), reduced.finished)
+    )
 
 
 def reducescatter(
-    tensor: torch.Tensor, name: str | None = None, op: str | None = None
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = None,
+    op: str = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     """Rank ``r``'s part of the average (``op=Average``, the default) or sum of ``tensor``
     over the ranks: the first dimension cut into ``size()`` parts, the first ones a row
-    longer where it does not divide, as Horovod's."""
-    op = _op(None, op)
-    agree("reducescatter", tensor, name, op=op)
-    n, me = size(), ring().rank
-    rows = tensor.shape[0]
-    reduced = synchronize(_reduce(tensor.detach().clone(), op, 1.0, 1.0))
-    counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
-    start = sum(counts[:me])
-    return reduced[start : start + counts[me]].clone()
+    longer where it does not divide, as Horovod's. Differentiable."""
+    from ringflow.horovod.differentiable import Reducescatter
+
+    wire, ctx = compression.compress(tensor) if compression else (tensor, None)
+    reduced = Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor)
+    return compression.decompress(reduced, ctx) if compression else reduced
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor], name=None, op=Average, **kw
+) -> Handle:
+    return _group(
+        [reducescatter_async(t, _member(name, i), op, **kw) for i, t in enumerate(tensors)]
+    )
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor], name=None, compression=None, op=Average, **kw
+):
+    """:func:`reducescatter` of each tensor, in order."""
+    return [
+        reducescatter(t, _member(name, i), compression, op, **kw) for i, t in enumerate(tensors)
+    ]
 
 
 def join(device: int = -1) -> int:
     """This rank has no more data (Horovod's ``hvd.join``): until every rank has joined it
     takes part in the others' all-reduces with zeros (their averages still divide by every
-    rank) and broadcasts; returns the rank that joined last. An allgather or alltoall while
-    a rank has joined raises on the ranks that asked for it, as in Horovod."""
+    rank); returns the rank that joined last. A broadcast, allgather, alltoall, min, max or
+    product while a rank has joined raises on the ranks that asked for it, as in Horovod."""
     if size() == 1:
         return 0
     first = 1
@@ -225,20 +455,18 @@ def join(device: int = -1) -> int:
         active = [theirs for theirs in every if theirs[0] != negotiation.JOINED]
         if not active:
             return max(r for r, theirs in enumerate(every) if theirs[1] == 1)
-        _with_zeros(active[0])
+        if not any(negotiation.refused(theirs) for theirs in active):
+            _with_zeros(active[0])
 
 
 def _with_zeros(row: list[int]) -> None:
     """Take part in the operation the ranks still training described in ``row``."""
     kind = negotiation.KINDS[row[0]]
-    if kind not in ("allreduce", "reducescatter", "broadcast"):
+    if kind not in ("allreduce", "reducescatter") or negotiation.elementwise(row):
         return  # a step's first row, or an operation the others refuse while one has joined
     dtype = negotiation.DTYPES[row[1]]
     zeros = torch.zeros(row[3 : 3 + row[2]], dtype=dtype).reshape(-1)
-    if kind == "broadcast":
-        ring().broadcast_(zeros, src=row[3 + negotiation.MOST_DIMS])
-    else:
-        _reduce(zeros, Sum, 1.0, 1.0).work.wait()
+    _reduce(zeros, Sum, 1.0, 1.0).wait()
 
 
 def barrier(process_set: Any = None) -> None:

@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
+from ringflow.horovod.basics import OPS, HorovodError, Max, Min, Product, ring, size
 from ringflow.horovod.timeline import naming
 
 __all__ = ["JOINED", "agree", "step"]
@@ -34,7 +34,9 @@ KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "st
 JOINED = KINDS.index("join")
 MOST_DIMS = 8
 _FIELDS = ("operation", "dtype", "number of dimensions", *["shape"] * MOST_DIMS)
-_FIELDS += ("root rank", "op", "name")
+_FIELDS += ("root rank", "op", "refusal", "name")
+_OPS = ("", *OPS)
+_ELEMENTWISE = (Min, Max, Product)
 _WIDTH = len(_FIELDS)
 
 
@@ -56,7 +58,7 @@ def describe(kind: str, tensor: torch.Tensor | None, name: str | None, root: int
     shape = list(tensor.shape) + [-1] * (MOST_DIMS - tensor.dim())
     named = zlib.crc32(name.encode()) if name else -1
     row = [KINDS.index(kind), DTYPES.index(tensor.dtype), tensor.dim(), *shape, root]
-    return row + [(Average, Sum, "").index(op), named]
+    return row + [_OPS.index(op), 0, named]
 
 
 def agree(
@@ -67,24 +69,30 @@ def agree(
     root: int = -1,
     op: str = "",
     first_dim_may_differ: bool = False,
+    refusal: Exception | None = None,
 ) -> list[int]:
     """Every rank that has not joined asked for the same operation on a tensor of the same
     dtype and shape (all dimensions but the first, where ``first_dim_may_differ``), from the
-    same root, under the same name where every rank gave one. The same error on every rank
-    otherwise. Returns the ranks that have joined (they take part with zeros).
+    same root, under the same name where every rank gave one, and none refused it (its
+    arguments were wrong: ``refusal``). The same error on every rank otherwise, so that the
+    ranks stay in step. Returns the ranks that have joined (they take part with zeros).
 
     Raises:
-        HorovodError: the ranks disagree, or the operation cannot run with joined ranks.
+        HorovodError: the ranks disagree, the operation cannot run with joined ranks, or
+            another rank refused it.
+        Exception: ``refusal``, on the rank that refused.
     """
-    row = describe(kind, tensor, name, root, op)
-    if size() == 1:
-        return []
-    every = exchange(row)
+    try:
+        row = describe(kind, tensor, name, root, op)
+    except HorovodError as err:
+        refusal, row = refusal or err, describe(kind, None, name, root, op)
+    row[_FIELDS.index("refusal")] = int(refusal is not None)
+    every = exchange(row) if size() > 1 else [row]
+    _refused(kind, every, refusal)
     joined = [r for r, theirs in enumerate(every) if theirs[0] == JOINED]
-    if joined and kind in ("allgather", "alltoall"):
-        raise HorovodError(f"{kind} cannot run once a rank has joined (nor in Horovod)")
-    if root in joined:
-        raise HorovodError(f"{kind}: root rank {root} has joined: it has nothing to send")
+    if joined and (kind in ("allgather", "alltoall", "broadcast") or op in _ELEMENTWISE):
+        what = f"{kind} {op}" if op in _ELEMENTWISE else kind
+        raise HorovodError(f"{what} cannot run once a rank has joined (nor in Horovod)")
     active = [(r, theirs) for r, theirs in enumerate(every) if theirs[0] != JOINED]
     if first_dim_may_differ:
         for _, theirs in active:
@@ -96,6 +104,25 @@ def agree(
     if differ:
         _disagree(kind, name, (first, mine), differ[0])
     return joined
+
+
+def elementwise(row: list[int]) -> bool:
+    """Whether ``row`` asks for a min, max or product (which joined ranks cannot join)."""
+    index = row[_FIELDS.index("op")]
+    return index > 0 and _OPS[index] in _ELEMENTWISE
+
+
+def refused(row: list[int]) -> bool:
+    """Whether the rank of ``row`` refused its operation's arguments (it does not run)."""
+    return row[_FIELDS.index("refusal")] == 1
+
+
+def _refused(kind: str, every: list[list[int]], refusal: Exception | None) -> None:
+    if refusal is not None:
+        raise refusal
+    refusing = [r for r, theirs in enumerate(every) if refused(theirs)]
+    if refusing:
+        raise HorovodError(f"{kind}: rank {refusing[0]} refused its arguments (its error says why)")
 
 
 def _disagree(kind: str, name: str | None, first: tuple, other: tuple) -> None:
@@ -116,6 +143,8 @@ def _described(row: list[int], field: int) -> str:
         return str(DTYPES[row[1]])
     if _FIELDS[field] == "shape":
         return str(tuple(row[3 : 3 + row[2]]))
+    if _FIELDS[field] == "op":
+        return _OPS[row[field]] or "none"
     return str(row[field])
 
 

@@ -81,12 +81,13 @@ class _Distributed:
         if named_parameters is not None:
             named = list(named_parameters)
             names = [n for n, _ in named]
-            if len(set(names)) != len(names):
-                raise HorovodError("named_parameters has a name twice")
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:  # Horovod's error type: a wrong argument
+                raise ValueError(f"named_parameters has a name twice: {', '.join(twice)}")
             by_id = {id(p): n for n, p in named}
             missing = [i for i, p in enumerate(params) if id(p) not in by_id]
             if missing:
-                raise HorovodError(
+                raise ValueError(
                     f"named_parameters lacks {len(missing)} of the optimizer's parameters: "
                     "pass model.named_parameters() of the model the optimizer steps"
                 )

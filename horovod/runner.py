@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -213,7 +214,7 @@ def _start(
     nodes = ray.get([r.node.remote() for r in ranks])
     address = ray.get(ranks[0].address.remote())
     order = list(dict.fromkeys(nodes))
-    variables = []
+    variables, job = [], secrets.token_hex(8)
     for index, node in enumerate(nodes):
         local = [i for i, n in enumerate(nodes) if n == node]
         told = {
@@ -225,10 +226,22 @@ def _start(
             "cross_size": len(order),
             "address": address,
             "timeout_s": timeout_s,
+            "job": job,
         }
         told_env = {VARIABLES[k]: str(v) for k, v in told.items()}
-        variables.append({**_forwarded(), **(env or {}), **told_env})
+        variables.append({**_forwarded(), **(env or {}), **told_env, **_horovodrun_told(told)})
     return ranks, variables
+
+
+_HOROVODRUN = ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
+
+
+def _horovodrun_told(told: dict[str, Any]) -> dict[str, str]:
+    """What ``horovodrun`` (its gloo controller) tells each rank, for scripts that read it:
+    ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ... (an elastic run's ranks change, so only there
+    they are not set)."""
+    named = {f"HOROVOD_{key.upper()}": str(told[key]) for key in _HOROVODRUN}
+    return {**named, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
 
 
 class _Elastic:
@@ -261,6 +274,7 @@ class _Elastic:
         self._actor = ray.remote(_Rank).options(num_cpus=options["cpus"], num_gpus=options["gpus"])
         self.env = {**_forwarded(), **(options["env"] or {})}
         self.env[VARIABLES["timeout_s"]] = str(timeout_s)
+        self.env[VARIABLES["job"]] = secrets.token_hex(8)
         self.workers: dict[str, Any] = {}
         self.finished = False
         self._count = 0

@@ -32,6 +32,8 @@ def collectives() -> dict:
     in_place = mine.clone()
     hvd.allreduce_(in_place)
     rows = torch.full((r + 1, 2), float(r))  # ranks give different numbers of rows
+    # rank r sends rows [r] * (i + 1) to rank i: rank i gets i + 1 rows from each rank
+    exchanged, received_splits = hvd.alltoall(torch.full((3, 1), float(r)), splits=[1, 2])
     return {
         "rank": r,
         "size": n,
@@ -44,8 +46,9 @@ def collectives() -> dict:
         "gathered": hvd.allgather(rows).tolist(),
         "object": hvd.broadcast_object({"from": r}, root_rank=1),
         "objects": hvd.allgather_object(("rank", r)),
-        # rank r sends rows [r] * (i + 1) to rank i: rank i gets i + 1 rows from each rank
-        "alltoall": hvd.alltoall(torch.full((3, 1), float(r)), splits=[1, 2]).tolist(),
+        "alltoall": exchanged.tolist(),
+        "received_splits": received_splits.tolist(),
+        "alltoall_dtype": received_splits.dtype,
         "scattered": hvd.reducescatter(torch.arange(3.0) + r, op=hvd.Sum).tolist(),
     }
 
@@ -64,6 +67,8 @@ def test_the_collectives_give_what_horovods_give(ray_session):
         assert r["object"] == {"from": 1}
         assert r["objects"] == [("rank", 0), ("rank", 1)]
     assert [r["alltoall"] for r in results] == [[[0.0], [1.0]], [[0.0], [0.0], [1.0], [1.0]]]
+    assert [r["received_splits"] for r in results] == [[1, 1], [2, 2]]  # Horovod's, as int32
+    assert {r["alltoall_dtype"] for r in results} == {torch.int32}
     assert [r["scattered"] for r in results] == [[1.0, 3.0], [5.0]]  # 2 rows, then 1
     assert [r["untouched"] for r in results] == [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0]]
     assert [r["local"] for r in results] == [(0, 2, 0, 1), (1, 2, 0, 1)]
