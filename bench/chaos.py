@@ -58,7 +58,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -130,6 +130,21 @@ class Runner:
     """Ray's settings for the cluster this runner's processes train on."""
     worker_title = ""
     """What a worker process's command line holds."""
+    warm_workers = False
+    """Whether its workers outlive a run on the cluster (ours' pool): both of its runs then
+    start on warm ones, after a warm-up run, as on a stack that trained before."""
+
+    def workers(self) -> list[int]:
+        """The processes of the workers training now: under the training process, or under
+        the cluster this process holds (Ray's actors are the raylet's children)."""
+        pids = []
+        for proc in _descendants(os.getpid()):
+            try:
+                if self.worker_title in " ".join(proc.cmdline()):
+                    pids.append(proc.pid)
+            except Exception:  # noqa: BLE001 - it ended while we looked
+                continue
+        return sorted(pids)
 
     def command(self, workload: Workload, root: str, name: str) -> list[str]:
         return [sys.executable, "-m", "bench.chaos", "--child", self.name, root, name]
@@ -159,6 +174,14 @@ class Runner:
 
 class Ours(Runner):
     name, worker_title = "ours", "ray::Worker"
+    warm_workers = True
+
+    def workers(self) -> list[int]:
+        """The pool's workers leased to a training process (its idle ones train nothing)."""
+        from ringflow.engine.pool import worker_pids
+
+        return worker_pids()["leased"]
+
     # Ray's idle workers import these before an actor needs them (each runner its own).
     system_config = {"preload_python_modules": ["torch", "lightning", "ringflow.engine.worker"]}
 
@@ -264,6 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             try:
                 with runner.cluster(workload) as env:
+                    if runner.warm_workers:
+                        warm = replace(workload, epochs=1)
+                        _run(runner, warm, root, f"{name}-warm-up", args, env, chaos=False)
                     calm = None
                     if not args.under_failures_only:
                         calm = _run(runner, workload, root, f"{name}-calm", args, env, chaos=False)
@@ -386,16 +412,7 @@ def _kill_tree(pid: int) -> None:
 
 
 def _workers(runner: Runner) -> list[int]:
-    """The runner's worker processes: under the training process, or under the cluster this
-    process holds (Ray's actors are the raylet's children)."""
-    pids = []
-    for proc in _descendants(os.getpid()):
-        try:
-            if runner.worker_title in " ".join(proc.cmdline()):
-                pids.append(proc.pid)
-        except Exception:  # noqa: BLE001 - it ended while we looked
-            continue
-    return sorted(pids)
+    return runner.workers()
 
 
 def _kill_a_worker(

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ringflow.engine.collective.registry import registrations, restore_registrations
 from ringflow.engine.worker import Worker
 
 __all__ = [
@@ -168,6 +169,8 @@ class _Baseline:
     threads: frozenset[int]
     torch_threads: int
     handlers: list[logging.Handler] = field(default_factory=list)
+    registered: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+    """ringflow's registries of collectives and communication hooks."""
 
     @classmethod
     def take(cls) -> _Baseline:
@@ -179,6 +182,7 @@ class _Baseline:
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident),
             torch_threads=torch.get_num_threads(),
             handlers=list(logging.getLogger().handlers),
+            registered=registrations(),
         )
 
     def restore(self) -> list[str]:
@@ -196,6 +200,7 @@ class _Baseline:
             if path and not name.startswith("ringflow.") and not _installed(path):
                 del sys.modules[name]  # the user's code: imported afresh by the next run
         logging.getLogger().handlers[:] = self.handlers
+        restore_registrations(self.registered)
         torch.set_num_threads(self.torch_threads)
         torch.set_default_dtype(torch.float32)
         torch.set_grad_enabled(True)

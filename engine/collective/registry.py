@@ -17,6 +17,8 @@ __all__ = [
     "create_collective",
     "register_collective",
     "register_comm_hook",
+    "registrations",
+    "restore_registrations",
 ]
 
 _REGISTRY: dict[str, type] = {}
@@ -92,3 +94,17 @@ def comm_hook(name: str) -> tuple[Callable[..., Any], Callable[[int, int], Any] 
             f"unknown compression {name!r}: 'none', 'bf16', 'fp16', 'powersgd' or a registered "
             f"communication hook ({available_comm_hooks() or 'none registered'})"
         ) from None
+
+
+def registrations() -> tuple[dict[str, Any], dict[str, Any]]:
+    """What is registered now, collectives and communication hooks: a worker process that
+    outlives runs (``engine.pool``) restores it after each, so a run's registrations (its
+    module's, made as it is imported) are not there for the next."""
+    return dict(_REGISTRY), dict(_HOOKS)
+
+
+def restore_registrations(saved: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """Back to :func:`registrations`' ``saved``."""
+    for registry, kept in zip((_REGISTRY, _HOOKS), saved, strict=True):
+        registry.clear()
+        registry.update(kept)
