@@ -7,6 +7,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -36,6 +37,8 @@ class ThrottledRing(RingCollective):
         self._free_at = 0.0
         self._lock = threading.Lock()
         self.sent = 0
+        self._log_name = f"rank{self.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+        """A file of this ring's: a worker process may serve several runs (``engine.pool``)."""
 
     def allreduce_async_(self, tensor: torch.Tensor, *, op: str = "sum") -> CollectiveWork:
         n = self.world_size
@@ -50,10 +53,10 @@ class ThrottledRing(RingCollective):
         return _Until(super().allreduce_async_(tensor, op=op), self._free_at)
 
     def _record(self) -> None:
-        """The bytes so far, in a file of this process's (Ray kills workers without a word)."""
+        """The bytes so far, in a file of this ring's (Ray kills workers without a word)."""
         folder = os.environ.get(WIRE_LOG)
         if folder:
-            path = Path(folder, f"rank{self.rank}-{os.getpid()}.json")
+            path = Path(folder, self._log_name)
             path.with_suffix(".tmp").write_text(json.dumps(self.sent))
             path.with_suffix(".tmp").replace(path)
 
