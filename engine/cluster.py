@@ -15,6 +15,7 @@ __all__ = [
     "SECRET_ENV",
     "connect",
     "dashboard_url",
+    "handles_from_local_code",
     "trains_in_process",
     "log_files",
     "quiet_environment",
@@ -101,6 +102,23 @@ def trains_in_process(*, workers: int, gpus_per_worker: float, stages: int = 1) 
     connected = ray is not None and ray.is_initialized()
     alone = workers == 1 and not gpus_per_worker and stages == 1
     return alone and not connected and not os.environ.get("RAY_ADDRESS")
+
+
+@contextmanager
+def handles_from_local_code() -> Iterator[None]:
+    """Actor handles this process receives inside the block load their class from its own
+    code (an importable module), not from the job that created the actor: the pool's
+    workers (``engine.pool``) outlive the job that started them, and Ray drops a finished
+    job's classes, so a handle of one would not load. Ray's private switch, checked with
+    ray 2.60."""
+    from ray._private import worker
+
+    was = worker.global_worker.load_code_from_local
+    worker.global_worker.set_load_code_from_local(True)
+    try:
+        yield
+    finally:
+        worker.global_worker.set_load_code_from_local(was)
 
 
 def dashboard_url() -> str | None:

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ringflow.engine.cluster import handles_from_local_code
 from ringflow.engine.collective.registry import registrations, restore_registrations
 from ringflow.engine.worker import Worker
 
@@ -514,9 +515,8 @@ class HostLease:
 
     def take(self, count: int) -> list[Any]:
         """``count`` hosts: idle ones of this lease's key, the rest started now."""
-        import ray
 
-        hosts = ray.get(
+        hosts = self._received(
             self._pool.lease.remote(self.id, self.key, count, self.grace_s, self.run, self.owner)
         )
         for host, pid in hosts:
@@ -530,16 +530,28 @@ class HostLease:
     def adopt(self) -> list[Any]:
         """The hosts a lost driver of this lease's run left, with their in-memory commits,
         now this lease's; none if there are none."""
-        import ray
 
         if self.run is None:
             return []
-        hosts = ray.get(
+        hosts = self._received(
             self._pool.adopt.remote(self.id, self.run, self.key, self.grace_s, self.owner)
         )
         for host, pid in hosts:
             self._pids[id(host)] = pid
         return [host for host, _ in hosts]
+
+    @staticmethod
+    def _received(ref: Any) -> list[tuple[Any, int]]:
+        """The hosts the pool answered with; none where their handles cannot be read (the
+        lease's hosts this driver cannot use are killed when it gives the lease back)."""
+        import ray
+
+        try:
+            with handles_from_local_code():
+                return ray.get(ref)
+        except ray.exceptions.RayError as err:
+            log.warning("warm workers from the pool could not be used (%s); starting new ones", err)
+            return []
 
     def _start(self) -> Any:
         import ray

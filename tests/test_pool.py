@@ -281,3 +281,48 @@ def digits_train_rows(digits):
     from ringflow.engine.data import samples_of
 
     return samples_of(digits, "train")
+
+
+_ONE_FIT = textwrap.dedent(
+    """
+    import json, sys
+    import ray
+    from ringflow.engine import DataSpec, TrainConfig, fit
+    from ringflow.engine.pool import worker_pids
+    from ringflow.models.digits import SCHEMA, DigitsClassifier
+
+    ray.init(address=sys.argv[2], log_to_driver=False)
+    fit(DigitsClassifier, hparams={"hidden": 16},
+        data=DataSpec(dataset_url=sys.argv[1], schema=SCHEMA),
+        config=TrainConfig(workers=2, epochs=1, batch_size=64, cpus_per_worker=0.5),
+        checkpoint_uri=sys.argv[3])
+    print(json.dumps(worker_pids()["idle"]))
+    """
+)
+
+
+@pytest.mark.ray
+def test_workers_a_finished_driver_gave_back_serve_the_next_drivers_run(
+    ray_session, digits, tmp_path
+):
+    """Each run in a process of its own, as consecutive runs of the flow's command line on a
+    running stack: the second runs on the processes the first started and gave back."""
+    from ringflow.engine.pool import release_idle
+
+    release_idle()  # the first run starts its own
+    address = ray_session.get_runtime_context().gcs_address
+
+    def driver(name: str) -> set[int]:
+        done = subprocess.run(
+            [sys.executable, "-c", _ONE_FIT, digits.dataset_url, address, str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    first = driver("first")
+    assert len(first) >= 2
+    assert driver("second") == first
