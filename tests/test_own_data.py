@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ringflow.engine import DatasetData, TrainConfig, fit
+from ringflow.models.digits import DigitsClassifier
 from tests.support.fitting import one_thread, relative_difference
 from tests.support.stack import clean_env
 from tests.test_lightning_contract import (
@@ -433,3 +434,38 @@ def test_a_module_given_no_data_and_no_train_dataloader_is_refused_in_one_line(t
 def test_a_negative_reload_interval_is_refused_by_name():
     with pytest.raises(ValueError, match="reload_dataloaders_every_n_epochs"):
         TrainConfig(reload_dataloaders_every_n_epochs=-1)
+
+
+class LazyDigits(DigitsClassifier):
+    """The demo model with its first layer lazy: sized from the data by its first forward."""
+
+    def __init__(self, **hparams) -> None:
+        super().__init__(**hparams)
+        self.net[0] = nn.LazyLinear(self.hparams.hidden)
+
+
+@pytest.mark.integration  # a private Prefect of its own
+def test_a_module_with_lazy_layers_warm_starts_from_its_production_version_through_the_flow(
+    tmp_path,
+):
+    def run(*extra: str) -> dict:
+        done = subprocess.run(
+            [sys.executable, "-m", "ringflow.flows.train_pipeline"]
+            + ["--model", f"{__name__}:LazyDigits", "--workers", "1", "--epochs", "1"]
+            + ["--tune-trials", "0", "--no-serve", "--storage-url", str(tmp_path / "storage")]
+            + list(extra),
+            cwd=ROOT,
+            env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1]), done.stdout + done.stderr
+
+    first, _ = run()
+    assert first["promoted"] is True
+    warm, said = run("--warm-start")  # from the production version: its lazy layer sized
+    assert "warm start from" in said, said[-3000:]
+    assert warm["model_version"] != first["model_version"]
+    assert warm["test_accuracy"] > 0.5
