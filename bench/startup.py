@@ -176,20 +176,24 @@ _FIRST_STEP = textwrap.dedent(
 )
 
 
+def _last_line(script: str, argument: int, *, warm: bool, **env: str) -> str:
+    """The last line ``script`` prints, run with ``argument`` on warm workers or fresh ones."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(argument)],
+        env=_clean_env(RINGFLOW_WORKER_POOL="1" if warm else "0", **env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the run failed: {done.stderr[-2000:]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
 def measure_first_step(runs: int, *, warm: bool) -> float:
     with tempfile.NamedTemporaryFile() as marker:
-        env = _clean_env(FIRST_STEP_FILE=marker.name, RINGFLOW_WORKER_POOL="1" if warm else "0")
-        done = subprocess.run(
-            [sys.executable, "-c", _FIRST_STEP, str(runs)],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"first-step runs failed: {done.stderr[-2000:]}")
-    seconds = json.loads(done.stdout.strip().splitlines()[-1])
-    return _median(seconds[1:])
+        line = _last_line(_FIRST_STEP, runs, warm=warm, FIRST_STEP_FILE=marker.name)
+    return _median(json.loads(line)[1:])
 
 
 _TUNING = textwrap.dedent(
@@ -217,17 +221,7 @@ _TUNING = textwrap.dedent(
 
 
 def measure_tuning(trials: int, *, warm: bool) -> float:
-    env = _clean_env(RINGFLOW_WORKER_POOL="1" if warm else "0")
-    done = subprocess.run(
-        [sys.executable, "-c", _TUNING, str(trials)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the search failed: {done.stderr[-2000:]}")
-    return round(float(done.stdout.strip().splitlines()[-1]), 2)
+    return round(float(_last_line(_TUNING, trials, warm=warm)), 2)
 
 
 def main(argv: list[str] | None = None) -> dict:

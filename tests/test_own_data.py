@@ -297,19 +297,11 @@ def test_a_model_trained_on_its_own_data_is_evaluated_on_its_own_loaders(
 def test_the_flow_trains_a_model_on_its_own_data_given_no_data_file(tmp_path):
     """No data_url, no preprocessing: trained on two workers with the module's loaders,
     evaluated on its own test loader, registered and promoted."""
-    run = subprocess.run(
-        [sys.executable, "-m", "ringflow.flows.train_pipeline"]
-        + ["--model", f"{__name__}:ItsOwnTable", "--hparams", '{"total_steps": 16}']
-        + ["--workers", "2", "--epochs", "2", "--tune-trials", "0", "--no-serve"]
-        + ["--storage-url", str(tmp_path / "storage")],
-        cwd=ROOT,
-        env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    summary, _ = _flow(
+        tmp_path,
+        *("--model", f"{__name__}:ItsOwnTable", "--hparams", '{"total_steps": 16}'),
+        *("--workers", "2", "--epochs", "2"),
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["dataset_url"] is None
     assert summary["test_loss"] > 0
     assert summary["promoted"] is True
@@ -448,20 +440,9 @@ class LazyDigits(DigitsClassifier):
 def test_a_module_with_lazy_layers_warm_starts_from_its_production_version_through_the_flow(
     tmp_path,
 ):
-    def run(*extra: str) -> dict:
-        done = subprocess.run(
-            [sys.executable, "-m", "ringflow.flows.train_pipeline"]
-            + ["--model", f"{__name__}:LazyDigits", "--workers", "1", "--epochs", "1"]
-            + ["--tune-trials", "0", "--no-serve", "--storage-url", str(tmp_path / "storage")]
-            + list(extra),
-            cwd=ROOT,
-            env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1]), done.stdout + done.stderr
+    def run(*extra: str) -> tuple[dict, str]:
+        lazy = ("--model", f"{__name__}:LazyDigits", "--workers", "1", "--epochs", "1")
+        return _flow(tmp_path, *lazy, *extra)
 
     first, _ = run()
     assert first["promoted"] is True
@@ -469,3 +450,19 @@ def test_a_module_with_lazy_layers_warm_starts_from_its_production_version_throu
     assert "warm start from" in said, said[-3000:]
     assert warm["model_version"] != first["model_version"]
     assert warm["test_accuracy"] > 0.5
+
+
+def _flow(tmp_path, *args: str) -> tuple[dict, str]:
+    """A run of the flow's command line with ``args`` (no tuning, no serving), storage and
+    Prefect's state under ``tmp_path``: its result and all it printed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "ringflow.flows.train_pipeline", *args]
+        + ["--tune-trials", "0", "--no-serve", "--storage-url", str(tmp_path / "storage")],
+        cwd=ROOT,
+        env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stdout + done.stderr
