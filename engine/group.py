@@ -32,7 +32,7 @@ from ringflow.engine.errors import (
 from ringflow.engine.failures import start_failure, user_error
 from ringflow.engine.layout import DataParallel, Layout, Method
 from ringflow.engine.metrics import Logged
-from ringflow.engine.pool import HostLease, WorkerHost, pool_key, pooled
+from ringflow.engine.pool import HostLease, WorkerHost, driver_job, pool_key, pooled
 from ringflow.engine.worker import NOSET_VISIBLE_DEVICES, Worker
 
 __all__ = [
@@ -326,6 +326,8 @@ class RayWorkerGroup(WorkerGroup):
         self.remembers = self._lease is not None and run is not None
         """Whether rank 0 keeps the driver's state at each commit (:meth:`remember`)."""
         self._runtime_env = {"env_vars": self._env_vars} if single else None
+        self._job = driver_job()
+        """The job the workers write for, whatever job started their processes."""
         self._warm: list[Any] = []
         self._next_id = 0
         self._actors: dict[str, WorkerHandle] = {}
@@ -385,6 +387,7 @@ class RayWorkerGroup(WorkerGroup):
                 raise ValueError(f"their ranks and commits do not make a whole group: {standings}")
             step = max(common)
             state = ray.get(handles[ranks[0]].call(Worker.driver_state, step))
+            ray.get([host.serve.remote(self._job) for host in hosts])
         except (ray.exceptions.RayError, ValueError) as err:
             log.warning("the workers a lost driver left are not adopted: %s", err)
             for handle in handles:
@@ -695,7 +698,7 @@ class RayWorkerGroup(WorkerGroup):
                 .remote()
             )
         start = actor.start.remote(
-            self._module_cls, **self._layout.worker_kwargs(index), **self._spec
+            self._module_cls, job=self._job, **self._layout.worker_kwargs(index), **self._spec
         )
         return WorkerHandle(actor), start
 

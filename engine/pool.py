@@ -42,6 +42,7 @@ import torch
 from ringflow.engine.cluster import handles_from_local_code
 from ringflow.engine.collective.registry import registrations, restore_registrations
 from ringflow.engine.worker import Worker
+from ringflow.storage.lease import SERVED_JOB
 
 __all__ = [
     "POOL_NAME",
@@ -231,11 +232,19 @@ class WorkerHost:
         self.worker: Worker | None = None
         self._baseline = _Baseline.take()
 
-    def start(self, module_cls: type, **kwargs: Any) -> None:
-        """Build this run's worker (``Worker(module_cls, **kwargs)``)."""
+    def start(self, module_cls: type, *, job: str | None = None, **kwargs: Any) -> None:
+        """Build this run's worker (``Worker(module_cls, **kwargs)``), for the Ray ``job``
+        of its driver."""
         if self.worker is not None:
             raise RuntimeError("this worker host already holds a run's worker")
+        self.serve(job)
         self.worker = Worker(module_cls, **kwargs)
+
+    def serve(self, job: str | None) -> None:
+        """Write for the driver's Ray ``job`` (its run key's lease: ``storage.lease``), not
+        for the job that started this process."""
+        if job:
+            os.environ[SERVED_JOB] = job
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.worker is None:
@@ -477,6 +486,14 @@ def _pool() -> Any:
         )
         .remote(idle_s=_seconds("RINGFLOW_POOL_IDLE_S", 300.0))
     )
+
+
+def driver_job() -> str:
+    """This process's Ray job, as a run key's lease names its writer (``storage.lease``)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return f"{context.gcs_address}/{context.get_job_id()}"
 
 
 def release_idle() -> int:

@@ -163,7 +163,8 @@ def this_process() -> dict[str, Any]:
 
     ``machine`` tells whether a pid can be checked from here: the host name, the kernel's
     boot id and the pid namespace. ``ray_job`` is the Ray job this process belongs to
-    (the driver's or, in a Ray worker, the one that created it), when Ray is initialised.
+    (the driver's or, in a Ray worker, the one that created it, or the one a warm worker
+    serves now: :data:`SERVED_JOB`), when Ray is initialised.
     """
     pid = os.getpid()
     return {
@@ -195,7 +196,14 @@ def _pid_start(pid: int) -> str | None:
     return None if fields[0] == "Z" else fields[19]
 
 
+SERVED_JOB = "RINGFLOW_RAY_JOB"
+"""Set in a worker process that outlives runs (``engine.pool``) to the Ray job of the run it
+serves now: it writes as that job, not as the one that started the process."""
+
+
 def _ray_job() -> str | None:
+    if os.environ.get(SERVED_JOB):
+        return os.environ[SERVED_JOB]
     ray = sys.modules.get("ray")  # never imported here: a process without Ray has no job
     if ray is None or not ray.is_initialized():
         return None

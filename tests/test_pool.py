@@ -326,3 +326,42 @@ def test_workers_a_finished_driver_gave_back_serve_the_next_drivers_run(
     first = driver("first")
     assert len(first) >= 2
     assert driver("second") == first
+
+
+@pytest.mark.ray
+def test_warm_workers_write_the_checkpoints_of_the_run_whose_lease_its_driver_holds(
+    ray_session, digits, tmp_path
+):
+    """Processes another driver started (and gave back) write this run's checkpoints as this
+    driver's: the run key's lease fences writers by the job they serve, not the one that
+    started them."""
+    from ringflow.engine.pool import release_idle
+    from ringflow.storage import CheckpointStore
+    from ringflow.storage.lease import RunLease
+
+    release_idle()
+    address = ray_session.get_runtime_context().gcs_address
+    started = subprocess.run(
+        [sys.executable, "-c", _ONE_FIT, digits.dataset_url, address, str(tmp_path / "first")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert started.returncode == 0, started.stderr[-3000:]
+    theirs = set(json.loads(started.stdout.strip().splitlines()[-1]))
+    store = str(tmp_path / "store")
+    with RunLease.acquire(store, "leased", ttl_s=60):
+        result = fit(
+            DigitsClassifier,
+            hparams={"hidden": 16},
+            data=digits,
+            config=TrainConfig(workers=2, epochs=1, batch_size=64, cpus_per_worker=0.5),
+            checkpoint_uri=str(tmp_path / "model"),
+            store_url=store,
+            run_key="leased",
+        )
+    assert set(worker_pids()["idle"]) == theirs  # it ran on the other driver's processes
+    written = CheckpointStore(store).checkpoints("leased")
+    assert written, "no checkpoint was written"
+    assert written[-1].step == len(result.history) * 23  # the epoch's end: 1438 rows / 64
