@@ -177,10 +177,17 @@ class Ours(Runner):
     warm_workers = True
 
     def workers(self) -> list[int]:
-        """The pool's workers leased to a training process (its idle ones train nothing)."""
+        """The pool's workers leased to a training process (its idle ones train nothing),
+        where this process holds the cluster; else whatever looks like a worker."""
+        import ray
+
+        found = super().workers()
+        if not ray.is_initialized():
+            return found
         from ringflow.engine.pool import worker_pids
 
-        return worker_pids()["leased"]
+        leased = set(worker_pids()["leased"])
+        return [pid for pid in found if pid in leased]
 
     # Ray's idle workers import these before an actor needs them (each runner its own).
     system_config = {"preload_python_modules": ["torch", "lightning", "ringflow.engine.worker"]}
