@@ -394,8 +394,7 @@ class RayWorkerGroup(WorkerGroup):
                 handle.kill()
             return None
         for place, i in enumerate(ranks):
-            unit = f"worker-{self._next_id}"
-            self._next_id += 1
+            unit = self._new_unit()
             self._places[unit] = place
             self._admit_unit(unit, [handles[i]])
         log.info("adopted %d workers of a lost driver at their commit of step %d", len(hosts), step)
@@ -662,12 +661,17 @@ class RayWorkerGroup(WorkerGroup):
         units are workers ``place * unit ..``; a replacement's workers are made as replica
         0's (each joins at its members' rank)."""
         size = self._layout.unit
-        unit = f"worker-{self._next_id}" if size == 1 else f"replica-{self._next_id}"
-        self._next_id += 1
+        unit = self._new_unit()
         indices = [place * size + i if first else i for i in range(size)]
         spawned = [self._spawn(place * size + i, index=index) for i, index in enumerate(indices)]
         self._places[unit] = place
         return unit, [handle for handle, _ in spawned], [start for _, start in spawned]
+
+    def _new_unit(self) -> str:
+        """A new unit's id: ``worker-N``, or ``replica-N`` for a pipeline's stages."""
+        kind = "worker" if self._layout.unit == 1 else "replica"
+        self._next_id += 1
+        return f"{kind}-{self._next_id - 1}"
 
     def _admit_unit(self, unit: str, actors: list[WorkerHandle]) -> None:
         names = [unit] if len(actors) == 1 else [f"{unit}-stage-{i}" for i in range(len(actors))]
