@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "CollectiveError",
     "CollectiveTimeoutError",
     "EngineError",
+    "MembershipLost",
     "ModelError",
     "NotOfferedError",
     "PeerLostError",
+    "Stalled",
     "WorkerFailedError",
 ]
 
@@ -77,3 +81,34 @@ def _rebuild_peer_lost(
     cls: type[PeerLostError], message: str, peer: int | None, op: str, rank: int | None
 ) -> PeerLostError:
     return cls(message, peer=peer, op=op, rank=rank)
+
+
+class MembershipLost(EngineError):
+    """Workers were lost during a call; ``workers`` maps each to why."""
+
+    verb = "lost"
+
+    def __init__(self, workers: dict[str, str], *, during: str) -> None:
+        self.workers = dict(workers)
+        self.during = during
+        self.cause = "; ".join(
+            f"{w} {self.verb} during {during}: {why}" for w, why in workers.items()
+        )
+        super().__init__(self.cause)
+
+    def adding(self, earlier: MembershipLost, *, still: Iterable[str]) -> MembershipLost:
+        """This loss and the workers of ``earlier`` that are ``still`` in the group (not
+        recovered from yet), as one."""
+        kept = {w: why for w, why in earlier.workers.items() if w in set(still)}
+        if not kept.keys() - self.workers.keys():
+            return self
+        both = type(self)({**kept, **self.workers}, during=self.during)
+        both.cause = f"{earlier.cause}; {self.cause}"
+        return both
+
+
+class Stalled(MembershipLost):
+    """Every member answered, each blaming another for a missed deadline: none is lost, all
+    roll back (``workers`` are the blamed ones)."""
+
+    verb = "was late"

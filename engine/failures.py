@@ -13,19 +13,80 @@ A worker reports two kinds of failure, and a retry fixes only one of them:
 Storage and infrastructure errors are retried by their own policies
 (``storage.retry``) before they reach a worker's caller; one that still does is the
 run's end, like the user's code.
+
+:func:`decide` is where the driver (``engine.controller``) asks what a failure it met means
+for the run: start the workers again, recover, or end the run with one line.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 import re
 import traceback
+from dataclasses import dataclass
 from types import TracebackType
 
-from ringflow.engine.errors import EngineError, ModelError
+from ringflow.engine.errors import EngineError, MembershipLost, ModelError
 
-__all__ = ["one_line", "start_failure", "user_error", "user_error_from_text"]
+__all__ = [
+    "Decided",
+    "Decision",
+    "decide",
+    "one_line",
+    "start_failure",
+    "user_error",
+    "user_error_from_text",
+]
+
+
+class Decision(enum.Enum):
+    RESTART = "restart"
+    """Start the workers again: a worker was lost before anything was committed."""
+    RECOVER = "recover"
+    """The membership goes on without the lost worker (``engine.elastic.membership``)."""
+    FAIL = "fail"
+    """The run ends, with :attr:`Decided.error`."""
+
+
+@dataclass(frozen=True)
+class Decided:
+    action: Decision
+    error: BaseException
+    """What the run fails with, where it fails."""
+
+
+def decide(err: BaseException, *, while_: str, attempt: int = 0, max_failures: int = 0) -> Decided:
+    """What ``err``, met by the driver ``while_`` it was ``starting``, ``running``,
+    ``recovering`` or ``finishing``, means for the run.
+
+    A lost worker (``MembershipLost``) starts the workers again while they start (the
+    ``attempt``-th start, within ``max_failures``) and is recovered from while they run (the
+    membership keeps its own budget); the module's code (``ModelError``) and ringflow's own
+    errors end the run as they are; an exception of Ray's that reached the driver ends it
+    as one line naming it, never as Ray's own.
+    """
+    if isinstance(err, MembershipLost) and while_ == "starting":
+        if attempt < max_failures:
+            return Decided(Decision.RESTART, err)
+        return Decided(
+            Decision.FAIL,
+            EngineError(
+                f"the workers did not start: {err} (after {attempt + 1} attempts; "
+                f"max_failures={max_failures})"
+            ),
+        )
+    if isinstance(err, MembershipLost) and while_ == "running":
+        return Decided(Decision.RECOVER, err)
+    if type(err).__module__.startswith("ray."):
+        message = one_line(str(err)) or "no reason given"
+        return Decided(
+            Decision.FAIL,
+            EngineError(f"the run failed while {while_}: {type(err).__name__}: {message}"),
+        )
+    return Decided(Decision.FAIL, err)
+
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line \d+, in (?P<func>\S+)')
 _RAISED = re.compile(r"^(?P<name>[A-Za-z_][\w.]*): ?(?P<message>.*)$")

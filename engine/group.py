@@ -7,7 +7,6 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterable
 from typing import Any, NamedTuple, NoReturn
 
 import torch
@@ -15,9 +14,7 @@ import torch
 from ringflow.engine.config import PLACEMENTS, TrainConfig
 from ringflow.engine.elastic.coordinator import (
     Continue,
-    Coordinator,
     ElasticEvent,
-    FailurePolicy,
     GiveUp,
     WaitForWorkers,
 )
@@ -25,8 +22,10 @@ from ringflow.engine.epochs import Epochs
 from ringflow.engine.errors import (
     CollectiveError,
     EngineError,
+    MembershipLost,
     ModelError,
     PeerLostError,
+    Stalled,
     WorkerFailedError,
 )
 from ringflow.engine.failures import start_failure, user_error
@@ -265,11 +264,12 @@ class RayWorkerGroup(WorkerGroup):
 
     Every call goes to the current members in rank order. When a member dies (its actor is
     gone) or stops answering (the others' collectives pass their deadline), the call raises
-    :class:`MembershipLost`. In an elastic layout (data parallel) :meth:`recover` then has
-    the coordinator decide the new membership, rebuilds the ring among the survivors without
-    restarting them, and rolls them back to the last commit; replacements start in the
-    background in the lost workers' placement-group bundles and join at a later commit, once
-    they are up. Any other layout fails naming the lost worker.
+    :class:`MembershipLost`; :meth:`recover` then does what the layout's membership says
+    (``engine.elastic.membership``). An elastic one has the coordinator decide the new
+    membership, rebuilds the ring among the survivors without restarting them, and rolls
+    them back to the last commit (or lets them go on from the step that failed);
+    replacements start in the background in the lost workers' placement-group bundles and
+    join at a later commit, once they are up. A fixed one fails naming the lost worker.
 
     Raises:
         EngineError: the cluster cannot place the workers within ``config.timeout_s``.
@@ -295,7 +295,8 @@ class RayWorkerGroup(WorkerGroup):
         self._env_vars = {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         if config.gpus_per_worker:
             self._env_vars[NOSET_VISIBLE_DEVICES] = "1"  # workers see each other's GPUs
-        lower = "workers" if layout.size == config.workers else f"workers, {layout.what}"
+        self._membership = layout.membership()
+        lower = layout.lower
         _check_capacity(config, count=layout.size, what=layout.what, lower=lower)
         bundles = [_worker_bundle(config) for _ in range(layout.size)]
         self._pg = placement_group(bundles, strategy=PLACEMENTS[config.placement])
@@ -313,7 +314,7 @@ class RayWorkerGroup(WorkerGroup):
         single = _single_node()
         # ``run`` names the run's state (its key and configuration): a driver of that run
         # lost before this one left its workers, which this one adopts (engine.pool).
-        run = run if layout.elastic else None
+        run = self._membership.adoptable(run)
         self._lease = (
             HostLease(
                 pool_key(config.cpus_per_worker, self._env_vars, module_cls, data),
@@ -352,12 +353,7 @@ class RayWorkerGroup(WorkerGroup):
                 starts.update(zip(self._units[unit], refs, strict=True))
                 units.append(unit)
         # The coordinator counts units: data-parallel workers, or pipeline replicas.
-        self.coordinator = Coordinator(
-            units,
-            min_workers=(config.min_workers or config.workers) if layout.elastic else len(units),
-            max_workers=config.workers,
-            policy=FailurePolicy(max_failures=config.max_failures if layout.elastic else 0),
-        )
+        self.coordinator = self._membership.coordinator(units)
         try:
             if self.adopted is None:
                 self._started(starts)
@@ -449,11 +445,18 @@ class RayWorkerGroup(WorkerGroup):
         return self._gather(method, refs)
 
     def commit(self, step: int) -> None:
-        """Every member commits ``step``; then ready replacements join the group."""
-        if not self._layout.elastic:
-            return
+        """Every member commits ``step`` (where the membership keeps commits); then ready
+        replacements join the group."""
+        self._membership.commit(self, step)
+
+    def commit_in_memory(self, step: int) -> None:
         self.call(Worker.commit, step)
-        self._committed(step)
+
+    def on_commit(self, step: int, *, admit: bool) -> None:
+        """The members committed ``step``; with ``admit``, ready replacements join there."""
+        self.coordinator.committed(step)
+        if admit:
+            self._admit_ready(step)
 
     def train_steps(
         self,
@@ -499,26 +502,17 @@ class RayWorkerGroup(WorkerGroup):
         except BaseException:
             self._ahead = None
             raise
-        if commit_at is not None and self._layout.elastic:
-            self._committed(commit_at, admit=not ran_next)
+        if commit_at is not None:
+            self._membership.committed(self, commit_at, admit=not ran_next)
         return results
 
     def _send(self, steps: Steps, *, run_next: bool = False) -> dict[str, Any]:
         """Ask every member for ``steps``; the refs of their calls, by member."""
-        kwargs: dict[str, Any] = {}
-        if steps.commit_at is not None and self._layout.elastic:
-            kwargs["commit_at"] = steps.commit_at
-        if run_next and self._layout.elastic:  # data-parallel workers; pipeline stages do not
-            kwargs["run_next"] = True
+        kwargs = self._membership.step_options(commit_at=steps.commit_at, run_next=run_next)
         if steps.epochs is not None:
             kwargs["epochs"] = steps.epochs
         args = (steps.epoch, steps.first, steps.count)
         return {w: self._actors[w].call(Worker.train_steps, *args, **kwargs) for w in self.members}
-
-    def _committed(self, step: int, *, admit: bool = True) -> None:
-        self.coordinator.committed(step)
-        if admit:
-            self._admit_ready(step)
 
     def recover(self, lost: MembershipLost, *, at_step: int) -> Recovery:
         """Apply the coordinator's decision on ``lost``; return where training goes on.
@@ -533,12 +527,13 @@ class RayWorkerGroup(WorkerGroup):
         """
         while True:
             try:
-                return self._recover(lost, at_step=at_step)
+                return self._membership.recover(self, lost, at_step=at_step)
             except MembershipLost as again:
                 lost = again.adding(lost, still=self._actors.keys())
 
-    def _recover(self, lost: MembershipLost, *, at_step: int) -> Recovery:
-        """:meth:`recover` for one loss.
+    def rebuild(self, lost: MembershipLost, *, at_step: int) -> Recovery:
+        """:meth:`recover` for one loss, as an elastic membership does it
+        (``engine.elastic.membership.Elastic``).
 
         Where every survivor failed at the same step with nothing of it kept
         (``Worker.reached``), they go on from that step as they are: no step is redone, and
@@ -548,9 +543,6 @@ class RayWorkerGroup(WorkerGroup):
             EngineError: the failure budget is spent, or too few workers are left and no
                 replacement came within ``config.timeout_s``.
         """
-
-        if not self._layout.elastic:
-            raise self._failed(lost) from lost
         if isinstance(lost, Stalled):
             decision = self.coordinator.stalled(at_step=at_step, cause=lost.cause)
             log.warning("%s", lost.cause)
@@ -607,9 +599,9 @@ class RayWorkerGroup(WorkerGroup):
 
     def _reached(self, survivors: list[str]) -> tuple[int | None, Logged | None]:
         """The step every survivor failed at with nothing of it kept, and what they logged
-        before it, merged; ``(None, None)`` where any must roll back (or the layout's
-        workers never can go on: a pipeline's)."""
-        if not self._layout.elastic or not survivors:
+        before it, merged; ``(None, None)`` where any must roll back (a pipeline's stages always
+        do)."""
+        if not survivors:
             return None, None
         calls = {w: self._actors[w].call(Worker.reached) for w in survivors}
         points = self._gather(Worker.reached, calls)
@@ -620,8 +612,8 @@ class RayWorkerGroup(WorkerGroup):
             logged = logged.merge(part)
         return points[0][0], logged
 
-    def _failed(self, lost: MembershipLost) -> WorkerFailedError:
-        """A layout that cannot go on without a worker fails naming it."""
+    def failed(self, lost: MembershipLost) -> WorkerFailedError:
+        """A membership that cannot go on without a worker fails naming it."""
         worker, why = next(iter(lost.workers.items()))
         index = self.members.index(worker)
         return WorkerFailedError(f"{self._layout.describe(index)} is lost: {why}", rank=index)
@@ -669,12 +661,11 @@ class RayWorkerGroup(WorkerGroup):
 
     def _new_unit(self) -> str:
         """A new unit's id: ``worker-N``, or ``replica-N`` for a pipeline's stages."""
-        kind = "worker" if self._layout.unit == 1 else "replica"
         self._next_id += 1
-        return f"{kind}-{self._next_id - 1}"
+        return f"{self._layout.unit_kind}-{self._next_id - 1}"
 
     def _admit_unit(self, unit: str, actors: list[WorkerHandle]) -> None:
-        names = [unit] if len(actors) == 1 else [f"{unit}-stage-{i}" for i in range(len(actors))]
+        names = self._layout.worker_names(unit)
         for name, actor in zip(names, actors, strict=True):
             self._actors[name] = actor
         self._units[unit] = names
@@ -964,37 +955,6 @@ def _why_gone(err: Exception) -> str:
     if isinstance(err, ray.exceptions.ActorUnavailableError):
         return f"it stopped answering ({type(err).__name__})"
     return f"its process died ({type(err).__name__})"
-
-
-class MembershipLost(EngineError):
-    """Workers were lost during a call; ``workers`` maps each to why."""
-
-    verb = "lost"
-
-    def __init__(self, workers: dict[str, str], *, during: str) -> None:
-        self.workers = dict(workers)
-        self.during = during
-        self.cause = "; ".join(
-            f"{w} {self.verb} during {during}: {why}" for w, why in workers.items()
-        )
-        super().__init__(self.cause)
-
-    def adding(self, earlier: MembershipLost, *, still: Iterable[str]) -> MembershipLost:
-        """This loss and the workers of ``earlier`` that are ``still`` in the group (not
-        recovered from yet), as one."""
-        kept = {w: why for w, why in earlier.workers.items() if w in set(still)}
-        if not kept.keys() - self.workers.keys():
-            return self
-        both = type(self)({**kept, **self.workers}, during=self.during)
-        both.cause = f"{earlier.cause}; {self.cause}"
-        return both
-
-
-class Stalled(MembershipLost):
-    """Every member answered, each blaming another for a missed deadline: none is lost, all
-    roll back (``workers`` are the blamed ones)."""
-
-    verb = "was late"
 
 
 def _worker_bundle(config: TrainConfig) -> dict[str, float]:

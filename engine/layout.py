@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ringflow.engine.config import WIRE_FORMATS, TrainConfig
+from ringflow.engine.elastic.membership import Elastic, Fixed, Membership
 from ringflow.engine.worker import Worker
 from ringflow.storage.reshard import merge_optimizer_metadata
 from ringflow.storage.store import CheckpointStorageError, CheckpointStore
@@ -60,13 +61,28 @@ class Layout:
     elastic = False
     """Whether lost workers are replaced while the others roll back (in-memory commits)."""
     what = "workers"
+    """The workers in words, for messages."""
     in_words = ""
     """How a message names a run of this layout after what it does: `` with pipeline stages``."""
-    """The workers in words, for messages."""
     units = "workers"
     """What the elastic group counts, in words: workers, or pipeline replicas."""
+    unit_kind = "worker"
+    """One unit in words, which its id starts with: ``worker-3``, ``replica-1``."""
     unit = 1
     """Workers lost together and replaced together (a pipeline replica's stages)."""
+
+    def membership(self) -> Membership:
+        """How the run's workers live through losing one (``engine.elastic.membership``)."""
+        return Elastic(self.config) if self.elastic else Fixed(self.config)
+
+    def worker_names(self, unit: str) -> list[str]:
+        """The names of ``unit``'s workers: the unit's own, or one per pipeline stage."""
+        return [unit] if self.unit == 1 else [f"{unit}-stage-{i}" for i in range(self.unit)]
+
+    @property
+    def lower(self) -> str:
+        """What a message asks to lower when the cluster cannot place the workers."""
+        return "workers"
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
@@ -229,6 +245,11 @@ class Pipeline(Layout):
     what = "stage workers"
     in_words = " with pipeline stages"
     units = "replicas"
+    unit_kind = "replica"
+
+    @property
+    def lower(self) -> str:
+        return "workers" if self.size == self.config.workers else f"workers, {self.what}"
 
     @property
     def unit(self) -> int:

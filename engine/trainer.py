@@ -8,7 +8,6 @@ import functools
 import hashlib
 import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -16,21 +15,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ringflow.engine.callbacks import Callbacks
-from ringflow.engine.cluster import dashboard_url
 from ringflow.engine.config import DataSpec, TrainConfig
+from ringflow.engine.controller import Controller, EpochCallback, EpochMetrics, trace_url
 from ringflow.engine.data import ModuleData, as_data, samples_of
 from ringflow.engine.elastic.coordinator import ElasticEvent
 from ringflow.engine.epochs import Epochs
-from ringflow.engine.errors import EngineError, ModelError
-from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, Steps, WorkerGroup
+from ringflow.engine.errors import ModelError
+from ringflow.engine.group import LocalGroup, RayWorkerGroup, WorkerGroup
 from ringflow.engine.layout import Layout, layout_of
-from ringflow.engine.metrics import Logged, logger_rows
+from ringflow.engine.metrics import Logged
 from ringflow.engine.module import call_hook, overrides, uncalled_hooks
 from ringflow.engine.spec import build_module, check_warm_start, model_hparams
-from ringflow.engine.timeline import TimelineSummary, chrome_trace, summarize, trace_bytes
+from ringflow.engine.timeline import TimelineSummary
 from ringflow.engine.worker import Worker, evaluate_module
 from ringflow.storage.checkpoint import Allowed, load_model, read_checkpoint, save_model
-from ringflow.storage.fs import atomic_write, join
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 if TYPE_CHECKING:
@@ -39,22 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["EpochMetrics", "FitResult", "check_layout", "evaluate", "fit"]
 
 log = logging.getLogger("ringflow.engine")
-progress = logging.getLogger("ringflow.engine.progress")
-"""Epoch lines: a caller with a display of its own (the flow's progress bar) may leave them."""
-
-EpochCallback = Callable[["EpochMetrics"], None]
-
-
-@dataclass(frozen=True, kw_only=True)
-class EpochMetrics:
-    """Metrics of one epoch, averaged over every sample of every worker."""
-
-    epoch: int
-    metrics: dict[str, float]
-    seconds: float
-    batch_size: int | None = None
-    """The global batch it trained at (under weak scaling with elastic workers, the batch
-    per worker times the workers that started it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,9 +153,10 @@ def fit(
     layout.prepare(module_cls, hparams, data, module=module)
     if init_from is not None:
         _check_warm_start(module, hparams, init_from)
-    resume = _Resume.find(
-        module_cls, hparams, data, config, store_url, run_key, init_from, layout=layout
+    find_resume = functools.partial(
+        _Resume.find, module_cls, hparams, data, config, store_url, run_key, init_from
     )
+    resume = find_resume(layout=layout)
     writers = _Loggers(loggers)
     logged = _logged_hyperparameters(module, hparams, data) if writers.loggers else None
     _warn_uncalled_hooks(module_cls, layout, own_data=isinstance(data, ModuleData))
@@ -182,38 +165,31 @@ def fit(
     if overrides(module_cls, "prepare_data"):  # then the module's, as Trainer calls them
         module.prepare_data()
     group_cls = LocalGroup if in_process else RayWorkerGroup
-    group = _start_group(group_cls, layout, module_cls, hparams, data, config, resume.identity())
-    if group.adopted is not None:
-        resume.adopt(*group.adopted)
-    dashboard = None if in_process else dashboard_url()
-    worker_logs = _worker_logs(group, [], dashboard)
-    try:
-        if init_from is not None and resume.checkpoint is None and resume.adopted is None:
-            group.call(Worker.warm_start, init_from)
-            log.info("warm start from %s", init_from)
-        callbacks = Callbacks(
-            module if _has_callbacks(module_cls) or callbacks else torch.nn.Module(),
-            max_epochs=config.epochs,
-            world_size=config.workers,
-            accumulate=config.accumulate_grad_batches,
-            extra=callbacks,
-            loggers=writers.loggers,
-        )
-        layout.attach_callbacks(callbacks, group, loggers=bool(writers.loggers))
-        if writers.loggers:
-            writers.start(*logged)
-        history = _train(group, layout, config, resume, on_epoch, callbacks, writers)
-        timeline = _write_timeline(group, config, timeline_url or _trace_url(checkpoint_uri))
-        state = layout.model_state(group)
-        environment = group.call_rank0(Worker.environment)
-        events = resume.events() + group.events
-        worker_logs = _worker_logs(group, worker_logs, dashboard)
-    except BaseException:
-        writers.finish("failed")
-        group.shutdown()
-        raise
-    writers.finish("success")
-    group.shutdown(reuse=True)  # pooled workers go back warm for the next run
+    callbacks = Callbacks(
+        module if _has_callbacks(module_cls) or callbacks else torch.nn.Module(),
+        max_epochs=config.epochs,
+        world_size=config.workers,
+        accumulate=config.accumulate_grad_batches,
+        extra=callbacks,
+        loggers=writers.loggers,
+    )
+    trained = Controller(
+        start=functools.partial(
+            group_cls, module_cls, hparams=hparams, data=data, config=config, layout=layout
+        ),
+        resume=resume,
+        find_resume=functools.partial(find_resume, layout=layout),
+        layout=layout,
+        config=config,
+        callbacks=callbacks,
+        loggers=writers,
+        logged_hparams=logged,
+        init_from=init_from,
+        on_epoch=on_epoch,
+        timeline_url=timeline_url or trace_url(checkpoint_uri),
+        on_ray=not in_process,
+    ).run()
+    history, state = trained.history, trained.state
     module.load_state_dict(state, strict=True)
     uri = save_model(
         checkpoint_uri,
@@ -222,7 +198,7 @@ def fit(
         metrics=history[-1].metrics,
         meta={
             **run_meta(config, data),
-            "environment": environment,
+            "environment": trained.environment,
             **layout.meta(),
             **({"run_key": run_key} if run_key else {}),
             **(meta or {}),
@@ -233,58 +209,12 @@ def fit(
         history=history,
         metrics=history[-1].metrics,
         state_dict=state,
-        resumed_from=resume.step if resume.resumed else None,
-        events=events,
-        timeline=timeline,
-        dashboard=dashboard,
-        worker_logs=worker_logs,
+        resumed_from=trained.resumed_from,
+        events=trained.events,
+        timeline=trained.timeline,
+        dashboard=trained.dashboard,
+        worker_logs=trained.worker_logs,
     )
-
-
-def _worker_logs(
-    group: WorkerGroup, known: list[dict[str, Any]], dashboard: str | None
-) -> list[dict[str, Any]]:
-    """``known`` and the log files of the group's workers not among them, each logged: where
-    a person debugging the run looks."""
-    seen = {where["stdout"] for where in known}
-    found = [w for w in group.call(Worker.log_files) if "stdout" in w and w["stdout"] not in seen]
-    for where in found:
-        log.info(
-            "worker %d on %s writes its output to %s%s",
-            where["rank"],
-            where["node"],
-            where["stdout"],
-            f" (Ray dashboard: {dashboard})" if dashboard else "",
-        )
-    return known + found
-
-
-def _trace_url(checkpoint_uri: str) -> str:
-    """``timeline/trace.json`` beside the model: ``runs/{run key}/timeline`` in a workspace."""
-    parent = checkpoint_uri.rstrip("/").rsplit("/", 1)[0]
-    return join(parent, "timeline", "trace.json")
-
-
-def _write_timeline(group: WorkerGroup, config: TrainConfig, url: str) -> TimelineSummary | None:
-    """Merge the workers' timelines into one Chrome trace at ``url`` (written whole or not at
-    all); its summary. A trace that cannot be written costs a warning, not the run."""
-    if not config.timeline:
-        return None
-    clock = "cuda events" if config.gpus_per_worker else "wall clock"
-    trace = chrome_trace(group.call(Worker.timeline_spans), clock=clock)
-    try:
-        atomic_write(url, trace_bytes(trace))
-    except OSError as err:
-        log.warning("the timeline could not be written to %s: %s", url, err)
-        return summarize(trace)
-    summary = summarize(trace, trace_url=url)
-    log.info(
-        "timeline of %d worker steps written to %s: %.0f%% of communication hidden behind backward",
-        summary.steps,
-        url,
-        100 * (summary.overlap or 0.0),
-    )
-    return summary
 
 
 def _warn_uncalled_hooks(module_cls: type, layout: Layout, *, own_data: bool = False) -> None:
@@ -352,180 +282,6 @@ def run_meta(config: TrainConfig, data: Any) -> dict[str, Any]:
     }
 
 
-def _start_group(
-    group_cls: type[WorkerGroup],
-    layout: Layout,
-    module_cls: type,
-    hparams: dict[str, Any],
-    data: Any,
-    config: TrainConfig,
-    run: str | None = None,
-) -> WorkerGroup:
-    """Start the workers (adopting those a lost driver of ``run`` left, where there are);
-    a worker lost while they connect starts the group again.
-
-    Nothing is committed yet at that point, so there is nothing to roll back to: the group is
-    shut down and started afresh, up to ``config.max_failures`` times. A worker that raised
-    (the module's code, or what ringflow refuses of it) fails the run at once as
-    ``ModelError``: every new start would raise the same (``engine.failures``).
-    """
-    for attempt in range(config.max_failures + 1):
-        try:
-            return group_cls(
-                module_cls, hparams=hparams, data=data, config=config, layout=layout, run=run
-            )
-        except MembershipLost as err:
-            if attempt == config.max_failures:
-                raise EngineError(
-                    f"the workers did not start: {err} (after {attempt + 1} attempts; "
-                    f"max_failures={config.max_failures})"
-                ) from err
-            log.warning("a worker was lost while the group started (%s); starting again", err)
-    raise AssertionError("unreachable")
-
-
-def _train(
-    group: WorkerGroup,
-    layout: Layout,
-    config: TrainConfig,
-    resume: _Resume,
-    on_epoch: EpochCallback | None,
-    callbacks: Callbacks,
-    loggers: _Loggers,
-) -> list[EpochMetrics]:
-    """The driver loop: steps in chunks that end where a checkpoint or an epoch ends."""
-    epochs = Epochs(
-        group.call_rank0(Worker.train_samples), (config.batch_size,), config.accumulate_grad_batches
-    )
-    callbacks.trainer.count_batches(epochs.steps(0))
-    epochs = resume.restore(group, epochs)
-    history = list(resume.history)
-    logged, seconds = resume.logged, resume.seconds
-    step = resume.step
-    chunks = _Chunks(config, epochs)
-    group.commit(step)
-    callbacks.load_state_dict(resume.callbacks)
-    group.call(Worker.fit_start)
-    callbacks.fit_start()
-    probe = False  # after a loss, commit after one step: the new ring is proven at once
-    while step < chunks.epochs.start(config.epochs) and not callbacks.should_stop:
-        chunks.follow_workers(step, group.size)
-        steps = chunks.at(step, probe=probe)
-        epoch, first, count = steps.epoch, steps.first, steps.count
-        if first == 0:
-            callbacks.epoch_start(epoch)
-        started = time.perf_counter()
-        try:
-            ended = steps.commit_at is None
-            # Within an epoch the next steps follow at once, unless a checkpoint is taken
-            # between (of these steps' state) or these are a probe of a new ring.
-            follows = not probe and chunks.follows(steps, resume.store_url)
-            then = chunks.at(step + count, probe=False) if follows else None
-            chunk = _merged(
-                group.train_steps(
-                    epoch,
-                    first,
-                    count,
-                    commit_at=steps.commit_at,
-                    then=then,
-                    then_runs_next=then is not None and chunks.follows(then, resume.store_url),
-                    epochs=steps.epochs,
-                )
-            )
-            layout.settle(group)  # a checkpoint whose files its workers wrote is committed
-            # The epoch so far; the chunk's step rows and callbacks' rows go to the loggers now.
-            so_far = logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
-            if ended:
-                validation = _merged(group.call(Worker.evaluate, "validation"))
-                so_far = so_far.merge(_merged(group.call(Worker.train_epoch_end, epoch)))
-                metrics = {**so_far.results(), **validation.results()}
-                group.call(Worker.end_epoch, epoch, metrics)  # schedulers waiting for the metrics
-                group.commit(step + count)
-        except MembershipLost as lost:
-            # The members are back at the commit of ``step``, nothing of this chunk kept, or
-            # they went on from the step that failed, keeping the steps before it.
-            recovery = group.recover(lost, at_step=step + count)
-            if recovery.logged is not None:
-                logged = logged.merge(dataclasses.replace(recovery.logged, steps={}, rows=[]))
-                _write_rows(loggers, recovery.logged, epoch)
-                seconds += time.perf_counter() - started
-            step, probe = recovery.step, True
-            continue
-        step += count
-        probe = False
-        seconds += time.perf_counter() - started
-        _write_rows(loggers, chunk, epoch)
-        logged = so_far
-        if ended:
-            last = chunks.epochs.optimizer_start(epoch + 1) - 1  # Trainer's step for epoch-end rows
-            validation_steps, validation_row = logger_rows(validation, epoch_end=True)
-            for at, row in validation_steps.items():  # at each batch's index, as Trainer's
-                loggers.write(row, step=at, epoch=None)
-            epoch_row = logger_rows(logged, epoch_end=True)[1]
-            loggers.write(validation_row, step=last, epoch=epoch)
-            loggers.write(epoch_row, step=last, epoch=epoch)
-            batch = chunks.epochs.batch(epoch)
-            history.append(
-                EpochMetrics(epoch=epoch, metrics=metrics, seconds=seconds, batch_size=batch)
-            )
-            progress.info("epoch %d/%d %s", epoch + 1, config.epochs, _fmt(metrics))
-            callback_metrics = {**metrics, **validation_row, **epoch_row}
-            logged, seconds = Logged(), 0.0
-            if on_epoch is not None:
-                on_epoch(history[-1])
-            # EarlyStopping may stop the run here
-            callbacks.epoch_end(epoch, last + 1, callback_metrics)
-        step = _committed(group, layout, resume, chunks, step, history, logged, seconds, callbacks)
-    if resume.store_url is not None:
-        for error in layout.flush(group):
-            log.warning("a checkpoint of run %s was not saved: %s", resume.run_key, error)
-    group.call(Worker.fit_end, chunks.epochs.locate(step)[0])
-    callbacks.fit_end()
-    return history
-
-
-def _committed(
-    group: WorkerGroup,
-    layout: Layout,
-    resume: _Resume,
-    chunks: _Chunks,
-    step: int,
-    history: list[EpochMetrics],
-    logged: Logged,
-    seconds: float,
-    callbacks: Callbacks,
-) -> int:
-    """After the commit of ``step``: the driver's state kept beside it (a driver that adopts
-    the workers goes on from there), and the checkpoint due there taken; the step training
-    goes on from."""
-    checkpoint = bool(resume.store_url and chunks.checkpoint_due(step))
-    if not (checkpoint or group.remembers):
-        return step
-    meta = resume.metadata(step, chunks.epochs, history, logged, seconds)
-    meta["callbacks"] = callbacks.state_dict()
-    group.remember(step, meta)
-    if checkpoint:
-        return _checkpoint(group, layout, resume, step, meta, history)
-    return step
-
-
-def _write_rows(loggers: _Loggers, chunk: Logged, epoch: int) -> None:
-    """The rows of a chunk's steps to the loggers: callbacks' rows (LearningRateMonitor's,
-    at a batch's start) before the step's own."""
-    rows = [(at, 0, row) for at, row in chunk.rows]
-    rows += [(at, 1, row) for at, row in logger_rows(chunk, epoch_end=False)[0].items()]
-    for at, own, row in sorted(rows, key=lambda entry: entry[:2]):
-        loggers.write(row, step=at, epoch=epoch if own else None)
-
-
-def _merged(parts: list[Logged]) -> Logged:
-    """The workers' records of the same steps as one (``engine.metrics``)."""
-    merged = Logged()
-    for part in parts:
-        merged = merged.merge(part)
-    return merged
-
-
 class _Loggers:
     """Lightning loggers (``CSVLogger``, ``TensorBoardLogger``, ``MLFlowLogger``, ...) written
     by the driver, the one process that holds every worker's values (Trainer's rank 0)."""
@@ -588,100 +344,6 @@ def _logged_hyperparameters(
             )
         merged.update(part)
     return merged, module
-
-
-@dataclass
-class _Chunks:
-    """Where the driver's chunks of steps end: at commits, checkpoints and epoch ends. With
-    gradient accumulation, windows of ``accumulate_grad_batches`` batches start at every
-    epoch's start (as under Lightning), and commits and checkpoints count from there, so a
-    chunk never ends inside a window."""
-
-    config: TrainConfig
-    epochs: Epochs
-
-    def follow_workers(self, step: int, workers: int) -> None:
-        """At an epoch's start, where the global batch follows the workers
-        (``TrainConfig.batch_follows_workers``): the batch per worker times the ``workers``
-        training now. Decided again after a rollback to the epoch's start."""
-        if not self.config.batch_follows_workers:
-            return
-        epoch, first = self.epochs.locate(step)
-        batch = self.config.per_worker_batch_size * workers
-        if first or batch == self.epochs.batch(epoch):
-            return
-        log.warning(
-            "epoch %d: global batch %d (%d workers x %d), learning rates x %.4g",
-            epoch + 1,
-            batch,
-            workers,
-            self.config.per_worker_batch_size,
-            self.config.lr_factor(batch),
-        )
-        self.epochs = self.epochs.decided(epoch, batch)
-
-    def _since(self, step: int) -> int:
-        """Steps since the origin commits count from: the run's start, or the epoch's."""
-        return self.epochs.locate(step)[1] if self.config.accumulate_grad_batches > 1 else step
-
-    def size(self, step: int, *, probe: bool) -> int:
-        """Steps in the chunk starting at ``step`` (``probe``: the shortest one possible)."""
-        epoch, first = self.epochs.locate(step)
-        window = self.config.accumulate_grad_batches
-        rest = self.epochs.steps(epoch) - first
-        if probe:
-            return min(rest, window - first % window)
-        since = self._since(step)
-        bounds = [self.config.commit_every]
-        if self.config.checkpoint_every:
-            bounds.append(self.config.checkpoint_every)
-        return min([b - since % b for b in bounds] + [rest])
-
-    def at(self, step: int, *, probe: bool) -> Steps:
-        """The chunk starting at ``step``. Mid-epoch its workers commit where it ends; at an
-        epoch's end the commit comes after the epoch's validation and schedulers' epoch step
-        (``commit_at`` is ``None``)."""
-        count = self.size(step, probe=probe)
-        epoch, first = self.epochs.locate(step)
-        end = step + count
-        commit_at = None if first + count == self.epochs.steps(epoch) else end
-        plan = self.epochs if self.config.batch_follows_workers else None
-        return Steps(epoch, first, count, commit_at, plan)
-
-    def follows(self, steps: Steps, store_url: str | None) -> bool:
-        """Whether the chunk after ``steps`` follows it at once: ``steps`` end inside an
-        epoch, and no checkpoint (with a store) is taken where they end."""
-        end = steps.commit_at
-        return end is not None and not (store_url and self.checkpoint_due(end))
-
-    def checkpoint_due(self, step: int) -> bool:
-        """A checkpoint is taken at every epoch's end, and every ``checkpoint_every`` steps."""
-        every = self.config.checkpoint_every
-        return self.epochs.locate(step)[1] == 0 or bool(every and self._since(step) % every == 0)
-
-
-def _checkpoint(
-    group: WorkerGroup,
-    layout: Layout,
-    resume: _Resume,
-    step: int,
-    metadata: dict[str, Any],
-    history: list[EpochMetrics],
-) -> int:
-    """Checkpoint ``step`` as the layout does (data parallel: queued on rank 0)."""
-    log.info("checkpoint of step %d of run %s: saving", step, resume.run_key)
-    try:
-        layout.checkpoint(
-            group,
-            resume.store_url,
-            resume.run_key,
-            step=step,
-            metadata=metadata,
-            metrics=history[-1].metrics if history else {},
-        )
-    except MembershipLost as lost:  # rank 0 went: the next checkpoint is taken as usual
-        return group.recover(lost, at_step=step).step
-    return step
 
 
 def resumed_events(
@@ -937,7 +599,3 @@ def _check_warm_start(module: torch.nn.Module, hparams: dict[str, Any], init_fro
     shapes are checked by the workers, which materialise it from the data)."""
     saved = read_checkpoint(init_from).state_dict
     check_warm_start(f"{type(module).__name__}({hparams})", saved, module.state_dict(), init_from)
-
-
-def _fmt(metrics: dict[str, float]) -> str:
-    return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
