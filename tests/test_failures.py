@@ -182,3 +182,36 @@ def test_through_the_command_line_the_run_fails_once_without_a_retry(tmp_path):
     assert len(errors) == 1, errors
     assert "RaisesAtTheThirdStep.training_step raised ValueError" in errors[0], errors
     assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.unit
+def test_the_driver_decides_each_failure_once_by_what_it_is_and_when_it_struck():
+    """``engine.failures.decide``: a lost worker starts the group again while it starts (within
+    ``max_failures``, then one line saying how often it tried) and is recovered from while it
+    runs; ringflow's own errors and the module's stay as they are; Ray's own exception never
+    reaches the caller as Ray's."""
+    import ray
+
+    from ringflow.engine.errors import EngineError, MembershipLost
+    from ringflow.engine.failures import Decision, decide
+
+    lost = MembershipLost({"worker-1": "its process died (ActorDiedError)"}, during="connect")
+    assert decide(lost, while_="starting", attempt=0, max_failures=1).action is Decision.RESTART
+    spent = decide(lost, while_="starting", attempt=1, max_failures=1)
+    assert spent.action is Decision.FAIL
+    assert isinstance(spent.error, EngineError)
+    assert str(spent.error) == (
+        "the workers did not start: worker-1 lost during connect: its process died "
+        "(ActorDiedError) (after 2 attempts; max_failures=1)"
+    )
+    assert decide(lost, while_="running").action is Decision.RECOVER
+    model = ModelError("DigitsClassifier.training_step raised ValueError: no (worker rank 0)")
+    kept = decide(model, while_="running")
+    assert kept.action is Decision.FAIL
+    assert kept.error is model
+    raw = ray.exceptions.ActorDiedError()
+    ended = decide(raw, while_="finishing")
+    assert ended.action is Decision.FAIL
+    assert type(ended.error) is EngineError
+    assert str(ended.error).startswith("the run failed while finishing: ActorDiedError: ")
+    assert "\n" not in str(ended.error)

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from ringflow.engine import EngineError, TrainConfig, fit
 from ringflow.models.digits import DigitsClassifier
@@ -119,3 +120,49 @@ def test_a_replacement_killed_while_it_joins_leaves_the_run_to_the_policy(
     assert "joined" in kinds, result.events
     assert result.events[-1].workers == 2  # a later replacement joined
     assert relative_difference(result.state_dict, reference.state_dict) < 1e-5
+
+
+class DiesAtFitStart(DigitsClassifier):
+    """Rank 1's first worker kills itself in its ``on_fit_start`` hook: the group is up and
+    connected and its first commit made, nothing trained. Once (a marker file)."""
+
+    def __init__(self, *, markers: str, **hparams) -> None:
+        super().__init__(**hparams)
+        self.markers = markers
+
+    def on_fit_start(self) -> None:
+        if self.global_rank != 1:
+            return
+        try:
+            with open(os.path.join(self.markers, "fit_start"), "x") as mark:
+                mark.write(str(os.getpid()))
+        except FileExistsError:
+            return
+        _die()
+
+
+@pytest.mark.ray
+def test_a_worker_killed_before_anything_is_trained_starts_the_group_again(
+    ray_session, digits, tmp_path, reference
+):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    result = fit(
+        DiesAtFitStart,
+        hparams={**HPARAMS, "markers": str(markers)},
+        data=digits,
+        config=TrainConfig(
+            workers=2,
+            min_workers=1,
+            epochs=30,
+            batch_size=64,
+            seed=3,
+            cpus_per_worker=0.5,
+            collective_timeout_s=3.0,
+        ),
+        checkpoint_uri=str(tmp_path / "model"),
+    )
+    assert (markers / "fit_start").exists(), "no worker was killed"
+    assert result.events == [], result.events  # a new start, not a recovery: nothing lost
+    for name, tensor in reference.state_dict.items():
+        assert torch.equal(result.state_dict[name], tensor), name
