@@ -13,7 +13,10 @@ Four figures, each the median of ``--runs`` runs on this machine:
   to the first training step, on the pool's warm workers and on fresh ones
   (``RINGFLOW_WORKER_POOL=0``);
 - ``tuning_warm_s`` / ``tuning_cold_s``: a search of ``--trials`` trials of 2 epochs, trial
-  processes reused or not.
+  processes reused or not;
+- ``adopted_first_step_s`` and ``adopted_steps_redone``: a training process (2 workers, a run
+  key) SIGKILLed in its second epoch and started again under the same run key: from the new
+  process's ``fit`` call to its workers' next step, and the steps they trained twice.
 
 The table, then one JSON line with the ratios: ``cli_warm_vs_trainer``,
 ``cli_cold_vs_trainer`` and ``tuning_warm_vs_cold``.
@@ -32,6 +35,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 from bench import headline_json
 from bench.ports import free_port
@@ -42,6 +46,8 @@ HEADLINE = (
     "first_step_warm_s",
     "first_step_cold_s",
     "tuning_warm_vs_cold",
+    "adopted_first_step_s",
+    "adopted_steps_redone",
 )
 """The figures in docs/benchmarks.md's summary table, first in the JSON line printed last."""
 
@@ -224,12 +230,85 @@ def measure_tuning(trials: int, *, warm: bool) -> float:
     return round(float(_last_line(_TUNING, trials, warm=warm)), 2)
 
 
+_ADOPTED = textwrap.dedent(
+    """
+    import os, sys, time
+    import ray
+    from ringflow.engine import DataSpec, TrainConfig, fit
+    from ringflow.models.digits import SCHEMA, DigitsClassifier
+
+    class Logged(DigitsClassifier):
+        def training_step(self, batch, batch_idx):
+            time.sleep(0.02)  # as if on an accelerator: a kill lands inside an epoch
+            if self.global_rank == 0:
+                with open(os.environ["STEPS_FILE"], "a") as f:
+                    f.write(f"{time.time()!r} {self.global_step}\\n")
+            return super().training_step(batch, batch_idx)
+
+    ray.init(address=sys.argv[1], log_to_driver=False)
+    print(repr(time.time()), flush=True)
+    fit(Logged, hparams={"hidden": 16}, data=DataSpec(dataset_url=sys.argv[2], schema=SCHEMA),
+        config=TrainConfig(workers=2, epochs=4, batch_size=64, seed=5, cpus_per_worker=0.5),
+        checkpoint_uri=sys.argv[3], store_url=sys.argv[4], run_key="adopted",
+        on_epoch=lambda m: print(m.epoch, flush=True))
+    """
+)
+
+
+def measure_adoption() -> tuple[float, int]:
+    """A driver killed mid-run and started again under its run key: seconds from the new
+    one's ``fit`` call to the workers' next step, and the steps trained twice."""
+    import ray
+
+    from ringflow.models.digits import SCHEMA, write_digits_csv
+    from ringflow.storage.dataset import preprocess
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            write_digits_csv(f"{root}/raw/digits.csv")
+            dataset = preprocess(f"{root}/raw/digits.csv", root, SCHEMA, seed=0).dataset_url
+            address = ray.get_runtime_context().gcs_address
+            steps = f"{root}/steps.log"
+            env = _clean_env(STEPS_FILE=steps)
+
+            def driver() -> subprocess.Popen:
+                command = [sys.executable, "-c", _ADOPTED, address, dataset]
+                command += [f"{root}/model", f"{root}/store"]
+                return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+
+            lost = driver()
+            try:
+                lost.stdout.readline()  # started
+                while lost.stdout.readline().strip() != "0":  # its first epoch ended
+                    if lost.poll() is not None:
+                        raise RuntimeError("the first driver ended before it was killed")
+                time.sleep(0.5)  # into the second
+            finally:
+                lost.kill()
+                lost.wait()
+            time.sleep(1.0)  # the workers end the steps they were sent
+            before = [int(line.split()[1]) for line in Path(steps).read_text().splitlines()]
+            restarted = driver()
+            called = float(restarted.stdout.readline())
+            restarted.communicate()
+            if restarted.returncode != 0:
+                raise RuntimeError("the restarted driver failed")
+            after = [line.split() for line in Path(steps).read_text().splitlines()][len(before) :]
+            first_time, first_step = float(after[0][0]), int(after[0][1])
+            return round(first_time - called, 2), max(0, max(before) + 1 - first_step)
+    finally:
+        ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--trials", type=int, default=8)
-    parser.add_argument("--skip", default="", help="comma-separated: stack, tuning, first_step")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated: stack, tuning, first_step, adoption"
+    )
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     summary: dict[str, float | None] = {"trainer_s": measure_trainer(args.runs, args.epochs)}
@@ -242,6 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "tuning" not in skip:
         summary["tuning_warm_s"] = measure_tuning(args.trials, warm=True)
         summary["tuning_cold_s"] = measure_tuning(args.trials, warm=False)
+    if "adoption" not in skip:
+        adopted = measure_adoption()
+        summary["adopted_first_step_s"], summary["adopted_steps_redone"] = adopted
     trainer = summary["trainer_s"]
     for name in ("cli_warm", "cli_cold"):
         if summary.get(f"{name}_s"):

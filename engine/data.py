@@ -365,7 +365,7 @@ class DataModuleData:
 
     def has(self, split: str) -> bool:
         """Whether the DataModule has its own loader of ``split`` (Lightning's defaults raise)."""
-        from ringflow.engine.module import overrides
+        from ringflow.engine.hooks import overrides
 
         return split in _LOADERS and overrides(self.datamodule, _LOADERS[split])
 
@@ -422,7 +422,7 @@ class ModuleData:
         """Nothing: the module's own ``prepare_data`` runs in ``fit``, as for any module."""
 
     def has(self, split: str) -> bool:
-        from ringflow.engine.module import overrides
+        from ringflow.engine.hooks import overrides
 
         return split in _LOADERS and overrides(self.module_cls, _LOADERS[split])
 
@@ -430,7 +430,7 @@ class ModuleData:
         """The split a trained module is evaluated on: ``test`` where it has its own
         ``test_dataloader()`` and ``test_step``, else ``validation`` (``val_dataloader()`` and
         ``validation_step``), else ``None``: it has no data to evaluate on."""
-        from ringflow.engine.module import overrides
+        from ringflow.engine.hooks import overrides
 
         steps = {"test": "test_step", "validation": "validation_step"}
         return next(

@@ -42,6 +42,7 @@ import torch
 
 from ringflow.engine.config import PRECISIONS
 from ringflow.engine.errors import ModelError, NotOfferedError
+from ringflow.engine.hooks import overrides
 from ringflow.engine.jsonstate import from_json, to_json
 
 __all__ = [
@@ -167,14 +168,6 @@ def _takes_batch_idx(function: Callable[..., Any]) -> bool:
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
     return is_param_in_hook_signature(function, "batch_idx", min_args=2)
-
-
-def overrides(module: Any, hook: str) -> bool:
-    """Whether ``module`` (a LightningModule, or its class) has its own ``hook``."""
-    from lightning.pytorch import LightningModule
-
-    own = getattr(module if isinstance(module, type) else type(module), hook, None)
-    return own is not None and own is not getattr(LightningModule, hook, None)
 
 
 def _ran() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from ringflow.engine import TrainConfig
 from ringflow.engine.errors import ModelError
-from ringflow.engine.module import overrides
+from ringflow.engine.hooks import overrides
 from ringflow.engine.pipeline import PipelineConfig
 from ringflow.engine.pipeline.checks import check_micro_batches
 from ringflow.engine.spec import ModelRef
