@@ -232,22 +232,27 @@ def measure_tuning(trials: int, *, warm: bool) -> float:
 
 _ADOPTED = textwrap.dedent(
     """
-    import os, sys, time
+    import sys, time
     import ray
     from ringflow.engine import DataSpec, TrainConfig, fit
     from ringflow.models.digits import SCHEMA, DigitsClassifier
 
     class Logged(DigitsClassifier):
+        def __init__(self, *, steps_file, **hparams):
+            super().__init__(**hparams)
+            self.steps_file = steps_file
+
         def training_step(self, batch, batch_idx):
             time.sleep(0.02)  # as if on an accelerator: a kill lands inside an epoch
             if self.global_rank == 0:
-                with open(os.environ["STEPS_FILE"], "a") as f:
+                with open(self.steps_file, "a") as f:
                     f.write(f"{time.time()!r} {self.global_step}\\n")
             return super().training_step(batch, batch_idx)
 
     ray.init(address=sys.argv[1], log_to_driver=False)
     print(repr(time.time()), flush=True)
-    fit(Logged, hparams={"hidden": 16}, data=DataSpec(dataset_url=sys.argv[2], schema=SCHEMA),
+    hparams = {"hidden": 16, "steps_file": sys.argv[5]}
+    fit(Logged, hparams=hparams, data=DataSpec(dataset_url=sys.argv[2], schema=SCHEMA),
         config=TrainConfig(workers=2, epochs=4, batch_size=64, seed=5, cpus_per_worker=0.5),
         checkpoint_uri=sys.argv[3], store_url=sys.argv[4], run_key="adopted",
         on_epoch=lambda m: print(m.epoch, flush=True))
@@ -270,11 +275,13 @@ def measure_adoption() -> tuple[float, int]:
             dataset = preprocess(f"{root}/raw/digits.csv", root, SCHEMA, seed=0).dataset_url
             address = ray.get_runtime_context().gcs_address
             steps = f"{root}/steps.log"
-            env = _clean_env(STEPS_FILE=steps)
+            # The drivers join this process's Ray, with its token where it asks for one.
+            auth = {k: v for k, v in os.environ.items() if k.startswith("RAY_AUTH")}
+            env = _clean_env(**auth)
 
             def driver() -> subprocess.Popen:
                 command = [sys.executable, "-c", _ADOPTED, address, dataset]
-                command += [f"{root}/model", f"{root}/store"]
+                command += [f"{root}/model", f"{root}/store", steps]
                 return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
 
             lost = driver()
