@@ -253,6 +253,20 @@ def test_ringflow_run_tells_each_rank_what_horovodrun_does():
     ]
 
 
+def test_a_failing_rank_leaves_the_others_time_to_finish_before_they_are_stopped():
+    script = (
+        "import os, sys, time\n"
+        "if os.environ['HOROVOD_RANK'] == '1': sys.exit(3)\n"
+        "time.sleep(1)\n"
+        "print('rank 0 wrote its results', flush=True)\n"
+        "time.sleep(60)\n"  # past the grace period: stopped
+    )
+    done = _ringflow_run("--grace-s", "4", sys.executable, "-c", script)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "[0] rank 0 wrote its results" in done.stdout.splitlines()
+    assert "ringflow-run: rank 1 exited with status 3; 1 stopped after 4 s" in done.stderr
+
+
 def test_ten_rounds_of_init_and_shutdown_each_form_a_ring_and_release_it():
     done = _ringflow_run(sys.executable, str(SCRIPTS / "rounds.py"))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -301,3 +315,94 @@ def test_a_rank_never_joins_another_runs_rendezvous():
     )
     with pytest.raises(hvd.HorovodError, match="belongs to another run"):
         basics._check_run(store, theirs)
+
+
+CONTRACT = Path(__file__).parent / "horovod_contract"
+
+WITHOUT_A_GPU = {
+    "test_broadcast_state_gpu",
+    "test_delta_optimizer",  # Adasum on GPUs, with MPI
+    "test_gpu_required",
+    "test_horovod_allreduce_cpu_gpu_error",
+    "test_horovod_allreduce_multi_gpu",
+    "test_horovod_alltoall_splits_on_gpu",
+    "test_horovod_grouped_allreduce_cpu_gpu_error",
+    "test_horovod_sync_batch_norm",
+    "test_model_parallelism",
+}
+"""Horovod's tests that skip themselves where there is no GPU."""
+SKIPPED_BY_HOROVOD = {"test_timeline_api"}  # marked skip in Horovod's file (its issue 2496)
+
+REFUSED = {
+    **dict.fromkeys(
+        (
+            "test_async_sparse_allreduce_process_sets",
+            "test_broadcast_object_process_sets",
+            "test_horovod_allgather_grad_process_sets",
+            "test_horovod_allgather_process_sets",
+            "test_horovod_allreduce_grad_process_sets",
+            "test_horovod_allreduce_process_sets",
+            "test_horovod_alltoall_grad_process_sets",
+            "test_horovod_alltoall_process_sets",
+            "test_horovod_broadcast_grad_process_sets",
+            "test_horovod_broadcast_process_sets",
+            "test_horovod_grouped_allgather_process_sets",
+            "test_horovod_grouped_allreduce_grad_process_sets",
+            "test_horovod_grouped_allreduce_process_sets",
+            "test_horovod_grouped_reducescatter_process_sets",
+            "test_horovod_reducescatter_grad_process_sets",
+            "test_horovod_reducescatter_process_sets",
+            "test_optimizer_process_sets",
+            "test_process_set_barrier_op",
+        ),
+        "process sets",
+    ),
+    **dict.fromkeys(
+        (
+            "test_horovod_allgather_duplicate_name_error",
+            "test_horovod_allreduce_duplicate_name_error",
+            "test_horovod_broadcast_duplicate_name_error",
+            "test_horovod_reducescatter_duplicate_name_error",
+            "test_horovod_allgather_async_fused",
+        ),
+        "operations matched by call order, not by name",
+    ),
+    **dict.fromkeys(
+        ("test_broadcast_state", "test_broadcast_state_no_grad", "test_broadcast_state_options"),
+        "broadcast_optimizer_state on a fresh optimizer",
+    ),
+    **dict.fromkeys(("test_async_sparse_allreduce", "test_sparse_embeddings"), "sparse allreduce"),
+    "test_force_allreduce": "operations matched by call order, not by name",
+    "test_optimizer_no_named_parameters": "_parameter_names",
+    "test_synchronize_step_warning": "the warning from step() after synchronize()",
+}
+"""Horovod's tests that fail here, each for a reason docs/horovod.md lists under "What is
+refused"."""
+
+
+def _outcomes(junit_xml: Path) -> dict[str, str]:
+    """Each test's outcome in a rank's JUnit XML: passed, failed or skipped."""
+    import xml.etree.ElementTree as ET
+
+    outcomes = {}
+    for case in ET.parse(junit_xml).iter("testcase"):
+        found = {child.tag for child in case}
+        outcome = "failed" if found & {"failure", "error"} else "passed"
+        outcomes[case.get("name")] = "skipped" if "skipped" in found else outcome
+    return outcomes
+
+
+def test_horovods_own_torch_tests_pass_on_two_ranks_but_those_refused(tmp_path):
+    """Horovod's ``test/parallel/test_torch.py``, unchanged, on 2 ranks through
+    ``ringflow-run``: one pytest process per rank, ``horovod.torch`` being ringflow's."""
+    done = _ringflow_run(sys.executable, str(CONTRACT / "rank.py"), str(tmp_path))
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]  # 1: some failed
+    documented = (Path(__file__).parents[1] / "docs" / "horovod.md").read_text()
+    for rank in (0, 1):
+        outcomes = _outcomes(tmp_path / f"rank{rank}.xml")
+        assert len(outcomes) == 115, rank
+        skipped = {name for name, outcome in outcomes.items() if outcome == "skipped"}
+        assert skipped == WITHOUT_A_GPU | SKIPPED_BY_HOROVOD, rank
+        failed = {name for name, outcome in outcomes.items() if outcome == "failed"}
+        assert failed == set(REFUSED), (rank, done.stdout[-6000:])
+    assert [name for name in REFUSED if f"`{name}`" not in documented] == []
