@@ -509,9 +509,38 @@ def broadcast_parameters(
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
     """Every rank's optimizer state (moments, steps, learning rates) becomes rank
-    ``root_rank``'s."""
+    ``root_rank``'s. A fresh optimizer first takes a step on zero gradients, as Horovod's
+    does, so that its state exists (a stateless one then has nothing to broadcast).
+
+    Raises:
+        ValueError: ``optimizer`` is an ``LBFGS`` (its state cannot be broadcast, as in
+            Horovod).
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if not optimizer.state_dict()["state"]:
+        _zero_gradient_step(optimizer)
+    if not optimizer.state_dict()["state"]:
+        return
     state = broadcast_object(optimizer.state_dict(), root_rank)
     optimizer.load_state_dict(state)
+
+
+def _zero_gradient_step(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's initialisation of a fresh optimizer's state: a step on zero gradients, taken
+    by the optimizer's own class (a ``DistributedOptimizer``'s step would reduce them)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam):
+                    p.grad = p.grad.to_sparse()
+    from ringflow.horovod.optimizer import _Distributed
+
+    if isinstance(optimizer, _Distributed):
+        super(_Distributed, optimizer).step()
+    else:
+        optimizer.step()
 
 
 def _pickled(obj: Any) -> torch.Tensor:

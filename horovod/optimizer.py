@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -92,6 +93,8 @@ class _Distributed:
                     "pass model.named_parameters() of the model the optimizer steps"
                 )
         self._names, self._agreed, self._joined = by_id, None, None
+        self._parameter_names = _parameter_names(self.param_groups, by_id)
+        self._synchronized = False
         self._compression, self._op = compression, op
         self._passes, self._predivide = backward_passes_per_step, gradient_predivide_factor
         self._counts = {p: 0 for p in params if p.requires_grad}
@@ -199,7 +202,7 @@ class _Distributed:
         self._handles.clear()
         self._ready.clear()
         self._counts = dict.fromkeys(self._counts, 0)
-        self._joined = None
+        self._joined, self._synchronized = None, True
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -212,7 +215,10 @@ class _Distributed:
 
     def step(self, closure: Any = None) -> Any:
         if not self._skip:
+            if self._synchronized:
+                warnings.warn(_SYNCHRONIZED_TWICE, stacklevel=2)
             self.synchronize()
+        self._synchronized = False
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -223,6 +229,25 @@ class _Distributed:
                 "optimizer.synchronize() first"
             )
         return super().zero_grad(set_to_none=set_to_none)
+
+
+_SYNCHRONIZED_TWICE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(): the gradients are synchronized again (as in Horovod); use "
+    "`with optimizer.skip_synchronize(): optimizer.step()` after an explicit synchronize()"
+)
+
+
+def _parameter_names(
+    groups: list[dict[str, Any]], by_id: dict[int, str] | None
+) -> dict[torch.nn.Parameter, str]:
+    """Horovod's ``_parameter_names``: each parameter's name, ``allreduce.noname.<group>.<n>``
+    where ``named_parameters`` was not given."""
+    return {
+        p: by_id[id(p)] if by_id is not None else f"allreduce.noname.{g}.{n}"
+        for g, group in enumerate(groups)
+        for n, p in enumerate(group["params"])
+    }
 
 
 class _Fused:
