@@ -75,6 +75,7 @@ from ringflow.horovod.collectives import (
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from ringflow.horovod.elastic import HostsUpdatedInterrupt
@@ -146,6 +147,7 @@ __all__ = [
     "run",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "synchronize",
 ]
 

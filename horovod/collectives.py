@@ -51,6 +51,7 @@ __all__ = [
     "poll",
     "reducescatter",
     "reducescatter_async",
+    "sparse_allreduce_async",
     "synchronize",
 ]
 
@@ -378,6 +379,31 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) 
 
     received, counts = Alltoall.apply(tensor, splits, name)
     return received if splits is None else (received, counts)
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: str = Average
+) -> Callable[[], torch.Tensor]:
+    """Start the average (or sum) of a sparse ``tensor`` over the ranks, as Horovod's: every
+    rank's indices and values are all-gathered (a coordinate given by several ranks is summed
+    when the result is coalesced). Returns a function that waits and gives the sparse result.
+
+    Raises:
+        HorovodError: ``op`` is neither ``Average`` nor ``Sum``.
+    """
+    if _op(None, op) not in (Average, Sum):
+        raise HorovodError(f"sparse_allreduce_async takes op=Average or op=Sum, not {op}")
+    indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(), f"{name}.indices")
+    values = allgather_async(tensor._values(), f"{name}.values")
+
+    def result() -> torch.Tensor:
+        gathered = synchronize(values)
+        if op == Average:
+            gathered = gathered / size()
+        where = synchronize(indices).transpose(0, 1)
+        return torch.sparse_coo_tensor(where, gathered, tensor.size())
+
+    return result
 
 
 def reducescatter_async(

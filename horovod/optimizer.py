@@ -104,6 +104,9 @@ class _Distributed:
         self._buckets: GradientBuckets | None = None
         self._ready: set[torch.nn.Parameter] = set()
         """The gradients in buckets this step."""
+        self._sparse: set[torch.nn.Parameter] = set()
+        """The parameters whose gradients came sparse this step: reduced dense (Horovod's
+        ``sparse_as_dense``), made sparse again for the optimizer's step."""
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self._counts
         ]
@@ -113,6 +116,9 @@ class _Distributed:
         average over the ranks starts now, while backward goes on."""
         self._forget_a_lost_ring()
         self._counts[param] += 1
+        if param.grad.is_sparse:  # travels dense; sparse again for the step (synchronize)
+            self._sparse.add(param)
+            param.grad = param.grad.to_dense()
         if self._counts[param] < self._passes or size() == 1:
             return
         if self._agreed is not ring():  # the first reduction on these ranks: agree first
@@ -182,6 +188,7 @@ class _Distributed:
                 self._buckets = None
             self._handles.clear()
             self._ready.clear()
+            self._sparse.clear()
             self._counts = dict.fromkeys(self._counts, 0)
             self._ring, self._joined = ring(), None
 
@@ -199,8 +206,11 @@ class _Distributed:
                 f"{len(missing)} gradients had fewer than backward_passes_per_step "
                 f"({self._passes}) backward passes when the optimizer stepped"
             )
+        for param in self._sparse:
+            param.grad = param.grad.to_sparse()
         self._handles.clear()
         self._ready.clear()
+        self._sparse.clear()
         self._counts = dict.fromkeys(self._counts, 0)
         self._joined, self._synchronized = None, True
 
@@ -352,6 +362,7 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     backward_passes_per_step: int = 1,
     op: str = Average,
     gradient_predivide_factor: float = 1.0,
+    sparse_as_dense: bool = False,
     **refused: Any,
 ) -> torch.optim.Optimizer:
     """``optimizer`` whose ``step`` uses the gradients averaged (or summed) over the ranks,
@@ -360,12 +371,15 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
 
     ``backward_passes_per_step``: backward passes accumulated locally before a step (the
     gradients are reduced once, after the last). ``compression``: ``Compression.none`` or
-    ``Compression.fp16``.
+    ``Compression.fp16``. Sparse gradients (``nn.Embedding(sparse=True)``'s) are reduced
+    dense and are sparse again for the step, whatever ``sparse_as_dense`` says (Horovod's
+    ``sparse_as_dense=True``; its ``False`` all-gathers their indices and values instead,
+    with the same result).
     """
     if refused:
         raise HorovodError(
             f"DistributedOptimizer does not take {', '.join(sorted(refused))} "
-            "(process sets, sparse and groupwise reductions are not supported)"
+            "(process sets and groupwise reductions are not supported)"
         )
     cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     optimizer.__class__ = cls

@@ -371,7 +371,6 @@ REFUSED = {
         ("test_broadcast_state", "test_broadcast_state_options", "test_force_allreduce"),
         "torch's Muon takes only 2-D parameters (Horovod's test builds every torch.optim one)",
     ),
-    **dict.fromkeys(("test_async_sparse_allreduce", "test_sparse_embeddings"), "sparse allreduce"),
 }
 """Horovod's tests that fail here, each for a reason docs/horovod.md lists under "What is
 refused"."""
