@@ -18,6 +18,7 @@ from ringflow.engine.collective.base import CompletedWork
 from ringflow.horovod import negotiation
 from ringflow.horovod.basics import OPS, Average, HorovodError, Max, Min, Sum, ring, size
 from ringflow.horovod.negotiation import agree
+from ringflow.horovod.process_sets import current, in_process_set, within
 from ringflow.horovod.timeline import naming
 
 __all__ = [
@@ -118,6 +119,7 @@ def _op(average: bool | None, op: str | None, default: str = Average) -> str:
     return op
 
 
+@in_process_set
 def allreduce_async_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -179,6 +181,7 @@ def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor.copy_((tensor.double() * factor).trunc())
 
 
+@in_process_set
 def allreduce_async(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> Handle:
     """As :func:`allreduce_async_`, into a new tensor (``tensor`` is left as it is)."""
     return allreduce_async_(tensor.detach().clone(), average, name, op, **kw)
@@ -199,11 +202,13 @@ def synchronize(handle: Handle) -> Any:
             del _in_flight[name]
 
 
+@in_process_set
 def allreduce_(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> torch.Tensor:
     """Replace ``tensor`` by its average (or sum, min, max, product) over the ranks."""
     return synchronize(allreduce_async_(tensor, average, name, op, **kw))
 
 
+@in_process_set
 def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -222,6 +227,7 @@ def allreduce(
     return compression.decompress(reduced, ctx) if compression else reduced
 
 
+@in_process_set
 def grouped_allreduce_async_(
     tensors: Sequence[torch.Tensor], average=None, name=None, op=None, **kw
 ):
@@ -231,6 +237,7 @@ def grouped_allreduce_async_(
     )
 
 
+@in_process_set
 def grouped_allreduce_async(
     tensors: Sequence[torch.Tensor], average=None, name=None, op=None, **kw
 ):
@@ -238,10 +245,12 @@ def grouped_allreduce_async(
     return grouped_allreduce_async_([t.detach().clone() for t in tensors], average, name, op, **kw)
 
 
+@in_process_set
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name=None, op=None, **kw):
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, **kw))
 
 
+@in_process_set
 def grouped_allreduce(
     tensors: Sequence[torch.Tensor], average=None, name=None, compression=None, op=None, **kw
 ):
@@ -256,28 +265,40 @@ def _member(name: str | None, index: int) -> str | None:
     return None if name is None else f"{name}.{index}"
 
 
+@in_process_set
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
     """Replace ``tensor`` by rank ``root_rank``'s; a handle whose result is ``tensor``."""
     _named("broadcast", name)
-    refusal = None
-    if not 0 <= root_rank < size():
+    refusal, root = None, _root(root_rank)
+    if not 0 <= root < size():
         refusal = HorovodError(f"broadcast: root_rank {root_rank} is not one of the {size()} ranks")
-    agree("broadcast", tensor, name, root=root_rank, refusal=refusal)
+    agree("broadcast", tensor, name, root=root, refusal=refusal)
     flat = tensor.detach().reshape(-1).contiguous()
-    ring().broadcast_(flat, src=root_rank)
+    ring().broadcast_(flat, src=root)
     return _started(name, _done(_into(tensor, flat)))
 
 
+def _root(root_rank: int) -> int:
+    """The place in the ring of ``root_rank`` (a rank of the run, in a process set too)."""
+    process_set = current()
+    if process_set is None or root_rank not in process_set.ranks:
+        return root_rank if process_set is None else -1
+    return process_set.ranks.index(root_rank)
+
+
+@in_process_set
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
     """As :func:`broadcast_async_`, into a new tensor."""
     return broadcast_async_(tensor.detach().clone(), root_rank, name)
 
 
+@in_process_set
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Replace ``tensor`` by rank ``root_rank``'s; return it."""
     return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
+@in_process_set
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Rank ``root_rank``'s ``tensor``, as a new tensor on every rank; differentiable (the
     root's gradient is the average of every rank's, the others' zero, as Horovod's)."""
@@ -286,28 +307,32 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
     return Broadcast.apply(tensor, root_rank, name)
 
 
+@in_process_set
 def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Handle:
     """Start :func:`allgather`; a handle for :func:`synchronize`."""
     _named("allgather", name)
-    return _started(name, _done(_gathered(tensor, name)))
-
-
-def _gathered(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
     agree("allgather", tensor, name, first_dim_may_differ=True)
-    return _concatenated(tensor)
+    return _started(name, _concatenating(tensor))
 
 
 def _concatenated(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's rows (a scalar is one row), in rank order."""
+    return _concatenating(tensor).wait()
+
+
+def _concatenating(tensor: torch.Tensor) -> Handle:
+    """Start gathering every rank's rows: the row counts travel first, then the rows (padded
+    to the longest) in the background; the handle gives them concatenated."""
     local = tensor.detach().reshape(-1, *tensor.shape[1:]).contiguous()
     rows = torch.tensor([local.shape[0]], dtype=torch.int64)
     counts = [int(n) for n in ring().all_gather(rows)]
     padded = local.new_zeros((max(counts), *local.shape[1:]))
     padded[: counts[ring().rank]] = local
-    parts = ring().all_gather(padded)
-    return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
+    work = ring().all_gather_async(padded)
+    return _on(work, lambda parts: torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]))
 
 
+@in_process_set
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along the first dimension, in rank order; the
     first dimension may differ between ranks, the others may not. Differentiable."""
@@ -316,10 +341,12 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     return Allgather.apply(tensor, name)
 
 
+@in_process_set
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> Handle:
     return _group([allgather_async(t, _member(name, i)) for i, t in enumerate(tensors)])
 
 
+@in_process_set
 def grouped_allgather(
     tensors: Sequence[torch.Tensor], name: str | None = None
 ) -> list[torch.Tensor]:
@@ -327,6 +354,7 @@ def grouped_allgather(
     return [allgather(t, _member(name, i)) for i, t in enumerate(tensors)]
 
 
+@in_process_set
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Handle:
     """Start :func:`alltoall`; the handle's result is ``(tensor, received_splits)``."""
     _named("alltoall", name)
@@ -370,6 +398,7 @@ def _splits(tensor: torch.Tensor, splits: Any) -> tuple[list[int], ValueError | 
     return counts, None
 
 
+@in_process_set
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Any:
     """Rank ``r`` gets part ``r`` of every rank's ``tensor``, concatenated in rank order: the
     first dimension cut into ``splits`` rows per rank (equal parts by default). With
@@ -381,6 +410,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) 
     return received if splits is None else (received, counts)
 
 
+@in_process_set
 def sparse_allreduce_async(
     tensor: torch.Tensor, name: str, op: str = Average
 ) -> Callable[[], torch.Tensor]:
@@ -396,16 +426,19 @@ def sparse_allreduce_async(
     indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(), f"{name}.indices")
     values = allgather_async(tensor._values(), f"{name}.values")
 
+    ranks = size()
+
     def result() -> torch.Tensor:
         gathered = synchronize(values)
         if op == Average:
-            gathered = gathered / size()
+            gathered = gathered / ranks
         where = synchronize(indices).transpose(0, 1)
         return torch.sparse_coo_tensor(where, gathered, tensor.size())
 
     return result
 
 
+@in_process_set
 def reducescatter_async(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -431,6 +464,7 @@ def reducescatter_async(
     )
 
 
+@in_process_set
 def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -449,6 +483,7 @@ def reducescatter(
     return compression.decompress(reduced, ctx) if compression else reduced
 
 
+@in_process_set
 def grouped_reducescatter_async(
     tensors: Sequence[torch.Tensor], name=None, op=Average, **kw
 ) -> Handle:
@@ -457,6 +492,7 @@ def grouped_reducescatter_async(
     )
 
 
+@in_process_set
 def grouped_reducescatter(
     tensors: Sequence[torch.Tensor], name=None, compression=None, op=Average, **kw
 ):
@@ -496,22 +532,24 @@ def _with_zeros(row: list[int]) -> None:
 
 
 def barrier(process_set: Any = None) -> None:
-    """Wait until every rank got here (Horovod's ``hvd.barrier``; process sets refused)."""
-    if process_set is not None:
-        raise HorovodError("barrier takes no process_set: process sets are not supported")
-    allreduce(torch.zeros(1), op=Sum)
+    """Wait until every rank (of ``process_set``) got here (Horovod's ``hvd.barrier``)."""
+    with within(process_set):
+        allreduce(torch.zeros(1), op=Sum)
 
 
+@in_process_set
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """Rank ``root_rank``'s ``obj`` on every rank (pickled between the run's own ranks)."""
-    payload = _pickled(obj) if ring().rank == root_rank else torch.empty(0, dtype=torch.uint8)
+    root = _root(root_rank)
+    payload = _pickled(obj) if ring().rank == root else torch.empty(0, dtype=torch.uint8)
     length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root_rank)
-    if ring().rank != root_rank:
+    if ring().rank != root:
         payload = torch.empty(int(length), dtype=torch.uint8)
     broadcast_(payload, root_rank)
     return _unpickled(payload)
 
 
+@in_process_set
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """Every rank's ``obj``, in rank order."""
     payload = _pickled(obj)

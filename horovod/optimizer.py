@@ -14,6 +14,7 @@ from ringflow.engine.collective import CollectiveWork, GradientBuckets
 from ringflow.horovod import negotiation
 from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
 from ringflow.horovod.collectives import _reduce, allgather_object, synchronize
+from ringflow.horovod.process_sets import ProcessSet, within
 from ringflow.horovod.timeline import naming
 
 __all__ = ["Compression", "DistributedOptimizer"]
@@ -113,7 +114,13 @@ class _Distributed:
 
     def _gradient_ready(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is accumulated: after the step's last backward pass, its
-        average over the ranks starts now, while backward goes on."""
+        average over the ranks (of the process set) starts now, while backward goes on."""
+        if self._outside:  # as Horovod's: a rank outside the process set reduces nothing
+            return
+        with within(self._process_set):
+            self._reduce_when_ready(param)
+
+    def _reduce_when_ready(self, param: torch.nn.Parameter) -> None:
         self._forget_a_lost_ring()
         self._counts[param] += 1
         if param.grad.is_sparse:  # travels dense; sparse again for the step (synchronize)
@@ -194,6 +201,13 @@ class _Distributed:
 
     def synchronize(self) -> None:
         """Wait until every gradient is averaged over the ranks (before clipping them)."""
+        if self._outside:
+            self._synchronized = True
+            return
+        with within(self._process_set):
+            self._synchronize()
+
+    def _synchronize(self) -> None:
         self._forget_a_lost_ring()
         self._fused()
         for param, (handle, ctx) in self._handles.items():
@@ -232,7 +246,9 @@ class _Distributed:
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._forget_a_lost_ring()
+        if not self._outside:
+            with within(self._process_set):
+                self._forget_a_lost_ring()
         if self._handles or (self._buckets is not None and self._buckets.active):
             raise HorovodError(
                 "zero_grad with gradients still being averaged: call optimizer.step() or "
@@ -363,6 +379,7 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     op: str = Average,
     gradient_predivide_factor: float = 1.0,
     sparse_as_dense: bool = False,
+    process_set: ProcessSet | None = None,
     **refused: Any,
 ) -> torch.optim.Optimizer:
     """``optimizer`` whose ``step`` uses the gradients averaged (or summed) over the ranks,
@@ -371,19 +388,23 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
 
     ``backward_passes_per_step``: backward passes accumulated locally before a step (the
     gradients are reduced once, after the last). ``compression``: ``Compression.none`` or
-    ``Compression.fp16``. Sparse gradients (``nn.Embedding(sparse=True)``'s) are reduced
-    dense and are sparse again for the step, whatever ``sparse_as_dense`` says (Horovod's
-    ``sparse_as_dense=True``; its ``False`` all-gathers their indices and values instead,
-    with the same result).
+    ``Compression.fp16``. With ``process_set``, the gradients are averaged over its ranks
+    only, and a rank outside it steps on its own gradients, as Horovod's. Sparse gradients
+    (``nn.Embedding(sparse=True)``'s) are reduced dense and are sparse again for the step,
+    whatever ``sparse_as_dense`` says (Horovod's ``sparse_as_dense=True``; its ``False``
+    all-gathers their indices and values instead, with the same result).
     """
     if refused:
         raise HorovodError(
             f"DistributedOptimizer does not take {', '.join(sorted(refused))} "
-            "(process sets and groupwise reductions are not supported)"
+            "(groupwise reductions are not supported)"
         )
     cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     optimizer.__class__ = cls
-    optimizer._distribute(
-        named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor
-    )
+    optimizer._process_set = process_set
+    optimizer._outside = process_set is not None and not process_set.included()
+    with within(None if optimizer._outside else process_set):
+        optimizer._distribute(
+            named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor
+        )
     return optimizer

@@ -215,6 +215,41 @@ def test_gradients_flow_back_through_the_collectives_as_horovods(ray_session):
     assert second["alltoall"] == [2.0, 8.0, 10.0, 12.0]
 
 
+def process_sets() -> dict:
+    """Collectives in process sets of 2 ranks and of 1 among 3 ranks, then on every rank."""
+    hvd.init()
+    me = hvd.rank()
+    pair, alone = hvd.add_process_set([0, 2]), hvd.add_process_set(hvd.ProcessSet([1]))
+    mine = pair if me in (0, 2) else alone
+    seen = {"set rank": (mine.rank(), mine.size(), mine.included(), pair.process_set_id)}
+    seen["sum"] = hvd.allreduce(torch.tensor([me + 1.0]), op=hvd.Sum, process_set=mine).item()
+    seen["from 2"] = hvd.broadcast(
+        torch.tensor([float(me)]), 2 if mine is pair else 1, process_set=mine
+    ).item()
+    seen["gathered"] = hvd.allgather(torch.tensor([me]), process_set=mine).tolist()
+    hvd.barrier(process_set=mine)
+    seen["every rank"] = hvd.allreduce(torch.tensor([me + 1.0]), op=hvd.Sum).item()
+    try:
+        hvd.allreduce(torch.ones(1), process_set=alone if mine is pair else pair)
+    except ValueError as err:
+        seen["not mine"] = str(err)
+    seen["removed"] = (hvd.remove_process_set(pair), hvd.remove_process_set(pair))
+    return seen
+
+
+def test_collectives_in_a_process_set_run_among_its_ranks_only(ray_session):
+    first, second, third = hvd.run(process_sets, np=3, cpus_per_worker=0.5)
+    assert first["set rank"] == (0, 2, True, 1)
+    assert third["set rank"] == (1, 2, True, 1)
+    assert second["set rank"] == (0, 1, True, 1)
+    assert [r["sum"] for r in (first, second, third)] == [4.0, 2.0, 4.0]
+    assert [r["from 2"] for r in (first, second, third)] == [2.0, 1.0, 2.0]
+    assert [r["gathered"] for r in (first, second, third)] == [[0, 2], [1], [0, 2]]
+    assert {r["every rank"] for r in (first, second, third)} == {6.0}
+    assert first["not mine"].startswith("rank 0 is not one of ProcessSet(process_set_id=2")
+    assert first["removed"] == (True, False)
+
+
 SCRIPTS = Path(__file__).parent / "horovod_scripts"
 
 
@@ -336,34 +371,10 @@ SKIPPED_BY_HOROVOD = {"test_timeline_api"}  # marked skip in Horovod's file (its
 REFUSED = {
     **dict.fromkeys(
         (
-            "test_async_sparse_allreduce_process_sets",
-            "test_broadcast_object_process_sets",
-            "test_horovod_allgather_grad_process_sets",
-            "test_horovod_allgather_process_sets",
-            "test_horovod_allreduce_grad_process_sets",
-            "test_horovod_allreduce_process_sets",
-            "test_horovod_alltoall_grad_process_sets",
-            "test_horovod_alltoall_process_sets",
-            "test_horovod_broadcast_grad_process_sets",
-            "test_horovod_broadcast_process_sets",
-            "test_horovod_grouped_allgather_process_sets",
-            "test_horovod_grouped_allreduce_grad_process_sets",
-            "test_horovod_grouped_allreduce_process_sets",
-            "test_horovod_grouped_reducescatter_process_sets",
-            "test_horovod_reducescatter_grad_process_sets",
-            "test_horovod_reducescatter_process_sets",
-            "test_optimizer_process_sets",
-            "test_process_set_barrier_op",
-        ),
-        "process sets",
-    ),
-    **dict.fromkeys(
-        (
             "test_horovod_allgather_duplicate_name_error",
             "test_horovod_allreduce_duplicate_name_error",
             "test_horovod_broadcast_duplicate_name_error",
             "test_horovod_reducescatter_duplicate_name_error",
-            "test_horovod_allgather_async_fused",
         ),
         "operations matched by call order, not by name",
     ),
