@@ -8,7 +8,7 @@ transports, deadlines and typed errors as ``engine.fit``: a dead peer is a
 ``PeerLostError`` within ``collective_timeout_s``, not a hang). Run without the launcher a
 script is one rank of one, as under Horovod.
 
-What Horovod has and ringflow does not (TensorFlow, Keras, MXNet, MPI, Adasum, process sets)
+What Horovod has and ringflow does not (TensorFlow, Keras, MXNet, MPI, Adasum)
 raises a one-line error naming it; Horovod's build queries answer for ringflow's ring.
 """
 
@@ -75,10 +75,17 @@ from ringflow.horovod.collectives import (
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from ringflow.horovod.elastic import HostsUpdatedInterrupt
 from ringflow.horovod.optimizer import Compression, DistributedOptimizer
+from ringflow.horovod.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 from ringflow.horovod.runner import RankFailedError, run
 from ringflow.horovod.sync_batch_norm import SyncBatchNorm
 
@@ -91,10 +98,12 @@ __all__ = [
     "HostsUpdatedInterrupt",
     "Max",
     "Min",
+    "ProcessSet",
     "Product",
     "RankFailedError",
     "Sum",
     "SyncBatchNorm",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -119,6 +128,7 @@ __all__ = [
     "cuda_built",
     "ddl_built",
     "elastic",
+    "global_process_set",
     "gloo_built",
     "gloo_enabled",
     "grouped_allgather",
@@ -142,20 +152,16 @@ __all__ = [
     "rank",
     "reducescatter",
     "reducescatter_async",
+    "remove_process_set",
     "rocm_built",
     "run",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "synchronize",
 ]
 
-_LEFT_OUT = {
-    "Adasum": "Adasum reduction",
-    "ProcessSet": "process sets",
-    "add_process_set": "process sets",
-    "remove_process_set": "process sets",
-    "global_process_set": "process sets",
-}
+_LEFT_OUT = {"Adasum": "Adasum reduction"}
 
 
 def __getattr__(name: str):

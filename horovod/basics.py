@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,26 +83,30 @@ _ring: Any = None
 _generation = 0  # the last generation of an elastic run this process was a rank of
 _rendezvous: dict[str, Any] = {}  # this process's store at the run's address (rank 0 hosts it)
 _rings_formed: dict[str, int] = {}  # rings formed at each address: each init has its own keys
+_init_store: Any = None  # this init's keys in the rendezvous (process sets form rings under it)
+_scope = threading.local()
+"""The process set a collective runs in on this thread (``scope.set``): ``ring``, ``rank``
+and ``size`` are then its own (``ringflow.horovod.process_sets.within``)."""
 
 
 def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Join the ring of this run's ranks (one rank of one without the launcher). Safe to
-    call again; ``comm`` and ``process_sets`` (MPI, process sets) are refused."""
-    global _ranks, _ring, _generation
+    """Join the ring of this run's ranks (one rank of one without the launcher), and add
+    ``process_sets`` (each a ``ProcessSet`` or a list of ranks). Safe to call again; an MPI
+    ``comm`` is refused."""
+    global _ranks, _ring, _generation, _init_store
     if comm is not None:
         raise HorovodError("ringflow.horovod.init takes no MPI communicator: MPI is not supported")
-    if process_sets is not None:
-        raise HorovodError("ringflow.horovod.init takes no process_sets: not supported")
     if _ranks is not None:
         return
     ranks = _from_membership() if SOCKET in os.environ else _from_environment()
     _generation = ranks.generation
     from ringflow.engine.collective.ring import RingCollective
 
+    _init_store = _store_for(ranks)
     _ring = RingCollective(
         rank=ranks.rank,
         world_size=ranks.size,
-        store=_store_for(ranks),
+        store=_init_store,
         timeout_s=ranks.timeout_s,
     )
     if os.environ.get(TIMELINE):
@@ -109,6 +114,11 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     _ranks = ranks
     atexit.unregister(_at_exit)  # registered once, however often init is called
     atexit.register(_at_exit)
+    if process_sets is not None:
+        from ringflow.horovod.process_sets import add_process_set
+
+        for process_set in process_sets:
+            add_process_set(process_set)
 
 
 def _from_environment() -> _Ranks:
@@ -219,10 +229,13 @@ def _at_exit() -> None:
 def shutdown() -> None:
     """Leave the ring: its connections, shared memory and thread are released; ``init``
     forms a new ring of the same ranks."""
-    global _ranks, _ring
+    global _ranks, _ring, _init_store
+    from ringflow.horovod.process_sets import remove_every_process_set
+
+    remove_every_process_set()
     if _ring is not None:
         _ring.close()
-    _ranks, _ring = None, None
+    _ranks, _ring, _init_store = None, None, None
 
 
 def is_initialized() -> bool:
@@ -236,17 +249,21 @@ def _known() -> _Ranks:
 
 
 def ring() -> Any:
-    """The ring the collectives run over (``engine.collective.RingCollective``)."""
+    """The ring the collectives run over (``engine.collective.RingCollective``): the process
+    set's where a collective runs in one."""
     _known()
-    return _ring
+    process_set = getattr(_scope, "set", None)
+    return _ring if process_set is None else process_set.ring
 
 
 def rank() -> int:
-    return _known().rank
+    process_set = getattr(_scope, "set", None)
+    return _known().rank if process_set is None else process_set.rank()
 
 
 def size() -> int:
-    return _known().size
+    process_set = getattr(_scope, "set", None)
+    return _known().size if process_set is None else process_set.size()
 
 
 def local_rank() -> int:

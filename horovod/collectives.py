@@ -18,6 +18,7 @@ from ringflow.engine.collective.base import CompletedWork
 from ringflow.horovod import negotiation
 from ringflow.horovod.basics import OPS, Average, HorovodError, Max, Min, Sum, ring, size
 from ringflow.horovod.negotiation import agree
+from ringflow.horovod.process_sets import current, in_process_set, within
 from ringflow.horovod.timeline import naming
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "poll",
     "reducescatter",
     "reducescatter_async",
+    "sparse_allreduce_async",
     "synchronize",
 ]
 
@@ -117,6 +119,7 @@ def _op(average: bool | None, op: str | None, default: str = Average) -> str:
     return op
 
 
+@in_process_set
 def allreduce_async_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -178,6 +181,7 @@ def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor.copy_((tensor.double() * factor).trunc())
 
 
+@in_process_set
 def allreduce_async(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> Handle:
     """As :func:`allreduce_async_`, into a new tensor (``tensor`` is left as it is)."""
     return allreduce_async_(tensor.detach().clone(), average, name, op, **kw)
@@ -198,11 +202,13 @@ def synchronize(handle: Handle) -> Any:
             del _in_flight[name]
 
 
+@in_process_set
 def allreduce_(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> torch.Tensor:
     """Replace ``tensor`` by its average (or sum, min, max, product) over the ranks."""
     return synchronize(allreduce_async_(tensor, average, name, op, **kw))
 
 
+@in_process_set
 def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -221,6 +227,7 @@ def allreduce(
     return compression.decompress(reduced, ctx) if compression else reduced
 
 
+@in_process_set
 def grouped_allreduce_async_(
     tensors: Sequence[torch.Tensor], average=None, name=None, op=None, **kw
 ):
@@ -230,6 +237,7 @@ def grouped_allreduce_async_(
     )
 
 
+@in_process_set
 def grouped_allreduce_async(
     tensors: Sequence[torch.Tensor], average=None, name=None, op=None, **kw
 ):
@@ -237,10 +245,12 @@ def grouped_allreduce_async(
     return grouped_allreduce_async_([t.detach().clone() for t in tensors], average, name, op, **kw)
 
 
+@in_process_set
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name=None, op=None, **kw):
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, **kw))
 
 
+@in_process_set
 def grouped_allreduce(
     tensors: Sequence[torch.Tensor], average=None, name=None, compression=None, op=None, **kw
 ):
@@ -255,28 +265,40 @@ def _member(name: str | None, index: int) -> str | None:
     return None if name is None else f"{name}.{index}"
 
 
+@in_process_set
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
     """Replace ``tensor`` by rank ``root_rank``'s; a handle whose result is ``tensor``."""
     _named("broadcast", name)
-    refusal = None
-    if not 0 <= root_rank < size():
+    refusal, root = None, _root(root_rank)
+    if not 0 <= root < size():
         refusal = HorovodError(f"broadcast: root_rank {root_rank} is not one of the {size()} ranks")
-    agree("broadcast", tensor, name, root=root_rank, refusal=refusal)
+    agree("broadcast", tensor, name, root=root, refusal=refusal)
     flat = tensor.detach().reshape(-1).contiguous()
-    ring().broadcast_(flat, src=root_rank)
+    ring().broadcast_(flat, src=root)
     return _started(name, _done(_into(tensor, flat)))
 
 
+def _root(root_rank: int) -> int:
+    """The place in the ring of ``root_rank`` (a rank of the run, in a process set too)."""
+    process_set = current()
+    if process_set is None or root_rank not in process_set.ranks:
+        return root_rank if process_set is None else -1
+    return process_set.ranks.index(root_rank)
+
+
+@in_process_set
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
     """As :func:`broadcast_async_`, into a new tensor."""
     return broadcast_async_(tensor.detach().clone(), root_rank, name)
 
 
+@in_process_set
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Replace ``tensor`` by rank ``root_rank``'s; return it."""
     return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
+@in_process_set
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """Rank ``root_rank``'s ``tensor``, as a new tensor on every rank; differentiable (the
     root's gradient is the average of every rank's, the others' zero, as Horovod's)."""
@@ -285,28 +307,32 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
     return Broadcast.apply(tensor, root_rank, name)
 
 
+@in_process_set
 def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Handle:
     """Start :func:`allgather`; a handle for :func:`synchronize`."""
     _named("allgather", name)
-    return _started(name, _done(_gathered(tensor, name)))
-
-
-def _gathered(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
     agree("allgather", tensor, name, first_dim_may_differ=True)
-    return _concatenated(tensor)
+    return _started(name, _concatenating(tensor))
 
 
 def _concatenated(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's rows (a scalar is one row), in rank order."""
+    return _concatenating(tensor).wait()
+
+
+def _concatenating(tensor: torch.Tensor) -> Handle:
+    """Start gathering every rank's rows: the row counts travel first, then the rows (padded
+    to the longest) in the background; the handle gives them concatenated."""
     local = tensor.detach().reshape(-1, *tensor.shape[1:]).contiguous()
     rows = torch.tensor([local.shape[0]], dtype=torch.int64)
     counts = [int(n) for n in ring().all_gather(rows)]
     padded = local.new_zeros((max(counts), *local.shape[1:]))
     padded[: counts[ring().rank]] = local
-    parts = ring().all_gather(padded)
-    return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
+    work = ring().all_gather_async(padded)
+    return _on(work, lambda parts: torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)]))
 
 
+@in_process_set
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along the first dimension, in rank order; the
     first dimension may differ between ranks, the others may not. Differentiable."""
@@ -315,10 +341,12 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     return Allgather.apply(tensor, name)
 
 
+@in_process_set
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> Handle:
     return _group([allgather_async(t, _member(name, i)) for i, t in enumerate(tensors)])
 
 
+@in_process_set
 def grouped_allgather(
     tensors: Sequence[torch.Tensor], name: str | None = None
 ) -> list[torch.Tensor]:
@@ -326,6 +354,7 @@ def grouped_allgather(
     return [allgather(t, _member(name, i)) for i, t in enumerate(tensors)]
 
 
+@in_process_set
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Handle:
     """Start :func:`alltoall`; the handle's result is ``(tensor, received_splits)``."""
     _named("alltoall", name)
@@ -369,6 +398,7 @@ def _splits(tensor: torch.Tensor, splits: Any) -> tuple[list[int], ValueError | 
     return counts, None
 
 
+@in_process_set
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Any:
     """Rank ``r`` gets part ``r`` of every rank's ``tensor``, concatenated in rank order: the
     first dimension cut into ``splits`` rows per rank (equal parts by default). With
@@ -380,6 +410,35 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) 
     return received if splits is None else (received, counts)
 
 
+@in_process_set
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: str = Average
+) -> Callable[[], torch.Tensor]:
+    """Start the average (or sum) of a sparse ``tensor`` over the ranks, as Horovod's: every
+    rank's indices and values are all-gathered (a coordinate given by several ranks is summed
+    when the result is coalesced). Returns a function that waits and gives the sparse result.
+
+    Raises:
+        HorovodError: ``op`` is neither ``Average`` nor ``Sum``.
+    """
+    if _op(None, op) not in (Average, Sum):
+        raise HorovodError(f"sparse_allreduce_async takes op=Average or op=Sum, not {op}")
+    indices = allgather_async(tensor._indices().transpose(0, 1).contiguous(), f"{name}.indices")
+    values = allgather_async(tensor._values(), f"{name}.values")
+
+    ranks = size()
+
+    def result() -> torch.Tensor:
+        gathered = synchronize(values)
+        if op == Average:
+            gathered = gathered / ranks
+        where = synchronize(indices).transpose(0, 1)
+        return torch.sparse_coo_tensor(where, gathered, tensor.size())
+
+    return result
+
+
+@in_process_set
 def reducescatter_async(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -405,6 +464,7 @@ def reducescatter_async(
     )
 
 
+@in_process_set
 def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
@@ -423,6 +483,7 @@ def reducescatter(
     return compression.decompress(reduced, ctx) if compression else reduced
 
 
+@in_process_set
 def grouped_reducescatter_async(
     tensors: Sequence[torch.Tensor], name=None, op=Average, **kw
 ) -> Handle:
@@ -431,6 +492,7 @@ def grouped_reducescatter_async(
     )
 
 
+@in_process_set
 def grouped_reducescatter(
     tensors: Sequence[torch.Tensor], name=None, compression=None, op=Average, **kw
 ):
@@ -470,22 +532,24 @@ def _with_zeros(row: list[int]) -> None:
 
 
 def barrier(process_set: Any = None) -> None:
-    """Wait until every rank got here (Horovod's ``hvd.barrier``; process sets refused)."""
-    if process_set is not None:
-        raise HorovodError("barrier takes no process_set: process sets are not supported")
-    allreduce(torch.zeros(1), op=Sum)
+    """Wait until every rank (of ``process_set``) got here (Horovod's ``hvd.barrier``)."""
+    with within(process_set):
+        allreduce(torch.zeros(1), op=Sum)
 
 
+@in_process_set
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """Rank ``root_rank``'s ``obj`` on every rank (pickled between the run's own ranks)."""
-    payload = _pickled(obj) if ring().rank == root_rank else torch.empty(0, dtype=torch.uint8)
+    root = _root(root_rank)
+    payload = _pickled(obj) if ring().rank == root else torch.empty(0, dtype=torch.uint8)
     length = broadcast_(torch.tensor([payload.numel()], dtype=torch.int64), root_rank)
-    if ring().rank != root_rank:
+    if ring().rank != root:
         payload = torch.empty(int(length), dtype=torch.uint8)
     broadcast_(payload, root_rank)
     return _unpickled(payload)
 
 
+@in_process_set
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """Every rank's ``obj``, in rank order."""
     payload = _pickled(obj)
@@ -509,9 +573,38 @@ def broadcast_parameters(
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
     """Every rank's optimizer state (moments, steps, learning rates) becomes rank
-    ``root_rank``'s."""
+    ``root_rank``'s. A fresh optimizer first takes a step on zero gradients, as Horovod's
+    does, so that its state exists (a stateless one then has nothing to broadcast).
+
+    Raises:
+        ValueError: ``optimizer`` is an ``LBFGS`` (its state cannot be broadcast, as in
+            Horovod).
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if not optimizer.state_dict()["state"]:
+        _zero_gradient_step(optimizer)
+    if not optimizer.state_dict()["state"]:
+        return
     state = broadcast_object(optimizer.state_dict(), root_rank)
     optimizer.load_state_dict(state)
+
+
+def _zero_gradient_step(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's initialisation of a fresh optimizer's state: a step on zero gradients, taken
+    by the optimizer's own class (a ``DistributedOptimizer``'s step would reduce them)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam):
+                    p.grad = p.grad.to_sparse()
+    from ringflow.horovod.optimizer import _Distributed
+
+    if isinstance(optimizer, _Distributed):
+        super(_Distributed, optimizer).step()
+    else:
+        optimizer.step()
 
 
 def _pickled(obj: Any) -> torch.Tensor:

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from ringflow.horovod import collectives
-from ringflow.horovod.basics import Average, Sum, rank, size
+from ringflow.horovod.basics import Average, Sum, _known, rank, size
+from ringflow.horovod.process_sets import current, within
 
 __all__ = ["Allgather", "Allreduce", "Alltoall", "Broadcast", "Reducescatter"]
 
@@ -21,6 +22,7 @@ class Allreduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor, average, name, op, prescale_factor, postscale_factor):
+        ctx.process_set = current()  # the backward runs in the same set
         ctx.reduction = (average, op, prescale_factor, postscale_factor)
         handle = collectives.allreduce_async(
             tensor,
@@ -34,9 +36,10 @@ class Allreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        average, op, pre, post = ctx.reduction
-        reduced = collectives.allreduce(grad, average, None, None, op, pre, post)
-        return reduced, None, None, None, None, None
+        with within(ctx.process_set):
+            average, op, pre, post = ctx.reduction
+            reduced = collectives.allreduce(grad, average, None, None, op, pre, post)
+            return reduced, None, None, None, None, None
 
 
 class Allgather(torch.autograd.Function):
@@ -44,16 +47,18 @@ class Allgather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None):
+        ctx.process_set = current()  # the backward runs in the same set
         ctx.shape = tensor.shape
         return collectives.synchronize(collectives.allgather_async(tensor, name))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        averaged = collectives.allreduce(grad, op=Average)
-        rows = ctx.shape[0] if ctx.shape else 1
-        every = collectives.allgather(torch.tensor([rows], dtype=torch.int64))
-        start = int(every[: rank()].sum())
-        return averaged.narrow(0, start, rows).reshape(ctx.shape), None
+        with within(ctx.process_set):
+            averaged = collectives.allreduce(grad, op=Average)
+            rows = ctx.shape[0] if ctx.shape else 1
+            every = collectives.allgather(torch.tensor([rows], dtype=torch.int64))
+            start = int(every[: rank()].sum())
+            return averaged.narrow(0, start, rows).reshape(ctx.shape), None
 
 
 class Broadcast(torch.autograd.Function):
@@ -61,15 +66,17 @@ class Broadcast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None):
+        ctx.process_set = current()  # the backward runs in the same set
         ctx.root_rank = root_rank
         return collectives.synchronize(collectives.broadcast_async(tensor, root_rank, name))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        averaged = collectives.allreduce(grad, op=Average)
-        if rank() != ctx.root_rank:
-            averaged = torch.zeros_like(averaged)
-        return averaged, None, None
+        with within(ctx.process_set):
+            averaged = collectives.allreduce(grad, op=Average)
+            if _known().rank != ctx.root_rank:  # the run's rank: root_rank is one
+                averaged = torch.zeros_like(averaged)
+            return averaged, None, None
 
 
 class Alltoall(torch.autograd.Function):
@@ -77,6 +84,7 @@ class Alltoall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None):
+        ctx.process_set = current()  # the backward runs in the same set
         received, counts = collectives.synchronize(collectives.alltoall_async(tensor, splits, name))
         ctx.counts = counts
         ctx.mark_non_differentiable(counts)
@@ -84,8 +92,9 @@ class Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _counts: Any):
-        returned, _ = collectives.alltoall(grad.contiguous(), splits=ctx.counts)
-        return returned, None, None
+        with within(ctx.process_set):
+            returned, _ = collectives.alltoall(grad.contiguous(), splits=ctx.counts)
+            return returned, None, None
 
 
 class Reducescatter(torch.autograd.Function):
@@ -94,6 +103,7 @@ class Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor, name, op, prescale_factor, postscale_factor):
+        ctx.process_set = current()  # the backward runs in the same set
         ctx.scale = prescale_factor * postscale_factor * (size() if op == Sum else 1)
         handle = collectives.reducescatter_async(
             tensor, name, op, prescale_factor=prescale_factor, postscale_factor=postscale_factor
@@ -102,4 +112,5 @@ class Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return collectives.allgather(grad * ctx.scale), None, None, None, None
+        with within(ctx.process_set):
+            return collectives.allgather(grad * ctx.scale), None, None, None, None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ from ringflow.engine.collective import CollectiveWork, GradientBuckets
 from ringflow.horovod import negotiation
 from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
 from ringflow.horovod.collectives import _reduce, allgather_object, synchronize
+from ringflow.horovod.process_sets import ProcessSet, within
 from ringflow.horovod.timeline import naming
 
 __all__ = ["Compression", "DistributedOptimizer"]
@@ -92,6 +94,8 @@ class _Distributed:
                     "pass model.named_parameters() of the model the optimizer steps"
                 )
         self._names, self._agreed, self._joined = by_id, None, None
+        self._parameter_names = _parameter_names(self.param_groups, by_id)
+        self._synchronized = False
         self._compression, self._op = compression, op
         self._passes, self._predivide = backward_passes_per_step, gradient_predivide_factor
         self._counts = {p: 0 for p in params if p.requires_grad}
@@ -101,15 +105,27 @@ class _Distributed:
         self._buckets: GradientBuckets | None = None
         self._ready: set[torch.nn.Parameter] = set()
         """The gradients in buckets this step."""
+        self._sparse: set[torch.nn.Parameter] = set()
+        """The parameters whose gradients came sparse this step: reduced dense (Horovod's
+        ``sparse_as_dense``), made sparse again for the optimizer's step."""
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._gradient_ready) for p in self._counts
         ]
 
     def _gradient_ready(self, param: torch.nn.Parameter) -> None:
         """A parameter's gradient is accumulated: after the step's last backward pass, its
-        average over the ranks starts now, while backward goes on."""
+        average over the ranks (of the process set) starts now, while backward goes on."""
+        if self._outside:  # as Horovod's: a rank outside the process set reduces nothing
+            return
+        with within(self._process_set):
+            self._reduce_when_ready(param)
+
+    def _reduce_when_ready(self, param: torch.nn.Parameter) -> None:
         self._forget_a_lost_ring()
         self._counts[param] += 1
+        if param.grad.is_sparse:  # travels dense; sparse again for the step (synchronize)
+            self._sparse.add(param)
+            param.grad = param.grad.to_dense()
         if self._counts[param] < self._passes or size() == 1:
             return
         if self._agreed is not ring():  # the first reduction on these ranks: agree first
@@ -179,11 +195,19 @@ class _Distributed:
                 self._buckets = None
             self._handles.clear()
             self._ready.clear()
+            self._sparse.clear()
             self._counts = dict.fromkeys(self._counts, 0)
             self._ring, self._joined = ring(), None
 
     def synchronize(self) -> None:
         """Wait until every gradient is averaged over the ranks (before clipping them)."""
+        if self._outside:
+            self._synchronized = True
+            return
+        with within(self._process_set):
+            self._synchronize()
+
+    def _synchronize(self) -> None:
         self._forget_a_lost_ring()
         self._fused()
         for param, (handle, ctx) in self._handles.items():
@@ -196,10 +220,13 @@ class _Distributed:
                 f"{len(missing)} gradients had fewer than backward_passes_per_step "
                 f"({self._passes}) backward passes when the optimizer stepped"
             )
+        for param in self._sparse:
+            param.grad = param.grad.to_sparse()
         self._handles.clear()
         self._ready.clear()
+        self._sparse.clear()
         self._counts = dict.fromkeys(self._counts, 0)
-        self._joined = None
+        self._joined, self._synchronized = None, True
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -212,17 +239,41 @@ class _Distributed:
 
     def step(self, closure: Any = None) -> Any:
         if not self._skip:
+            if self._synchronized:
+                warnings.warn(_SYNCHRONIZED_TWICE, stacklevel=2)
             self.synchronize()
+        self._synchronized = False
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._forget_a_lost_ring()
+        if not self._outside:
+            with within(self._process_set):
+                self._forget_a_lost_ring()
         if self._handles or (self._buckets is not None and self._buckets.active):
             raise HorovodError(
                 "zero_grad with gradients still being averaged: call optimizer.step() or "
                 "optimizer.synchronize() first"
             )
         return super().zero_grad(set_to_none=set_to_none)
+
+
+_SYNCHRONIZED_TWICE = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(): the gradients are synchronized again (as in Horovod); use "
+    "`with optimizer.skip_synchronize(): optimizer.step()` after an explicit synchronize()"
+)
+
+
+def _parameter_names(
+    groups: list[dict[str, Any]], by_id: dict[int, str] | None
+) -> dict[torch.nn.Parameter, str]:
+    """Horovod's ``_parameter_names``: each parameter's name, ``allreduce.noname.<group>.<n>``
+    where ``named_parameters`` was not given."""
+    return {
+        p: by_id[id(p)] if by_id is not None else f"allreduce.noname.{g}.{n}"
+        for g, group in enumerate(groups)
+        for n, p in enumerate(group["params"])
+    }
 
 
 class _Fused:
@@ -327,6 +378,8 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     backward_passes_per_step: int = 1,
     op: str = Average,
     gradient_predivide_factor: float = 1.0,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet | None = None,
     **refused: Any,
 ) -> torch.optim.Optimizer:
     """``optimizer`` whose ``step`` uses the gradients averaged (or summed) over the ranks,
@@ -335,16 +388,23 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
 
     ``backward_passes_per_step``: backward passes accumulated locally before a step (the
     gradients are reduced once, after the last). ``compression``: ``Compression.none`` or
-    ``Compression.fp16``.
+    ``Compression.fp16``. With ``process_set``, the gradients are averaged over its ranks
+    only, and a rank outside it steps on its own gradients, as Horovod's. Sparse gradients
+    (``nn.Embedding(sparse=True)``'s) are reduced dense and are sparse again for the step,
+    whatever ``sparse_as_dense`` says (Horovod's ``sparse_as_dense=True``; its ``False``
+    all-gathers their indices and values instead, with the same result).
     """
     if refused:
         raise HorovodError(
             f"DistributedOptimizer does not take {', '.join(sorted(refused))} "
-            "(process sets, sparse and groupwise reductions are not supported)"
+            "(groupwise reductions are not supported)"
         )
     cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     optimizer.__class__ = cls
-    optimizer._distribute(
-        named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor
-    )
+    optimizer._process_set = process_set
+    optimizer._outside = process_set is not None and not process_set.included()
+    with within(None if optimizer._outside else process_set):
+        optimizer._distribute(
+            named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor
+        )
     return optimizer

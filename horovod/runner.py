@@ -462,6 +462,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-worker", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=30.0, help="collective deadline")
     parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=10.0,
+        help="once a rank failed, how long the others may go on to finish before they are stopped",
+    )
+    parser.add_argument(
         "--min-np", type=int, default=None, help="an elastic run: fewest ranks it goes on with"
     )
     parser.add_argument(
@@ -487,7 +493,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """``ringflow-run -np N COMMAND...``: start COMMAND on N ranks, each rank's output on this
     terminal prefixed by ``[rank]``; the exit status is the first failing rank's (the others
-    are stopped then), 0 when every rank succeeded."""
+    are stopped ``--grace-s`` later if they have not ended by then), 0 when every rank
+    succeeded."""
     args = _parser().parse_args(argv)
     given = [flag for flag in _NOT_YET if getattr(args, _dest(flag))]
     if given:
@@ -522,7 +529,7 @@ def _main(args: argparse.Namespace) -> int:
     )
     try:
         ray.get([r.start.remote(args.command, v) for r, v in zip(ranks, variables, strict=True)])
-        return _follow(ranks)
+        return _follow(ranks, args.grace_s)
     finally:
         for rank in ranks:
             ray.kill(rank)
@@ -551,13 +558,15 @@ def _main_elastic(args: argparse.Namespace) -> int:
     return status
 
 
-def _follow(ranks: list[Any]) -> int:
-    """Forward every rank's lines until all ended, or one failed (its status is returned)."""
+def _follow(ranks: list[Any], grace_s: float) -> int:
+    """Forward every rank's lines until all ended; once one failed, the others have
+    ``grace_s`` to end of their own (to write their output and files) before they are
+    stopped. The first failing rank's status is returned, 0 when every rank succeeded."""
     import ray
 
-    running = set(range(len(ranks)))
-    while running:
-        failed = []  # (when, rank, status): the others fail soon after the first, in order
+    running, failed = set(range(len(ranks))), []  # failed: (when, rank, status)
+    deadline = None
+    while running and (deadline is None or time.monotonic() < deadline):
         for index in sorted(running):
             lines, status = ray.get(ranks[index].output.remote())
             for line in lines:
@@ -568,13 +577,16 @@ def _follow(ranks: list[Any]) -> int:
             running.discard(index)
             if status != 0:
                 failed.append((ray.get(ranks[index].ended.remote()), index, status))
-        if failed:
-            _, index, status = min(failed)
-            ray.get([ranks[i].stop.remote() for i in running])
-            print(f"ringflow-run: rank {index} exited with status {status}", file=sys.stderr)
-            return status if status > 0 else 128 - status  # killed by a signal
+        if failed and deadline is None:
+            deadline = time.monotonic() + grace_s
         time.sleep(0.05)
-    return 0
+    if not failed:
+        return 0
+    ray.get([ranks[i].stop.remote() for i in running])
+    _, index, status = min(failed)
+    stopped = f"; {len(running)} stopped after {grace_s:g} s" if running else ""
+    print(f"ringflow-run: rank {index} exited with status {status}{stopped}", file=sys.stderr)
+    return status if status > 0 else 128 - status  # killed by a signal
 
 
 if __name__ == "__main__":

@@ -85,6 +85,12 @@ class TimedRing:
         self._span(kind, tensor, start, self._clock.now())
         return out
 
+    def all_gather_async(self, tensor: torch.Tensor) -> Any:
+        start = self._clock.now()
+        work = self._ring.all_gather_async(tensor)
+        self._span("allgather", tensor, start, self._clock.watch(work))
+        return work
+
     def close(self) -> None:
         self.write()
         self._ring.close()

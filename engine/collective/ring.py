@@ -159,12 +159,16 @@ class RingCollective(Collective):
         ).wait()
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        if self._transport is None:
-            return [tensor.clone()]
+        return list(self.all_gather_async(tensor).wait().unbind(0))
+
+    def all_gather_async(self, tensor: torch.Tensor) -> CollectiveWork:
+        """Start gathering every rank's ``tensor`` (all of one shape); the work's ``wait``
+        gives them stacked, in rank order."""
         out = tensor.new_empty((self.world_size, *tensor.shape))
         out[self.rank].copy_(tensor)
-        self._start("all_gather", out, lambda deadline: self._all_gather(out, deadline)).wait()
-        return list(out.unbind(0))
+        if self._transport is None:
+            return CompletedWork(out)
+        return self._start("all_gather", out, lambda deadline: self._all_gather(out, deadline))
 
     def check(self) -> None:
         if self._failure is None and self._transport is not None:
