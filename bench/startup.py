@@ -232,7 +232,7 @@ def measure_tuning(trials: int, *, warm: bool) -> float:
 
 _ADOPTED = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     import ray
     from ringflow.engine import DataSpec, TrainConfig, fit
     from ringflow.models.digits import SCHEMA, DigitsClassifier
@@ -245,8 +245,9 @@ _ADOPTED = textwrap.dedent(
         def training_step(self, batch, batch_idx):
             time.sleep(0.02)  # as if on an accelerator: a kill lands inside an epoch
             if self.global_rank == 0:
+                job = os.environ.get("RINGFLOW_RAY_JOB")  # the driver the worker serves
                 with open(self.steps_file, "a") as f:
-                    f.write(f"{time.time()!r} {self.global_step}\\n")
+                    f.write(f"{time.time()!r} {self.global_step} {job}\\n")
             return super().training_step(batch, batch_idx)
 
     ray.init(address=sys.argv[1], log_to_driver=False)
@@ -294,15 +295,17 @@ def measure_adoption() -> tuple[float, int]:
             finally:
                 lost.kill()
                 lost.wait()
-            time.sleep(1.0)  # the workers end the steps they were sent
-            before = [int(line.split()[1]) for line in Path(steps).read_text().splitlines()]
             restarted = driver()
             called = float(restarted.stdout.readline())
             restarted.communicate()
             if restarted.returncode != 0:
                 raise RuntimeError("the restarted driver failed")
-            after = [line.split() for line in Path(steps).read_text().splitlines()][len(before) :]
-            first_time, first_step = float(after[0][0]), int(after[0][1])
+            logged = [line.split() for line in Path(steps).read_text().splitlines()]
+            lost_job = logged[0][2]  # steps the lost driver's workers trained, to the end
+            before = [int(step) for _, step, job in logged if job == lost_job]
+            first_time, first_step = next(
+                (float(at), int(step)) for at, step, job in logged if job != lost_job
+            )
             return round(first_time - called, 2), max(0, max(before) + 1 - first_step)
     finally:
         ray.shutdown()

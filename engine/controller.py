@@ -69,6 +69,7 @@ EpochCallback = Callable[[EpochMetrics], None]
 class State(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"
+    ENDING_EPOCH = "ending an epoch"
     RECOVERING = "recovering"
     FINISHING = "finishing"
     DONE = "done"
@@ -87,6 +88,19 @@ class Trained:
     timeline: TimelineSummary | None
     dashboard: str | None
     worker_logs: list[dict[str, Any]]
+
+
+@dataclass
+class _Ending:
+    """An epoch whose last steps ran (from ``step``), its end to come: what the epoch had
+    logged and taken before those steps (kept where a loss takes the run back before them),
+    and what they logged (``None`` where workers a lost driver left had run them)."""
+
+    epoch: int
+    step: int
+    logged: Logged
+    seconds: float
+    chunk: Logged | None
 
 
 @dataclass
@@ -143,6 +157,7 @@ class Controller:
         ring is proven at once)."""
         self._starts = 0
         self._lost: _Lost | None = None
+        self._ending: _Ending | None = None
         self._chunks: _Chunks | None = None
         self._dashboard: str | None = None
         self._worker_logs: list[dict[str, Any]] = []
@@ -159,6 +174,7 @@ class Controller:
         states = {
             State.STARTING: self._starting,
             State.RUNNING: self._running,
+            State.ENDING_EPOCH: self._ending_epoch,
             State.RECOVERING: self._recovering,
             State.FINISHING: self._finishing,
         }
@@ -188,7 +204,7 @@ class Controller:
         try:
             self.group = group = self._start(run=resume.identity())
             if group.adopted is not None:
-                resume.adopt(*group.adopted)
+                resume.adopt(group.adopted)
             self._dashboard = dashboard_url() if self._on_ray else None
             self._worker_logs = _worker_logs(group, [], self._dashboard)
             if self._init_from is not None and not resume.resumed:
@@ -211,7 +227,13 @@ class Controller:
         self.logged, self.seconds, self.step = resume.logged, resume.seconds, resume.step
         if self._logged_hparams is not None:
             self.loggers.start(*self._logged_hparams)
+        for start, chunk in resume.unwritten:  # trained by adopted workers, never written
+            _write_rows(self.loggers, chunk, self._chunks.epochs.locate(start)[0])
         self.callbacks.fit_start()
+        epoch, first = self._chunks.epochs.locate(self.step)
+        if first == 0 and len(self.history) < epoch:  # adopted where an epoch's steps ended
+            self._ending = _Ending(epoch - 1, self.step, self.logged, self.seconds, None)
+            return State.ENDING_EPOCH
         return State.RUNNING
 
     def _start_again(self, lost: MembershipLost) -> State:
@@ -228,7 +250,7 @@ class Controller:
         return State.STARTING
 
     def _running(self) -> State:
-        """One chunk of steps, and the epoch's end where it ends one."""
+        """One chunk of steps; the epoch's end next where it ends one."""
         group, config, chunks = self.group, self.config, self._chunks
         if self.step >= chunks.epochs.start(config.epochs) or self.callbacks.should_stop:
             return State.FINISHING
@@ -238,7 +260,6 @@ class Controller:
         if first == 0:
             self.callbacks.epoch_start(epoch)
         started = time.perf_counter()
-        ended = steps.commit_at is None
         try:
             # Within an epoch the next steps follow at once, unless a checkpoint is taken
             # between (of these steps' state) or these are a probe of a new ring.
@@ -257,25 +278,41 @@ class Controller:
                 )
             )
             self.layout.settle(group)  # a checkpoint whose files its workers wrote is committed
-            # The epoch so far; the chunk's step rows and callbacks' rows go to the loggers now.
-            so_far = self.logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
-            if ended:
-                validation = _merged(group.call(Worker.evaluate, "validation"))
-                so_far = so_far.merge(_merged(group.call(Worker.train_epoch_end, epoch)))
-                metrics = {**so_far.results(), **validation.results()}
-                group.call(Worker.end_epoch, epoch, metrics)  # schedulers waiting for the metrics
-                group.commit(self.step + count)
         except MembershipLost as lost:
             # The members go back to the commit of ``step``, nothing of this chunk kept, or
             # on from the step that failed, keeping the steps before it.
             return self._recover(lost, at_step=self.step + count, epoch=epoch, started=started)
-        self.step += count
         self.probe = False
+        if steps.commit_at is None:  # the epoch's last steps: its end decides what is kept
+            self._ending = _Ending(epoch, self.step, self.logged, self.seconds, chunk)
+        else:
+            _write_rows(self.loggers, chunk, epoch)
+        self.step += count
         self.seconds += time.perf_counter() - started
-        _write_rows(self.loggers, chunk, epoch)
+        # The epoch so far; the chunk's step rows and callbacks' rows went to the loggers.
+        self.logged = self.logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
+        return State.ENDING_EPOCH if self._ending is not None else self._committed(epoch)
+
+    def _ending_epoch(self) -> State:
+        """The end of the epoch whose last steps ran: its validation, the module's and the
+        schedulers' epoch-end steps and the commit; then its rows, history entry and
+        callbacks. A worker lost meanwhile takes the run back to the last commit."""
+        group, ending = self.group, self._ending
+        epoch, started = ending.epoch, time.perf_counter()
+        try:
+            validation = _merged(group.call(Worker.evaluate, "validation"))
+            so_far = self.logged.merge(_merged(group.call(Worker.train_epoch_end, epoch)))
+            metrics = {**so_far.results(), **validation.results()}
+            group.call(Worker.end_epoch, epoch, metrics)  # schedulers waiting for the metrics
+            group.commit(self.step)
+        except MembershipLost as lost:
+            return self._recover(lost, at_step=self.step, epoch=epoch, started=started)
+        self._ending = None
+        if ending.chunk is not None:
+            _write_rows(self.loggers, ending.chunk, epoch)
+        self.seconds += time.perf_counter() - started
         self.logged = so_far
-        if ended:
-            self._end_epoch(epoch, validation, metrics)
+        self._end_epoch(epoch, validation, metrics)
         return self._committed(epoch)
 
     def _end_epoch(self, epoch: int, validation: Logged, metrics: dict[str, float]) -> None:
@@ -334,6 +371,12 @@ class Controller:
         from the step it names, or the run ends with why."""
         lost, self._lost = self._lost, None
         recovery = self.group.recover(lost.lost, at_step=lost.at_step)
+        ending, self._ending = self._ending, None
+        if ending is not None and recovery.step == self.step:
+            self._ending = ending  # back at the epoch's last steps: its end again
+            return State.ENDING_EPOCH
+        if ending is not None:  # back before the epoch's last steps: what they logged goes
+            self.logged, self.seconds = ending.logged, ending.seconds
         if recovery.logged is not None:
             self.logged = self.logged.merge(dataclasses.replace(recovery.logged, steps={}, rows=[]))
             _write_rows(self.loggers, recovery.logged, lost.epoch)

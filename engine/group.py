@@ -35,6 +35,7 @@ from ringflow.engine.pool import HostLease, WorkerHost, driver_job, pool_key, po
 from ringflow.engine.worker import NOSET_VISIBLE_DEVICES, Worker
 
 __all__ = [
+    "Adopted",
     "LocalGroup",
     "MembershipLost",
     "RayWorkerGroup",
@@ -56,6 +57,19 @@ class Steps(NamedTuple):
     count: int
     commit_at: int | None = None
     epochs: Epochs | None = None
+
+
+class Adopted(NamedTuple):
+    """Where workers a lost driver of the run left go on (``RayWorkerGroup.adopted``): step
+    ``step``; the driver's ``state`` at an earlier or the same commit, and what each call of
+    steps since logged (``(start step, logged)``: the lost driver never collected them);
+    whether the workers go on from where they are (``as_it_is``: each ended its last call
+    of steps at ``step``) or roll back to their commit of it."""
+
+    step: int
+    state: dict[str, Any]
+    chunks: list[tuple[int, Logged]]
+    as_it_is: bool
 
 
 class Recovery(NamedTuple):
@@ -112,7 +126,7 @@ class WorkerGroup:
 
     remembers = False
     """Whether the driver's state is kept beside each commit (``RayWorkerGroup.remember``)."""
-    adopted: tuple[int, dict[str, Any]] | None = None
+    adopted: Adopted | None = None
 
     def remember(self, step: int, state: dict[str, Any]) -> None:
         """Keep the driver's state at the commit of ``step`` (where :attr:`remembers`)."""
@@ -343,7 +357,7 @@ class RayWorkerGroup(WorkerGroup):
         """Steps sent before the driver asked for them (``train_steps``'s ``then``), and
         whether their workers run the next step where they end."""
         self.adopted = self._take_over(self._lease.adopt()) if self.remembers else None
-        """``(step, driver state)`` of the commit the adopted workers go on from."""
+        """Where the adopted workers go on from (:class:`Adopted`)."""
         units, starts = list(self._units), {}
         if self.adopted is None:
             self._warm = self._lease.take(layout.size) if self._lease is not None else []
@@ -364,10 +378,10 @@ class RayWorkerGroup(WorkerGroup):
             self.shutdown()
             raise
 
-    def _take_over(self, hosts: list[Any]) -> tuple[int, dict[str, Any]] | None:
-        """Admit ``hosts``, which a lost driver of this run left, as the ranks they were; the
-        newest commit they all hold with the driver's state at it, and that state. ``None``
-        (and the hosts killed) where they are not the whole group or hold no such commit."""
+    def _take_over(self, hosts: list[Any]) -> Adopted | None:
+        """Admit ``hosts``, which a lost driver of this run left, as the ranks they were;
+        where they go on from (:class:`Adopted`). ``None`` (and the hosts killed) where they
+        are not the whole group or hold no commit to go on from with the driver's state."""
         import ray
 
         if not hosts:
@@ -378,11 +392,27 @@ class RayWorkerGroup(WorkerGroup):
                 [h.call(Worker.standing) for h in handles], timeout=self._config.timeout_s
             )
             ranks = sorted(range(len(hosts)), key=lambda i: standings[i][0])
-            common = set.intersection(*(set(steps) for _, steps in standings))
-            if [standings[i][0] for i in ranks] != list(range(self._layout.size)) or not common:
-                raise ValueError(f"their ranks and commits do not make a whole group: {standings}")
-            step = max(common)
-            state = ray.get(handles[ranks[0]].call(Worker.driver_state, step))
+            common = set.intersection(*(set(commits) for _, commits, _, _ in standings))
+            remembered = standings[ranks[0]][2]
+            if [standings[i][0] for i in ranks] != list(range(self._layout.size)):
+                raise ValueError(f"their ranks do not make a whole group: {standings}")
+            if remembered is None:
+                raise ValueError(f"they hold no state of their driver's: {standings}")
+            # Where they all are, as they are (past their last commit, where their driver
+            # was lost while they trained on); else the newest commit they can go back to.
+            where = {position for _, _, _, (position, _) in standings}
+            here = [where.pop()] if len(where) == 1 and None not in where else []
+            adopted = None
+            for step in [*here, *sorted(common, reverse=True)]:
+                if step >= remembered:
+                    adopted = self._adopted_at(handles, ranks, step, remembered, here == [step])
+                if adopted is not None:
+                    break
+            if adopted is None:
+                raise ValueError(
+                    f"no commit they hold joins up with the driver's state at step "
+                    f"{remembered}: {standings}"
+                )
             ray.get([host.serve.remote(self._job) for host in hosts])
         except (ray.exceptions.RayError, ValueError) as err:
             log.warning("the workers a lost driver left are not adopted: %s", err)
@@ -393,8 +423,33 @@ class RayWorkerGroup(WorkerGroup):
             unit = self._new_unit()
             self._places[unit] = place
             self._admit_unit(unit, [handles[i]])
-        log.info("adopted %d workers of a lost driver at their commit of step %d", len(hosts), step)
-        return step, state
+        log.info(
+            "adopted %d workers of a lost driver at their commit of step %d",
+            len(hosts),
+            adopted.step,
+        )
+        return adopted
+
+    def _adopted_at(
+        self, handles: list[WorkerHandle], ranks: list[int], step: int, remembered: int, here: bool
+    ) -> Adopted | None:
+        """Going on from step ``step``, where the workers are (``here``) or back at its
+        commit: the driver's state at ``remembered`` and what every call of steps in between
+        logged (merged over the workers); ``None`` where those calls do not join up."""
+        import ray
+
+        chunks: list[tuple[int, Logged]] = []
+        if step != remembered:
+            parts = ray.get([h.call(Worker.chunks_since, remembered, step) for h in handles])
+            if any(part is None for part in parts):
+                return None
+            for index, (start, _) in enumerate(parts[0]):
+                merged = Logged()
+                for part in parts:
+                    merged = merged.merge(part[index][1])
+                chunks.append((start, merged))
+        state = ray.get(handles[ranks[0]].call(Worker.driver_state, remembered))
+        return Adopted(step, state, chunks, as_it_is=here)
 
     def remember(self, step: int, state: dict[str, Any]) -> None:
         """Rank 0 keeps the driver's ``state`` at the commit of ``step``, for a driver that

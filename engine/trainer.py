@@ -21,7 +21,7 @@ from ringflow.engine.data import ModuleData, as_data, samples_of
 from ringflow.engine.elastic.coordinator import ElasticEvent
 from ringflow.engine.epochs import Epochs
 from ringflow.engine.errors import ModelError
-from ringflow.engine.group import LocalGroup, RayWorkerGroup, WorkerGroup
+from ringflow.engine.group import Adopted, LocalGroup, RayWorkerGroup, WorkerGroup
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged
 from ringflow.engine.module import call_hook, overrides, uncalled_hooks
@@ -423,6 +423,10 @@ class _Resume:
     config: TrainConfig | None = None
     adopted: int | None = None
     """The step of the commit that workers a lost driver left went on from (:meth:`adopt`)."""
+    unwritten: list[tuple[int, Logged]] = field(default_factory=list)
+    """What the adopted workers' calls of steps logged that their lost driver never wrote
+    to the loggers, with where each started."""
+    _as_it_is: bool = False
     _recorded: dict[str, Any] = field(default_factory=dict, repr=False)
     """The metadata of where the run goes on from: its checkpoint's, or the adopted
     workers' driver state."""
@@ -480,13 +484,17 @@ class _Resume:
         )
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def adopt(self, step: int, state: dict[str, Any]) -> None:
-        """Go on from the adopted workers' commit of ``step`` (``state``: the lost driver's
-        there, as a checkpoint records it) where it is newer than the checkpoint."""
-        if step < self.step:
+    def adopt(self, adopted: Adopted) -> None:
+        """Go on from the adopted workers' commit (``engine.group.Adopted``: the lost
+        driver's state at it or before it, as a checkpoint records it, and what the calls of
+        steps since logged) where it is newer than the checkpoint."""
+        if adopted.step < self.step:
             return
-        self.adopted = step
-        self._go_on_from(step, state)
+        self.adopted, self._as_it_is = adopted.step, adopted.as_it_is
+        self._go_on_from(adopted.step, adopted.state)
+        for _, chunk in adopted.chunks:  # their step rows go to the loggers (``unwritten``)
+            self.logged = self.logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
+        self.unwritten = adopted.chunks
 
     @property
     def resumed(self) -> bool:
@@ -512,7 +520,7 @@ class _Resume:
         if recorded:
             epochs = Epochs(epochs.samples, tuple(recorded), epochs.accumulate)
         if self.adopted is not None:
-            group.call(Worker.rollback, self.adopted)
+            group.call(Worker.go_on_from, self.adopted, as_it_is=self._as_it_is)
             log.info("run %s goes on from its workers' commit of step %d", self.run_key, self.step)
             return epochs
         group.call(Worker.restore, self.store_url, self.checkpoint)

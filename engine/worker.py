@@ -422,6 +422,15 @@ class Worker:
         """The samples of the current call's steps done so far."""
         self._driver_states: dict[int, dict[str, Any]] = {}
         """The driver's state at commits, by step (:meth:`remember`)."""
+        self._ended_at: int | None = None
+        """The run's step this worker's state is at: where its last call of steps ended, or
+        the commit it made or went back to since (``None`` once anything else changed it;
+        the step run ahead of the next call aside). A driver adopting it goes on from there
+        as it is."""
+        self._chunks: list[tuple[int, int, Logged]] = []
+        """The last calls of steps: where each started and ended and what it logged, for a
+        driver that adopts this worker after its driver was lost before it collected them
+        (:meth:`chunks_since`)."""
 
     def _check_every_worker_has_a_part(self, name: str) -> None:
         """Refuse what needs every worker to run each batch's ``training_step`` (manual
@@ -638,8 +647,12 @@ class Worker:
         before anything changes or reads the state, whichever comes first: queued at once, they
         would hold up that input's copy to the device until they land.
         """
+        ahead = self._ran_ahead
+        if ahead is not None and ahead.commit == step and step in self._commits:
+            return  # held already; the step run ahead of it is the next call's (adoption)
         with self._kept_if_done(self._stage_commit(step, defer=defer)):
             collectives_succeeded(self.step.collective, self.device)
+        self._ended_at = step
 
     def _stage_commit(self, step: int, *, defer: bool) -> _Staged:
         """:meth:`commit` up to the check of the collectives: the state's host copy, its
@@ -734,7 +747,7 @@ class Worker:
         optimizer state next to its parameters).
         """
         model, optimizer, schedulers, comm = self.committed_state(step)
-        self._failed = self._ran_ahead = None
+        self._failed = self._ran_ahead = self._ended_at = None
         self._copies_landed()  # a newer commit's may still read the weights about to change
         self.metric_log.reset()  # what the lost steps logged is not kept
         if self.checkpointer is not None:
@@ -746,6 +759,7 @@ class Worker:
         self.optimization.load_state_dict(copy.deepcopy(schedulers))
         if comm:
             self.step.load_comm_state(comm, own=own)
+        self._ended_at = step
 
     def committed_state(self, step: int) -> Commit:
         """The commit of ``step`` (CPU tensors, and the schedulers' states), for rolling back or
@@ -761,20 +775,48 @@ class Worker:
     def remember(self, step: int, state: dict[str, Any]) -> None:
         """Keep the driver's state at the commit of ``step`` (its history and what the epoch
         logged so far, as a checkpoint records them): a driver restarted after this one's
-        was lost goes on from the commit with it (``engine.pool``, adoption)."""
+        was lost goes on from the commit with it (``engine.pool``, adoption), or from a later
+        commit, adding what the calls of steps since logged (:meth:`chunks_since`)."""
         self._driver_states[step] = state
-        for old in [s for s in self._driver_states if s not in self._commits]:
+        for old in [s for s in self._driver_states if s != step and s not in self._commits]:
             del self._driver_states[old]
 
-    def standing(self) -> tuple[int, list[int]]:
-        """This worker's rank and the steps of its commits (rank 0: those with the driver's
-        state), for a driver adopting it."""
-        steps = [s for s in self._commits if self.rank or s in self._driver_states]
-        return self.rank, sorted(steps)
+    def standing(self) -> tuple[int, list[int], int | None, tuple[int | None, bool]]:
+        """For a driver adopting this worker: its rank, the steps of its commits, the step of
+        the driver's newest state it keeps (rank 0) and where it is: the step its state is
+        at (``None`` where its last call failed or something else changed it) and whether it
+        ran the next step ahead of its call."""
+        ahead = self._ran_ahead
+        at = self._ended_at if self._failed is None else None
+        if ahead is not None and ahead.commit != at:
+            at = None
+        remembered = max(self._driver_states, default=None)
+        return self.rank, sorted(self._commits), remembered, (at, ahead is not None)
 
     def driver_state(self, step: int) -> dict[str, Any]:
         """The driver's state :meth:`remember` kept at ``step``."""
         return self._driver_states[step]
+
+    def chunks_since(self, step: int, until: int) -> list[tuple[int, Logged]] | None:
+        """What each call of steps from step ``step`` to step ``until`` logged, with where it
+        started, in order; ``None`` where they do not join up (an epoch's end between them,
+        where the driver validated and committed)."""
+        found, at = [], step
+        by_start = {start: (end, logged) for start, end, logged in self._chunks}
+        while at < until:
+            if at not in by_start:
+                return None
+            end, logged = by_start[at]
+            found.append((at, logged))
+            at = end
+        return found if at == until else None
+
+    def go_on_from(self, step: int, *, as_it_is: bool) -> None:
+        """Go on from step ``step`` after a driver adopted this worker: as it is (its state
+        is at that step, and the step it ran ahead, if any, is the next call's), or rolled
+        back to its commit of that step."""
+        if not as_it_is:
+            self.rollback(step)
 
     def adopt(self, step: int, state: Commit) -> None:
         """Take the survivors' commit of ``step`` as this worker's state."""
@@ -851,14 +893,19 @@ class Worker:
                 op="train_steps",
                 rank=self.rank,
             )
-        self._reached = None
+        self._reached = self._ended_at = None
         try:
             if epochs is not None:
                 self._enter(epochs, epoch)
-            return self._train_steps(epoch, first, count, commit_at, run_next)
+            start = self.epochs.start(epoch) + first
+            logged = self._train_steps(epoch, first, count, commit_at, run_next)
         except BaseException as err:
             self._failed = err
             raise
+        # A driver lost before it collected these may be adopted (:meth:`chunks_since`).
+        self._ended_at = start + count
+        self._chunks = [*self._chunks[-(_CHUNKS_KEPT - 1) :], (start, start + count, logged)]
+        return logged
 
     def _enter(self, epochs: Epochs, epoch: int) -> None:
         """Epoch ``epoch`` of ``epochs``: its length for the module's Trainer, and the
@@ -1043,7 +1090,7 @@ class Worker:
     def go_on(self) -> None:
         """Go on from where the last call of steps failed (:meth:`reached`), without a
         rollback: the steps sent after it are forgotten."""
-        self._failed = self._ran_ahead = self._reached = None
+        self._failed = self._ran_ahead = self._reached = self._ended_at = None
 
     def _undo_ahead(self) -> None:
         """Return to where the last call of steps ended, if it ran the next step ahead and
@@ -1061,6 +1108,7 @@ class Worker:
     def train_epoch_end(self, epoch: int) -> Logged:
         """Trainer's ``on_train_epoch_end`` (after the epoch's validation); what it logged."""
         self._undo_ahead()
+        self._ended_at = None  # the module's hook may change its state
         self.trainer.at(epoch, self.epochs.steps(epoch))  # after the epoch's last optimizer step
         self.metric_log.enter("on_train_epoch_end")
         self._hook("on_train_epoch_end")
@@ -1069,6 +1117,7 @@ class Worker:
     def end_epoch(self, epoch: int, metrics: dict[str, float]) -> None:
         """After epoch ``epoch``'s validation: step the schedulers that wait for its metrics."""
         self._undo_ahead()
+        self._ended_at = None  # the schedulers step
         self.trainer.callback_metrics = {k: torch.tensor(v) for k, v in metrics.items()}
         self.optimization.after_validation(epoch, metrics)
 
@@ -1386,6 +1435,11 @@ class Reached(NamedTuple):
 
     step: int
     samples: int
+
+
+_CHUNKS_KEPT = 8
+"""Calls of steps a worker keeps what they logged of (``Worker.chunks_since``): a driver is
+never more than a commit and the calls it sent ahead behind its workers."""
 
 
 class _RanAhead(NamedTuple):

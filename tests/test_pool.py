@@ -209,10 +209,18 @@ def test_a_lease_not_renewed_within_its_grace_ends():
 
 class Paced(DigitsClassifier):
     """The demo model with steps that wait as if on an accelerator: a driver killed after an
-    epoch is killed inside the next one."""
+    epoch is killed inside the next one. Rank 0 notes each step it trains in ``steps_file``
+    with the job of the driver it serves."""
+
+    def __init__(self, *, steps_file: str, **hparams) -> None:
+        super().__init__(**hparams)
+        self.steps_file = steps_file
 
     def training_step(self, batch, batch_idx):
         time.sleep(0.02)
+        if self.global_rank == 0:
+            with open(self.steps_file, "a") as steps:
+                steps.write(f"{self.global_step} {os.environ.get('RINGFLOW_RAY_JOB')}\n")
         return super().training_step(batch, batch_idx)
 
 
@@ -227,7 +235,8 @@ _LOST_DRIVER = textwrap.dedent(
     from tests.test_pool import ADOPTED, Paced
 
     ray.init(address=sys.argv[2], log_to_driver=False)
-    fit(Paced, hparams={"hidden": 16}, data=DataSpec(dataset_url=sys.argv[1], schema=SCHEMA),
+    hparams = {"hidden": 16, "steps_file": sys.argv[5]}
+    fit(Paced, hparams=hparams, data=DataSpec(dataset_url=sys.argv[1], schema=SCHEMA),
         config=TrainConfig(**ADOPTED), checkpoint_uri=sys.argv[3], store_url=sys.argv[4],
         run_key="adopted", on_epoch=lambda m: print(m.epoch, flush=True))
     """
@@ -238,10 +247,12 @@ _LOST_DRIVER = textwrap.dedent(
 def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit(
     ray_session, digits, tmp_path
 ):
+    steps = tmp_path / "steps.log"
+
     def run(name, **where):
         return fit(
             Paced,
-            hparams={"hidden": 16},
+            hparams={"hidden": 16, "steps_file": str(steps)},
             data=digits,
             config=TrainConfig(**ADOPTED),
             checkpoint_uri=str(tmp_path / name),
@@ -249,11 +260,12 @@ def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit
         )
 
     reference = run("reference")
+    steps.unlink()
     store = str(tmp_path / "store")
     address = ray_session.get_runtime_context().gcs_address
     lost = subprocess.Popen(
         [sys.executable, "-c", _LOST_DRIVER, digits.dataset_url, address]
-        + [str(tmp_path / "lost"), store],
+        + [str(tmp_path / "lost"), store, str(steps)],
         stdout=subprocess.PIPE,
         text=True,
         cwd=ROOT,
@@ -271,7 +283,15 @@ def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit
     assert resumed.kind == "resumed", result.events
     assert "in-memory commit" in resumed.cause, resumed.cause
     steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
-    assert result.resumed_from > 2 * steps_per_epoch  # past the last checkpoint: none redone
+    assert result.resumed_from > 2 * steps_per_epoch  # past the last checkpoint
+    # No step trained twice: the restarted driver went on where the lost one's workers were.
+    trained = [line.split() for line in steps.read_text().splitlines()]
+    jobs = list(dict.fromkeys(job for _, job in trained))
+    assert len(jobs) == 2, jobs  # the lost driver's, then the restarted one's
+    lost_steps = [int(step) for step, job in trained if job == jobs[0]]
+    after = [int(step) for step, job in trained if job == jobs[1]]
+    assert after[0] == max(lost_steps) + 1, (lost_steps[-3:], after[:3])
+    assert lost_steps + after == list(range(len(lost_steps) + len(after)))
     assert orphaned <= set(worker_pids()["idle"])  # the lost driver's processes trained on
     for name, tensor in reference.state_dict.items():
         assert torch.equal(result.state_dict[name], tensor), name

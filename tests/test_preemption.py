@@ -252,6 +252,10 @@ def test_a_killed_flow_process_is_rescheduled_and_resumes_bit_for_bit(stack, tmp
     assert crashed["message"][:60] in resume, (crashed["message"], resume)
     resumed = int(summary["resumed_from_step"])
     assert resumed >= committed
+    # The restarted driver adopted the workers the killed one left (engine.pool) and went
+    # on from their in-memory commit: nothing was read back from the checkpoint store.
+    events = stack.artifact(run_id, "training-events")
+    assert "in-memory commit its lost driver's workers held" in events, events
     low, high = _steps_lost(resume)
     # Training moves in chunks that end at checkpoints: the kill cost fewer steps than one
     # interval past the newest checkpoint begun, and the report says so in steps.
