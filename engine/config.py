@@ -372,6 +372,14 @@ class TrainConfig:
         return self.lr_reference_batch or self.per_worker_batch_size
 
     @property
+    def rejoin_timeout_s(self) -> float:
+        """How long workers rebuilding their ring after a membership change wait for each
+        other: every one of them is up already, so a peer missing this long is lost (a
+        replacement that died as it joined), and the others fail the rebuild instead of
+        waiting the whole ``timeout_s``."""
+        return min(self.timeout_s, max(30.0, 3 * self.collective_timeout_s))
+
+    @property
     def batch_follows_workers(self) -> bool:
         """Whether the global batch changes when elastic recovery changes the workers (weak
         scaling with ``min_workers`` below ``workers``): each epoch's is the batch per

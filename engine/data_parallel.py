@@ -109,9 +109,10 @@ class DataParallelStep:
             for tensor in self.worker.module.state_dict().values():
                 self.collective.broadcast_(tensor, src=0)
 
-    def join(self, init_method: str = "") -> None:
-        """Join the ring of the worker's current rank and world size."""
-        self.collective = self.worker.ring(init_method)
+    def join(self, init_method: str = "", *, rejoin: bool = False) -> None:
+        """Join the ring of the worker's current rank and world size (``rejoin``: rebuilt
+        among members that are all up, ``Worker.ring``)."""
+        self.collective = self.worker.ring(init_method, rejoin=rejoin)
         if self.syncs_batchnorm:
             attach_collective(self.worker.module, self.collective)
         self.prepare_buckets()
@@ -184,7 +185,7 @@ class DataParallelStep:
     def reconfigure(self, init_method: str = "") -> None:
         """Join the new ring (the worker has its new rank); the state stays."""
         self.leave()
-        self.join(init_method)
+        self.join(init_method, rejoin=True)
 
     # ------------------------------------------------------------------ training
 

@@ -440,7 +440,8 @@ class RayWorkerGroup(WorkerGroup):
 
         chunks: list[tuple[int, Logged]] = []
         if step != remembered:
-            parts = ray.get([h.call(Worker.chunks_since, remembered, step) for h in handles])
+            ranked = [handles[i] for i in ranks]  # merged in rank order, as the driver does
+            parts = ray.get([h.call(Worker.chunks_since, remembered, step) for h in ranked])
             if any(part is None for part in parts):
                 return None
             for index, (start, _) in enumerate(parts[0]):
@@ -902,6 +903,15 @@ class RayWorkerGroup(WorkerGroup):
                 lost.setdefault(called[peer], f"peers report: {error}")
         return lost
 
+    def _grace(self, method: Method) -> float:
+        """How long the other members of a call may still take once one failed or (in
+        calls all run alike) returned: a collective's deadline, or, while they rebuild
+        their ring, how long they wait there for each other (``rejoin_timeout_s``: held by
+        a peer lost as they met, they fail the rebuild then instead of going silent)."""
+        if method is Worker.reconfigure:
+            return self._config.rejoin_timeout_s + 2.0
+        return self._config.collective_timeout_s + 2.0
+
     def call_ranked(self, method: Method, arguments: list[tuple], workers: list[int]) -> list[Any]:
         """Call ``method`` on the members at positions ``workers``, each with its arguments."""
         members = self.members
@@ -958,7 +968,7 @@ class RayWorkerGroup(WorkerGroup):
                     ) from None
                 blamed.append((worker, err.cause))
             if (lost or blamed or method in _ALIKE) and grace_until is None:
-                grace_until = time.monotonic() + self._config.collective_timeout_s + 2.0
+                grace_until = time.monotonic() + self._grace(method)
         for worker in pending.values():
             lost[worker] = "it stopped answering"
         if lost or blamed:

@@ -19,13 +19,15 @@ from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 
 from ringflow.engine.cluster import log_files
 from ringflow.engine.collective import Collective, create_collective, environment_overrides
 from ringflow.engine.config import WIRE_FORMATS, DataSpec, TensorData, TrainConfig
 from ringflow.engine.data import EpochOrder, Layout, Samples, has_split, layout_of
 from ringflow.engine.epochs import Epochs
-from ringflow.engine.errors import EngineError, ModelError, PeerLostError
+from ringflow.engine.errors import CollectiveTimeoutError, EngineError, ModelError, PeerLostError
+from ringflow.engine.failures import one_line
 from ringflow.engine.metrics import Logged, MetricLog
 from ringflow.engine.module import (
     LrScale,
@@ -586,10 +588,16 @@ class Worker:
         """Meet the peers at ``addresses`` (the layout's) and start from the same state."""
         self.step.connect(*addresses)
 
-    def ring(self, init_method: str, *, group: Any = None) -> Collective:
+    def ring(self, init_method: str, *, group: Any = None, rejoin: bool = False) -> Collective:
         """Join the ring of this worker's rank and world size, rendezvous at ``init_method``:
         ``config.collective`` with its transport, over NCCL on a GPU (in ``group``, a
-        pipeline stage's NCCL group over the replicas, where given)."""
+        pipeline stage's NCCL group over the replicas, where given). ``rejoin``: a ring
+        rebuilt among members that are all up, which wait for each other only
+        ``config.rejoin_timeout_s``.
+
+        Raises:
+            CollectiveTimeoutError: the peers did not all come (a peer lost as they met).
+        """
         # CUDA tensors travel over NCCL: the ring then picks its NCCL transport, and native
         # joins an NCCL process group. Only then is the argument passed, so a collective that
         # knows no backend keeps working on CPU.
@@ -598,18 +606,28 @@ class Worker:
             backend["group"] = group
         if self.config.collective == "ring":
             backend.update(transport=self.config.ring_transport, symm=self.config.symm)
-        return create_collective(
-            self.config.collective,
-            rank=self.rank,
-            world_size=self.world_size,
-            init_method=init_method,
-            timeout_s=self.config.collective_timeout_s,
-            connect_timeout_s=self.config.timeout_s,
-            compression=self.config.compression
-            if self.config.compression in WIRE_FORMATS
-            else "none",
-            **backend,
-        )
+        waits = self.config.rejoin_timeout_s if rejoin else self.config.timeout_s
+        try:
+            return create_collective(
+                self.config.collective,
+                rank=self.rank,
+                world_size=self.world_size,
+                init_method=init_method,
+                timeout_s=self.config.collective_timeout_s,
+                connect_timeout_s=waits,
+                compression=self.config.compression
+                if self.config.compression in WIRE_FORMATS
+                else "none",
+                **backend,
+            )
+        except (dist.DistError, OSError) as err:  # a peer that never came, or went
+            raise CollectiveTimeoutError(
+                f"rank {self.rank} did not meet its {self.world_size - 1} peers at "
+                f"{init_method} within {waits:g} s: {one_line(str(err))}",
+                peer=None,
+                op="connect",
+                rank=self.rank,
+            ) from err
 
     def reconfigure(self, rank: int, world_size: int, *addresses: str) -> None:
         """Leave the old ring and join a new one as ``rank`` of ``world_size``, keeping state.

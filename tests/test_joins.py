@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from ringflow.engine import EngineError, TrainConfig, fit
+from ringflow.engine import TrainConfig, fit
 from ringflow.models.digits import DigitsClassifier
 from tests.support.fitting import relative_difference
 
@@ -101,18 +101,10 @@ def test_a_replacement_killed_while_it_joins_leaves_the_run_to_the_policy(
 ):
     markers = tmp_path / "markers"
     markers.mkdir()
-    failed = None
-    try:
-        result = _fit(tmp_path, digits, point, point=point, markers=str(markers))
-    except EngineError as err:
-        failed = str(err)
-    if failed is not None:
-        # Killed while the ring is rebuilt with it, the replacement can hold the survivor in
-        # the rendezvous past its deadline on a loaded machine: then the policy ends the run
-        # (every worker lost), in one line, never with a Ray exception.
-        assert point == "connect", failed
-        assert "training stopped" in failed, failed
-        return
+    # Killed while the ring is rebuilt with it, the replacement leaves the survivor waiting
+    # at the rendezvous for at most ``rejoin_timeout_s``: the rebuild then fails there, the
+    # replacement is lost and the survivor goes on.
+    result = _fit(tmp_path, digits, point, point=point, markers=str(markers))
     assert (markers / "rank1").exists()
     assert (markers / point).exists(), f"no replacement was killed at {point}"
     kinds = [e.kind for e in result.events]

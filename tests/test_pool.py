@@ -210,11 +210,17 @@ def test_a_lease_not_renewed_within_its_grace_ends():
 class Paced(DigitsClassifier):
     """The demo model with steps that wait as if on an accelerator: a driver killed after an
     epoch is killed inside the next one. Rank 0 notes each step it trains in ``steps_file``
-    with the job of the driver it serves."""
+    with the job of the driver it serves; while ``steps_file`` + ``.slow`` exists, the third
+    epoch's validation takes seconds (a driver killed then is killed in it)."""
 
     def __init__(self, *, steps_file: str, **hparams) -> None:
         super().__init__(**hparams)
         self.steps_file = steps_file
+
+    def validation_step(self, batch, batch_idx):
+        if self.current_epoch == 2 and os.path.exists(self.steps_file + ".slow"):
+            time.sleep(0.5)
+        return super().validation_step(batch, batch_idx)
 
     def training_step(self, batch, batch_idx):
         time.sleep(0.02)
@@ -244,10 +250,15 @@ _LOST_DRIVER = textwrap.dedent(
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("killed", ["mid-epoch", "validating"])
 def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit(
-    ray_session, digits, tmp_path
+    ray_session, digits, tmp_path, killed
 ):
+    """Killed inside the third epoch's steps, or in its validation once its steps ran: the
+    restarted driver goes on where the workers are (running that epoch's end first), trains
+    no step twice and ends with the uninterrupted run's weights and epoch metrics."""
     steps = tmp_path / "steps.log"
+    slow = tmp_path / "steps.log.slow"
 
     def run(name, **where):
         return fit(
@@ -261,6 +272,7 @@ def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit
 
     reference = run("reference")
     steps.unlink()
+    steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
     store = str(tmp_path / "store")
     address = ray_session.get_runtime_context().gcs_address
     lost = subprocess.Popen(
@@ -270,20 +282,29 @@ def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit
         text=True,
         cwd=ROOT,
     )
+    if killed == "validating":
+        slow.touch()
     try:
         while lost.stdout.readline().strip() != "1":  # its second epoch ended
             assert lost.poll() is None, "the first driver ended before it was killed"
         time.sleep(0.3)  # into the third
+        if killed == "validating":  # its steps all ran: in its validation now
+            while str(3 * steps_per_epoch - 1) not in steps.read_text().split():
+                assert lost.poll() is None, "the first driver ended before it was killed"
+                time.sleep(0.05)
+            time.sleep(1.0)
     finally:
         lost.send_signal(signal.SIGKILL)
         lost.wait()
+    slow.unlink(missing_ok=True)
     orphaned = set(worker_pids()["leased"])
     result = run("restarted", store_url=store, run_key="adopted")
     resumed = result.events[0]
     assert resumed.kind == "resumed", result.events
     assert "in-memory commit" in resumed.cause, resumed.cause
-    steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
     assert result.resumed_from > 2 * steps_per_epoch  # past the last checkpoint
+    if killed == "validating":
+        assert result.resumed_from == 3 * steps_per_epoch, result.resumed_from
     # No step trained twice: the restarted driver went on where the lost one's workers were.
     trained = [line.split() for line in steps.read_text().splitlines()]
     jobs = list(dict.fromkeys(job for _, job in trained))
@@ -295,6 +316,8 @@ def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit
     assert orphaned <= set(worker_pids()["idle"])  # the lost driver's processes trained on
     for name, tensor in reference.state_dict.items():
         assert torch.equal(result.state_dict[name], tensor), name
+    # What the lost driver's steps logged came from its workers: the same epoch metrics.
+    assert [e.metrics for e in result.history] == [e.metrics for e in reference.history]
 
 
 def digits_train_rows(digits):

@@ -137,18 +137,19 @@ class PipelineStep:
         )
         self.join(ring_address)
 
-    def join(self, ring_address: str) -> None:
+    def join(self, ring_address: str, *, rejoin: bool = False) -> None:
         """Join this stage's ring over the replicas (the worker's rank and world size); a
-        replica that joins a running group is given none at first (``Pipeline.rewire``)."""
+        replica that joins a running group is given none at first (``Pipeline.rewire``).
+        ``rejoin``: rebuilt among replicas that are all up (``Worker.ring``)."""
         if self.worker.world_size > 1 and ring_address:
-            self.collective = self.worker.ring(ring_address, group=self._ring_group)
+            self.collective = self.worker.ring(ring_address, group=self._ring_group, rejoin=rejoin)
 
     def reconfigure(self, ring_address: str = "") -> None:
         """Join this stage's new ring among the replicas left (the pipeline stays)."""
         if self.collective is not None:
             self.collective.close()
             self.collective = None
-        self.join(ring_address)
+        self.join(ring_address, rejoin=True)
 
     def _nccl_groups(
         self, world_address: str, pipeline_store: dist.Store
