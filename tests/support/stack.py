@@ -155,6 +155,17 @@ class Stack:
         assert found, f"flow run {run_id} has no {key!r} artifact"
         return found[0]["data"]
 
+    def run_log(self, run_id: str) -> str:
+        """The messages a flow run logged to the server, one a line, oldest first."""
+        messages: list[str] = []
+        while True:  # the server answers a page at a time
+            body = {"logs": {"flow_run_id": {"any_": [run_id]}}, "offset": len(messages)}
+            reply = httpx.post(f"{self.api}/logs/filter", json=body, timeout=30)
+            page = [log["message"] for log in reply.raise_for_status().json()]
+            if not page:
+                return "\n".join(messages)
+            messages += page
+
     def automations(self) -> list[dict]:
         reply = httpx.post(f"{self.api}/automations/filter", json={}, timeout=30)
         return reply.raise_for_status().json()
