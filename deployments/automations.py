@@ -4,8 +4,8 @@ Prefect retries a flow run whose code raised (``retries=`` on the flow), but not
 process or host died: a killed flow process is marked Crashed by its worker and never retried
 (PrefectHQ/prefect#10211), a run whose worker died with it stays Running forever, and one
 whose worker died after taking it, before its flow process ran, stays Pending forever (run
-count 0: no worker looks at a Pending run again). Five automations close these gaps for the
-deployments tagged ``RINGFLOW_RESUME_TAG``:
+count 0: no worker looks at a Pending run again; PrefectHQ/prefect#20485, #22664). Five
+automations close these gaps for the deployments tagged ``RINGFLOW_RESUME_TAG``:
 
 * ``ringflow: crash silent runs``: a run that sent a heartbeat and then neither another one
   nor a final state within ``RINGFLOW_HEARTBEAT_GRACE_SECONDS`` is marked Crashed.
