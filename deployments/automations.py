@@ -2,11 +2,17 @@
 
 Prefect retries a flow run whose code raised (``retries=`` on the flow), but not one whose
 process or host died: a killed flow process is marked Crashed by its worker and never retried
-(PrefectHQ/prefect#10211), and a run whose worker died with it stays Running forever. Three
-automations close both gaps for the deployments tagged ``RINGFLOW_RESUME_TAG``:
+(PrefectHQ/prefect#10211), a run whose worker died with it stays Running forever, and one
+whose worker died after taking it, before its flow process ran, stays Pending forever (run
+count 0: no worker looks at a Pending run again; PrefectHQ/prefect#20485, #22664). Five
+automations close these gaps for the deployments tagged ``RINGFLOW_RESUME_TAG``:
 
 * ``ringflow: crash silent runs``: a run that sent a heartbeat and then neither another one
   nor a final state within ``RINGFLOW_HEARTBEAT_GRACE_SECONDS`` is marked Crashed.
+* ``ringflow: crash runs lost before they started``: a run that entered a Pending state
+  (``Pending``, ``Submitting``, ``InfrastructurePending``) and then sent no further event (no
+  Running, no heartbeat, no other state) within ``RINGFLOW_HEARTBEAT_GRACE_SECONDS`` is
+  marked Crashed: the worker that took it died before or while it started the flow process.
 * ``ringflow: reschedule killed runs``: when a worker reports that the process of a run
   ended by a signal (SIGKILL, SIGTERM: the ``prefect.worker.executed-flow-run`` event with
   status code -9, -15, 137 or 143), the run is put back to Scheduled (``AwaitingRetry``).
@@ -18,8 +24,11 @@ automations close both gaps for the deployments tagged ``RINGFLOW_RESUME_TAG``:
 * ``ringflow: reschedule silent runs``: a run the first automation marked Crashed (no worker
   is left to report it) is put back to Scheduled, while it has started at most
   ``RINGFLOW_MAX_RESTARTS`` times: that is the server's guard against a crash loop.
+* ``ringflow: reschedule runs lost before they started``: a run the Pending automation marked
+  Crashed is put back to Scheduled, while it has started at most ``RINGFLOW_MAX_RESTARTS``
+  times (a run lost before its first start has started 0 times).
 
-Both reschedules act without ``force``: the server refuses to reschedule a Completed run.
+The reschedules act without ``force``: the server refuses to reschedule a Completed run.
 The same flow run, with the same id and so the same checkpoints, then runs again on any
 worker of its pool; its ``train`` task holds the run key's lease (``storage.lease``), so a
 start of it that finds another one alive steps aside instead of training beside it.
@@ -47,14 +56,20 @@ from prefect.events.schemas.events import ResourceSpecification
 __all__ = ["ResumePolicy", "apply", "automations", "retire_old", "unwatched"]
 
 CRASH_SILENT = "ringflow: crash silent runs"
+CRASH_UNSTARTED = "ringflow: crash runs lost before they started"
 RESCHEDULE_KILLED = "ringflow: reschedule killed runs"
 RESCHEDULE_SILENT = "ringflow: reschedule silent runs"
+RESCHEDULE_UNSTARTED = "ringflow: reschedule runs lost before they started"
 RETIRED = ("ringflow: reschedule crashed runs",)
 """Names this script used before; applying removes them."""
 KILLED_STATUS_CODES = ["-*", "137", "143"]
 """Exit statuses of a flow process ended by a signal: negative (the process worker), or
 128 + SIGKILL/SIGTERM (container runtimes). A process that exits 1 failed in its code."""
 SILENT_MESSAGE = "No heartbeat for"
+UNSTARTED_MESSAGE = "Lost before it started"
+PENDING_STATES = ("Pending", "Submitting", "InfrastructurePending")
+"""The names of Prefect's Pending states: a worker took the run (``Pending``) and starts its
+flow process (``Submitting``, ``InfrastructurePending``); the process then proposes Running."""
 _FINAL_EVENTS = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
 
 
@@ -103,7 +118,7 @@ class ResumePolicy:
 
 
 def automations(policy: ResumePolicy) -> list[Automation]:
-    """The three automations of ``policy``, ready to apply."""
+    """The five automations of ``policy``, ready to apply."""
     tagged = ResourceSpecification({"prefect.resource.id": f"prefect.tag.{policy.tag}"})
     crash_silent = Automation(
         name=CRASH_SILENT,
@@ -128,6 +143,35 @@ def automations(policy: ResumePolicy) -> list[Automation]:
                 message=(
                     f"{SILENT_MESSAGE} {policy.grace_seconds} s: the flow run's process or its "
                     "host was lost (ringflow automation)"
+                ),
+            )
+        ],
+    )
+    crash_unstarted = Automation(
+        name=CRASH_UNSTARTED,
+        description=(
+            f"Marks a flow run tagged {policy.tag!r} Crashed when it stays in a Pending state "
+            f"for {policy.grace_seconds} s with no sign of its flow process: the worker that "
+            "took it was lost before the process ran. Created by deployments/automations.py."
+        ),
+        trigger=EventTrigger(
+            posture=Posture.Proactive,
+            # Each Pending state starts the wait again; any later event of the run (Running,
+            # a heartbeat, a final or a Scheduled state) ends it.
+            after={f"prefect.flow-run.{name}" for name in PENDING_STATES},
+            expect={"prefect.flow-run.*"},
+            match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
+            match_related=tagged,
+            for_each={"prefect.resource.id"},
+            threshold=1,
+            within=timedelta(seconds=policy.grace_seconds),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=(
+                    f"{UNSTARTED_MESSAGE}: Pending for {policy.grace_seconds} s and no flow "
+                    "process ran it; the worker that took it was lost (ringflow automation)"
                 ),
             )
         ],
@@ -184,7 +228,39 @@ def automations(policy: ResumePolicy) -> list[Automation]:
         ),
         actions=[_reschedule(policy, "after its heartbeats stopped")],
     )
-    return [crash_silent, reschedule_killed, reschedule_silent]
+    reschedule_unstarted = Automation(
+        name=RESCHEDULE_UNSTARTED,
+        description=(
+            f"Puts a flow run tagged {policy.tag!r} that was marked Crashed before it started "
+            f"back to Scheduled, while it has started at most {policy.max_restarts} times. "
+            "Created by deployments/automations.py."
+        ),
+        trigger=EventTrigger(
+            posture=Posture.Reactive,
+            expect={"prefect.flow-run.Crashed"},
+            match=ResourceSpecification(
+                {
+                    "prefect.resource.id": "prefect.flow-run.*",
+                    "prefect.state-message": f"{UNSTARTED_MESSAGE}: *",
+                    # Lost before its first start (0), or before a restart of one that has
+                    # restarts left.
+                    "prefect.run-count": [str(n) for n in range(policy.max_restarts + 1)],
+                }
+            ),
+            match_related=tagged,
+            for_each={"prefect.resource.id"},
+            threshold=1,
+            within=timedelta(0),
+        ),
+        actions=[_reschedule(policy, "after its worker was lost before it started")],
+    )
+    return [
+        crash_silent,
+        crash_unstarted,
+        reschedule_killed,
+        reschedule_silent,
+        reschedule_unstarted,
+    ]
 
 
 def _reschedule(policy: ResumePolicy, why: str) -> ChangeFlowRunState:

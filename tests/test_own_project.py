@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from tests.support.net import free_port
-from tests.support.stack import Stack, clean_env, descendants
+from tests.support.stack import Stack, clean_env, descendants, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -225,21 +225,51 @@ def _working_directory(deployment: dict) -> str:
     return step["prefect.deployments.steps.set_working_directory"]["directory"]
 
 
+def _kill_mid_training(stack: Stack, run_id: str, storage: Path) -> None:
+    """SIGKILL the flow process of ``run_id`` once it has a checkpoint, its training paused
+    meanwhile so that it cannot end first."""
+    from ringflow.storage import CheckpointStore
+
+    store = CheckpointStore(str(storage / "checkpoints"))
+    deadline = time.monotonic() + 300
+    while not store.checkpoints(run_id):
+        assert stack.flow_run(run_id)["state"]["type"] in {"SCHEDULED", "PENDING", "RUNNING"}
+        assert time.monotonic() < deadline, "no checkpoint within 5 minutes" + stack.logs()
+        time.sleep(0.05)
+    with stack.training_paused():
+        (process,) = stack.flow_processes(run_id)
+        kill_tree(process)
+
+
 @pytest.mark.e2e
 def test_your_own_flow_deployed_from_your_project_trains_on_the_ray_head_and_serves(
     stack, tmp_path
 ):
+    """Deployed as docs/own-model.md says (deploy.sh with the project's prefect.yaml, the
+    template's tag and heartbeat), its flow process SIGKILLed mid-training: the run comes
+    back by itself, completes once, and serves."""
     project = shutil.copytree(EXAMPLES / "user-project", tmp_path / "wine")
-    deployment = _deploy(stack, project, "wine-pipeline/lab")
+    stack.script("deploy.sh", "prefect.yaml", cwd=project)
+    reply = httpx.get(f"{stack.api}/deployments/name/wine-pipeline/lab", timeout=30)
+    deployment = reply.raise_for_status().json()
     # {{ $PWD }} was resolved when deploying: the worker's run works in this directory.
     assert _working_directory(deployment) == str(project)
     assert deployment["work_pool_name"] == stack.env["RINGFLOW_POOL"]
 
-    _run(stack, project, RUN_WINE, "epochs=30", f"serve_port={stack.serve_port}")
+    storage = project / ".ringflow" / "storage"
+    run_id = stack.run_deployment(
+        "wine-pipeline/lab", {"epochs": 30, "serve_port": stack.serve_port}
+    )
+    _kill_mid_training(stack, run_id, storage)
+    run = stack.wait_until_completed(run_id, 300)
+    names = [s["name"] for s in stack.states(run_id)]
+    assert run["run_count"] == 2, names
+    assert (names.count("AwaitingRetry"), names.count("Completed")) == (1, 1), names
+    # It went on from where the killed process had trained to, not from the start.
+    assert f"resumed run {run_id} from its checkpoint at step" in stack.run_log(run_id)
 
     # The project's own task ran first: it wrote its features under the storage URL, and
     # they are what the model was trained on and what serving takes.
-    storage = project / ".ringflow" / "storage"
     import pandas as pd
 
     table = pd.read_parquet(storage / "features" / "wine.parquet")

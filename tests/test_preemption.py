@@ -27,7 +27,7 @@ import httpx
 import pytest
 import torch
 
-from tests.support.stack import Stack, descendants
+from tests.support.stack import Stack, kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,29 +59,9 @@ def _wait_for_first_checkpoint(stack: Stack, run_id: str) -> None:
     time.sleep(random.uniform(0, 2))
 
 
-def _flow_processes(stack: Stack, run_id: str) -> list[int]:
-    """The processes the worker started for ``run_id``: the outermost ones with its id."""
-    wanted = f"PREFECT__FLOW_RUN_ID={run_id}".encode()
-    mine = []
-    for pid in descendants(stack.worker()):
-        try:
-            if wanted in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                mine.append(pid)
-        except OSError:
-            continue
-    return [pid for pid in mine if _parent(pid) not in mine and not _is_zombie(pid)]
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _flow_process(stack: Stack, run_id: str) -> int:
     """The one process the worker started for ``run_id``."""
-    found = _flow_processes(stack, run_id)
+    found = stack.flow_processes(run_id)
     assert found, f"no process of flow run {run_id} under the worker"
     return found[0]
 
@@ -96,7 +76,7 @@ class _Overlap:
         def sample() -> None:
             while not self._stop.wait(0.2):
                 with contextlib.suppress(OSError, AssertionError, ValueError):
-                    alive = _flow_processes(stack, run_id)
+                    alive = stack.flow_processes(run_id)
                     self.seen.update(alive)
                     self.most = max(self.most, len(alive))
 
@@ -115,25 +95,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and its descendants at once, as a preempted machine would."""
-    procs = [pid, *descendants(pid)]
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{p}").exists() and not _is_zombie(p) for p in procs):
-        assert time.monotonic() < deadline, f"processes {procs} outlived SIGKILL"
-        time.sleep(0.1)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 def _wait_until_final(stack: Stack, run_id: str, seconds: float) -> dict:
     deadline = time.monotonic() + seconds
     while True:
@@ -142,20 +103,6 @@ def _wait_until_final(stack: Stack, run_id: str, seconds: float) -> dict:
             return run
         assert time.monotonic() < deadline, f"flow run {run_id} still {run['state']}"
         time.sleep(1)
-
-
-def _wait_until_completed(stack: Stack, run_id: str, seconds: float) -> dict:
-    deadline = time.monotonic() + seconds
-    while True:
-        run = stack.flow_run(run_id)
-        if run["state"]["type"] == "COMPLETED":
-            return run
-        assert run["state"]["type"] not in {"FAILED", "CANCELLED"}, run["state"]
-        assert time.monotonic() < deadline, (
-            f"flow run {run_id} still {run['state']['name']} after {seconds} s; states "
-            f"{[s['name'] for s in stack.states(run_id)]}" + stack.logs()
-        )
-        time.sleep(2)
 
 
 def _summary(stack: Stack, run_id: str) -> dict[str, str]:
@@ -231,9 +178,9 @@ def test_a_killed_flow_process_is_rescheduled_and_resumes_bit_for_bit(stack, tmp
         assert f"being trained by flow run {run_id}" in intruder["state"]["message"]
         store = CheckpointStore(str(stack.storage / "checkpoints"))
         committed = max(c.step for c in store.checkpoints(run_id))
-    _kill_tree(process)
+    kill_tree(process)
 
-    run = _wait_until_completed(stack, run_id, 240)
+    run = stack.wait_until_completed(run_id, 240)
     overlap.stop()
     # Restarted once (the worker's two reports of the one crash restart it once), and
     # never two processes of the run at once.
@@ -271,7 +218,7 @@ def test_a_killed_flow_process_is_rescheduled_and_resumes_bit_for_bit(stack, tmp
     stack.script("deploy.sh")
     after = [(a["name"], a["id"]) for a in stack.automations()]
     assert sorted(after) == sorted(before.items()), after
-    assert len(after) == 3, after
+    assert len(after) == 5, after
     # Every worker gives the flow process the heartbeat the automations count on.
     deployment = httpx.get(f"{stack.api}/deployments/name/train-pipeline/local").json()
     assert deployment["job_variables"]["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
@@ -288,8 +235,8 @@ def _kill_once(stack: Stack, tmp_path: Path) -> dict:
     _wait_for_first_checkpoint(stack, run_id)
     store = CheckpointStore(str(stack.storage / "checkpoints"))
     committed = max(c.step for c in store.checkpoints(run_id))
-    _kill_tree(_flow_process(stack, run_id))
-    run = _wait_until_completed(stack, run_id, 240)
+    kill_tree(_flow_process(stack, run_id))
+    run = stack.wait_until_completed(run_id, 240)
     overlap.stop()
     summary = _assert_resumed_bit_for_bit(stack, run_id, tmp_path)  # run_count 2, bitwise
     low, high = _steps_lost(stack.artifact(run_id, "resume"))
@@ -337,10 +284,10 @@ def test_a_duplicate_start_of_a_running_run_steps_aside_and_the_run_completes(st
         )
         assert reply.raise_for_status().json()["status"] == "ACCEPT", reply.text
         deadline = time.monotonic() + 180
-        while stack.flow_run(run_id)["run_count"] < 2 or len(_flow_processes(stack, run_id)) > 1:
+        while stack.flow_run(run_id)["run_count"] < 2 or len(stack.flow_processes(run_id)) > 1:
             assert time.monotonic() < deadline, "the duplicate start did not come and go"
             time.sleep(0.5)
-    run = _wait_until_completed(stack, run_id, 180)
+    run = stack.wait_until_completed(run_id, 180)
     # The duplicate exited on its own, proposing nothing: no Crashed, no Failed, no restart.
     states = [s["type"] for s in stack.states(run_id)]
     assert "FAILED" not in states, states
@@ -363,17 +310,110 @@ def test_a_duplicate_start_of_a_running_run_steps_aside_and_the_run_completes(st
 def test_a_run_on_a_lost_host_is_crashed_rescheduled_and_resumes_bit_for_bit(stack, tmp_path):
     run_id = _submit(stack)
     _wait_for_first_checkpoint(stack, run_id)
-    _kill_tree(stack.worker())  # the worker and the flow process with it: the host is gone
+    kill_tree(stack.worker())  # the worker and the flow process with it: the host is gone
     assert stack.flow_run(run_id)["state"]["type"] == "RUNNING"
     stack.script("start.sh")  # a new worker, standing for a replacement host
 
-    run = _wait_until_completed(stack, run_id, 240)
+    run = stack.wait_until_completed(run_id, 240)
     assert run["run_count"] == 2
     crashed = [s for s in stack.states(run_id) if s["type"] == "CRASHED"]
     assert crashed, [s["name"] for s in stack.states(run_id)]
     assert "No heartbeat" in crashed[0]["message"], crashed[0]
     _assert_resumed_bit_for_bit(stack, run_id, tmp_path)
     assert "No heartbeat" in stack.artifact(run_id, "resume")
+
+
+def _when(timestamp: str) -> float:
+    """A state's timestamp, in seconds since the epoch."""
+    from datetime import datetime
+
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+
+
+def _lose_worker_before_the_run_starts(stack: Stack, run_id: str, *, submitting: bool) -> float:
+    """SIGKILL the worker and its processes once it has taken ``run_id``: as soon as the
+    API shows the run Pending, or (``submitting``) the moment the worker has started the
+    run's flow process; then start a new worker. Returns when the kill was."""
+    deadline = time.monotonic() + 180
+    while not (stack.flow_processes(run_id) if submitting else _is_pending(stack, run_id)):
+        assert time.monotonic() < deadline, f"the worker did not take {run_id}" + stack.logs()
+        time.sleep(0.005 if submitting else 0.02)
+    killed = time.time()
+    kill_tree(stack.worker())
+    state = stack.flow_run(run_id)["state"]
+    # Lost before it ran: still Pending, and the flow process, if it had begun, went with it.
+    assert state["type"] == "PENDING", state
+    assert state["name"] == "Submitting" or not submitting, state
+    stack.script("start.sh")  # a new worker, standing for a replacement host
+    return killed
+
+
+def _is_pending(stack: Stack, run_id: str) -> bool:
+    return stack.flow_run(run_id)["state"]["type"] == "PENDING"
+
+
+def _taken_again(stack: Stack, run_id: str, since: float) -> dict:
+    """The first Pending state of ``run_id`` after ``since``, waiting for it."""
+    deadline = time.monotonic() + 240
+    while True:
+        states = stack.states(run_id)
+        later = [s for s in states if s["type"] == "PENDING" and _when(s["timestamp"]) > since]
+        if later:
+            return later[0]
+        assert time.monotonic() < deadline, [s["name"] for s in states]
+        time.sleep(0.02)
+
+
+@pytest.mark.e2e
+def test_a_run_whose_worker_dies_before_it_starts_is_brought_back_once_per_loss(stack, tmp_path):
+    """The worker dies twice before the run's flow process runs: once while the run is
+    Pending, then, on the replacement worker that takes it again, while that worker starts
+    the flow process. Each loss is marked Crashed with why, after the grace period and not
+    before, and brought back once; the run then trains once, to the uninterrupted weights."""
+    grace = int(stack.env["RINGFLOW_HEARTBEAT_GRACE_SECONDS"])
+    # The worker waits while the run is submitted (the CLI takes seconds): its Pending state
+    # is watched from the first moment.
+    os.kill(stack.worker(), signal.SIGSTOP)
+    try:
+        run_id = _submit(stack)
+    finally:
+        os.kill(stack.worker(), signal.SIGCONT)
+    first = _lose_worker_before_the_run_starts(stack, run_id, submitting=False)
+    _taken_again(stack, run_id, first)
+    second = _lose_worker_before_the_run_starts(stack, run_id, submitting=True)
+
+    run = stack.wait_until_completed(run_id, 300)
+    states = stack.states(run_id)
+    names = [s["name"] for s in states]
+    assert run["run_count"] == 1, names  # it never ran before: one start, one Completed
+    assert (names.count("Running"), names.count("Completed")) == (1, 1), names
+    crashed = [s for s in states if s["type"] == "CRASHED"]
+    assert len(crashed) == names.count("AwaitingRetry") == 2, names
+    for lost, killed in zip(crashed, (first, second), strict=True):
+        assert lost["message"].startswith("Lost before it started: Pending for"), lost
+        # Not before the grace period, counted from the run's last Pending state; and
+        # within it and 30 s of the loss.
+        waited = _when(lost["timestamp"]) - _when(_last_pending_before(states, lost))
+        assert waited >= grace, (waited, names)
+        assert _when(lost["timestamp"]) - killed <= grace + 30, (lost, killed, names)
+    # Running again within the grace period and 30 s of the last loss.
+    running = next(s for s in states if s["type"] == "RUNNING")
+    assert _when(running["timestamp"]) - second <= grace + 30, (running, second, names)
+
+    from ringflow.storage import load_model
+
+    summary = _summary(stack, run_id)
+    trained, _ = load_model(
+        summary["checkpoint"], allowed="ringflow.models.digits:DigitsClassifier"
+    )
+    for name, tensor in _reference_for(summary, tmp_path).items():
+        assert torch.equal(trained.state_dict()[name], tensor), name
+
+
+def _last_pending_before(states: list[dict], state: dict) -> str:
+    """The timestamp of the last Pending state before ``state``."""
+    before = [s for s in states if s["type"] == "PENDING" and s["timestamp"] < state["timestamp"]]
+    return before[-1]["timestamp"]
 
 
 HOROVOD_SCRIPT = "tests/horovod_scripts/checkpointed.py"
@@ -400,9 +440,9 @@ def test_a_killed_horovod_script_run_is_rescheduled_and_resumes_from_its_checkpo
         assert time.monotonic() < deadline, "no checkpoint within 3 minutes" + stack.logs()
         time.sleep(0.2)
     committed = max(c.step for c in store.checkpoints(run_id))
-    _kill_tree(_flow_process(stack, run_id))
+    kill_tree(_flow_process(stack, run_id))
 
-    run = _wait_until_completed(stack, run_id, 240)
+    run = stack.wait_until_completed(run_id, 240)
     assert run["run_count"] == 2
     summary = _summary(stack, run_id)
     assert int(summary["resumed_from_step"]) >= committed
@@ -443,7 +483,7 @@ def _automations_module():
 def test_the_reschedule_automations_act_once_per_process_and_stop_after_max_restarts():
     automations = _automations_module()
     policy = automations.ResumePolicy(max_restarts=2)
-    crash_silent, killed, silent = automations.automations(policy)
+    crash_silent, crash_unstarted, killed, silent, unstarted = automations.automations(policy)
     # A killed process: the worker's one event per process, sent after both of its reports
     # of the crash; only an end by a signal, never a failure of the flow's code (status 1).
     assert killed.trigger.expect == {"prefect.worker.executed-flow-run"}
@@ -454,10 +494,24 @@ def test_the_reschedule_automations_act_once_per_process_and_stop_after_max_rest
     assert silent.trigger.match.root["prefect.run-count"] == ["1", "2"]
     assert silent.trigger.match.root["prefect.state-message"] == "No heartbeat for *"
     assert crash_silent.actions[0].message.startswith("No heartbeat for ")
-    assert {killed.actions[0].name, silent.actions[0].name} == {"AwaitingRetry"}
-    assert not killed.actions[0].force  # the server refuses to reschedule a Completed run
-    assert not silent.actions[0].force
-    assert crash_silent.trigger.within.total_seconds() == policy.grace_seconds
+    # A run lost before it started: every Pending state starts the wait, any later event of
+    # the run ends it; it is brought back while it has started at most max_restarts times
+    # (0: never).
+    assert crash_unstarted.trigger.after == {
+        "prefect.flow-run.Pending",
+        "prefect.flow-run.Submitting",
+        "prefect.flow-run.InfrastructurePending",
+    }
+    assert crash_unstarted.trigger.expect == {"prefect.flow-run.*"}
+    assert crash_unstarted.actions[0].message.startswith("Lost before it started: ")
+    assert unstarted.trigger.match.root["prefect.run-count"] == ["0", "1", "2"]
+    assert unstarted.trigger.match.root["prefect.state-message"] == "Lost before it started: *"
+    rescheduling = (killed, silent, unstarted)
+    assert {a.actions[0].name for a in rescheduling} == {"AwaitingRetry"}
+    # The server refuses to reschedule a Completed run.
+    assert not any(a.actions[0].force for a in rescheduling)
+    for watching in (crash_silent, crash_unstarted):
+        assert watching.trigger.within.total_seconds() == policy.grace_seconds
     for bad in ({"heartbeat_seconds": 10}, {"grace_seconds": 30}, {"max_restarts": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             automations.ResumePolicy(**bad)

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,10 +72,11 @@ class Stack:
 
     # ------------------------------------------------------------------ scripts and CLI
 
-    def script(self, name: str, timeout: float = 300) -> str:
+    def script(self, name: str, *args: str, cwd: Path = ROOT, timeout: float = 300) -> str:
+        """Run ``deployments/NAME ARGS...`` in ``cwd``; its output."""
         done = subprocess.run(
-            [f"./deployments/{name}"],
-            cwd=ROOT,
+            [str(ROOT / "deployments" / name), *args],
+            cwd=cwd,
             env=self.env,
             text=True,
             capture_output=True,
@@ -132,12 +134,37 @@ class Stack:
         reply = prefect_api("GET", f"{self.api}/flow_run_states/", params={"flow_run_id": run_id})
         return sorted(reply.json(), key=lambda s: s["timestamp"])
 
+    def wait_until_completed(self, run_id: str, seconds: float) -> dict:
+        """The flow run once Completed; fails at once if it Failed or was Cancelled."""
+        deadline = time.monotonic() + seconds
+        while True:
+            run = self.flow_run(run_id)
+            if run["state"]["type"] == "COMPLETED":
+                return run
+            assert run["state"]["type"] not in {"FAILED", "CANCELLED"}, run["state"]
+            assert time.monotonic() < deadline, (
+                f"flow run {run_id} still {run['state']['name']} after {seconds} s; states "
+                f"{[s['name'] for s in self.states(run_id)]}" + self.logs()
+            )
+            time.sleep(2)
+
     def artifact(self, run_id: str, key: str) -> str:
         body = {"artifacts": {"flow_run_id": {"any_": [run_id]}, "key": {"any_": [key]}}}
         reply = httpx.post(f"{self.api}/artifacts/filter", json=body, timeout=30)
         found = reply.raise_for_status().json()
         assert found, f"flow run {run_id} has no {key!r} artifact"
         return found[0]["data"]
+
+    def run_log(self, run_id: str) -> str:
+        """The messages a flow run logged to the server, one a line, oldest first."""
+        messages: list[str] = []
+        while True:  # the server answers a page at a time
+            body = {"logs": {"flow_run_id": {"any_": [run_id]}}, "offset": len(messages)}
+            reply = httpx.post(f"{self.api}/logs/filter", json=body, timeout=30)
+            page = [log["message"] for log in reply.raise_for_status().json()]
+            if not page:
+                return "\n".join(messages)
+            messages += page
 
     def automations(self) -> list[dict]:
         reply = httpx.post(f"{self.api}/automations/filter", json={}, timeout=30)
@@ -150,6 +177,18 @@ class Stack:
 
     def ray_head(self) -> int:
         return int((self.state / "run" / "ray-head.pid").read_text())
+
+    def flow_processes(self, run_id: str) -> list[int]:
+        """The processes the worker started for ``run_id``: the outermost ones with its id."""
+        wanted = f"PREFECT__FLOW_RUN_ID={run_id}".encode()
+        mine = []
+        for pid in descendants(self.worker()):
+            try:
+                if wanted in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    mine.append(pid)
+            except OSError:
+                continue
+        return [pid for pid in mine if _parent(pid) not in mine and not _is_zombie(pid)]
 
     @contextlib.contextmanager
     def training_paused(self) -> Iterator[None]:
@@ -178,6 +217,39 @@ def _is_training_worker(pid: int) -> bool:
         return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::Worker")
     except OSError:
         return False
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and its descendants at once, as a preempted machine would. They are
+    stopped first, until no new one appears, so that none started meanwhile (a worker
+    starting a flow process) outlives them."""
+    procs: list[int] = []
+    while new := [p for p in [pid, *descendants(pid)] if p not in procs]:
+        for proc in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc, signal.SIGSTOP)
+        procs += new
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{p}").exists() and not _is_zombie(p) for p in procs):
+        assert time.monotonic() < deadline, f"processes {procs} outlived SIGKILL"
+        time.sleep(0.1)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def descendants(pid: int) -> list[int]:
