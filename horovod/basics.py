@@ -209,13 +209,15 @@ def _check_run(store: Any, ranks: _Ranks) -> None:
         )
 
 
-def worker_waiting() -> bool:
+def worker_waiting(*, committed: bool = False) -> bool:
     """On rank 0 of an elastic run, whether a worker waits to join its ranks (``False`` on
-    every other rank and outside one: ``hvd.elastic`` broadcasts rank 0's answer)."""
+    every other rank and outside one: ``hvd.elastic`` broadcasts rank 0's answer);
+    ``committed``: asked at a commit, which the run counts as its step."""
     known = _known()
     if known.rank != 0 or SOCKET not in os.environ:
         return False
-    return bool(ask({"op": "updated", "generation": known.generation}))
+    request = {"op": "updated", "generation": known.generation, "committed": committed}
+    return bool(ask(request))
 
 
 def _at_exit() -> None:

@@ -60,11 +60,14 @@ class State:
         """Keep the state as it is now, in this process's memory, as the point the ranks
         roll back to; then :meth:`check_host_updates`."""
         self.save()
-        self.check_host_updates()
+        self._check_host_updates(committed=True)
 
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank if a worker waits to join."""
-        waiting = basics.worker_waiting()  # rank 0 asks; every rank takes its answer
+        self._check_host_updates(committed=False)
+
+    def _check_host_updates(self, *, committed: bool) -> None:
+        waiting = basics.worker_waiting(committed=committed)  # rank 0 asks; all take its answer
         if basics.size() > 1:
             waiting = bool(broadcast_object(waiting, root_rank=0))
         if waiting:
