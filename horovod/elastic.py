@@ -20,13 +20,10 @@ from typing import Any
 
 import torch
 
-from ringflow.horovod import basics
+from ringflow.horovod import basics, lifecycle
 from ringflow.horovod.basics import HorovodInternalError
-from ringflow.horovod.collectives import (
-    broadcast_object,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-)
+from ringflow.horovod.collectives import broadcast_object, broadcast_parameters
+from ringflow.horovod.optimizer import broadcast_optimizer_state
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
 
@@ -176,8 +173,8 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             except HostsUpdatedInterrupt as err:
                 lost_at, skip_sync, why = time.monotonic(), err.skip_sync, "a worker joins"
             before = basics.size()
-            basics.shutdown()
-            basics.init()
+            lifecycle.shutdown()
+            lifecycle.init()
             print(
                 f"ringflow.horovod: {before} -> {basics.size()} ranks, this one rank "
                 f"{basics.rank()}, in {time.monotonic() - lost_at:.2f} s: {why}",
