@@ -203,15 +203,22 @@ def _check_horovods_options(options: dict[str, Any]) -> None:
 
 
 def _start(
-    np: int, cpus: float, gpus: int, timeout_s: float, env: dict[str, str] | None
+    np: int,
+    cpus: float,
+    gpus: float,
+    timeout_s: float,
+    env: dict[str, str] | None,
+    rank_cls: type = _Rank,
+    **options: Any,
 ) -> tuple[list[Any], list[dict[str, str]]]:
-    """``np`` rank actors, and what each is told of its place (``basics.VARIABLES``)."""
+    """``np`` rank actors (of ``rank_cls``, with Ray's actor ``options``), and what each is
+    told of its place (``basics.VARIABLES``)."""
     import ray
 
     from ringflow.engine.cluster import connect
 
     connect()
-    actor = ray.remote(_Rank).options(num_cpus=cpus, num_gpus=gpus)
+    actor = ray.remote(rank_cls).options(num_cpus=cpus, num_gpus=gpus, **options)
     ranks = [actor.remote() for _ in range(np)]
     nodes = ray.get([r.node.remote() for r in ranks])
     address = ray.get(ranks[0].address.remote())
