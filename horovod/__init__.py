@@ -25,12 +25,10 @@ from ringflow.horovod.basics import (
     Sum,
     cross_rank,
     cross_size,
-    init,
     is_initialized,
     local_rank,
     local_size,
     rank,
-    shutdown,
     size,
 )
 from ringflow.horovod.build import (
@@ -46,40 +44,46 @@ from ringflow.horovod.build import (
     rocm_built,
 )
 from ringflow.horovod.collectives import (
-    allgather,
     allgather_async,
     allgather_object,
-    allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
     alltoall_async,
     barrier,
-    broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
     broadcast_object,
-    broadcast_optimizer_state,
     broadcast_parameters,
-    grouped_allgather,
     grouped_allgather_async,
-    grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    grouped_reducescatter,
     grouped_reducescatter_async,
     join,
     poll,
-    reducescatter,
     reducescatter_async,
     sparse_allreduce_async,
     synchronize,
 )
+from ringflow.horovod.differentiable import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    reducescatter,
+)
 from ringflow.horovod.elastic import HostsUpdatedInterrupt
-from ringflow.horovod.optimizer import Compression, DistributedOptimizer
+from ringflow.horovod.lifecycle import init, shutdown
+from ringflow.horovod.optimizer import (
+    Compression,
+    DistributedOptimizer,
+    broadcast_optimizer_state,
+)
 from ringflow.horovod.process_sets import (
     ProcessSet,
     add_process_set,

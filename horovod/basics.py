@@ -22,13 +22,13 @@ __all__ = [
     "Sum",
     "cross_rank",
     "cross_size",
-    "init",
     "is_initialized",
+    "join_ring",
+    "leave_ring",
     "local_rank",
     "local_size",
     "rank",
     "ring",
-    "shutdown",
     "size",
 ]
 
@@ -89,15 +89,13 @@ _scope = threading.local()
 and ``size`` are then its own (``ringflow.horovod.process_sets.within``)."""
 
 
-def init(comm: Any = None, process_sets: Any = None) -> None:
-    """Join the ring of this run's ranks (one rank of one without the launcher), and add
-    ``process_sets`` (each a ``ProcessSet`` or a list of ranks). Safe to call again; an MPI
-    ``comm`` is refused."""
+def join_ring() -> bool:
+    """Join the ring of this run's ranks (one rank of one without the launcher); whether it
+    joined (``False``: it is in one already). ``hvd.init`` (``ringflow.horovod.lifecycle``)
+    calls it, then adds the process sets."""
     global _ranks, _ring, _generation, _init_store
-    if comm is not None:
-        raise HorovodError("ringflow.horovod.init takes no MPI communicator: MPI is not supported")
     if _ranks is not None:
-        return
+        return False
     ranks = _from_membership() if SOCKET in os.environ else _from_environment()
     _generation = ranks.generation
     from ringflow.engine.collective.ring import RingCollective
@@ -114,11 +112,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     _ranks = ranks
     atexit.unregister(_at_exit)  # registered once, however often init is called
     atexit.register(_at_exit)
-    if process_sets is not None:
-        from ringflow.horovod.process_sets import add_process_set
-
-        for process_set in process_sets:
-            add_process_set(process_set)
+    return True
 
 
 def _from_environment() -> _Ranks:
@@ -209,13 +203,15 @@ def _check_run(store: Any, ranks: _Ranks) -> None:
         )
 
 
-def worker_waiting() -> bool:
+def worker_waiting(*, committed: bool = False) -> bool:
     """On rank 0 of an elastic run, whether a worker waits to join its ranks (``False`` on
-    every other rank and outside one: ``hvd.elastic`` broadcasts rank 0's answer)."""
+    every other rank and outside one: ``hvd.elastic`` broadcasts rank 0's answer);
+    ``committed``: asked at a commit, which the run counts as its step."""
     known = _known()
     if known.rank != 0 or SOCKET not in os.environ:
         return False
-    return bool(ask({"op": "updated", "generation": known.generation}))
+    request = {"op": "updated", "generation": known.generation, "committed": committed}
+    return bool(ask(request))
 
 
 def _at_exit() -> None:
@@ -226,13 +222,11 @@ def _at_exit() -> None:
         _ring.write()
 
 
-def shutdown() -> None:
-    """Leave the ring: its connections, shared memory and thread are released; ``init``
-    forms a new ring of the same ranks."""
+def leave_ring() -> None:
+    """Leave the ring: its connections, shared memory and thread are released (after the
+    process sets' rings, by ``hvd.shutdown``); ``join_ring`` forms a new ring of the same
+    ranks."""
     global _ranks, _ring, _init_store
-    from ringflow.horovod.process_sets import remove_every_process_set
-
-    remove_every_process_set()
     if _ring is not None:
         _ring.close()
     _ranks, _ring, _init_store = None, None, None

@@ -1,8 +1,9 @@
 """Horovod's tensor and object collectives on ringflow's ring.
 
 Every rank calls them in the same order, as under Horovod (``name=`` is accepted and only
-names the operation in errors: the ring matches operations by order, not by name). Each
-tensor collective is differentiable as Horovod's is (``ringflow.horovod.differentiable``).
+names the operation in errors: the ring matches operations by order, not by name). Those
+that return a new tensor, differentiable as Horovod's are, are autograd functions over
+these handles (``ringflow.horovod.differentiable``).
 """
 
 from __future__ import annotations
@@ -23,34 +24,25 @@ from ringflow.horovod.timeline import naming
 
 __all__ = [
     "Handle",
-    "allgather",
     "allgather_async",
     "allgather_object",
-    "allreduce",
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
-    "alltoall",
     "alltoall_async",
     "barrier",
-    "broadcast",
     "broadcast_",
     "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
-    "broadcast_optimizer_state",
     "broadcast_parameters",
-    "grouped_allgather",
     "grouped_allgather_async",
-    "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
-    "grouped_reducescatter",
     "grouped_reducescatter_async",
     "join",
     "poll",
-    "reducescatter",
     "reducescatter_async",
     "sparse_allreduce_async",
     "synchronize",
@@ -209,25 +201,6 @@ def allreduce_(tensor: torch.Tensor, average=None, name=None, op=None, **kw) -> 
 
 
 @in_process_set
-def allreduce(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    compression: Any = None,
-    op: str | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> torch.Tensor:
-    """The average (or sum, min, max, product) of ``tensor`` over the ranks, as a new
-    tensor; differentiable (the gradient is reduced the same way, as Horovod's)."""
-    from ringflow.horovod.differentiable import Allreduce
-
-    wire, ctx = compression.compress(tensor) if compression else (tensor, None)
-    reduced = Allreduce.apply(wire, average, name, op, prescale_factor, postscale_factor)
-    return compression.decompress(reduced, ctx) if compression else reduced
-
-
-@in_process_set
 def grouped_allreduce_async_(
     tensors: Sequence[torch.Tensor], average=None, name=None, op=None, **kw
 ):
@@ -248,17 +221,6 @@ def grouped_allreduce_async(
 @in_process_set
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average=None, name=None, op=None, **kw):
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, **kw))
-
-
-@in_process_set
-def grouped_allreduce(
-    tensors: Sequence[torch.Tensor], average=None, name=None, compression=None, op=None, **kw
-):
-    """:func:`allreduce` of each tensor, in order; a list of the results."""
-    return [
-        allreduce(t, average, _member(name, i), compression, op, **kw)
-        for i, t in enumerate(tensors)
-    ]
 
 
 def _member(name: str | None, index: int) -> str | None:
@@ -299,15 +261,6 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
 
 
 @in_process_set
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """Rank ``root_rank``'s ``tensor``, as a new tensor on every rank; differentiable (the
-    root's gradient is the average of every rank's, the others' zero, as Horovod's)."""
-    from ringflow.horovod.differentiable import Broadcast
-
-    return Broadcast.apply(tensor, root_rank, name)
-
-
-@in_process_set
 def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Handle:
     """Start :func:`allgather`; a handle for :func:`synchronize`."""
     _named("allgather", name)
@@ -333,25 +286,8 @@ def _concatenating(tensor: torch.Tensor) -> Handle:
 
 
 @in_process_set
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along the first dimension, in rank order; the
-    first dimension may differ between ranks, the others may not. Differentiable."""
-    from ringflow.horovod.differentiable import Allgather
-
-    return Allgather.apply(tensor, name)
-
-
-@in_process_set
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> Handle:
     return _group([allgather_async(t, _member(name, i)) for i, t in enumerate(tensors)])
-
-
-@in_process_set
-def grouped_allgather(
-    tensors: Sequence[torch.Tensor], name: str | None = None
-) -> list[torch.Tensor]:
-    """:func:`allgather` of each tensor, in order."""
-    return [allgather(t, _member(name, i)) for i, t in enumerate(tensors)]
 
 
 @in_process_set
@@ -396,18 +332,6 @@ def _splits(tensor: torch.Tensor, splits: Any) -> tuple[list[int], ValueError | 
             f"alltoall: splits {counts} must be {n} counts adding up to {rows}"
         )
     return counts, None
-
-
-@in_process_set
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Any:
-    """Rank ``r`` gets part ``r`` of every rank's ``tensor``, concatenated in rank order: the
-    first dimension cut into ``splits`` rows per rank (equal parts by default). With
-    ``splits``, ``(tensor, received_splits)``: how many rows came from each rank, as
-    Horovod's. Differentiable."""
-    from ringflow.horovod.differentiable import Alltoall
-
-    received, counts = Alltoall.apply(tensor, splits, name)
-    return received if splits is None else (received, counts)
 
 
 @in_process_set
@@ -465,41 +389,12 @@ def reducescatter_async(
 
 
 @in_process_set
-def reducescatter(
-    tensor: torch.Tensor,
-    name: str | None = None,
-    compression: Any = None,
-    op: str = Average,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> torch.Tensor:
-    """Rank ``r``'s part of the average (``op=Average``, the default) or sum of ``tensor``
-    over the ranks: the first dimension cut into ``size()`` parts, the first ones a row
-    longer where it does not divide, as Horovod's. Differentiable."""
-    from ringflow.horovod.differentiable import Reducescatter
-
-    wire, ctx = compression.compress(tensor) if compression else (tensor, None)
-    reduced = Reducescatter.apply(wire, name, op, prescale_factor, postscale_factor)
-    return compression.decompress(reduced, ctx) if compression else reduced
-
-
-@in_process_set
 def grouped_reducescatter_async(
     tensors: Sequence[torch.Tensor], name=None, op=Average, **kw
 ) -> Handle:
     return _group(
         [reducescatter_async(t, _member(name, i), op, **kw) for i, t in enumerate(tensors)]
     )
-
-
-@in_process_set
-def grouped_reducescatter(
-    tensors: Sequence[torch.Tensor], name=None, compression=None, op=Average, **kw
-):
-    """:func:`reducescatter` of each tensor, in order."""
-    return [
-        reducescatter(t, _member(name, i), compression, op, **kw) for i, t in enumerate(tensors)
-    ]
 
 
 def join(device: int = -1) -> int:
@@ -534,7 +429,7 @@ def _with_zeros(row: list[int]) -> None:
 def barrier(process_set: Any = None) -> None:
     """Wait until every rank (of ``process_set``) got here (Horovod's ``hvd.barrier``)."""
     with within(process_set):
-        allreduce(torch.zeros(1), op=Sum)
+        synchronize(allreduce_async(torch.zeros(1), op=Sum))
 
 
 @in_process_set
@@ -553,7 +448,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """Every rank's ``obj``, in rank order."""
     payload = _pickled(obj)
-    lengths = allgather(torch.tensor([payload.numel()], dtype=torch.int64))
+    lengths = synchronize(allgather_async(torch.tensor([payload.numel()], dtype=torch.int64)))
     padded = torch.zeros(int(lengths.max()), dtype=torch.uint8)
     padded[: payload.numel()] = payload
     parts = ring().all_gather(padded)
@@ -569,42 +464,6 @@ def broadcast_parameters(
     for _, tensor in items:
         with torch.no_grad():
             broadcast_(tensor, root_rank)
-
-
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Every rank's optimizer state (moments, steps, learning rates) becomes rank
-    ``root_rank``'s. A fresh optimizer first takes a step on zero gradients, as Horovod's
-    does, so that its state exists (a stateless one then has nothing to broadcast).
-
-    Raises:
-        ValueError: ``optimizer`` is an ``LBFGS`` (its state cannot be broadcast, as in
-            Horovod).
-    """
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    if not optimizer.state_dict()["state"]:
-        _zero_gradient_step(optimizer)
-    if not optimizer.state_dict()["state"]:
-        return
-    state = broadcast_object(optimizer.state_dict(), root_rank)
-    optimizer.load_state_dict(state)
-
-
-def _zero_gradient_step(optimizer: torch.optim.Optimizer) -> None:
-    """Horovod's initialisation of a fresh optimizer's state: a step on zero gradients, taken
-    by the optimizer's own class (a ``DistributedOptimizer``'s step would reduce them)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-                if isinstance(optimizer, torch.optim.SparseAdam):
-                    p.grad = p.grad.to_sparse()
-    from ringflow.horovod.optimizer import _Distributed
-
-    if isinstance(optimizer, _Distributed):
-        super(_Distributed, optimizer).step()
-    else:
-        optimizer.step()
 
 
 def _pickled(obj: Any) -> torch.Tensor:

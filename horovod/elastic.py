@@ -20,13 +20,10 @@ from typing import Any
 
 import torch
 
-from ringflow.horovod import basics
+from ringflow.horovod import basics, lifecycle
 from ringflow.horovod.basics import HorovodInternalError
-from ringflow.horovod.collectives import (
-    broadcast_object,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-)
+from ringflow.horovod.collectives import broadcast_object, broadcast_parameters
+from ringflow.horovod.optimizer import broadcast_optimizer_state
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
 
@@ -60,11 +57,14 @@ class State:
         """Keep the state as it is now, in this process's memory, as the point the ranks
         roll back to; then :meth:`check_host_updates`."""
         self.save()
-        self.check_host_updates()
+        self._check_host_updates(committed=True)
 
     def check_host_updates(self) -> None:
         """Raise :class:`HostsUpdatedInterrupt` on every rank if a worker waits to join."""
-        waiting = basics.worker_waiting()  # rank 0 asks; every rank takes its answer
+        self._check_host_updates(committed=False)
+
+    def _check_host_updates(self, *, committed: bool) -> None:
+        waiting = basics.worker_waiting(committed=committed)  # rank 0 asks; all take its answer
         if basics.size() > 1:
             waiting = bool(broadcast_object(waiting, root_rank=0))
         if waiting:
@@ -173,8 +173,8 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
             except HostsUpdatedInterrupt as err:
                 lost_at, skip_sync, why = time.monotonic(), err.skip_sync, "a worker joins"
             before = basics.size()
-            basics.shutdown()
-            basics.init()
+            lifecycle.shutdown()
+            lifecycle.init()
             print(
                 f"ringflow.horovod: {before} -> {basics.size()} ranks, this one rank "
                 f"{basics.rank()}, in {time.monotonic() - lost_at:.2f} s: {why}",

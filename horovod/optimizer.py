@@ -13,11 +13,11 @@ import torch
 from ringflow.engine.collective import CollectiveWork, GradientBuckets
 from ringflow.horovod import negotiation
 from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
-from ringflow.horovod.collectives import _reduce, allgather_object, synchronize
+from ringflow.horovod.collectives import _reduce, allgather_object, broadcast_object, synchronize
 from ringflow.horovod.process_sets import ProcessSet, within
 from ringflow.horovod.timeline import naming
 
-__all__ = ["Compression", "DistributedOptimizer"]
+__all__ = ["Compression", "DistributedOptimizer", "broadcast_optimizer_state"]
 
 FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
 """Horovod's variable for the bytes gradients are fused into per all-reduce (0: no fusion)."""
@@ -408,3 +408,37 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
             named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor
         )
     return optimizer
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Every rank's optimizer state (moments, steps, learning rates) becomes rank
+    ``root_rank``'s. A fresh optimizer first takes a step on zero gradients, as Horovod's
+    does, so that its state exists (a stateless one then has nothing to broadcast).
+
+    Raises:
+        ValueError: ``optimizer`` is an ``LBFGS`` (its state cannot be broadcast, as in
+            Horovod).
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if not optimizer.state_dict()["state"]:
+        _zero_gradient_step(optimizer)
+    if not optimizer.state_dict()["state"]:
+        return
+    state = broadcast_object(optimizer.state_dict(), root_rank)
+    optimizer.load_state_dict(state)
+
+
+def _zero_gradient_step(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's initialisation of a fresh optimizer's state: a step on zero gradients, taken
+    by the optimizer's own class (a ``DistributedOptimizer``'s step would reduce them)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam):
+                    p.grad = p.grad.to_sparse()
+    if isinstance(optimizer, _Distributed):
+        super(_Distributed, optimizer).step()
+    else:
+        optimizer.step()

@@ -141,11 +141,13 @@ def run(
 
     With ``min_np`` or ``max_np`` (``horovod.run``'s) the run is elastic: a rank whose actor
     dies is lost, the others roll back to their last commit (``@hvd.elastic.run``) and go on,
-    and a worker starts in its place, at most ``reset_limit`` times (10); the result is then
-    each finishing rank's, in its last rank order.
+    and a worker starts in its place, as the engine's elastic coordinator decides: at most
+    ``reset_limit`` (Horovod's) changes of the ranks, each loss and each join one (``None``:
+    any number); the result is then each finishing rank's, in its last rank order.
 
     Raises:
         RankFailedError: a rank's ``fn`` raised; the first to fail, by rank and exception.
+        HorovodError: an elastic run gave up (every worker lost, or ``reset_limit`` spent).
     """
     if np < 1:
         raise ValueError(f"np must be 1 or more, got {np}")
@@ -155,7 +157,7 @@ def run(
     if min_np is not None or max_np is not None:
         options = {
             "timeout_s": timeout_s,
-            "reset_limit": 10 if reset_limit is None else reset_limit,
+            "reset_limit": reset_limit,
             "cpus": cpus_per_worker,
             "gpus": gpus_per_worker,
             "env": env,
@@ -201,15 +203,22 @@ def _check_horovods_options(options: dict[str, Any]) -> None:
 
 
 def _start(
-    np: int, cpus: float, gpus: int, timeout_s: float, env: dict[str, str] | None
+    np: int,
+    cpus: float,
+    gpus: float,
+    timeout_s: float,
+    env: dict[str, str] | None,
+    rank_cls: type = _Rank,
+    **options: Any,
 ) -> tuple[list[Any], list[dict[str, str]]]:
-    """``np`` rank actors, and what each is told of its place (``basics.VARIABLES``)."""
+    """``np`` rank actors (of ``rank_cls``, with Ray's actor ``options``), and what each is
+    told of its place (``basics.VARIABLES``)."""
     import ray
 
     from ringflow.engine.cluster import connect
 
     connect()
-    actor = ray.remote(_Rank).options(num_cpus=cpus, num_gpus=gpus)
+    actor = ray.remote(rank_cls).options(num_cpus=cpus, num_gpus=gpus, **options)
     ranks = [actor.remote() for _ in range(np)]
     nodes = ray.get([r.node.remote() for r in ranks])
     address = ray.get(ranks[0].address.remote())
@@ -246,7 +255,8 @@ def _horovodrun_told(told: dict[str, Any]) -> dict[str, str]:
 
 class _Elastic:
     """The launcher's side of an elastic run: the workers it started, the :class:`Membership`
-    that forms them into ranks, and the workers it starts in place of lost ones."""
+    that forms them into ranks (deciding through the engine's elastic coordinator), and the
+    workers it starts in place of lost ones when the membership says so."""
 
     def __init__(
         self, np: int, min_np: int | None, max_np: int | None, options: dict[str, Any]
@@ -258,18 +268,19 @@ class _Elastic:
 
         min_np = np if min_np is None else min_np
         max_np = max(np, min_np) if max_np is None else max_np
-        if not 1 <= min_np <= np <= max_np or options["reset_limit"] < 0:
+        reset_limit = options["reset_limit"]
+        if not 1 <= min_np <= np <= max_np or (reset_limit is not None and reset_limit < 0):
             raise ValueError(
                 f"an elastic run needs 1 <= min_np ({min_np}) <= np ({np}) <= max_np "
-                f"({max_np}) and a reset limit of 0 or more ({options['reset_limit']})"
+                f"({max_np}) and a reset limit of 0 or more ({reset_limit})"
             )
         connect()
         timeout_s = options["timeout_s"]
-        self.np, self.replacements_left = np, options["reset_limit"]
+        self.np = np
         self.membership = (
             ray.remote(Membership)
             .options(num_cpus=0, max_concurrency=2 * max_np + 8)
-            .remote(min_np, max_np, drop_after_s=max(60.0, 2 * timeout_s))
+            .remote(np, min_np, max_np, max(60.0, 2 * timeout_s), reset_limit)
         )
         self._actor = ray.remote(_Rank).options(num_cpus=options["cpus"], num_gpus=options["gpus"])
         self.env = {**_forwarded(), **(options["env"] or {})}
@@ -277,6 +288,7 @@ class _Elastic:
         self.env[VARIABLES["job"]] = secrets.token_hex(8)
         self.workers: dict[str, Any] = {}
         self.finished = False
+        self.gave_up: str | None = None
         self._count = 0
 
     def start(self) -> tuple[str, Any]:
@@ -291,40 +303,39 @@ class _Elastic:
         self.workers[name] = actor
         return name, actor
 
-    def lost(self, name: str, why: str) -> tuple[str, Any] | None:
-        """``name`` is gone (``why``); a worker started in its place, if the run goes on."""
+    def lost(self, name: str, why: str) -> None:
+        """``name`` is gone (``why``): the membership decides whether the others go on."""
         import ray
 
-        ray.get(self.membership.lost.remote(name))
         ray.kill(self.workers.pop(name))
-        replace = not self.finished and self.replacements_left > 0
-        replace = replace and len(self.workers) < self.np
-        print(
-            f"ringflow-run: worker {name} lost ({why}); {len(self.workers)} go on"
-            + (", a worker starts in its place" if replace else ""),
-            file=sys.stderr,
-            flush=True,
-        )
-        if not replace:
-            return None
-        self.replacements_left -= 1
-        return self.start()
+        print(f"ringflow-run: worker {name} lost ({why})", file=sys.stderr, flush=True)
+        ray.get(self.membership.lost.remote(name, why))
+
+    def step(self) -> list[tuple[str, Any]]:
+        """Act on what the membership decided since the last call: end the workers it
+        dropped, report its events (as ``engine.fit`` reports them), and start the workers
+        it asks for in place of lost ones; those started. After it gave up, ``gave_up``
+        says why."""
+        import ray
+
+        dropped, start, events, self.gave_up = ray.get(self.membership.poll.remote())
+        for name in dropped:
+            if name in self.workers:
+                ray.kill(self.workers.pop(name))
+        for event in events:
+            print(f"ringflow-run: {event.describe()}", file=sys.stderr, flush=True)
+        if self.gave_up is not None or self.finished:
+            return []
+        return [self.start() for _ in range(start)]
 
     def ended(self, name: str) -> None:
         """``name`` finished: no worker is started in place of others any more."""
         import ray
 
         self.finished = True
-        ray.get(self.membership.lost.remote(name))
         ray.kill(self.workers.pop(name))
-        for waiting in ray.get(self.membership.finish.remote()):
+        for waiting in ray.get(self.membership.finish.remote(name)):
             ray.kill(self.workers.pop(waiting))
-
-    def dropped(self) -> list[str]:
-        """Workers the membership dropped (alive, but they never came to a reset)."""
-        import ray
-
-        return ray.get(self.membership.dropped.remote())
 
     def stop(self) -> None:
         import ray
@@ -334,65 +345,77 @@ class _Elastic:
         ray.kill(self.membership)
 
 
-_ALL_LOST = "every worker was lost, and no more may start in their place (the reset limit)"
-
-
 def _follow_elastic(run: _Elastic, command: list[str]) -> int:
     """``_follow`` for an elastic run: a worker killed by a signal (or whose actor died) is
-    lost, the ranks left go on and a worker starts in its place; one that exits with an
-    error status fails the run with it."""
+    lost, and the membership decides whether the ranks left go on and a worker starts in its
+    place; one that exits with an error status fails the run with it."""
     import ray
 
     for _ in range(run.np):
         _, actor = run.start()
         actor.start.remote(command, run.env)
     asked: dict[str, Any] = {}  # worker -> its output() in flight (a new one takes seconds)
-    while run.workers:
-        for name in run.dropped():
-            if name in run.workers:
-                _started(run.lost(name, "it never came to the ranks' reset"), command, run.env)
+    while run.workers and run.gave_up is None:
+        for _, actor in run.step():
+            actor.start.remote(command, run.env)
         for name in [n for n in asked if n not in run.workers]:  # dropped, or ended with the run
             del asked[name]
         for name, actor in run.workers.items():
             asked.setdefault(name, actor.output.remote())
         answered, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=0.05)
         for name in [n for n, ref in asked.items() if ref in answered]:
-            try:
-                lines, status = ray.get(asked.pop(name))
-            except ray.exceptions.RayActorError:
-                lines, status = [], -signal.SIGKILL
-            sys.stdout.write("".join(f"[{name}] {line}" for line in lines))
-            sys.stdout.flush()
-            if status == 0:
-                run.ended(name)
-            elif status is not None and status < 0:
-                _started(run.lost(name, f"killed by signal {-status}"), command, run.env)
-            elif status is not None:
+            status = _forward(run, name, asked.pop(name))
+            if status is not None and status > 0:
                 print(f"ringflow-run: worker {name} exited with status {status}", file=sys.stderr)
                 return status
         time.sleep(0.05)
+    run.step()  # the last events
+    if run.gave_up is not None:
+        print(f"ringflow-run: gave up: {run.gave_up}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
-def _results_elastic(run: _Elastic, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list:
-    """``_results`` for an elastic run: a worker whose actor died is lost (the ranks left go
-    on, a worker starts in its place); one whose ``fn`` raised fails the run. The results of
-    the ranks that finished, in rank order."""
+def _forward(run: _Elastic, name: str, output: Any) -> int | None:
+    """Write the lines of worker ``name``'s ``output()``; once it ended, tell the run (a
+    worker killed by a signal, or whose actor died, is lost). Its exit status, if it ended."""
     import ray
 
+    try:
+        lines, status = ray.get(output)
+    except ray.exceptions.RayActorError:
+        lines, status = [], -signal.SIGKILL
+    sys.stdout.write("".join(f"[{name}] {line}" for line in lines))
+    sys.stdout.flush()
+    if status == 0:
+        run.ended(name)
+    elif status is not None and status < 0:
+        run.lost(name, f"killed by signal {-status}")
+    return status
+
+
+def _results_elastic(run: _Elastic, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list:
+    """``_results`` for an elastic run: a worker whose actor died is lost (the membership
+    decides whether the ranks left go on and a worker starts in its place); one whose ``fn``
+    raised fails the run. The results of the ranks that finished, in rank order.
+
+    Raises:
+        HorovodError: the run gave up (the elastic coordinator's reason).
+    """
+    import ray
+
+    from ringflow.horovod.basics import HorovodError
+
     calls: dict[str, Any] = {}
-
-    def begin(worker: tuple[str, Any] | None) -> None:
-        if worker is not None:
-            calls[worker[0]] = worker[1].run.remote(fn, args, kwargs, run.env)
-
     for _ in range(run.np):
-        begin(run.start())
+        name, actor = run.start()
+        calls[name] = actor.run.remote(fn, args, kwargs, run.env)
     results: dict[int, Any] = {}
-    while calls:
-        for name in run.dropped():
-            if calls.pop(name, None) is not None:
-                begin(run.lost(name, "it never came to the ranks' reset"))
+    while calls and run.gave_up is None:
+        for name, actor in run.step():
+            calls[name] = actor.run.remote(fn, args, kwargs, run.env)
+        for name in [n for n in calls if n not in run.workers]:  # dropped
+            del calls[name]
         done, _ = ray.wait(list(calls.values()), num_returns=1, timeout=0.1)
         for name in [n for n, ref in calls.items() if ref in done]:
             ref = calls.pop(name)
@@ -401,20 +424,16 @@ def _results_elastic(run: _Elastic, fn: Callable[..., Any], args: tuple, kwargs:
             try:
                 rank, result = ray.get(ref)
             except ray.exceptions.RayActorError:
-                begin(run.lost(name, "its process died"))
+                run.lost(name, "its process died")
                 continue
             except Exception as err:
                 raise RankFailedError(int(name), err) from None
             run.ended(name)
             results[rank] = result
-    if not run.finished:
-        raise RuntimeError(_ALL_LOST)
+    run.step()  # the last events
+    if run.gave_up is not None:
+        raise HorovodError(f"the elastic run gave up: {run.gave_up}")
     return [results[rank] for rank in sorted(results)]
-
-
-def _started(worker: tuple[str, Any] | None, command: list[str], env: dict[str, str]) -> None:
-    if worker is not None:
-        worker[1].start.remote(command, env)
 
 
 def _forwarded() -> dict[str, str]:
@@ -476,8 +495,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--reset-limit",
         type=int,
-        default=10,
-        help="an elastic run: most workers started in place of lost ones",
+        default=None,
+        help="an elastic run: how many times the ranks may change (each loss and each join "
+        "is one); no limit by default",
     )
     parser.add_argument(
         "--timeline-filename",
@@ -549,13 +569,9 @@ def _main_elastic(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        status = _follow_elastic(run, args.command)
+        return _follow_elastic(run, args.command)
     finally:
         run.stop()
-    if status == 0 and not run.finished:
-        print(f"ringflow-run: {_ALL_LOST}", file=sys.stderr)
-        return 1
-    return status
 
 
 def _follow(ranks: list[Any], grace_s: float) -> int:

@@ -107,6 +107,25 @@ def test_the_failure_budget_ends_the_run_with_the_reason():
     assert c.vacancies() == 0
 
 
+def test_a_reset_budget_counts_each_loss_and_each_join_and_starts_no_join_past_it():
+    c = _coordinator(min_workers=1, max_failures=None, max_resets=2)
+    assert isinstance(c.lost(["w0", "w1"], at_step=0, cause="a"), Continue)  # one reset
+    assert (c.resets, c.resets_left(), c.vacancies()) == (1, 1, 2)
+    c.joined(["w3", "w4"])  # the second
+    assert (c.resets_left(), c.vacancies()) == (0, 0)
+    decision = c.lost(["w2"], at_step=0, cause="b")
+    assert isinstance(decision, GiveUp)
+    assert decision.reason.startswith("3 resets of the group")
+    assert "max_resets=2" in decision.reason
+
+
+def test_below_the_minimum_with_no_join_left_in_the_reset_budget_gives_up_at_once():
+    c = _coordinator(min_workers=3, max_resets=1)
+    decision = c.lost(["w0"], at_step=0, cause="a")
+    assert isinstance(decision, GiveUp)
+    assert "lets no replacement join" in decision.reason
+
+
 def test_a_deadline_passed_with_every_member_alive_rolls_all_back_and_counts():
     c = _coordinator(min_workers=3, max_failures=1)
     c.committed(10)

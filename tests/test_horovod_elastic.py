@@ -55,7 +55,7 @@ def _wait(*answers: dict, timeout: float = 10.0) -> None:
 
 @pytest.mark.unit
 def test_the_first_generation_waits_for_every_worker_started_and_ranks_them_in_order():
-    membership = Membership(min_np=1, max_np=2, drop_after_s=60)
+    membership = Membership(np=2, min_np=1, max_np=2, drop_after_s=60)
     membership.started("0")
     membership.started("1")
     first = _joining(membership, "1")
@@ -71,14 +71,17 @@ def test_the_first_generation_waits_for_every_worker_started_and_ranks_them_in_o
 
 @pytest.mark.unit
 def test_survivors_form_the_next_generation_without_the_lost_worker_and_a_newcomer_waits():
-    membership = Membership(min_np=1, max_np=2, drop_after_s=60)
+    membership = Membership(np=2, min_np=1, max_np=2, drop_after_s=60)
     for worker in "01":
         membership.started(worker)
     _wait(_joining(membership, "0"), _joining(membership, "1"))
 
-    membership.lost("0")  # rank 0 died; rank 1 saw it in a collective and asks again
+    assert membership.lost("0") is None  # rank 0 died; rank 1 saw it and asks again
     survivor = _joining(membership, "1", after=1)
     _wait(survivor)
+    _, start, events, _ = membership.poll()
+    assert start == 1  # the engine's coordinator: one worker starts in its place
+    assert [e.kind for e in events] == ["lost", "rollback"]
     assert (survivor["generation"], survivor["rank"], survivor["size"]) == (2, 0, 1)
     assert survivor["address"] == "tcp://1:1"  # the new rank 0's own rendezvous
 
@@ -92,18 +95,22 @@ def test_survivors_form_the_next_generation_without_the_lost_worker_and_a_newcom
     _wait(again, newcomer)
     assert (again["generation"], again["rank"], again["size"]) == (3, 0, 2)
     assert (newcomer["generation"], newcomer["rank"]) == (3, 1)
+    _, start, events, gave_up = membership.poll()
+    assert (start, [e.kind for e in events], gave_up) == (0, ["joined"], None)
 
 
 @pytest.mark.unit
 def test_a_rank_that_never_comes_to_the_reset_is_dropped_and_fewer_than_min_np_wait():
-    membership = Membership(min_np=2, max_np=3, drop_after_s=0.5)
+    membership = Membership(np=3, min_np=2, max_np=3, drop_after_s=0.5)
     for worker in "012":
         membership.started(worker)
     _wait(*(_joining(membership, w) for w in "012"))
     membership.lost("2")
     survivors = [_joining(membership, "0", after=1)]  # worker 1 is alive but stuck
     time.sleep(1.0)
-    assert membership.dropped() == ["1"]
+    assert membership.poll()[0] == ["1"]
+    membership.lost("1", "ended by the launcher")  # told again: no second loss, no backoff
+    assert membership.poll()[1] == 2
     assert "rank" not in survivors[0]  # one rank is fewer than min_np: it waits
     membership.started("3")
     _wait(survivors[0], _joining(membership, "3"))
@@ -115,15 +122,79 @@ def test_a_rank_that_never_comes_to_the_reset_is_dropped_and_fewer_than_min_np_w
 
 @pytest.mark.unit
 def test_once_a_rank_finished_the_workers_still_waiting_are_ended_and_none_joins():
-    membership = Membership(min_np=1, max_np=2, drop_after_s=60)
+    membership = Membership(np=1, min_np=1, max_np=2, drop_after_s=60)
     membership.started("0")
     _wait(_joining(membership, "0"))
     membership.started("1")
     late = _joining(membership, "1")
-    membership.lost("0")  # it finished
-    assert membership.finish() == ["1"]
+    assert membership.finish("0") == ["1"]
     _wait(late)
     assert "no longer one of the run's workers" in late["error"]
+    assert membership.poll() == ([], 0, [], None)  # finishing is no loss
+
+
+@pytest.mark.unit
+def test_the_reset_limit_is_the_engine_coordinators_budget_each_loss_and_join_one():
+    """Horovod's ``reset_limit``: how many times the ranks may change after the first
+    generation. The engine's coordinator decides: no replacement starts whose join would
+    pass it, and a loss past it ends the run with the coordinator's one-line reason."""
+    membership = Membership(np=3, min_np=1, max_np=3, drop_after_s=60, reset_limit=2)
+    for worker in "012":
+        membership.started(worker)
+    _wait(*(_joining(membership, w) for w in "012"))
+    assert membership.updated(1, committed=True) is False  # rank 0's commit: step 1
+    assert membership.lost("2", "killed by signal 9") is None  # reset 1
+    _wait(*(_joining(membership, w, after=1) for w in "01"))
+    dropped, start, events, gave_up = membership.poll()
+    assert (dropped, start, gave_up) == ([], 1, None)
+    assert [(e.kind, e.step, e.workers) for e in events] == [("lost", 1, 2), ("rollback", 1, 2)]
+    membership.started("3")
+    newcomer = _joining(membership, "3")
+    assert membership.updated(2, committed=True) is True
+    _wait(newcomer, *(_joining(membership, w, after=2) for w in "01"))  # reset 2: the join
+    assert newcomer["size"] == 3
+    _, start, events, _ = membership.poll()
+    assert (start, [e.kind for e in events]) == (0, ["recovered", "joined"])
+    reason = membership.lost("0", "killed by signal 9")  # reset 3, past the limit
+    assert reason == (
+        "3 resets of the group (each loss and each join is one), more than max_resets=2 "
+        "(Horovod's reset_limit); last: killed by signal 9"
+    )
+    _, start, events, gave_up = membership.poll()
+    assert (start, gave_up) == (0, reason)
+    assert [e.kind for e in events] == ["lost", "gave_up"]
+    stranded = _joining(membership, "1", after=3)
+    _wait(stranded)
+    assert stranded["error"] == f"the run gave up: {reason}"
+
+
+@pytest.mark.unit
+def test_a_replacement_lost_before_it_joined_backs_off_as_the_engines_do():
+    now = [0.0]
+    membership = Membership(np=2, min_np=1, max_np=2, drop_after_s=60, clock=lambda: now[0])
+    for worker in "01":
+        membership.started(worker)
+    _wait(_joining(membership, "0"), _joining(membership, "1"))
+    membership.lost("1")
+    assert membership.poll()[1] == 1
+    membership.started("2")
+    assert membership.poll()[1] == 0  # started, not yet joined
+    assert membership.lost("2", "it did not start") is None  # no reset: it never joined
+    assert membership.poll()[1] == 0  # backing off (the policy's backoff_s, 1 s)
+    now[0] = 1.5
+    assert membership.poll()[1] == 1
+    assert membership._coordinator.resets == 1
+
+
+@pytest.mark.unit
+def test_every_worker_lost_gives_up_with_the_coordinators_reason():
+    membership = Membership(np=1, min_np=1, max_np=1, drop_after_s=60)
+    membership.started("0")
+    _wait(_joining(membership, "0"))
+    assert membership.lost("0", "killed by signal 9") == (
+        "every worker was lost; last: killed by signal 9"
+    )
+    assert membership.poll()[1] == 0
 
 
 # --------------------------------------------------------------------------- real runs
@@ -210,7 +281,9 @@ def test_horovods_elastic_example_loses_a_rank_goes_on_and_takes_a_new_one_in():
     print(f"from the kill to the survivor's next step: {next_step - killed:.2f} s")
     assert run.finish() == 0, run.text()[-4000:]
     text = run.text()
-    assert "ringflow-run: worker 0 lost (killed by signal 9); 1 go on" in text
+    assert "ringflow-run: worker 0 lost (killed by signal 9)" in text
+    assert re.search(r"ringflow-run: lost at step \d+: 0: killed by signal 9 \(1 workers", text)
+    assert re.search(r"ringflow-run: joined at step \d+: 2: .* \(2 workers", text)
     assert re.search(r"\[1\] ringflow.horovod: 2 -> 1 ranks, this one rank 0, .*rolled back", text)
     assert re.search(r"\[1\] ringflow.horovod: 1 -> 2 ranks, .*a worker joins", text)
     assert "[1] Iter #39:" in text
@@ -308,14 +381,39 @@ def test_horovod_run_with_min_np_goes_on_through_a_lost_rank_and_takes_a_new_one
 
 
 @pytest.mark.integration
-def test_an_elastic_run_whose_every_worker_is_lost_past_the_reset_limit_fails(tmp_path):
+def test_an_elastic_run_past_its_reset_limit_ends_with_the_coordinators_reason(tmp_path):
+    """``--reset-limit 0`` (Horovod's: the ranks may not change): worker 1 dies, and the
+    engine's coordinator gives up; the launcher says why in its one line and exits 1."""
     script = tmp_path / "dies.py"
     script.write_text(
-        "import os, signal\nimport ringflow.horovod as hvd\nhvd.init()\n"
-        "os.kill(os.getpid(), signal.SIGKILL)\n"
+        "import os, signal, time\nimport torch\nimport ringflow.horovod as hvd\n"
+        "hvd.init()\nhvd.allreduce(torch.ones(1))\n"
+        "if os.environ['RINGFLOW_HOROVOD_WORKER'] == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(120)\n"
     )
-    run = _Run("-np", "1", "--min-np", "1", "--reset-limit", "1", sys.executable, str(script))
-    assert run.finish() == 1
+    run = _Run(
+        "-np", "2", "--min-np", "1", "--reset-limit", "0", "--cpus-per-worker", "0.5",
+        sys.executable, str(script),
+    )  # fmt: skip
+    assert run.finish() == 1, run.text()[-4000:]
     text = run.text()
-    assert text.count("lost (killed by signal 9)") == 2  # the first, and the one in its place
-    assert "ringflow-run: every worker was lost, and no more may start in their place" in text
+    assert "ringflow-run: worker 1 lost (killed by signal 9)" in text
+    assert "ringflow-run: lost at step 0: 1: killed by signal 9 (1 workers" in text
+    assert text.count("lost (killed by signal 9)") == 1  # no worker started in its place
+    assert (
+        "ringflow-run: gave up: 1 resets of the group (each loss and each join is one), more "
+        "than max_resets=0 (Horovod's reset_limit); last: killed by signal 9"
+    ) in text
+
+
+def test_horovod_run_past_its_reset_limit_raises_the_coordinators_reason(ray_session):
+    def dies(_):
+        hvd.init()
+        hvd.allreduce(torch.ones(1))
+        if os.environ[WORKER] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+
+    with pytest.raises(hvd.HorovodError, match=r"gave up: 1 resets .* max_resets=0"):
+        hvd.run(dies, args=(None,), np=2, min_np=1, reset_limit=0, cpus_per_worker=0.5)

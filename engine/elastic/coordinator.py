@@ -42,21 +42,31 @@ class FailurePolicy:
     """How many failures a run absorbs, and how fast it retries growing back.
 
     Args:
-        max_failures: worker losses the run survives; one more fails it.
+        max_failures: worker losses the run survives; one more fails it (``None``: any
+            number, where ``max_resets`` is the budget).
+        max_resets: membership changes the run goes through, each a reset of the group (a
+            loss or a stall, however many workers it took, and a join, however many joined;
+            Horovod's ``reset_limit``): one more fails it, and no replacement starts whose
+            join would pass it. ``None``: no limit.
         backoff_s: wait before the first attempt to start a replacement; doubled after each
             replacement that fails to start, up to ``max_backoff_s``.
         max_backoff_s: the longest wait between replacement attempts.
     """
 
-    max_failures: int = 3
+    max_failures: int | None = 3
+    max_resets: int | None = None
     backoff_s: float = 1.0
     max_backoff_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int):
-            raise ValueError(f"max_failures must be an integer, got {self.max_failures!r}")
-        if self.max_failures < 0:
-            raise ValueError(f"max_failures must be 0 or more, got {self.max_failures}")
+        for name in ("max_failures", "max_resets"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer or None, got {value!r}")
+            if value < 0:
+                raise ValueError(f"{name} must be 0 or more, got {value}")
         if self.backoff_s < 0 or self.max_backoff_s < self.backoff_s:
             raise ValueError(
                 f"need 0 <= backoff_s <= max_backoff_s, got {self.backoff_s}, {self.max_backoff_s}"
@@ -79,6 +89,13 @@ class ElasticEvent:
     steps_lost: int = 0
     """Steps done since the last commit and redone after it."""
     at: float = field(default_factory=time.time)
+
+    def describe(self) -> str:
+        """The event in one line, as runs report it."""
+        return (
+            f"{self.kind} at step {self.step}: {self.cause} ({self.workers} workers, "
+            f"{self.steps_lost} steps lost)"
+        )
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,7 @@ class Coordinator:
         self.phase = Phase.RUNNING
         self.committed_step = 0
         self.failures = 0
+        self.resets = 0
         self.events: list[ElasticEvent] = []
         self._clock = clock
         self._next_spawn_at = 0.0
@@ -177,6 +195,7 @@ class Coordinator:
             raise EngineError(f"lost workers {list(workers)} are not members {self.members}")
         self.members = tuple(w for w in self.members if w not in gone)
         self.failures += len(gone)
+        self.resets += 1
         go_on = (
             reached is not None
             and reached > self.committed_step
@@ -184,13 +203,20 @@ class Coordinator:
         )
         lost_steps = 0 if go_on else max(0, at_step - self.committed_step)
         self._record("lost", len(self.members), f"{', '.join(gone)}: {cause}", lost_steps)
-        if self.failures > self.policy.max_failures:
+        if self._over(self.failures, self.policy.max_failures):
             return self._give_up(
                 f"{self.failures} workers lost, more than max_failures="
                 f"{self.policy.max_failures}; last: {cause}"
             )
+        if self._over(self.resets, self.policy.max_resets):
+            return self._give_up(self._resets_spent(cause))
         if not self.members:
             return self._give_up(f"every worker was lost; last: {cause}")
+        if len(self.members) < self.min_workers and self.resets_left() == 0:
+            return self._give_up(
+                f"only {len(self.members)} of the minimum {self.min_workers} workers left, and "
+                f"max_resets={self.policy.max_resets} lets no replacement join; last: {cause}"
+            )
         if go_on:
             self._recovering = True
             self._record(
@@ -222,9 +248,12 @@ class Coordinator:
         load would otherwise stall the run for ever).
         """
         self.failures += 1
+        self.resets += 1
         lost_steps = max(0, at_step - self.committed_step)
         self._record("stalled", len(self.members), cause, lost_steps)
-        if self.failures > self.policy.max_failures:
+        if self._over(self.resets, self.policy.max_resets):
+            return self._give_up(self._resets_spent(cause))
+        if self._over(self.failures, self.policy.max_failures):
             return self._give_up(
                 f"{self.failures} failures, more than max_failures={self.policy.max_failures}; "
                 f"last: every worker was alive but a collective passed its deadline ({cause}): "
@@ -247,7 +276,10 @@ class Coordinator:
                 f"{len(self.members)} members + {len(new)} joining exceed max_workers "
                 f"{self.max_workers}"
             )
+        if self.resets_left() == 0:
+            raise EngineError(f"{', '.join(new)} joining would pass max_resets")
         self.members = self.members + tuple(new)
+        self.resets += 1
         self._spawn_failures = 0
         if self.phase is Phase.WAITING and len(self.members) >= self.min_workers:
             self.phase = Phase.RUNNING
@@ -276,10 +308,29 @@ class Coordinator:
     # ------------------------------------------------------------------------ queries
 
     def vacancies(self) -> int:
-        """How many replacements to start now (0 while backing off)."""
+        """How many replacements to start now (0 while backing off, or where no join may
+        happen within ``max_resets``)."""
         if self.phase is Phase.FAILED or self._clock() < self._next_spawn_at:
             return 0
+        if self.resets_left() == 0:
+            return 0
         return self.max_workers - len(self.members)
+
+    def resets_left(self) -> int | None:
+        """Membership changes the run may still go through (``None``: any number)."""
+        if self.policy.max_resets is None:
+            return None
+        return max(0, self.policy.max_resets - self.resets)
+
+    @staticmethod
+    def _over(count: int, limit: int | None) -> bool:
+        return limit is not None and count > limit
+
+    def _resets_spent(self, cause: str) -> str:
+        return (
+            f"{self.resets} resets of the group (each loss and each join is one), more than "
+            f"max_resets={self.policy.max_resets} (Horovod's reset_limit); last: {cause}"
+        )
 
     def _give_up(self, reason: str) -> GiveUp:
         self.phase = Phase.FAILED
