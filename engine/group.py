@@ -32,6 +32,7 @@ from ringflow.engine.errors import (
 from ringflow.engine.failures import start_failure, user_error
 from ringflow.engine.layout import DataParallel, Layout, Method
 from ringflow.engine.metrics import Logged
+from ringflow.engine.phases import mark
 from ringflow.engine.pool import HostLease, WorkerHost, driver_job, pool_key, pooled
 from ringflow.engine.worker import NOSET_VISIBLE_DEVICES, Worker
 
@@ -301,6 +302,7 @@ class RayWorkerGroup(WorkerGroup):
         self._pg = placement_group(bundles, strategy=PLACEMENTS[config.placement])
         try:
             ray.get(self._pg.ready(), timeout=config.timeout_s)
+            mark("placement group ready")
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self._pg)
             raise EngineError(
@@ -361,6 +363,7 @@ class RayWorkerGroup(WorkerGroup):
         try:
             if self.adopted is None:
                 self._started(starts)
+                mark("workers built")
                 layout.connect(self)
             else:
                 self._rewire(joined=[])  # their ring, anew, among the same ranks

@@ -41,6 +41,7 @@ import torch
 
 from ringflow.engine.cluster import handles_from_local_code
 from ringflow.engine.collective.registry import registrations, restore_registrations
+from ringflow.engine.phases import mark
 from ringflow.engine.worker import Worker
 from ringflow.storage.lease import SERVED_JOB
 
@@ -227,8 +228,11 @@ class WorkerHost:
     ``engine.group.WorkerHandle``) and leaves nothing of it (:meth:`reset`)."""
 
     def __init__(self) -> None:
+        mark("process started", role="worker", at=_process_start())
+        mark("engine imported", role="worker")
         import lightning.pytorch  # noqa: F401  (imported once, before any run)
 
+        mark("lightning imported", role="worker")
         self.worker: Worker | None = None
         self._baseline = _Baseline.take()
 
@@ -237,8 +241,10 @@ class WorkerHost:
         of its driver."""
         if self.worker is not None:
             raise RuntimeError("this worker host already holds a run's worker")
+        mark("start called", role="worker")
         self.serve(job)
         self.worker = Worker(module_cls, **kwargs)
+        mark("worker built", role="worker")
 
     def serve(self, job: str | None) -> None:
         """Write for the driver's Ray ``job`` (its run key's lease: ``storage.lease``), not
@@ -249,7 +255,9 @@ class WorkerHost:
     def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.worker is None:
             raise RuntimeError(f"Worker.{method} called on a host with no worker started")
-        return getattr(self.worker, method)(*args, **kwargs)
+        result = getattr(self.worker, method)(*args, **kwargs)
+        mark(method, role="worker")
+        return result
 
     def reset(self) -> list[str]:
         """Close the run's worker and restore the process; what kept it from being reused."""
@@ -257,7 +265,9 @@ class WorkerHost:
         if worker is not None:
             worker.close()
         del worker
-        return self._baseline.restore()
+        dirty = self._baseline.restore()
+        mark("reset", role="worker")
+        return dirty
 
     def pid(self) -> int:
         return os.getpid()
@@ -439,6 +449,16 @@ class _Pool:
             "leased": sorted(pid for lease in self.leases.values() for pid in lease.hosts),
             "orphaned": sorted(pid for lease, _ in self.orphans.values() for pid in lease.hosts),
         }
+
+
+def _process_start() -> float | None:
+    """When this process started (``time.time()``), where ``psutil`` can tell."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return None
 
 
 def _started(pid: int) -> str | None:

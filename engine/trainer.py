@@ -26,6 +26,7 @@ from ringflow.engine.group import LocalGroup, MembershipLost, RayWorkerGroup, St
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged, logger_rows
 from ringflow.engine.module import call_hook, overrides, uncalled_hooks
+from ringflow.engine.phases import mark
 from ringflow.engine.spec import build_module, check_warm_start, model_hparams
 from ringflow.engine.timeline import TimelineSummary, chrome_trace, summarize, trace_bytes
 from ringflow.engine.worker import Worker, evaluate_module
@@ -162,6 +163,7 @@ def fit(
             ``run_key`` written by a different configuration.
         CheckpointStorageError: ``store_url`` cannot be written (checked before training).
     """
+    mark("fit called")
     data = as_data(data, batch_size=config.batch_size, module_cls=module_cls)
     layout = check_layout(config, pipeline, data=data, init_from=init_from)
     hparams = model_hparams(module_cls, hparams, getattr(data, "schema", None))
@@ -182,7 +184,9 @@ def fit(
     if overrides(module_cls, "prepare_data"):  # then the module's, as Trainer calls them
         module.prepare_data()
     group_cls = LocalGroup if in_process else RayWorkerGroup
+    mark("driver ready")
     group = _start_group(group_cls, layout, module_cls, hparams, data, config, resume.identity())
+    mark("workers connected")
     if group.adopted is not None:
         resume.adopt(*group.adopted)
     dashboard = None if in_process else dashboard_url()
@@ -203,8 +207,10 @@ def fit(
         if writers.loggers:
             writers.start(*logged)
         history = _train(group, layout, config, resume, on_epoch, callbacks, writers)
+        mark("trained")
         timeline = _write_timeline(group, config, timeline_url or _trace_url(checkpoint_uri))
         state = layout.model_state(group)
+        mark("weights fetched")
         environment = group.call_rank0(Worker.environment)
         events = resume.events() + group.events
         worker_logs = _worker_logs(group, worker_logs, dashboard)
@@ -214,6 +220,7 @@ def fit(
         raise
     writers.finish("success")
     group.shutdown(reuse=True)  # pooled workers go back warm for the next run
+    mark("workers given back")
     module.load_state_dict(state, strict=True)
     uri = save_model(
         checkpoint_uri,
@@ -228,6 +235,7 @@ def fit(
             **(meta or {}),
         },
     )
+    mark("model saved")
     return FitResult(
         checkpoint=uri,
         history=history,
@@ -432,15 +440,18 @@ def _train(
                     epochs=steps.epochs,
                 )
             )
+            mark("steps", to=step + count)
             layout.settle(group)  # a checkpoint whose files its workers wrote is committed
             # The epoch so far; the chunk's step rows and callbacks' rows go to the loggers now.
             so_far = logged.merge(dataclasses.replace(chunk, steps={}, rows=[]))
             if ended:
                 validation = _merged(group.call(Worker.evaluate, "validation"))
+                mark("validated")
                 so_far = so_far.merge(_merged(group.call(Worker.train_epoch_end, epoch)))
                 metrics = {**so_far.results(), **validation.results()}
                 group.call(Worker.end_epoch, epoch, metrics)  # schedulers waiting for the metrics
                 group.commit(step + count)
+                mark("epoch ended", epoch=epoch)
         except MembershipLost as lost:
             # The members are back at the commit of ``step``, nothing of this chunk kept, or
             # they went on from the step that failed, keeping the steps before it.

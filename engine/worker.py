@@ -39,6 +39,7 @@ from ringflow.engine.module import (
     overrides,
     step_arguments,
 )
+from ringflow.engine.phases import mark
 from ringflow.engine.seeding import seed_host_generators
 from ringflow.engine.spec import check_warm_start
 from ringflow.engine.timeline import WorkerTimeline
@@ -348,6 +349,7 @@ class Worker:
         self.rank, self.world_size, self.config = rank, config.workers, config
         self.data = data
         self.device = worker_device(config)
+        mark("device ready", role="worker")
         torch.manual_seed(config.seed)  # every worker builds the same initial weights
         seed_host_generators(config.seed)
         self.precision = Precision(config.precision, self.device)
@@ -385,6 +387,7 @@ class Worker:
             if config.timeline
             else None
         )
+        mark("module built", role="worker")
         self.optimization = Optimization(self.module, self.precision)
         if config.lr_scaling != "none":
             self.optimization.lr_scale = LrScale(config.lr_factor(), config.lr_warmup_steps)
