@@ -325,6 +325,8 @@ class RayWorkerGroup(WorkerGroup):
             if pooled(config.gpus_per_worker, single)
             else None
         )
+        if self._lease is not None:  # pooled GPU hosts learn their bundle's GPU
+            self._lease.place(self._pg, len(bundles), config.gpus_per_worker)
         self.remembers = self._lease is not None and run is not None
         """Whether rank 0 keeps the driver's state at each commit (:meth:`remember`)."""
         self._runtime_env = {"env_vars": self._env_vars} if single else None
@@ -704,8 +706,13 @@ class RayWorkerGroup(WorkerGroup):
                 )
                 .remote()
             )
+        gpu = self._lease.gpu(bundle) if self._lease is not None else None
         start = actor.start.remote(
-            self._module_cls, job=self._job, **self._layout.worker_kwargs(index), **self._spec
+            self._module_cls,
+            job=self._job,
+            gpu=gpu,
+            **self._layout.worker_kwargs(index),
+            **self._spec,
         )
         return WorkerHandle(actor), start
 

@@ -16,8 +16,13 @@ an idle host never keeps Serve, Tune or Ray Data from a CPU. Idle hosts are rele
 whose driver stops renewing it for ``RINGFLOW_POOL_GRACE_S`` seconds (30) is ended and its
 hosts killed. ``RINGFLOW_WORKER_POOL=0`` starts every run on fresh processes.
 
-Pooled runs are CPU workers on a one-node cluster (a laptop, a workstation, the local stack);
-GPU workers and multi-node clusters start fresh hosts in their placement group, as before.
+Pooled runs are those of a one-node cluster (a laptop, a workstation, the local stack, one GPU
+host); multi-node clusters start fresh hosts in their placement group, as before. A pooled GPU
+worker reserves no GPU either: the driver tells each host which GPU its bundle of the placement
+group holds (:meth:`HostLease.gpu`), and a reset frees what the run left on it (its tensors,
+the allocator's cache, compiled graphs) and puts back the backends' flags (cuDNN, TF32, matmul
+precision, deterministic algorithms); an idle GPU host keeps only its CUDA context (a few
+hundred MiB of the GPU's memory) until it is released.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch
 from ringflow.engine.cluster import handles_from_local_code
 from ringflow.engine.collective.registry import registrations, restore_registrations
 from ringflow.engine.phases import mark
-from ringflow.engine.worker import Worker
+from ringflow.engine.worker import ASSIGNED_GPU, Worker
 from ringflow.storage.lease import SERVED_JOB
 
 __all__ = [
@@ -73,10 +78,9 @@ def _seconds(name: str, default: float) -> float:
 
 
 def pooled(gpus_per_worker: float, single_node: bool) -> bool:
-    """Whether a run's workers are leased from the pool (see the module docstring)."""
-    return (
-        os.environ.get("RINGFLOW_WORKER_POOL", "1") != "0" and not gpus_per_worker and single_node
-    )
+    """Whether a run's workers are leased from the pool (see the module docstring): on a
+    one-node cluster, CPU and GPU workers alike, unless ``RINGFLOW_WORKER_POOL=0``."""
+    return os.environ.get("RINGFLOW_WORKER_POOL", "1") != "0" and single_node
 
 
 # ---------------------------------------------------------------------------- what is reusable
@@ -171,6 +175,8 @@ class _Baseline:
     modules: frozenset[str]
     threads: frozenset[int]
     torch_threads: int
+    backends: dict[str, Any] = field(default_factory=dict)
+    """torch's global flags a run may set (cuDNN, TF32, matmul precision, determinism)."""
     handlers: list[logging.Handler] = field(default_factory=list)
     registered: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
     """ringflow's registries of collectives and communication hooks."""
@@ -184,6 +190,7 @@ class _Baseline:
             modules=frozenset(sys.modules),
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident),
             torch_threads=torch.get_num_threads(),
+            backends=_backend_flags(),
             handlers=list(logging.getLogger().handlers),
             registered=registrations(),
         )
@@ -207,7 +214,11 @@ class _Baseline:
         torch.set_num_threads(self.torch_threads)
         torch.set_default_dtype(torch.float32)
         torch.set_grad_enabled(True)
+        _set_backend_flags(self.backends)
+        if "torch._dynamo" in sys.modules:  # graphs compiled for the run's code
+            torch._dynamo.reset()
         gc.collect()
+        dirty += _free_cuda()
         deadline = time.monotonic() + 2.0
         while (left := self._new_threads()) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -220,6 +231,56 @@ class _Baseline:
             for t in threading.enumerate()
             if t.ident not in self.threads and not t.daemon and t.is_alive()
         ]
+
+
+def _backend_flags() -> dict[str, Any]:
+    return {
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+    }
+
+
+def _set_backend_flags(flags: dict[str, Any]) -> None:
+    if not flags:
+        return
+    torch.backends.cudnn.benchmark = flags["cudnn.benchmark"]
+    torch.backends.cudnn.deterministic = flags["cudnn.deterministic"]
+    torch.backends.cudnn.allow_tf32 = flags["cudnn.allow_tf32"]
+    torch.backends.cuda.matmul.allow_tf32 = flags["cuda.matmul.allow_tf32"]
+    torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+    torch.use_deterministic_algorithms(
+        flags["deterministic_algorithms"], warn_only=flags["deterministic_warn_only"]
+    )
+
+
+_HELD_MIB = 64.0
+"""GPU memory a run may leave allocated (libraries' workspaces) before its host is dropped."""
+
+
+def _free_cuda() -> list[str]:
+    """Free what a run left on its GPUs (after its objects are collected): cuBLAS's
+    workspaces, the caching allocator's blocks and its statistics; a reason where more than
+    :data:`_HELD_MIB` stays allocated (tensors something still holds)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    used = [i for i in range(torch.cuda.device_count()) if torch.cuda.memory_reserved(i)]
+    for index in used:  # never a context on a GPU the run did not use
+        torch.cuda.synchronize(index)
+    with contextlib.suppress(AttributeError):  # a private helper of torch's own tests
+        torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    dirty = []
+    for index in used:
+        torch.cuda.reset_peak_memory_stats(index)
+        held = torch.cuda.memory_allocated(index) / 2**20
+        if held > _HELD_MIB:
+            dirty.append(f"{held:.0f} MiB still allocated on cuda:{index}")
+    return dirty
 
 
 class WorkerHost:
@@ -236,12 +297,21 @@ class WorkerHost:
         self.worker: Worker | None = None
         self._baseline = _Baseline.take()
 
-    def start(self, module_cls: type, *, job: str | None = None, **kwargs: Any) -> None:
+    def start(
+        self,
+        module_cls: type,
+        *,
+        job: str | None = None,
+        gpu: list[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Build this run's worker (``Worker(module_cls, **kwargs)``), for the Ray ``job``
-        of its driver."""
+        of its driver; a pooled GPU worker trains on GPU ``gpu`` (its bundle's)."""
         if self.worker is not None:
             raise RuntimeError("this worker host already holds a run's worker")
         mark("start called", role="worker")
+        if gpu:  # the bundle's GPU ids (HostLease.gpu)
+            os.environ[ASSIGNED_GPU] = gpu[0]  # reset with the environment
         self.serve(job)
         self.worker = Worker(module_cls, **kwargs)
         mark("worker built", role="worker")
@@ -541,6 +611,8 @@ class HostLease:
         self.grace_s = _seconds("RINGFLOW_POOL_GRACE_S", 30.0)
         self._pool = _pool()
         self._pids: dict[int, int] = {}  # id(actor) -> pid
+        self._gpus: list[Any] = []
+        """Per bundle of the run's placement group, a ref of the Ray id of its GPU."""
         self._stop = threading.Event()
         self._renewing = threading.Thread(target=self._renew, name="ringflow-lease", daemon=True)
         self._renewing.start()
@@ -549,6 +621,32 @@ class HostLease:
         every = max(0.2, self.grace_s / 4)
         while not self._stop.wait(every):
             self._pool.renew.remote(self.id)
+
+    def place(self, placement_group: Any, bundles: int, gpus_per_worker: float) -> None:
+        """The run's ``placement_group``: with GPUs, a task in each of its ``bundles`` asks
+        Ray which GPU it holds (the pooled hosts reserve none: :meth:`gpu`)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not gpus_per_worker:
+            return
+        # A lambda travels by value: the task's process need not import ringflow or torch.
+        probe = ray.remote(lambda: [str(i) for i in ray.get_gpu_ids()])
+        self._gpus = [
+            probe.options(
+                num_cpus=0,
+                num_gpus=gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=bundle
+                ),
+            ).remote()
+            for bundle in range(bundles)
+        ]
+
+    def gpu(self, bundle: int) -> Any:
+        """What a host of ``bundle`` is started with (``WorkerHost.start``'s ``gpu``): a ref
+        of its GPU's Ray id (Ray resolves it before the call runs), ``None`` on CPU."""
+        return self._gpus[bundle] if self._gpus else None
 
     def take(self, count: int) -> list[Any]:
         """``count`` hosts: idle ones of this lease's key, the rest started now."""

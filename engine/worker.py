@@ -182,6 +182,12 @@ NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 of its node and trains on the first of those Ray assigned it."""
 
 
+ASSIGNED_GPU = "RINGFLOW_ASSIGNED_GPU"
+"""Set in a pooled worker's process for a run (``engine.pool``, reset with it): Ray's id of
+the GPU its bundle of the run's placement group holds, which Ray did not assign to the process
+itself (a pooled process reserves nothing)."""
+
+
 def worker_device(config: TrainConfig) -> torch.device:
     """Where a worker of ``config`` trains: the CPU, or with ``gpus_per_worker`` the first
     GPU Ray assigned it. Ray either hides the other GPUs (``CUDA_VISIBLE_DEVICES``: the GPU is
@@ -222,12 +228,16 @@ def seed_generators(seed: int, device: torch.device) -> None:
 
 
 def _assigned_gpu() -> int:
-    """This process's index of the first GPU Ray assigned it (0 where Ray hid the others)."""
-    if os.environ.get(NOSET_VISIBLE_DEVICES) != "1":
+    """This process's index of the first GPU Ray assigned it (0 where Ray hid the others), or
+    its pool's (:data:`ASSIGNED_GPU`)."""
+    if os.environ.get(ASSIGNED_GPU):
+        ids = [os.environ[ASSIGNED_GPU]]
+    elif os.environ.get(NOSET_VISIBLE_DEVICES) != "1":
         return 0
-    import ray
+    else:
+        import ray
 
-    ids = [str(i) for i in ray.get_gpu_ids()]
+        ids = [str(i) for i in ray.get_gpu_ids()]
     if not ids:
         return 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
