@@ -380,6 +380,8 @@ class _Pool:
         self.orphans: dict[str, tuple[_Lease, float]] = {}
         """Leases of lost drivers by run, each until its deadline (``RINGFLOW_ADOPT_S``)."""
         self._reaper: asyncio.Task | None = None
+        self._resets: set[asyncio.Task] = set()
+        """Hosts of ended leases being reset (:meth:`reset_and_give_back`)."""
 
     def _ensure_reaper(self) -> None:
         if self._reaper is None:
@@ -459,6 +461,7 @@ class _Pool:
     ) -> list[tuple[Any, int]]:
         """Up to ``count`` idle hosts of ``key``, now leased to ``lease_id``, which ends
         unless renewed every ``grace_s`` seconds or when ``owner`` is lost."""
+        await self._settled()  # the hosts a run just gave back may serve this one
         lease = self._lease(lease_id, key, grace_s, run, owner or {})
         idle = self.idle.get(key, [])
         kept = len(idle) - min(count, len(idle))
@@ -494,6 +497,45 @@ class _Pool:
         lease = self.leases.pop(lease_id, None)
         if lease is None:  # ended already: its hosts were killed
             return
+        self._idle(lease, clean, cap)
+
+    async def reset_and_give_back(
+        self, lease_id: str, members: list[int], cap: int, timeout_s: float
+    ) -> None:
+        """End the lease now; its ``members`` (by pid) reset meanwhile, each idle once it
+        reset clean within ``timeout_s``, the rest killed (:meth:`give_back`). Whatever asks
+        the pool for hosts or their pids first waits for the resets (:meth:`_settled`), so
+        the driver need not: its run ends while they run."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._reset(lease, members, cap, timeout_s))
+        self._resets.add(task)
+        task.add_done_callback(self._resets.discard)
+
+    async def _reset(self, lease: _Lease, members: list[int], cap: int, timeout_s: float) -> None:
+        async def reset(pid: int, host: Any) -> int | None:
+            try:
+                future = asyncio.wrap_future(host.reset.remote().future())
+                dirty = await asyncio.wait_for(future, timeout_s)
+            except Exception as err:  # noqa: BLE001 - a host that died or failed its reset
+                log.debug("a worker host was not reused: %s", err)
+                return None
+            if dirty:
+                log.info("a worker process is not reused: %s", "; ".join(dirty))
+                return None
+            return pid
+
+        resets = [reset(pid, host) for pid, host in lease.hosts.items() if pid in members]
+        clean = [pid for pid in await asyncio.gather(*resets) if pid is not None]
+        self._idle(lease, clean, cap)
+
+    async def _settled(self) -> None:
+        """Wait for the hosts being reset (:meth:`reset_and_give_back`)."""
+        while self._resets:
+            await asyncio.wait(list(self._resets))
+
+    def _idle(self, lease: _Lease, clean: list[int], cap: int) -> None:
         now = time.monotonic()
         for pid, host in lease.hosts.items():
             if pid in clean:
@@ -508,12 +550,14 @@ class _Pool:
             _kill([h.host])
 
     async def release_idle(self) -> int:
+        await self._settled()
         hosts = [h.host for hs in self.idle.values() for h in hs]
         self.idle = {}
         _kill(hosts)
         return len(hosts)
 
     async def pids(self) -> dict[str, list[int]]:
+        await self._settled()
         return {
             "idle": sorted(h.pid for hs in self.idle.values() for h in hs),
             "leased": sorted(pid for lease in self.leases.values() for pid in lease.hosts),
@@ -707,26 +751,20 @@ class HostLease:
 
     def give_back(self, hosts: list[Any], *, reuse: bool, timeout_s: float = 10.0) -> None:
         """End the lease: ``hosts`` that reset clean (with ``reuse``) go back to the pool,
-        every other host of the lease is killed."""
+        every other host of the lease is killed. The pool resets them: this returns at once
+        (``_Pool.reset_and_give_back``)."""
         import ray
 
         self._stop.set()
-        clean: list[int] = []
-        if reuse and hosts:
-            resets = {host.reset.remote(): host for host in hosts}
-            done, _ = ray.wait(list(resets), num_returns=len(resets), timeout=timeout_s)
-            for ref in done:
-                host = resets[ref]
-                try:
-                    dirty = ray.get(ref)
-                    pid = self._pids[id(host)]
-                    pid = pid if isinstance(pid, int) else ray.get(pid, timeout=timeout_s)
-                except Exception as err:  # a host that died or failed its reset is killed
-                    log.debug("a worker host was not reused: %s", err)
-                    continue
-                if dirty:
-                    log.info("a worker process is not reused: %s", "; ".join(dirty))
-                else:
-                    clean.append(pid)
+        members: list[int] = []
+        for host in hosts if reuse else []:
+            pid = self._pids.get(id(host))
+            try:
+                members.append(pid if isinstance(pid, int) else ray.get(pid, timeout=timeout_s))
+            except Exception as err:  # noqa: BLE001 - a host that died is killed
+                log.debug("a worker host was not reused: %s", err)
         cap = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
-        ray.get(self._pool.give_back.remote(self.id, clean, cap))
+        if members:
+            ray.get(self._pool.reset_and_give_back.remote(self.id, members, cap, timeout_s))
+        else:
+            ray.get(self._pool.give_back.remote(self.id, [], cap))
