@@ -235,11 +235,22 @@ def main(argv: list[str] | None = None) -> dict:
     spec, gpu_counts, modes, runners, timeline = _parse(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # Each run's phases (engine.phases), from the driver, its workers and DDP's ranks: set
-    # before Ray starts, whose workers inherit it.
-    if not os.environ.get(phases.ENV):
-        fd, path = tempfile.mkstemp(prefix="ringflow-phases-", suffix=".jsonl")
-        os.close(fd)
-        os.environ[phases.ENV] = path
+    # before Ray starts, whose workers inherit it; this call's own file is removed at its end.
+    if os.environ.get(phases.ENV):
+        return _main(spec, gpu_counts, modes, runners, timeline)
+    fd, path = tempfile.mkstemp(prefix="ringflow-phases-", suffix=".jsonl")
+    os.close(fd)
+    os.environ[phases.ENV] = path
+    try:
+        return _main(spec, gpu_counts, modes, runners, timeline)
+    finally:
+        del os.environ[phases.ENV]
+        os.unlink(path)
+
+
+def _main(
+    spec: Spec, gpu_counts: list[int], modes: list[str], runners: list[str], timeline: str | None
+) -> dict:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # NVLink multicast (NVLS) can wedge a shared host's GPUs: off unless the user says otherwise.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
