@@ -265,6 +265,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="skip the uninterrupted run (no goodput): a memory run",
     )
     parser.add_argument("--keep", help="keep the runs' files in this folder")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin each worker (each thread of its process) to a core of its own, cores 1 and "
+        "up, as it appears (a replacement too); the training process and Ray's own processes "
+        "share the rest: on a host with at least workers + 1 cores",
+    )
     args = parser.parse_args(argv)
     workload = Workload(
         workers=args.workers,
@@ -324,6 +331,8 @@ def _run(
     child = _start(runner, workload, root, name, env)
     memory = _Memory(runner, lambda: child)
     memory.start()
+    pins = _Pins(runner, on=getattr(args, "pin", False))
+    pins.start()
     next_kill = None
     try:
         while (status := child.poll()) != 0:
@@ -362,6 +371,7 @@ def _run(
         if child.poll() is None:
             _kill_tree(child.pid)
         memory.stop()
+        pins.stop()
     run.wall_s = time.time() - started
     Path(f"{root}/{name}/kills.json").write_text(json.dumps(run.kills))
     run.steps = [(float(t), int(s)) for t, s in (line.split() for line in steps_log.open())]
@@ -494,6 +504,50 @@ class _Memory:
         """Every sample (time, RSS, private) of the process and the survivor of
         :meth:`summary`."""
         return {"process": _longest(self._processes), "survivor": _longest(self._workers)}
+
+
+class _Pins:
+    """Pins each of a runner's workers to a core of its own (every thread of it, looked at
+    every 0.2 s: threads started later are pinned too), cores 1 and up; a dead worker's core
+    goes to the next one that appears; nothing unless ``on``."""
+
+    def __init__(self, runner: Runner, *, on: bool) -> None:
+        self._runner, self._on = runner, on
+        self._cores = sorted(os.sched_getaffinity(0))[1:]  # the first: the training process
+        self._held: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pin, daemon=True)
+
+    def start(self) -> None:
+        if self._on:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._on:
+            self._thread.join()
+
+    def _pin(self) -> None:
+        while not self._stop.wait(0.2):
+            alive = set(_workers(self._runner))
+            self._held = {pid: core for pid, core in self._held.items() if pid in alive}
+            for pid in sorted(alive):
+                free = [c for c in self._cores if c not in self._held.values()]
+                if pid not in self._held and free:
+                    self._held[pid] = free[0]
+                if pid in self._held:
+                    _pin_threads(pid, self._held[pid])
+
+
+def _pin_threads(pid: int, core: int) -> None:
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in threads:
+        with contextlib.suppress(OSError):
+            if os.sched_getaffinity(int(tid)) != {core}:
+                os.sched_setaffinity(int(tid), {core})
 
 
 _SETTLE_S = 15.0
@@ -778,6 +832,7 @@ def _report(rows: dict[str, tuple[Run | None, Run]], notes: dict[str, str], args
         "every_s": args.every,
         "process_every": args.process_every,
         "workers": args.workers,
+        "pinned": bool(getattr(args, "pin", False)),
         "notes": notes,
     }
 

@@ -64,11 +64,13 @@ import torch
 import torch.multiprocessing as mp
 
 from bench import headline_json
+from ringflow.engine import phases
 from ringflow.models.gpt import GPTModule
 
 HEADLINE = (
     "ours_vs_ddp_by_gpus",
     "ours_epoch_vs_ddp_by_gpus",
+    "ours_wall_vs_ddp_by_gpus",
     "ours_vs_fsdp_by_gpus",
     "scaling_efficiency_4",
 )
@@ -156,6 +158,12 @@ class Result:
     """With ``Spec.timeline_url``: the timeline's summary (``TimelineSummary``)."""
     runs: list[float] | None = None
     """With ``Spec.repeats`` above 1: tokens/s of each run, in order; this is the fastest."""
+    walls: list[float] | None = None
+    """With ``Spec.repeats`` above 1: each run's ``wall_s``, in order (ours' first on fresh
+    worker processes, the later ones on the pool's warm ones)."""
+    phases: dict[str, float] | None = None
+    """Seconds from the run's start to the end of each phase of its start-up and end
+    (``engine.phases``: the driver's, and the slowest worker's or rank's)."""
     step_ms: dict[str, float] | None = None
     """The timed steps' durations (``median``, ``p90``, ``max`` in ms; each the largest over
     the ranks): a run slower throughout, or one slowed by a few long steps."""
@@ -205,6 +213,9 @@ class TimedGPT(GPTModule):
     ``step_ms_max``."""
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.current_epoch == 0 and batch_idx == 0:
+            _sync(self.device)
+            phases.mark("first step", role="worker")
         if self.current_epoch != self.trainer.max_epochs - 1:
             return
         if batch_idx == 0:
@@ -223,6 +234,23 @@ class TimedGPT(GPTModule):
 def main(argv: list[str] | None = None) -> dict:
     spec, gpu_counts, modes, runners, timeline = _parse(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Each run's phases (engine.phases), from the driver, its workers and DDP's ranks: set
+    # before Ray starts, whose workers inherit it; this call's own file is removed at its end.
+    if os.environ.get(phases.ENV):
+        return _main(spec, gpu_counts, modes, runners, timeline)
+    fd, path = tempfile.mkstemp(prefix="ringflow-phases-", suffix=".jsonl")
+    os.close(fd)
+    os.environ[phases.ENV] = path
+    try:
+        return _main(spec, gpu_counts, modes, runners, timeline)
+    finally:
+        del os.environ[phases.ENV]
+        os.unlink(path)
+
+
+def _main(
+    spec: Spec, gpu_counts: list[int], modes: list[str], runners: list[str], timeline: str | None
+) -> dict:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # NVLink multicast (NVLS) can wedge a shared host's GPUs: off unless the user says otherwise.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -258,6 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
         key = "timeline" if runner == "ours" else f"{runner}_timeline"
         summary[key] = {"gpus": run.gpus, "mode": run.mode, **run.timeline}
     summary["spec"] = {**asdict(spec), "gpus": gpu_counts, "modes": modes, "runners": runners}
+    summary["ray_start_s"] = dict(RAY_START_S)
     summary["device"] = _device_name(spec)
     summary["date"] = f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d}"
     _print_table(results, summary)
@@ -290,6 +319,8 @@ def _run_count(
                         f"{epoch}{steps}){nth}",
                         flush=True,
                     )
+                    for line in _phase_lines(result):
+                        print(f"#   {line}", flush=True)
             results += [_fastest(runs[runner]) for runner in runners]
         for runner in [r for r in ("ours", "ddp") if r in runners and timeline is not None]:
             name = "" if runner == "ours" else f"-{runner}"
@@ -303,7 +334,38 @@ def _fastest(runs: list[Result]) -> Result:
     """The fastest of ``runs`` (on a shared host other tenants only ever add time, as
     ``bench.allreduce`` keeps each variant's fastest round), with every run's tokens/s."""
     best = min(runs, key=lambda r: r.timed_s)
-    return best if len(runs) == 1 else replace(best, runs=[round(r.tokens_per_s) for r in runs])
+    if len(runs) == 1:
+        return best
+    return replace(
+        best, runs=[round(r.tokens_per_s) for r in runs], walls=[round(r.wall_s, 2) for r in runs]
+    )
+
+
+def _phases_since(since: float) -> tuple[dict[str, float], list[str]]:
+    """The phases marked since ``since`` (a ``time.time()``): each phase's first end in
+    seconds from ``since`` (the slowest process of its role), and the marks as a table."""
+    path = os.environ.get(phases.ENV)
+    marks = phases.read(path, since=since) if path else []
+    first: dict[tuple[str, str, int], float] = {}
+    for m in marks:
+        first.setdefault((m["role"], m["phase"], m["pid"]), m["t"] - since)
+    out: dict[str, float] = {}
+    for (role, phase, _), at in first.items():
+        key = f"{role}: {phase}"
+        out[key] = round(max(out.get(key, at), at), 3)
+    return out, phases.table(marks, start=since)
+
+
+_PHASE_LINES: dict[int, list[str]] = {}
+"""Each result's phase table (by ``id``), printed under its row."""
+
+
+def _phase_lines(result: Result) -> list[str]:
+    return _PHASE_LINES.pop(id(result), [])
+
+
+RAY_START_S: dict[int, float] = {}
+"""Seconds ``ray.init`` took, by GPU count: before ours' runs, outside their wall time."""
 
 
 @contextlib.contextmanager
@@ -318,6 +380,7 @@ def _ray(spec: Spec):
         yield
         return
     gpus = {"num_gpus": spec.gpus} if spec.device == "cuda" else {}
+    started = time.perf_counter()
     ray.init(
         address="local",
         num_cpus=max(2, 2 * spec.gpus),
@@ -325,6 +388,8 @@ def _ray(spec: Spec):
         log_to_driver=False,
         **gpus,
     )
+    RAY_START_S[spec.gpus] = round(time.perf_counter() - started, 3)
+    print(f"# Ray started in {RAY_START_S[spec.gpus]:.2f} s (not in ours' run wall)", flush=True)
     try:
         yield
     finally:
@@ -364,7 +429,7 @@ def _run_ours(spec: Spec) -> Result:
     train, validation = _datasets(spec)
     window = spec.timeline_window()
     ends: list[float] = []
-    started = time.perf_counter()
+    since, started = time.time(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ringflow-gpt-") as root:
         result = fit(
             TimedGPT,
@@ -393,7 +458,8 @@ def _run_ours(spec: Spec) -> Result:
             timeline_url=spec.timeline_url,
         )
     wall = time.perf_counter() - started
-    return Result(
+    split, lines = _phases_since(since)
+    out = Result(
         runner="ours",
         mode=spec.mode,
         gpus=spec.gpus,
@@ -404,7 +470,10 @@ def _run_ours(spec: Spec) -> Result:
         step_ms={k: result.metrics[f"step_ms_{k}"] for k in StepClock.STATS},
         epoch_tokens_per_s=spec.steps * spec.global_batch * spec.seq_len / (ends[-1] - ends[-2]),
         timeline=None if result.timeline is None else result.timeline.to_json(),
+        phases=split,
     )
+    _PHASE_LINES[id(out)] = lines
+    return out
 
 
 # -- DDP and FSDP2, in spawned processes ---------------------------------------------------------
@@ -420,13 +489,14 @@ def _run_fsdp(spec: Spec) -> Result:
 
 def _spawn(runner: str, spec: Spec) -> Result:
     queue = mp.get_context("spawn").SimpleQueue()
-    started = time.perf_counter()
+    since, started = time.time(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ringflow-gpt-") as root:  # rendezvous, spans
         mp.spawn(_rank, args=(runner, spec, root, queue), nprocs=spec.gpus, join=True)
         wall = time.perf_counter() - started
         timed_s, step_ms = queue.get()
         timeline = None if spec.timeline_url is None else _write_timeline(spec, root)
-    return Result(
+    split, lines = _phases_since(since)
+    out = Result(
         runner=runner,
         mode=spec.mode,
         gpus=spec.gpus,
@@ -436,7 +506,10 @@ def _spawn(runner: str, spec: Spec) -> Result:
         wall_s=wall,
         step_ms=step_ms,
         timeline=timeline,
+        phases=split,
     )
+    _PHASE_LINES[id(out)] = lines
+    return out
 
 
 def _write_timeline(spec: Spec, root: str) -> dict[str, Any]:
@@ -456,10 +529,12 @@ def _write_timeline(spec: Spec, root: str) -> dict[str, Any]:
 
 
 def _rank(rank: int, runner: str, spec: Spec, root: str, queue) -> None:
+    import psutil
     import torch.distributed as dist
 
     from ringflow.engine.module import compile_in_place
 
+    phases.mark("process started", role=runner, at=psutil.Process().create_time())
     torch.set_num_threads(1)
     cuda = spec.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -472,6 +547,7 @@ def _rank(rank: int, runner: str, spec: Spec, root: str, queue) -> None:
         world_size=spec.gpus,
         **({"device_id": device} if cuda else {}),
     )
+    phases.mark("process group", role=runner)
     try:
         module = _module(spec)
         if runner == "ddp":
@@ -486,9 +562,11 @@ def _rank(rank: int, runner: str, spec: Spec, root: str, queue) -> None:
         else:
             model = _fully_shard(module.to(device), spec)
             forward = contextlib.nullcontext  # the policy casts the parameters to bf16
+        phases.mark("module built", role=runner)
         timed_s, clock, spans = _train_loop(
-            module, model, spec, rank=rank, device=device, forward=forward
+            module, model, spec, rank=rank, device=device, forward=forward, role=runner
         )
+        phases.mark("trained", role=runner)
         if spans is not None:
             Path(root, f"spans-{rank}.json").write_text(json.dumps(spans))
         step_ms = clock.step_ms()
@@ -540,7 +618,7 @@ def _autocast(spec: Spec, device: torch.device):
 
 
 def _train_loop(
-    module, model, spec: Spec, *, rank: int, device: torch.device, forward
+    module, model, spec: Spec, *, rank: int, device: torch.device, forward, role: str = "ddp"
 ) -> tuple[float, StepClock, list[dict[str, Any]] | None]:
     """The engine's step on this rank's part of each global batch, in the engine's order;
     returns the seconds from the end of the last epoch's first step to the end of its last,
@@ -594,6 +672,9 @@ def _train_loop(
             timeline.end()
             if epoch == spec.warmup_epochs and step >= 1:
                 clock.mark()
+            if epoch == 0 and step == 0:
+                _sync(device)
+                phases.mark("first step", role=role)
     _sync(device)
     timed_s = time.perf_counter() - started
     if recorder is None:
@@ -623,6 +704,10 @@ def _summary(
     modes: list[str],
 ) -> dict:
     rate = {(r.runner, r.mode, r.gpus): r.tokens_per_s for r in results}
+    # Run wall: each runner's first run (ours on fresh worker processes, as DDP's always
+    # are); warm: ours' last run of several, on the pool's workers of the runs before it.
+    wall = {(r.runner, r.mode, r.gpus): (r.walls or [r.wall_s])[0] for r in results}
+    warm = {(r.runner, r.mode, r.gpus): r.walls[-1] for r in results if r.walls}
     runners = sorted({r.runner for r in results})
 
     def ratio(a: str, b: str, mode: str) -> dict[int, float | None]:
@@ -638,6 +723,14 @@ def _summary(
     return {
         "ours_vs_ddp_by_gpus": {m: ratio("ours", "ddp", m) for m in modes},
         "ours_vs_fsdp_by_gpus": {m: ratio("ours", "fsdp", m) for m in modes},
+        "ours_wall_vs_ddp_by_gpus": {
+            m: {n: _ratio(wall.get(("ours", m, n)), wall.get(("ddp", m, n))) for n in gpu_counts}
+            for m in modes
+        },
+        "ours_warm_wall_vs_ddp_by_gpus": {
+            m: {n: _ratio(warm.get(("ours", m, n)), wall.get(("ddp", m, n))) for n in gpu_counts}
+            for m in modes
+        },
         "ours_epoch_vs_ddp_by_gpus": {
             m: {
                 r.gpus: _ratio(r.epoch_tokens_per_s, rate.get(("ddp", m, r.gpus)))

@@ -37,6 +37,7 @@ from ringflow.engine.failures import Decision, decide
 from ringflow.engine.group import Steps, WorkerGroup
 from ringflow.engine.layout import Layout
 from ringflow.engine.metrics import Logged, logger_rows
+from ringflow.engine.phases import mark
 from ringflow.engine.timeline import TimelineSummary, chrome_trace, summarize, trace_bytes
 from ringflow.engine.worker import Worker
 from ringflow.storage.fs import atomic_write, join
@@ -191,6 +192,7 @@ class Controller:
             raise
         self.loggers.finish("success")
         self.group.shutdown(reuse=True)  # pooled workers go back warm for the next run
+        mark("workers given back")
         return self._trained
 
     # --------------------------------------------------------------------------- states
@@ -203,6 +205,7 @@ class Controller:
         resume = self.resume
         try:
             self.group = group = self._start(run=resume.identity())
+            mark("workers connected")
             if group.adopted is not None:
                 resume.adopt(group.adopted)
             self._dashboard = dashboard_url() if self._on_ray else None
@@ -277,6 +280,7 @@ class Controller:
                     epochs=steps.epochs,
                 )
             )
+            mark("steps", to=self.step + count)
             self.layout.settle(group)  # a checkpoint whose files its workers wrote is committed
         except MembershipLost as lost:
             # The members go back to the commit of ``step``, nothing of this chunk kept, or
@@ -301,10 +305,12 @@ class Controller:
         epoch, started = ending.epoch, time.perf_counter()
         try:
             validation = _merged(group.call(Worker.evaluate, "validation"))
+            mark("validated")
             so_far = self.logged.merge(_merged(group.call(Worker.train_epoch_end, epoch)))
             metrics = {**so_far.results(), **validation.results()}
             group.call(Worker.end_epoch, epoch, metrics)  # schedulers waiting for the metrics
             group.commit(self.step)
+            mark("epoch ended", epoch=epoch)
         except MembershipLost as lost:
             return self._recover(lost, at_step=self.step, epoch=epoch, started=started)
         self._ending = None
@@ -385,6 +391,7 @@ class Controller:
         return State.RUNNING
 
     def _finishing(self) -> State:
+        mark("trained")
         group, resume = self.group, self.resume
         if resume.store_url is not None:
             for error in self.layout.flush(group):
@@ -392,10 +399,12 @@ class Controller:
         group.call(Worker.fit_end, self._chunks.epochs.locate(self.step)[0])
         self.callbacks.fit_end()
         timeline = _write_timeline(group, self.config, self._timeline_url)
+        state = self.layout.model_state(group)
+        mark("weights fetched")
         self._trained = Trained(
             history=self.history,
             resumed_from=resume.step if resume.resumed else None,
-            state=self.layout.model_state(group),
+            state=state,
             environment=group.call_rank0(Worker.environment),
             events=resume.events() + group.events,
             timeline=timeline,

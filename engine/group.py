@@ -31,6 +31,7 @@ from ringflow.engine.errors import (
 from ringflow.engine.failures import start_failure, user_error
 from ringflow.engine.layout import DataParallel, Layout, Method
 from ringflow.engine.metrics import Logged
+from ringflow.engine.phases import mark
 from ringflow.engine.pool import HostLease, WorkerHost, driver_job, pool_key, pooled
 from ringflow.engine.worker import NOSET_VISIBLE_DEVICES, Worker
 
@@ -316,6 +317,7 @@ class RayWorkerGroup(WorkerGroup):
         self._pg = placement_group(bundles, strategy=PLACEMENTS[config.placement])
         try:
             ray.get(self._pg.ready(), timeout=config.timeout_s)
+            mark("placement group ready")
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self._pg)
             raise EngineError(
@@ -338,6 +340,8 @@ class RayWorkerGroup(WorkerGroup):
             if pooled(config.gpus_per_worker, single)
             else None
         )
+        if self._lease is not None:  # pooled GPU hosts learn their bundle's GPU
+            self._lease.place(self._pg, len(bundles), config.gpus_per_worker)
         self.remembers = self._lease is not None and run is not None
         """Whether rank 0 keeps the driver's state at each commit (:meth:`remember`)."""
         self._runtime_env = {"env_vars": self._env_vars} if single else None
@@ -371,6 +375,7 @@ class RayWorkerGroup(WorkerGroup):
         try:
             if self.adopted is None:
                 self._started(starts)
+                mark("workers built")
                 layout.connect(self)
             else:
                 self._rewire(joined=[])  # their ring, anew, among the same ranks
@@ -748,8 +753,13 @@ class RayWorkerGroup(WorkerGroup):
                 )
                 .remote()
             )
+        gpu = self._lease.gpu(bundle) if self._lease is not None else None
         start = actor.start.remote(
-            self._module_cls, job=self._job, **self._layout.worker_kwargs(index), **self._spec
+            self._module_cls,
+            job=self._job,
+            gpu=gpu,
+            **self._layout.worker_kwargs(index),
+            **self._spec,
         )
         return WorkerHandle(actor), start
 

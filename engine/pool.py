@@ -16,8 +16,13 @@ an idle host never keeps Serve, Tune or Ray Data from a CPU. Idle hosts are rele
 whose driver stops renewing it for ``RINGFLOW_POOL_GRACE_S`` seconds (30) is ended and its
 hosts killed. ``RINGFLOW_WORKER_POOL=0`` starts every run on fresh processes.
 
-Pooled runs are CPU workers on a one-node cluster (a laptop, a workstation, the local stack);
-GPU workers and multi-node clusters start fresh hosts in their placement group, as before.
+Pooled runs are those of a one-node cluster (a laptop, a workstation, the local stack, one GPU
+host); multi-node clusters start fresh hosts in their placement group, as before. A pooled GPU
+worker reserves no GPU either: the driver tells each host which GPU its bundle of the placement
+group holds (:meth:`HostLease.gpu`), and a reset frees what the run left on it (its tensors,
+the allocator's cache, compiled graphs) and puts back the backends' flags (cuDNN, TF32, matmul
+precision, deterministic algorithms); an idle GPU host keeps only its CUDA context (a few
+hundred MiB of the GPU's memory) until it is released.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ import torch
 
 from ringflow.engine.cluster import handles_from_local_code
 from ringflow.engine.collective.registry import registrations, restore_registrations
-from ringflow.engine.worker import Worker
+from ringflow.engine.phases import mark
+from ringflow.engine.worker import ASSIGNED_GPU, Worker
 from ringflow.storage.lease import SERVED_JOB
 
 __all__ = [
@@ -72,10 +78,9 @@ def _seconds(name: str, default: float) -> float:
 
 
 def pooled(gpus_per_worker: float, single_node: bool) -> bool:
-    """Whether a run's workers are leased from the pool (see the module docstring)."""
-    return (
-        os.environ.get("RINGFLOW_WORKER_POOL", "1") != "0" and not gpus_per_worker and single_node
-    )
+    """Whether a run's workers are leased from the pool (see the module docstring): on a
+    one-node cluster, CPU and GPU workers alike, unless ``RINGFLOW_WORKER_POOL=0``."""
+    return os.environ.get("RINGFLOW_WORKER_POOL", "1") != "0" and single_node
 
 
 # ---------------------------------------------------------------------------- what is reusable
@@ -170,6 +175,8 @@ class _Baseline:
     modules: frozenset[str]
     threads: frozenset[int]
     torch_threads: int
+    backends: dict[str, Any] = field(default_factory=dict)
+    """torch's global flags a run may set (cuDNN, TF32, matmul precision, determinism)."""
     handlers: list[logging.Handler] = field(default_factory=list)
     registered: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
     """ringflow's registries of collectives and communication hooks."""
@@ -183,6 +190,7 @@ class _Baseline:
             modules=frozenset(sys.modules),
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident),
             torch_threads=torch.get_num_threads(),
+            backends=_backend_flags(),
             handlers=list(logging.getLogger().handlers),
             registered=registrations(),
         )
@@ -206,7 +214,11 @@ class _Baseline:
         torch.set_num_threads(self.torch_threads)
         torch.set_default_dtype(torch.float32)
         torch.set_grad_enabled(True)
+        _set_backend_flags(self.backends)
+        if "torch._dynamo" in sys.modules:  # graphs compiled for the run's code
+            torch._dynamo.reset()
         gc.collect()
+        dirty += _free_cuda()
         deadline = time.monotonic() + 2.0
         while (left := self._new_threads()) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -221,24 +233,88 @@ class _Baseline:
         ]
 
 
+def _backend_flags() -> dict[str, Any]:
+    return {
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+    }
+
+
+def _set_backend_flags(flags: dict[str, Any]) -> None:
+    if not flags:
+        return
+    torch.backends.cudnn.benchmark = flags["cudnn.benchmark"]
+    torch.backends.cudnn.deterministic = flags["cudnn.deterministic"]
+    torch.backends.cudnn.allow_tf32 = flags["cudnn.allow_tf32"]
+    torch.backends.cuda.matmul.allow_tf32 = flags["cuda.matmul.allow_tf32"]
+    torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+    torch.use_deterministic_algorithms(
+        flags["deterministic_algorithms"], warn_only=flags["deterministic_warn_only"]
+    )
+
+
+_HELD_MIB = 64.0
+"""GPU memory a run may leave allocated (libraries' workspaces) before its host is dropped."""
+
+
+def _free_cuda() -> list[str]:
+    """Free what a run left on its GPUs (after its objects are collected): cuBLAS's
+    workspaces, the caching allocator's blocks and its statistics; a reason where more than
+    :data:`_HELD_MIB` stays allocated (tensors something still holds)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    used = [i for i in range(torch.cuda.device_count()) if torch.cuda.memory_reserved(i)]
+    for index in used:  # never a context on a GPU the run did not use
+        torch.cuda.synchronize(index)
+    with contextlib.suppress(AttributeError):  # a private helper of torch's own tests
+        torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    dirty = []
+    for index in used:
+        torch.cuda.reset_peak_memory_stats(index)
+        held = torch.cuda.memory_allocated(index) / 2**20
+        if held > _HELD_MIB:
+            dirty.append(f"{held:.0f} MiB still allocated on cuda:{index}")
+    return dirty
+
+
 class WorkerHost:
     """One worker process that outlives runs: builds a :class:`Worker` per run
     (:meth:`start`), runs its methods (:meth:`run`, called through
     ``engine.group.WorkerHandle``) and leaves nothing of it (:meth:`reset`)."""
 
     def __init__(self) -> None:
+        mark("process started", role="worker", at=_process_start())
+        mark("engine imported", role="worker")
         import lightning.pytorch  # noqa: F401  (imported once, before any run)
 
+        mark("lightning imported", role="worker")
         self.worker: Worker | None = None
         self._baseline = _Baseline.take()
 
-    def start(self, module_cls: type, *, job: str | None = None, **kwargs: Any) -> None:
+    def start(
+        self,
+        module_cls: type,
+        *,
+        job: str | None = None,
+        gpu: list[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """Build this run's worker (``Worker(module_cls, **kwargs)``), for the Ray ``job``
-        of its driver."""
+        of its driver; a pooled GPU worker trains on GPU ``gpu`` (its bundle's)."""
         if self.worker is not None:
             raise RuntimeError("this worker host already holds a run's worker")
+        mark("start called", role="worker")
+        if gpu:  # the bundle's GPU ids (HostLease.gpu)
+            os.environ[ASSIGNED_GPU] = gpu[0]  # reset with the environment
         self.serve(job)
         self.worker = Worker(module_cls, **kwargs)
+        mark("worker built", role="worker")
 
     def serve(self, job: str | None) -> None:
         """Write for the driver's Ray ``job`` (its run key's lease: ``storage.lease``), not
@@ -249,7 +325,9 @@ class WorkerHost:
     def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.worker is None:
             raise RuntimeError(f"Worker.{method} called on a host with no worker started")
-        return getattr(self.worker, method)(*args, **kwargs)
+        result = getattr(self.worker, method)(*args, **kwargs)
+        mark(method, role="worker")
+        return result
 
     def reset(self) -> list[str]:
         """Close the run's worker and restore the process; what kept it from being reused."""
@@ -257,7 +335,9 @@ class WorkerHost:
         if worker is not None:
             worker.close()
         del worker
-        return self._baseline.restore()
+        dirty = self._baseline.restore()
+        mark("reset", role="worker")
+        return dirty
 
     def pid(self) -> int:
         return os.getpid()
@@ -300,6 +380,8 @@ class _Pool:
         self.orphans: dict[str, tuple[_Lease, float]] = {}
         """Leases of lost drivers by run, each until its deadline (``RINGFLOW_ADOPT_S``)."""
         self._reaper: asyncio.Task | None = None
+        self._resets: set[asyncio.Task] = set()
+        """Hosts of ended leases being reset (:meth:`reset_and_give_back`)."""
 
     def _ensure_reaper(self) -> None:
         if self._reaper is None:
@@ -379,6 +461,7 @@ class _Pool:
     ) -> list[tuple[Any, int]]:
         """Up to ``count`` idle hosts of ``key``, now leased to ``lease_id``, which ends
         unless renewed every ``grace_s`` seconds or when ``owner`` is lost."""
+        await self._settled()  # the hosts a run just gave back may serve this one
         lease = self._lease(lease_id, key, grace_s, run, owner or {})
         idle = self.idle.get(key, [])
         kept = len(idle) - min(count, len(idle))
@@ -414,6 +497,45 @@ class _Pool:
         lease = self.leases.pop(lease_id, None)
         if lease is None:  # ended already: its hosts were killed
             return
+        self._idle(lease, clean, cap)
+
+    async def reset_and_give_back(
+        self, lease_id: str, members: list[int], cap: int, timeout_s: float
+    ) -> None:
+        """End the lease now; its ``members`` (by pid) reset meanwhile, each idle once it
+        reset clean within ``timeout_s``, the rest killed (:meth:`give_back`). Whatever asks
+        the pool for hosts or their pids first waits for the resets (:meth:`_settled`), so
+        the driver need not: its run ends while they run."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._reset(lease, members, cap, timeout_s))
+        self._resets.add(task)
+        task.add_done_callback(self._resets.discard)
+
+    async def _reset(self, lease: _Lease, members: list[int], cap: int, timeout_s: float) -> None:
+        async def reset(pid: int, host: Any) -> int | None:
+            try:
+                future = asyncio.wrap_future(host.reset.remote().future())
+                dirty = await asyncio.wait_for(future, timeout_s)
+            except Exception as err:  # noqa: BLE001 - a host that died or failed its reset
+                log.debug("a worker host was not reused: %s", err)
+                return None
+            if dirty:
+                log.info("a worker process is not reused: %s", "; ".join(dirty))
+                return None
+            return pid
+
+        resets = [reset(pid, host) for pid, host in lease.hosts.items() if pid in members]
+        clean = [pid for pid in await asyncio.gather(*resets) if pid is not None]
+        self._idle(lease, clean, cap)
+
+    async def _settled(self) -> None:
+        """Wait for the hosts being reset (:meth:`reset_and_give_back`)."""
+        while self._resets:
+            await asyncio.wait(list(self._resets))
+
+    def _idle(self, lease: _Lease, clean: list[int], cap: int) -> None:
         now = time.monotonic()
         for pid, host in lease.hosts.items():
             if pid in clean:
@@ -428,17 +550,29 @@ class _Pool:
             _kill([h.host])
 
     async def release_idle(self) -> int:
+        await self._settled()
         hosts = [h.host for hs in self.idle.values() for h in hs]
         self.idle = {}
         _kill(hosts)
         return len(hosts)
 
     async def pids(self) -> dict[str, list[int]]:
+        await self._settled()
         return {
             "idle": sorted(h.pid for hs in self.idle.values() for h in hs),
             "leased": sorted(pid for lease in self.leases.values() for pid in lease.hosts),
             "orphaned": sorted(pid for lease, _ in self.orphans.values() for pid in lease.hosts),
         }
+
+
+def _process_start() -> float | None:
+    """When this process started (``time.time()``), where ``psutil`` can tell."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return None
 
 
 def _started(pid: int) -> str | None:
@@ -521,6 +655,8 @@ class HostLease:
         self.grace_s = _seconds("RINGFLOW_POOL_GRACE_S", 30.0)
         self._pool = _pool()
         self._pids: dict[int, int] = {}  # id(actor) -> pid
+        self._gpus: list[Any] = []
+        """Per bundle of the run's placement group, a ref of the Ray id of its GPU."""
         self._stop = threading.Event()
         self._renewing = threading.Thread(target=self._renew, name="ringflow-lease", daemon=True)
         self._renewing.start()
@@ -529,6 +665,32 @@ class HostLease:
         every = max(0.2, self.grace_s / 4)
         while not self._stop.wait(every):
             self._pool.renew.remote(self.id)
+
+    def place(self, placement_group: Any, bundles: int, gpus_per_worker: float) -> None:
+        """The run's ``placement_group``: with GPUs, a task in each of its ``bundles`` asks
+        Ray which GPU it holds (the pooled hosts reserve none: :meth:`gpu`)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not gpus_per_worker:
+            return
+        # A lambda travels by value: the task's process need not import ringflow or torch.
+        probe = ray.remote(lambda: [str(i) for i in ray.get_gpu_ids()])
+        self._gpus = [
+            probe.options(
+                num_cpus=0,
+                num_gpus=gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement_group, placement_group_bundle_index=bundle
+                ),
+            ).remote()
+            for bundle in range(bundles)
+        ]
+
+    def gpu(self, bundle: int) -> Any:
+        """What a host of ``bundle`` is started with (``WorkerHost.start``'s ``gpu``): a ref
+        of its GPU's Ray id (Ray resolves it before the call runs), ``None`` on CPU."""
+        return self._gpus[bundle] if self._gpus else None
 
     def take(self, count: int) -> list[Any]:
         """``count`` hosts: idle ones of this lease's key, the rest started now."""
@@ -589,26 +751,20 @@ class HostLease:
 
     def give_back(self, hosts: list[Any], *, reuse: bool, timeout_s: float = 10.0) -> None:
         """End the lease: ``hosts`` that reset clean (with ``reuse``) go back to the pool,
-        every other host of the lease is killed."""
+        every other host of the lease is killed. The pool resets them: this returns at once
+        (``_Pool.reset_and_give_back``)."""
         import ray
 
         self._stop.set()
-        clean: list[int] = []
-        if reuse and hosts:
-            resets = {host.reset.remote(): host for host in hosts}
-            done, _ = ray.wait(list(resets), num_returns=len(resets), timeout=timeout_s)
-            for ref in done:
-                host = resets[ref]
-                try:
-                    dirty = ray.get(ref)
-                    pid = self._pids[id(host)]
-                    pid = pid if isinstance(pid, int) else ray.get(pid, timeout=timeout_s)
-                except Exception as err:  # a host that died or failed its reset is killed
-                    log.debug("a worker host was not reused: %s", err)
-                    continue
-                if dirty:
-                    log.info("a worker process is not reused: %s", "; ".join(dirty))
-                else:
-                    clean.append(pid)
+        members: list[int] = []
+        for host in hosts if reuse else []:
+            pid = self._pids.get(id(host))
+            try:
+                members.append(pid if isinstance(pid, int) else ray.get(pid, timeout=timeout_s))
+            except Exception as err:  # noqa: BLE001 - a host that died is killed
+                log.debug("a worker host was not reused: %s", err)
         cap = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
-        ray.get(self._pool.give_back.remote(self.id, clean, cap))
+        if members:
+            ray.get(self._pool.reset_and_give_back.remote(self.id, members, cap, timeout_s))
+        else:
+            ray.get(self._pool.give_back.remote(self.id, [], cap))

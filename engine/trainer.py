@@ -25,6 +25,7 @@ from ringflow.engine.group import Adopted, LocalGroup, RayWorkerGroup, WorkerGro
 from ringflow.engine.layout import Layout, layout_of
 from ringflow.engine.metrics import Logged
 from ringflow.engine.module import call_hook, overrides, uncalled_hooks
+from ringflow.engine.phases import mark
 from ringflow.engine.spec import build_module, check_warm_start, model_hparams
 from ringflow.engine.timeline import TimelineSummary
 from ringflow.engine.worker import Worker, evaluate_module
@@ -144,6 +145,7 @@ def fit(
             ``run_key`` written by a different configuration.
         CheckpointStorageError: ``store_url`` cannot be written (checked before training).
     """
+    mark("fit called")
     data = as_data(data, batch_size=config.batch_size, module_cls=module_cls)
     layout = check_layout(config, pipeline, data=data, init_from=init_from)
     hparams = model_hparams(module_cls, hparams, getattr(data, "schema", None))
@@ -173,6 +175,7 @@ def fit(
         extra=callbacks,
         loggers=writers.loggers,
     )
+    mark("driver ready")
     trained = Controller(
         start=functools.partial(
             group_cls, module_cls, hparams=hparams, data=data, config=config, layout=layout
@@ -204,6 +207,7 @@ def fit(
             **(meta or {}),
         },
     )
+    mark("model saved")
     return FitResult(
         checkpoint=uri,
         history=history,

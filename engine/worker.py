@@ -41,6 +41,7 @@ from ringflow.engine.module import (
     overrides,
     step_arguments,
 )
+from ringflow.engine.phases import mark
 from ringflow.engine.seeding import seed_host_generators
 from ringflow.engine.spec import check_warm_start
 from ringflow.engine.timeline import WorkerTimeline
@@ -55,18 +56,21 @@ from ringflow.storage.reshard import (
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 __all__ = [
+    "ASSIGNED_GPU",
     "NOSET_VISIBLE_DEVICES",
     "Batch",
     "Plan",
     "Step",
     "Worker",
     "evaluate_module",
+    "from_wire",
     "epoch_batches",
     "free_address",
     "split_global_batch",
     "Share",
     "seed_generators",
     "step_seed",
+    "to_wire",
     "worker_device",
 ]
 
@@ -183,6 +187,12 @@ NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 of its node and trains on the first of those Ray assigned it."""
 
 
+ASSIGNED_GPU = "RINGFLOW_ASSIGNED_GPU"
+"""Set in a pooled worker's process for a run (``engine.pool``, reset with it): Ray's id of
+the GPU its bundle of the run's placement group holds, which Ray did not assign to the process
+itself (a pooled process reserves nothing)."""
+
+
 def worker_device(config: TrainConfig) -> torch.device:
     """Where a worker of ``config`` trains: the CPU, or with ``gpus_per_worker`` the first
     GPU Ray assigned it. Ray either hides the other GPUs (``CUDA_VISIBLE_DEVICES``: the GPU is
@@ -223,12 +233,16 @@ def seed_generators(seed: int, device: torch.device) -> None:
 
 
 def _assigned_gpu() -> int:
-    """This process's index of the first GPU Ray assigned it (0 where Ray hid the others)."""
-    if os.environ.get(NOSET_VISIBLE_DEVICES) != "1":
+    """This process's index of the first GPU Ray assigned it (0 where Ray hid the others), or
+    its pool's (:data:`ASSIGNED_GPU`)."""
+    if os.environ.get(ASSIGNED_GPU):
+        ids = [os.environ[ASSIGNED_GPU]]
+    elif os.environ.get(NOSET_VISIBLE_DEVICES) != "1":
         return 0
-    import ray
+    else:
+        import ray
 
-    ids = [str(i) for i in ray.get_gpu_ids()]
+        ids = [str(i) for i in ray.get_gpu_ids()]
     if not ids:
         return 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -350,6 +364,7 @@ class Worker:
         self.rank, self.world_size, self.config = rank, config.workers, config
         self.data = data
         self.device = worker_device(config)
+        mark("device ready", role="worker")
         torch.manual_seed(config.seed)  # every worker builds the same initial weights
         seed_host_generators(config.seed)
         self.precision = Precision(config.precision, self.device)
@@ -387,6 +402,7 @@ class Worker:
             if config.timeline
             else None
         )
+        mark("module built", role="worker")
         self.optimization = Optimization(self.module, self.precision)
         if config.lr_scaling != "none":
             self.optimization.lr_scale = LrScale(config.lr_factor(), config.lr_warmup_steps)
@@ -1284,6 +1300,11 @@ class Worker:
         self._undo_ahead()
         return _host_copy(self.module.state_dict())[0]
 
+    def state_on_wire(self) -> dict[str, tuple]:
+        """:meth:`state_dict` as :func:`to_wire` sends it (the driver reads it back with
+        :func:`from_wire`): the final weights' trip to the driver."""
+        return to_wire(self.state_dict())
+
     def timeline_spans(self) -> list[dict[str, Any]]:
         """The spans this worker recorded (``engine.timeline``); each is returned once."""
         return [] if self.timeline is None else self.timeline.spans(self.rank)
@@ -1487,6 +1508,53 @@ def _stream_mark(device: torch.device) -> torch.cuda.Event | None:
     mark = torch.cuda.Event()
     mark.record(torch.cuda.current_stream(device))
     return mark
+
+
+def to_wire(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """``state``'s CPU tensors for Ray to send: each one's bytes as a numpy array, which Ray
+    passes out of band (torch tensors it pickles, copying their bytes through the pickle),
+    with its dtype and shape: ``("bytes", dtype, shape, array)``; a tensor that is an earlier
+    one's memory (tied weights) as ``("alias", name)``; anything else (not strided) as
+    ``("tensor", tensor)``. :func:`from_wire` reads it back, bit for bit."""
+    wire: dict[str, tuple] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in state.items():
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type != "cpu":
+            wire[name] = ("tensor", tensor)
+            continue
+        where = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tensor.dtype,
+            tuple(tensor.shape),
+            tensor.stride(),
+        )
+        if tensor.numel() and where in seen:
+            wire[name] = ("alias", seen[where])
+            continue
+        seen[where] = name
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        wire[name] = ("bytes", str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        wire[name] += (raw.numpy(),)
+    return wire
+
+
+def from_wire(wire: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """The state :func:`to_wire` sent, as writable CPU tensors of its own memory (one copy
+    out of Ray's object store), tied tensors tied again."""
+    state: dict[str, torch.Tensor] = {}
+    for name, (kind, *rest) in wire.items():
+        if kind == "alias":
+            state[name] = state[rest[0]]
+        elif kind == "tensor":
+            state[name] = rest[0]
+        else:
+            dtype, shape, data = rest
+            if not data.size:  # numpy's empty array has no stride torch can view
+                state[name] = torch.empty(shape, dtype=getattr(torch, dtype))
+                continue
+            state[name] = torch.from_numpy(data.copy()).view(getattr(torch, dtype)).reshape(shape)
+    return state
 
 
 def _host_copy(
