@@ -107,9 +107,9 @@ def _run_ours(args: argparse.Namespace, root: str) -> Recovery:
         )
     finally:
         ray.shutdown()
-    if not killed:
+    lost = next((e for e in result.events if e.kind == "lost"), None)
+    if not killed or lost is None:  # a worker killed once the run ended is no loss
         raise RuntimeError("training ended before the kill: raise --epochs")
-    lost = next(e for e in result.events if e.kind == "lost")
     # After a loss the engine commits after a single step: "recovered" is that step done.
     recovered = next(e for e in result.events if e.kind == "recovered")
     return Recovery(
@@ -261,9 +261,11 @@ class _Killer:
         time.sleep(self.after_s)
         for proc in psutil.Process().children(recursive=True):
             try:
-                if " ".join(proc.cmdline()).startswith(self.title):
+                title = " ".join(proc.cmdline())
+                if title.startswith(self.title):
                     os.kill(proc.pid, signal.SIGKILL)
                     self.killed.append(time.time())
+                    print(f"# killed {proc.pid} ({title[:60]})", flush=True)
                     return
             except psutil.Error:
                 continue
