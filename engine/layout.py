@@ -21,7 +21,7 @@ import torch
 
 from ringflow.engine.config import WIRE_FORMATS, TrainConfig
 from ringflow.engine.elastic.membership import Elastic, Fixed, Membership
-from ringflow.engine.worker import Worker, from_wire
+from ringflow.engine.worker import Worker
 from ringflow.storage.reshard import merge_optimizer_metadata
 from ringflow.storage.store import CheckpointStorageError, CheckpointStore
 
@@ -235,7 +235,7 @@ class DataParallel(Layout):
         return group.call_rank0(Worker.flush_checkpoints)["errors"]
 
     def model_state(self, group: Workers) -> dict[str, torch.Tensor]:
-        return from_wire(group.call_rank0(Worker.state_on_wire))
+        return group.call_rank0(Worker.state_dict)
 
 
 class Pipeline(Layout):
@@ -453,8 +453,8 @@ class Pipeline(Layout):
 
     def model_state(self, group: Workers) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
-        for part in group.call_first(self.pipeline.stages, Worker.state_on_wire):
-            state.update(from_wire(part))
+        for part in group.call_first(self.pipeline.stages, Worker.state_dict):
+            state.update(part)
         return state
 
 

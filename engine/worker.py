@@ -56,21 +56,18 @@ from ringflow.storage.reshard import (
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 __all__ = [
-    "ASSIGNED_GPU",
     "NOSET_VISIBLE_DEVICES",
     "Batch",
     "Plan",
     "Step",
     "Worker",
     "evaluate_module",
-    "from_wire",
     "epoch_batches",
     "free_address",
     "split_global_batch",
     "Share",
     "seed_generators",
     "step_seed",
-    "to_wire",
     "worker_device",
 ]
 
@@ -1300,11 +1297,6 @@ class Worker:
         self._undo_ahead()
         return _host_copy(self.module.state_dict())[0]
 
-    def state_on_wire(self) -> dict[str, tuple]:
-        """:meth:`state_dict` as :func:`to_wire` sends it (the driver reads it back with
-        :func:`from_wire`): the final weights' trip to the driver."""
-        return to_wire(self.state_dict())
-
     def timeline_spans(self) -> list[dict[str, Any]]:
         """The spans this worker recorded (``engine.timeline``); each is returned once."""
         return [] if self.timeline is None else self.timeline.spans(self.rank)
@@ -1508,53 +1500,6 @@ def _stream_mark(device: torch.device) -> torch.cuda.Event | None:
     mark = torch.cuda.Event()
     mark.record(torch.cuda.current_stream(device))
     return mark
-
-
-def to_wire(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
-    """``state``'s CPU tensors for Ray to send: each one's bytes as a numpy array, which Ray
-    passes out of band (torch tensors it pickles, copying their bytes through the pickle),
-    with its dtype and shape: ``("bytes", dtype, shape, array)``; a tensor that is an earlier
-    one's memory (tied weights) as ``("alias", name)``; anything else (not strided) as
-    ``("tensor", tensor)``. :func:`from_wire` reads it back, bit for bit."""
-    wire: dict[str, tuple] = {}
-    seen: dict[tuple, str] = {}
-    for name, tensor in state.items():
-        if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type != "cpu":
-            wire[name] = ("tensor", tensor)
-            continue
-        where = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tensor.dtype,
-            tuple(tensor.shape),
-            tensor.stride(),
-        )
-        if tensor.numel() and where in seen:
-            wire[name] = ("alias", seen[where])
-            continue
-        seen[where] = name
-        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        wire[name] = ("bytes", str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-        wire[name] += (raw.numpy(),)
-    return wire
-
-
-def from_wire(wire: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """The state :func:`to_wire` sent, as writable CPU tensors of its own memory (one copy
-    out of Ray's object store), tied tensors tied again."""
-    state: dict[str, torch.Tensor] = {}
-    for name, (kind, *rest) in wire.items():
-        if kind == "alias":
-            state[name] = state[rest[0]]
-        elif kind == "tensor":
-            state[name] = rest[0]
-        else:
-            dtype, shape, data = rest
-            if not data.size:  # numpy's empty array has no stride torch can view
-                state[name] = torch.empty(shape, dtype=getattr(torch, dtype))
-                continue
-            state[name] = torch.from_numpy(data.copy()).view(getattr(torch, dtype)).reshape(shape)
-    return state
 
 
 def _host_copy(
