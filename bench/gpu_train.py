@@ -71,6 +71,7 @@ HEADLINE = (
     "ours_vs_ddp_by_gpus",
     "ours_epoch_vs_ddp_by_gpus",
     "ours_wall_vs_ddp_by_gpus",
+    "ours_warm_wall_vs_ddp_by_gpus",
     "ours_vs_fsdp_by_gpus",
     "scaling_efficiency_4",
 )
