@@ -120,61 +120,39 @@ class ResumePolicy:
 def automations(policy: ResumePolicy) -> list[Automation]:
     """The five automations of ``policy``, ready to apply."""
     tagged = ResourceSpecification({"prefect.resource.id": f"prefect.tag.{policy.tag}"})
-    crash_silent = Automation(
-        name=CRASH_SILENT,
+    crash_silent = _crash_when_quiet(
+        CRASH_SILENT,
+        tagged,
+        policy,
         description=(
             f"Marks a flow run tagged {policy.tag!r} Crashed when it sends no heartbeat for "
             f"{policy.grace_seconds} s: its process or host is gone. Created by "
             "deployments/automations.py."
         ),
-        trigger=EventTrigger(
-            posture=Posture.Proactive,
-            after={"prefect.flow-run.heartbeat"},
-            expect={"prefect.flow-run.heartbeat", *_FINAL_EVENTS},
-            match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
-            match_related=tagged,
-            for_each={"prefect.resource.id"},
-            threshold=1,
-            within=timedelta(seconds=policy.grace_seconds),
+        after={"prefect.flow-run.heartbeat"},
+        expect={"prefect.flow-run.heartbeat", *_FINAL_EVENTS},
+        message=(
+            f"{SILENT_MESSAGE} {policy.grace_seconds} s: the flow run's process or its "
+            "host was lost (ringflow automation)"
         ),
-        actions=[
-            ChangeFlowRunState(
-                state=StateType.CRASHED,
-                message=(
-                    f"{SILENT_MESSAGE} {policy.grace_seconds} s: the flow run's process or its "
-                    "host was lost (ringflow automation)"
-                ),
-            )
-        ],
     )
-    crash_unstarted = Automation(
-        name=CRASH_UNSTARTED,
+    crash_unstarted = _crash_when_quiet(
+        CRASH_UNSTARTED,
+        tagged,
+        policy,
         description=(
             f"Marks a flow run tagged {policy.tag!r} Crashed when it stays in a Pending state "
             f"for {policy.grace_seconds} s with no sign of its flow process: the worker that "
             "took it was lost before the process ran. Created by deployments/automations.py."
         ),
-        trigger=EventTrigger(
-            posture=Posture.Proactive,
-            # Each Pending state starts the wait again; any later event of the run (Running,
-            # a heartbeat, a final or a Scheduled state) ends it.
-            after={f"prefect.flow-run.{name}" for name in PENDING_STATES},
-            expect={"prefect.flow-run.*"},
-            match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
-            match_related=tagged,
-            for_each={"prefect.resource.id"},
-            threshold=1,
-            within=timedelta(seconds=policy.grace_seconds),
+        # Each Pending state starts the wait again; any later event of the run (Running,
+        # a heartbeat, a final or a Scheduled state) ends it.
+        after={f"prefect.flow-run.{name}" for name in PENDING_STATES},
+        expect={"prefect.flow-run.*"},
+        message=(
+            f"{UNSTARTED_MESSAGE}: Pending for {policy.grace_seconds} s and no flow "
+            "process ran it; the worker that took it was lost (ringflow automation)"
         ),
-        actions=[
-            ChangeFlowRunState(
-                state=StateType.CRASHED,
-                message=(
-                    f"{UNSTARTED_MESSAGE}: Pending for {policy.grace_seconds} s and no flow "
-                    "process ran it; the worker that took it was lost (ringflow automation)"
-                ),
-            )
-        ],
     )
     reschedule_killed = Automation(
         name=RESCHEDULE_KILLED,
@@ -202,57 +180,34 @@ def automations(policy: ResumePolicy) -> list[Automation]:
         ),
         actions=[_reschedule(policy, "after its process was killed")],
     )
-    reschedule_silent = Automation(
-        name=RESCHEDULE_SILENT,
+    reschedule_silent = _reschedule_crashed(
+        RESCHEDULE_SILENT,
+        tagged,
+        policy,
         description=(
             f"Puts a flow run tagged {policy.tag!r} that was marked Crashed for its silence "
             f"back to Scheduled, while it has started at most {policy.max_restarts} times. "
             "Created by deployments/automations.py."
         ),
-        trigger=EventTrigger(
-            posture=Posture.Reactive,
-            expect={"prefect.flow-run.Crashed"},
-            match=ResourceSpecification(
-                {
-                    "prefect.resource.id": "prefect.flow-run.*",
-                    "prefect.state-message": f"{SILENT_MESSAGE} *",
-                    # The loop guard, on the server: a run that crashed before it ever ran
-                    # (run count 0) or has used its restarts is left Crashed.
-                    "prefect.run-count": [str(n) for n in range(1, policy.max_restarts + 1)],
-                }
-            ),
-            match_related=tagged,
-            for_each={"prefect.resource.id"},
-            threshold=1,
-            within=timedelta(0),
-        ),
-        actions=[_reschedule(policy, "after its heartbeats stopped")],
+        message=f"{SILENT_MESSAGE} *",
+        # The loop guard, on the server: a run that crashed before it ever ran (run count 0)
+        # or has used its restarts is left Crashed.
+        run_counts=range(1, policy.max_restarts + 1),
+        why="after its heartbeats stopped",
     )
-    reschedule_unstarted = Automation(
-        name=RESCHEDULE_UNSTARTED,
+    reschedule_unstarted = _reschedule_crashed(
+        RESCHEDULE_UNSTARTED,
+        tagged,
+        policy,
         description=(
             f"Puts a flow run tagged {policy.tag!r} that was marked Crashed before it started "
             f"back to Scheduled, while it has started at most {policy.max_restarts} times. "
             "Created by deployments/automations.py."
         ),
-        trigger=EventTrigger(
-            posture=Posture.Reactive,
-            expect={"prefect.flow-run.Crashed"},
-            match=ResourceSpecification(
-                {
-                    "prefect.resource.id": "prefect.flow-run.*",
-                    "prefect.state-message": f"{UNSTARTED_MESSAGE}: *",
-                    # Lost before its first start (0), or before a restart of one that has
-                    # restarts left.
-                    "prefect.run-count": [str(n) for n in range(policy.max_restarts + 1)],
-                }
-            ),
-            match_related=tagged,
-            for_each={"prefect.resource.id"},
-            threshold=1,
-            within=timedelta(0),
-        ),
-        actions=[_reschedule(policy, "after its worker was lost before it started")],
+        message=f"{UNSTARTED_MESSAGE}: *",
+        # Lost before its first start (0), or before a restart of one that has restarts left.
+        run_counts=range(policy.max_restarts + 1),
+        why="after its worker was lost before it started",
     )
     return [
         crash_silent,
@@ -261,6 +216,69 @@ def automations(policy: ResumePolicy) -> list[Automation]:
         reschedule_silent,
         reschedule_unstarted,
     ]
+
+
+def _crash_when_quiet(
+    name: str,
+    tagged: ResourceSpecification,
+    policy: ResumePolicy,
+    *,
+    description: str,
+    after: set[str],
+    expect: set[str],
+    message: str,
+) -> Automation:
+    """Marks a tagged flow run Crashed (``message``) when, after one of the events ``after``,
+    none of ``expect`` follows within the grace period."""
+    return Automation(
+        name=name,
+        description=description,
+        trigger=EventTrigger(
+            posture=Posture.Proactive,
+            after=after,
+            expect=expect,
+            match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
+            match_related=tagged,
+            for_each={"prefect.resource.id"},
+            threshold=1,
+            within=timedelta(seconds=policy.grace_seconds),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=message)],
+    )
+
+
+def _reschedule_crashed(
+    name: str,
+    tagged: ResourceSpecification,
+    policy: ResumePolicy,
+    *,
+    description: str,
+    message: str,
+    run_counts: range,
+    why: str,
+) -> Automation:
+    """Puts a tagged flow run back to Scheduled once it is marked Crashed with a state
+    message matching ``message`` while its run count is one of ``run_counts``."""
+    return Automation(
+        name=name,
+        description=description,
+        trigger=EventTrigger(
+            posture=Posture.Reactive,
+            expect={"prefect.flow-run.Crashed"},
+            match=ResourceSpecification(
+                {
+                    "prefect.resource.id": "prefect.flow-run.*",
+                    "prefect.state-message": message,
+                    "prefect.run-count": [str(n) for n in run_counts],
+                }
+            ),
+            match_related=tagged,
+            for_each={"prefect.resource.id"},
+            threshold=1,
+            within=timedelta(0),
+        ),
+        actions=[_reschedule(policy, why)],
+    )
 
 
 def _reschedule(policy: ResumePolicy, why: str) -> ChangeFlowRunState:
