@@ -23,7 +23,6 @@ import torch
 from ringflow.horovod import basics, lifecycle
 from ringflow.horovod.basics import HorovodInternalError
 from ringflow.horovod.collectives import broadcast_object, broadcast_parameters
-from ringflow.horovod.optimizer import broadcast_optimizer_state
 
 __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
 
@@ -108,9 +107,12 @@ class ObjectState(State):
 
 
 class TorchState(ObjectState):
-    """A PyTorch training's state: ``model`` and ``optimizer`` (and any module, optimizer or
-    :class:`ElasticSampler` passed by name) kept by their ``state_dict``; every other keyword
-    an attribute kept as a value. ``state.epoch = 3`` sets what the next commit keeps."""
+    """A PyTorch training's state: ``model`` and ``optimizer``, and any keyword whose value
+    has ``state_dict`` and ``load_state_dict`` (modules, optimizers, LR schedulers,
+    :class:`ElasticSampler`, a ``GradScaler``), kept by their ``state_dict``: :meth:`restore`
+    and :meth:`sync` load into the objects given, so a scheduler still drives the optimizer
+    it was made with. Every other keyword is an attribute kept as a value. ``state.epoch =
+    3`` sets what the next commit keeps."""
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs):
         kwargs.update(model=model, optimizer=optimizer)
@@ -131,12 +133,13 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        """Every rank's objects and values become rank 0's: a module's tensors in place, any
+        other object's whole ``state_dict`` (an optimizer's learning rates too, where
+        ``broadcast_optimizer_state`` leaves a stateless one's as they are)."""
         for name in self._handled:
             value = getattr(self, name)
             if isinstance(value, torch.nn.Module):
                 broadcast_parameters(value.state_dict(), root_rank=0)
-            elif isinstance(value, torch.optim.Optimizer):
-                broadcast_optimizer_state(value, root_rank=0)
             else:
                 value.load_state_dict(broadcast_object(value.state_dict(), root_rank=0))
         super().sync()
@@ -148,7 +151,11 @@ class TorchState(ObjectState):
 
 
 def _keeps_state_dict(value: Any) -> bool:
-    return isinstance(value, torch.nn.Module | torch.optim.Optimizer | ElasticSampler)
+    if isinstance(value, type):  # a class, not one of its objects
+        return False
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

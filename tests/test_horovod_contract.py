@@ -413,3 +413,36 @@ def test_horovods_own_torch_tests_pass_on_two_ranks_but_those_refused(tmp_path):
         failed = {name for name, outcome in outcomes.items() if outcome == "failed"}
         assert failed == set(REFUSED), (rank, done.stdout[-6000:])
     assert [name for name in REFUSED if f"`{name}`" not in documented] == []
+
+
+def test_horovods_own_elastic_state_tests_pass_in_one_process(tmp_path):
+    """Horovod's ``test/single/test_torch_elastic.py``, unchanged: ``TorchState`` and
+    ``ElasticSampler`` on one rank, run without the launcher as Horovod runs it."""
+    import os
+
+    shimmed = os.pathsep.join(filter(None, [str(CONTRACT / "shim"), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-c",
+            str(CONTRACT / "pytest.ini"),
+            "--rootdir",
+            str(CONTRACT),
+            "--noconftest",
+            "-q",
+            f"--junitxml={tmp_path / 'single.xml'}",
+            str(CONTRACT / "single" / "test_torch_elastic.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": shimmed},
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert _outcomes(tmp_path / "single.xml") == {
+        "test_elastic_state": "passed",
+        "test_elastic_sampler": "passed",
+    }

@@ -417,3 +417,69 @@ def test_horovod_run_past_its_reset_limit_raises_the_coordinators_reason(ray_ses
 
     with pytest.raises(hvd.HorovodError, match=r"gave up: 1 resets .* max_resets=0"):
         hvd.run(dies, args=(None,), np=2, min_np=1, reset_limit=0, cpus_per_worker=0.5)
+
+
+# --------------------------------------------------------------------------- TorchState
+
+
+def _training_objects():
+    model = torch.nn.Linear(2, 1)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    sampler = hvd.elastic.ElasticSampler(list(range(8)), shuffle=False)
+    return model, optimizer, scheduler, sampler
+
+
+def test_restore_loads_the_last_commit_into_the_users_own_objects():
+    """A scheduler, an optimizer and a sampler in a ``TorchState`` are rolled back in
+    place: the scheduler still drives the optimizer the script steps (Horovod's keeps the
+    scheduler as a pickled value, so after a sync it drives a copy)."""
+    hvd.init()  # rank 0 of 1
+    try:
+        _commit_step_and_restore()
+    finally:
+        hvd.shutdown()
+
+
+def _commit_step_and_restore():
+    model, optimizer, scheduler, sampler = _training_objects()
+    state = hvd.elastic.TorchState(model, optimizer, scheduler=scheduler, sampler=sampler, epoch=0)
+    state.commit()
+    weight = model.weight.detach().clone()
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    sampler.record_batch(0, 2)
+    state.epoch = 1
+    state.restore()
+    assert (state.model, state.optimizer) == (model, optimizer)
+    assert (state.scheduler, state.sampler) == (scheduler, sampler)
+    assert scheduler.optimizer is optimizer
+    assert torch.equal(model.weight, weight)
+    assert optimizer.param_groups[0]["lr"] == 0.1  # put back, as the scheduler says
+    assert (scheduler.last_epoch, scheduler.get_last_lr()) == (0, [0.1])
+    assert (sampler.processed_num, state.epoch) == (0, 0)
+    scheduler.step()  # the scheduler the script holds drives the optimizer it steps
+    assert optimizer.param_groups[0]["lr"] == 0.05
+
+
+def synced_state() -> dict:
+    """Rank 1's objects differ from rank 0's; ``sync`` gives every rank rank 0's."""
+    hvd.init()
+    model, optimizer, scheduler, sampler = _training_objects()
+    for _ in range(hvd.rank() * 2):
+        scheduler.step()
+    state = hvd.elastic.TorchState(model, optimizer, scheduler=scheduler, sampler=sampler)
+    state.sync()
+    return {
+        "lr": optimizer.param_groups[0]["lr"],
+        "last epoch": scheduler.last_epoch,
+        "own objects": state.scheduler is scheduler and scheduler.optimizer is optimizer,
+    }
+
+
+def test_sync_gives_every_rank_rank_0s_scheduler_in_its_own_objects(ray_session):
+    first, second = hvd.run(synced_state, np=2, cpus_per_worker=0.5)
+    assert first == second == {"lr": 0.1, "last epoch": 0, "own objects": True}
