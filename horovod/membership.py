@@ -56,9 +56,9 @@ class Membership:
     the next one backs off). Every lost or joined worker counts against ``reset_limit``.
 
     Args:
-        np: the workers the run starts with, and keeps running.
+        np: the workers the run starts with, and keeps running (until :meth:`resize`).
         min_np: fewest ranks a generation may have (more are waited for).
-        max_np: most ranks a generation may have (newcomers beyond wait).
+        max_np: most ranks a generation may have, and most workers :meth:`resize` keeps.
         drop_after_s: how long a reset waits for a rank of the last generation that is alive
             but has not asked to join (a rank stuck outside any collective); then it is
             dropped (lost) and the launcher ends it.
@@ -142,6 +142,15 @@ class Membership:
             if not self._finished and self._gave_up is None:
                 start = max(0, self._coordinator.vacancies() - len(newcomers))
             return dropped, start, events, self._gave_up
+
+    def resize(self, np: int) -> None:
+        """Keep ``np`` workers running from now on (within ``min_np`` and ``max_np``): where
+        that is more than there are, :meth:`poll` asks for more, and they join the ranks at
+        their next commit; where less, the ranks there are stay."""
+        with self._changed:
+            coordinator = self._coordinator
+            coordinator.resize(min(max(np, coordinator.min_workers), self._max))
+            self._changed.notify_all()
 
     def finish(self, worker: str) -> list[str]:
         """``worker``'s rank finished: no generation forms any more. The workers still
@@ -228,7 +237,7 @@ class Membership:
         order += [w for w in ready if w in members and w not in order]
         newcomers = [w for w in ready if w not in members]
         if newcomers and self._may_join():
-            order += newcomers[: max(0, self._max - len(order))]
+            order += newcomers[: max(0, self._coordinator.max_workers - len(order))]
         return order
 
     def _assign(self, order: list[str]) -> bool:

@@ -209,17 +209,18 @@ def _start(
     timeout_s: float,
     env: dict[str, str] | None,
     rank_cls: type = _Rank,
+    rank_args: tuple = (),
     **options: Any,
 ) -> tuple[list[Any], list[dict[str, str]]]:
-    """``np`` rank actors (of ``rank_cls``, with Ray's actor ``options``), and what each is
-    told of its place (``basics.VARIABLES``)."""
+    """``np`` rank actors (``rank_cls(*rank_args)``, with Ray's actor ``options``), and what
+    each is told of its place (``basics.VARIABLES``)."""
     import ray
 
     from ringflow.engine.cluster import connect
 
     connect()
     actor = ray.remote(rank_cls).options(num_cpus=cpus, num_gpus=gpus, **options)
-    ranks = [actor.remote() for _ in range(np)]
+    ranks = [actor.remote(*rank_args) for _ in range(np)]
     nodes = ray.get([r.node.remote() for r in ranks])
     address = ray.get(ranks[0].address.remote())
     order = list(dict.fromkeys(nodes))
@@ -256,10 +257,17 @@ def _horovodrun_told(told: dict[str, Any]) -> dict[str, str]:
 class _Elastic:
     """The launcher's side of an elastic run: the workers it started, the :class:`Membership`
     that forms them into ranks (deciding through the engine's elastic coordinator), and the
-    workers it starts in place of lost ones when the membership says so."""
+    workers it starts in place of lost ones when the membership says so. Each worker is a
+    ``rank_cls(*rank_args)`` actor."""
 
     def __init__(
-        self, np: int, min_np: int | None, max_np: int | None, options: dict[str, Any]
+        self,
+        np: int,
+        min_np: int | None,
+        max_np: int | None,
+        options: dict[str, Any],
+        rank_cls: type = _Rank,
+        rank_args: tuple = (),
     ) -> None:
         import ray
 
@@ -282,7 +290,10 @@ class _Elastic:
             .options(num_cpus=0, max_concurrency=2 * max_np + 8)
             .remote(np, min_np, max_np, max(60.0, 2 * timeout_s), reset_limit)
         )
-        self._actor = ray.remote(_Rank).options(num_cpus=options["cpus"], num_gpus=options["gpus"])
+        self._actor = ray.remote(rank_cls).options(
+            num_cpus=options["cpus"], num_gpus=options["gpus"]
+        )
+        self._rank_args = rank_args
         self.env = {**_forwarded(), **(options["env"] or {})}
         self.env[VARIABLES["timeout_s"]] = str(timeout_s)
         self.env[VARIABLES["job"]] = secrets.token_hex(8)
@@ -297,11 +308,19 @@ class _Elastic:
         import ray
 
         name, self._count = str(self._count), self._count + 1
-        actor = self._actor.remote()
+        actor = self._actor.remote(*self._rank_args)
         ray.get(self.membership.started.remote(name))
         actor.elastic.remote(self.membership, name)
         self.workers[name] = actor
         return name, actor
+
+    def resize(self, np: int) -> None:
+        """Keep ``np`` workers running from now on (the membership bounds it by ``min_np``
+        and ``max_np``); more are started at the next :meth:`step`, and they join the ranks
+        at a commit."""
+        import ray
+
+        ray.get(self.membership.resize.remote(np))
 
     def lost(self, name: str, why: str) -> None:
         """``name`` is gone (``why``): the membership decides whether the others go on."""
@@ -394,10 +413,17 @@ def _forward(run: _Elastic, name: str, output: Any) -> int | None:
     return status
 
 
-def _results_elastic(run: _Elastic, fn: Callable[..., Any], args: tuple, kwargs: dict) -> list:
+def _results_elastic(
+    run: _Elastic,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    tick: Callable[[], None] = lambda: None,
+) -> list:
     """``_results`` for an elastic run: a worker whose actor died is lost (the membership
     decides whether the ranks left go on and a worker starts in its place); one whose ``fn``
-    raised fails the run. The results of the ranks that finished, in rank order.
+    raised fails the run. The results of the ranks that finished, in rank order. ``tick()``
+    is called every 0.1 s or so while the run goes on, and once at its end.
 
     Raises:
         HorovodError: the run gave up (the elastic coordinator's reason).
@@ -410,13 +436,14 @@ def _results_elastic(run: _Elastic, fn: Callable[..., Any], args: tuple, kwargs:
     for _ in range(run.np):
         name, actor = run.start()
         calls[name] = actor.run.remote(fn, args, kwargs, run.env)
-    results: dict[int, Any] = {}
+    results: dict[tuple[bool, int], Any] = {}  # by rank; a function that never ranked, after
     while calls and run.gave_up is None:
         for name, actor in run.step():
             calls[name] = actor.run.remote(fn, args, kwargs, run.env)
         for name in [n for n in calls if n not in run.workers]:  # dropped
             del calls[name]
         done, _ = ray.wait(list(calls.values()), num_returns=1, timeout=0.1)
+        tick()
         for name in [n for n, ref in calls.items() if ref in done]:
             ref = calls.pop(name)
             if name not in run.workers:  # ended with the run
@@ -427,10 +454,12 @@ def _results_elastic(run: _Elastic, fn: Callable[..., Any], args: tuple, kwargs:
                 run.lost(name, "its process died")
                 continue
             except Exception as err:
+                tick()
                 raise RankFailedError(int(name), err) from None
             run.ended(name)
-            results[rank] = result
+            results[(rank is None, int(name) if rank is None else rank)] = result
     run.step()  # the last events
+    tick()
     if run.gave_up is not None:
         raise HorovodError(f"the elastic run gave up: {run.gave_up}")
     return [results[rank] for rank in sorted(results)]

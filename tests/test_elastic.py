@@ -153,6 +153,19 @@ def test_replacements_that_fail_to_start_back_off_exponentially():
     assert waits == [2.0, 4.0, 5.0]
 
 
+def test_capacity_that_grows_opens_places_and_capacity_that_shrinks_ends_none():
+    c = _coordinator(min_workers=2, max_workers=3)
+    c.resize(5)
+    assert c.vacancies() == 2
+    c.joined(["w3", "w4"], cause="a node came")
+    c.resize(3)
+    assert (c.vacancies(), len(c.members)) == (0, 5)  # the members past it stay
+    c.lost(["w4"], at_step=0, cause="gone")
+    assert c.vacancies() == 0
+    with pytest.raises(ValueError, match="max_workers >= min_workers"):
+        c.resize(1)
+
+
 def test_membership_and_policy_are_checked():
     with pytest.raises(ValueError, match="min_workers <= max_workers"):
         Coordinator(["a", "b"], min_workers=3, max_workers=2)

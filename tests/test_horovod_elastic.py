@@ -134,6 +134,31 @@ def test_once_a_rank_finished_the_workers_still_waiting_are_ended_and_none_joins
 
 
 @pytest.mark.unit
+def test_more_workers_asked_for_start_and_join_at_a_commit_up_to_max_np():
+    """What an executor's discovery does when it finds more slots: the membership asks for
+    more workers (never past ``max_np``), and they join the ranks at their next commit."""
+    membership = Membership(np=1, min_np=1, max_np=2, drop_after_s=60)
+    membership.started("0")
+    _wait(_joining(membership, "0"))
+    assert membership.poll()[1] == 0
+    membership.resize(5)
+    assert membership.poll()[1] == 1  # bounded by max_np=2
+    membership.started("1")
+    newcomer = _joining(membership, "1")
+    deadline = time.monotonic() + 10
+    while not membership.updated(1, committed=True):  # at its commit, rank 0 sees it wait
+        assert time.monotonic() < deadline, "the worker started never waited to join"
+        time.sleep(0.05)
+    again = _joining(membership, "0", after=1)
+    _wait(again, newcomer)
+    assert (again["rank"], newcomer["rank"], newcomer["size"]) == (0, 1, 2)
+    assert membership.poll()[1] == 0
+    membership.resize(1)  # fewer slots: the ranks there are stay, none is started
+    membership.lost("1")
+    assert membership.poll()[1] == 0
+
+
+@pytest.mark.unit
 def test_the_reset_limit_is_the_engine_coordinators_budget_each_loss_and_join_one():
     """Horovod's ``reset_limit``: how many times the ranks may change after the first
     generation. The engine's coordinator decides: no replacement starts whose join would

@@ -285,6 +285,15 @@ class Coordinator:
             self.phase = Phase.RUNNING
         self._record("joined", len(self.members), f"{', '.join(new)}: {cause}")
 
+    def resize(self, max_workers: int) -> None:
+        """The group may have ``max_workers`` members from now on (capacity came or went):
+        :meth:`vacancies` refill it up to that. Members past it stay until they leave."""
+        if max_workers < self.min_workers:
+            raise ValueError(
+                f"need max_workers >= min_workers ({self.min_workers}), got {max_workers}"
+            )
+        self.max_workers = max_workers
+
     def spawn_failed(self, cause: str) -> None:
         """A replacement could not start; back off before the next attempt."""
         self._spawn_failures += 1
@@ -314,7 +323,7 @@ class Coordinator:
             return 0
         if self.resets_left() == 0:
             return 0
-        return self.max_workers - len(self.members)
+        return max(0, self.max_workers - len(self.members))
 
     def resets_left(self) -> int | None:
         """Membership changes the run may still go through (``None``: any number)."""

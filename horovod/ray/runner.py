@@ -1,7 +1,6 @@
-"""``ringflow.horovod.ray``: Horovod's ``horovod.ray.RayExecutor`` on ringflow's ranks.
+"""Horovod's ``horovod.ray.RayExecutor`` on ringflow's ranks.
 
-A script written for ``from horovod.ray import RayExecutor`` runs with that import changed:
-the executor starts its workers as the ranks of ``ringflow.horovod.run`` (Ray actors, each
+The executor starts its workers as the ranks of ``ringflow.horovod.run`` (Ray actors, each
 told its place; ``hvd.init()`` inside a function joins their ring), runs functions on them,
 and writes each rank's output on the caller's standard output, each line prefixed by
 ``[rank]``, as ``ringflow-run`` does.
@@ -9,15 +8,15 @@ and writes each rank's output on the caller's standard output, each line prefixe
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ringflow.horovod.basics import HorovodError
-from ringflow.horovod.runner import RankFailedError, _Rank, _start
+from ringflow.horovod.ray.elastic import ElasticRayExecutor, ElasticSettings
+from ringflow.horovod.ray.worker import _Output, _start_mailbox, _Worker
+from ringflow.horovod.runner import RankFailedError, _start
 
 __all__ = ["RayExecutor", "Settings"]
 
@@ -49,11 +48,20 @@ class RayExecutor:
         cpus_per_worker: CPUs each rank's actor takes.
         use_gpu: each rank takes ``gpus_per_worker`` GPUs (1 by default).
         gpus_per_worker: GPUs each rank's actor takes.
+        min_workers: instead of ``num_workers``: an elastic executor (Horovod's elastic
+            mode), which runs each function as :class:`ElasticRayExecutor` does, on as many
+            ranks as the Ray cluster has slots, at least ``min_workers``.
+        max_workers: the most ranks of an elastic executor.
+        reset_limit: how many times an elastic executor's ranks may change (each loss and
+            each join one; ``None``: any).
+        elastic_timeout: how long an elastic executor's ``start`` waits for
+            ``min_workers`` slots.
+        override_discovery: see :class:`ElasticRayExecutor`.
+        cooldown_range: accepted; a lost worker's replacement backs off as the engine's do.
 
     Raises:
-        HorovodError: an elastic executor was asked for (``min_workers``, ...): an elastic
-            run is ``ringflow.horovod.run(fn, np=, min_np=, max_np=, reset_limit=)``.
-        ValueError: neither or both of ``num_workers`` and ``num_hosts``, or fewer than 1.
+        ValueError: neither or both of ``num_workers`` (or ``num_hosts``) and
+            ``min_workers``; ``max_workers`` without ``min_workers``; fewer than 1.
     """
 
     @classmethod
@@ -80,24 +88,47 @@ class RayExecutor:
         use_gpu: bool = False,
         gpus_per_worker: float | None = None,
         use_current_placement_group: bool = True,
-        **elastic: Any,
+        min_workers: int | None = None,
+        max_workers: int | None = None,
+        reset_limit: int | None = None,
+        cooldown_range: Any = None,
+        elastic_timeout: float = 600,
+        override_discovery: bool = True,
     ) -> None:
-        asked = sorted(k for k, v in elastic.items() if v is not None)
-        if asked:
-            raise HorovodError(
-                f"ringflow.horovod.ray.RayExecutor is not elastic ({', '.join(asked)}): run "
-                "an elastic function with ringflow.horovod.run(fn, np=, min_np=, max_np=, "
-                "reset_limit=)"
+        if max_workers and not min_workers:
+            raise ValueError("max_workers needs a positive min_workers (an elastic executor)")
+        self.settings = settings
+        self.cpus_per_worker = cpus_per_worker
+        self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
+        self.workers: list[Any] = []
+        self._output: _Output | None = None
+        self._elastic: ElasticRayExecutor | None = None
+        if min_workers is not None:
+            if num_workers is not None or num_hosts is not None:
+                raise ValueError(
+                    "give num_workers (a static executor) or min_workers (an elastic one), not both"
+                )
+            elastic = ElasticSettings(
+                min_num_proc=min_workers,
+                max_num_proc=max_workers,
+                reset_limit=reset_limit,
+                elastic_timeout=elastic_timeout,
+                timeout_s=settings.timeout_s,
             )
+            elastic.check()
+            self._elastic = ElasticRayExecutor(
+                elastic,
+                use_gpu=use_gpu,
+                cpus_per_slot=cpus_per_worker,
+                gpus_per_slot=gpus_per_worker,
+                override_discovery=override_discovery,
+            )
+            return
         if (num_workers is None) == (num_hosts is None):
             raise ValueError("give num_workers, or num_hosts with num_workers_per_host")
         self.num_workers = num_workers or num_hosts * num_workers_per_host
         if self.num_workers < 1:
             raise ValueError(f"need 1 or more workers, got {self.num_workers}")
-        self.settings = settings
-        self.cpus_per_worker = cpus_per_worker
-        self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
-        self.workers: list[Any] = []
 
     def start(
         self,
@@ -108,9 +139,20 @@ class RayExecutor:
     ) -> None:
         """Start the ranks; on each, ``executable_cls(*executable_args,
         **executable_kwargs)`` (what :meth:`execute` passes its function), with
-        ``extra_env_vars`` in its environment."""
+        ``extra_env_vars`` in its environment. An elastic executor waits for its slots; its
+        ranks start with each function and end with it, the executable made anew on each."""
         import ray
 
+        if self._elastic is not None:
+            self._elastic.env_vars = dict(extra_env_vars or {})
+            self._executable = (executable_cls, executable_args or [], executable_kwargs or {})
+            self._elastic.start()
+            return
+
+        from ringflow.engine.cluster import connect
+
+        connect()
+        self._output = _Output(_start_mailbox())
         self.workers, variables = _start(
             self.num_workers,
             self.cpus_per_worker,
@@ -118,7 +160,7 @@ class RayExecutor:
             self.settings.timeout_s,
             extra_env_vars,
             rank_cls=_Worker,
-            max_concurrency=2,  # its output is read while a function runs
+            rank_args=(self._output.mailbox,),
         )
         setup = [
             worker.setup.remote(told, executable_cls, executable_args, executable_kwargs)
@@ -137,9 +179,15 @@ class RayExecutor:
         """``fn(*args, **kwargs)`` on every rank; their results, in rank order.
         ``callbacks`` are accepted and not called, as Horovod's static executor's.
 
+        An elastic executor calls ``callbacks`` with what its ranks log
+        (``ray_logger.log``), and returns the results of the ranks that finished.
+
         Raises:
             RankFailedError: a rank's ``fn`` raised (the first, by rank and exception).
         """
+        if self._elastic is not None:
+            call = (tuple(args or ()), dict(kwargs or {}))
+            return self._elastic.run(functools.partial(_call, fn, call), callbacks)
         return self._gather(self.run_remote(fn, args, kwargs))
 
     def run_remote(
@@ -150,7 +198,8 @@ class RayExecutor:
     ) -> list[Any]:
         """Start ``fn(*args, **kwargs)`` on every rank; Ray's references to the results
         (their output is written once :meth:`run`, :meth:`execute` or :meth:`shutdown`
-        next reads it)."""
+        next reads it). Not for an elastic executor, whose ranks end with each function."""
+        self._static("run_remote", "ObjectRefs cannot be returned from elastic runs")
         self._started()
         call = (tuple(args or ()), dict(kwargs or {}))
         return [w.call.remote(fn, call) for w in self.workers]
@@ -158,11 +207,16 @@ class RayExecutor:
     def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable] | None = None) -> list:
         """``fn(executable)`` on every rank (the object ``start`` made there, or ``None``);
         their results, in rank order."""
+        if self._elastic is not None:
+            cls, args, kwargs = self._executable
+            made = functools.partial(_call, fn, None, cls, args, kwargs)
+            return self._elastic.run(made, callbacks)
         self._started()
         return self._gather([w.call.remote(fn, None) for w in self.workers])
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(executable)`` on rank 0 only; its result."""
+        """``fn(executable)`` on rank 0 only; its result (not for an elastic executor)."""
+        self._static("execute_single", "use execute")
         self._started()
         return self._gather([self.workers[0].call.remote(fn, None)])[0]
 
@@ -173,7 +227,13 @@ class RayExecutor:
         self._write_output()
         for worker in self.workers:
             ray.kill(worker)
-        self.workers = []
+        if self._output is not None:
+            ray.kill(self._output.mailbox)
+        self.workers, self._output = [], None
+
+    def _static(self, method: str, instead: str) -> None:
+        if self._elastic is not None:
+            raise NotImplementedError(f"an elastic RayExecutor has no {method}: {instead}")
 
     def _started(self) -> None:
         if not self.workers:
@@ -198,68 +258,19 @@ class RayExecutor:
         return ray.get(refs)
 
     def _write_output(self) -> None:
-        import ray
-
-        if not self.workers:
-            return
-        for rank, lines in enumerate(ray.get([w.lines.remote() for w in self.workers])):
-            sys.stdout.write("".join(f"[{rank}] {line}" for line in lines))
-        sys.stdout.flush()
+        if self._output is not None:
+            self._output.write()
 
 
-class _Lines:
-    """A text stream that keeps whole lines for the executor to fetch."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._partial, self.lines = "", []
-
-    def write(self, text: str) -> int:
-        with self._lock:
-            *whole, self._partial = (self._partial + text).split("\n")
-            self.lines.extend(f"{line}\n" for line in whole)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return False
-
-    def take(self) -> list[str]:
-        with self._lock:
-            lines, self.lines = self.lines, []
-            return lines
-
-
-class _Worker(_Rank):
-    """A rank of a :class:`RayExecutor`: told its place once, it runs function after
-    function; what they print is kept for the executor."""
-
-    def __init__(self) -> None:
-        self._output = _Lines()
-        sys.stdout = sys.stderr = self._output
-        self.executable: Any = None
-
-    def setup(
-        self,
-        told: dict[str, str],
-        executable_cls: type | None,
-        args: list | None,
-        kwargs: dict | None,
-    ) -> None:
-        os.environ.update(told)
-        self._output = _Lines()
-        sys.stdout = sys.stderr = self._output
-        self.executable = (
-            executable_cls(*(args or []), **(kwargs or {})) if executable_cls else None
-        )
-
-    def call(self, fn: Callable[..., Any], call: tuple[tuple, dict] | None) -> Any:
-        """``fn(*args, **kwargs)`` for ``call=(args, kwargs)``; ``fn(executable)`` for
-        ``None``."""
-        return fn(self.executable) if call is None else fn(*call[0], **call[1])
-
-    def lines(self) -> list[str]:
-        """The whole lines written since the last call."""
-        return self._output.take()
+def _call(
+    fn: Callable[..., Any],
+    call: tuple[tuple, dict] | None,
+    cls: type | None = None,
+    args: list | None = None,
+    kwargs: dict | None = None,
+) -> Any:
+    """An elastic rank's function: ``fn(*args, **kwargs)`` for ``call=(args, kwargs)``;
+    for ``None``, ``fn`` of the executable made here."""
+    if call is not None:
+        return fn(*call[0], **call[1])
+    return fn(cls(*(args or []), **(kwargs or {})) if cls else None)
