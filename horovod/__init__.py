@@ -92,6 +92,7 @@ from ringflow.horovod.process_sets import (
 )
 from ringflow.horovod.runner import RankFailedError, run
 from ringflow.horovod.sync_batch_norm import SyncBatchNorm
+from ringflow.horovod.timeline import start_timeline, stop_timeline
 
 __all__ = [
     "Average",
@@ -162,6 +163,8 @@ __all__ = [
     "shutdown",
     "size",
     "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]
 

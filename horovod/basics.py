@@ -222,6 +222,19 @@ def _at_exit() -> None:
         _ring.write()
 
 
+def run_ring() -> Any:
+    """The ring of this run's ranks (outside any process set)."""
+    _known()
+    return _ring
+
+
+def replace_ring(ring: Any) -> None:
+    """Put ``ring`` in place of this run's ring (the timeline times the ring it wraps)."""
+    global _ring
+    _known()
+    _ring = ring
+
+
 def leave_ring() -> None:
     """Leave the ring: its connections, shared memory and thread are released (after the
     process sets' rings, by ``hvd.shutdown``); ``join_ring`` forms a new ring of the same

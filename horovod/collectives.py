@@ -236,7 +236,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
         refusal = HorovodError(f"broadcast: root_rank {root_rank} is not one of the {size()} ranks")
     agree("broadcast", tensor, name, root=root, refusal=refusal)
     flat = tensor.detach().reshape(-1).contiguous()
-    ring().broadcast_(flat, src=root)
+    with naming(name):
+        ring().broadcast_(flat, src=root)
     return _started(name, _done(_into(tensor, flat)))
 
 
@@ -265,7 +266,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Handle:
     """Start :func:`allgather`; a handle for :func:`synchronize`."""
     _named("allgather", name)
     agree("allgather", tensor, name, first_dim_may_differ=True)
-    return _started(name, _concatenating(tensor))
+    with naming(name):
+        return _started(name, _concatenating(tensor))
 
 
 def _concatenated(tensor: torch.Tensor) -> torch.Tensor:
@@ -305,8 +307,9 @@ def _exchanged(
     counts, refusal = _splits(tensor, splits)
     agree("alltoall", tensor, name, first_dim_may_differ=True, refusal=refusal)
     me = ring().rank
-    every_split = torch.stack(ring().all_gather(torch.tensor(counts, dtype=torch.int64)))
-    gathered = _concatenated(tensor)
+    with naming(name):
+        every_split = torch.stack(ring().all_gather(torch.tensor(counts, dtype=torch.int64)))
+        gathered = _concatenated(tensor)
     starts = torch.cumsum(every_split.sum(1), 0) - every_split.sum(1)
     offsets = starts + every_split[:, :me].sum(1)
     received = every_split[:, me]
@@ -382,7 +385,8 @@ def reducescatter_async(
     n, me, rows = size(), ring().rank, tensor.shape[0]
     counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
     start = sum(counts[:me])
-    reduced = _reduce(tensor.detach().clone(), op, prescale_factor, postscale_factor)
+    with naming(name):
+        reduced = _reduce(tensor.detach().clone(), op, prescale_factor, postscale_factor)
     return _started(
         name, Handle(lambda: reduced.wait()[start : start + counts[me]].clone(), reduced.finished)
     )

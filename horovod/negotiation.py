@@ -15,7 +15,7 @@ import zlib
 import torch
 
 from ringflow.horovod.basics import OPS, HorovodError, Max, Min, Product, ring, size
-from ringflow.horovod.timeline import naming
+from ringflow.horovod.timeline import NEGOTIATE, naming
 
 __all__ = ["JOINED", "agree", "step"]
 
@@ -41,8 +41,9 @@ _WIDTH = len(_FIELDS)
 
 
 def exchange(row: list[int]) -> list[list[int]]:
-    """Every rank's ``row``, in rank order."""
-    with naming("negotiate"):
+    """Every rank's ``row``, in rank order (named in the timeline after the operation:
+    ``NEGOTIATE_ALLREDUCE``, ...)."""
+    with naming(f"{NEGOTIATE}{KINDS[row[0]].upper()}"):
         every = ring().all_gather(torch.tensor(row, dtype=torch.int64))
     return torch.stack(every).tolist()
 

@@ -1,13 +1,20 @@
-"""Horovod's timeline (``horovodrun --timeline-filename``): every collective a rank ran, as
-a Chrome trace viewable in Perfetto or ``chrome://tracing``.
+"""Horovod's timeline (``horovodrun --timeline-filename``, ``hvd.start_timeline``): every
+collective a rank ran, as a Chrome trace viewable in Perfetto or ``chrome://tracing``.
 
-With ``RINGFLOW_HOROVOD_TIMELINE`` set (``ringflow-run --timeline-filename PATH`` sets it),
-each rank records a span per operation on the ring (``allreduce``, ``broadcast``,
+Each rank records a span per operation on the ring (``allreduce``, ``broadcast``,
 ``allgather``; the small all-gathers the ranks agree through are ``negotiate``), from its
 launch to its completion (stamped by a thread that waits for them in order: the ring runs
-them one at a time), named after the operation's ``name=`` or the gradient's parameter. At
-``hvd.shutdown`` it writes ``PATH.rank-<rank>.json``; the launcher merges the ranks' files
-into ``PATH`` (pid = rank). Host clocks: spans of ranks on one machine line up.
+them one at a time), named as Horovod names its tensors (``allreduce.<name>``, the name
+being the operation's ``name=`` or the gradients' parameters; a negotiation
+``NEGOTIATE_ALLREDUCE``, ...). With ``mark_cycles``, each negotiation (a round in which the
+ranks agree on the next operation: ringflow's cycle) is also marked ``CYCLE_START``.
+
+Two ways to record: with ``RINGFLOW_HOROVOD_TIMELINE`` set (``ringflow-run
+--timeline-filename PATH`` sets it) from ``hvd.init``, each rank writing
+``PATH.rank-<rank>.json`` at ``hvd.shutdown`` and the launcher merging the ranks' files into
+``PATH``; or between :func:`start_timeline` and :func:`stop_timeline`, which every rank
+calls, rank 0 writing every rank's spans to its ``file_path``. pid = rank; host clocks:
+spans of ranks on one machine line up.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 
 from ringflow.engine.timeline import WallClock
 
-__all__ = ["TIMELINE", "TimedRing", "merge", "naming"]
+__all__ = ["TIMELINE", "TimedRing", "merge", "naming", "start_timeline", "stop_timeline"]
 
 TIMELINE = "RINGFLOW_HOROVOD_TIMELINE"
 """The variable naming the trace file (set by ``ringflow-run --timeline-filename``)."""
@@ -45,10 +52,31 @@ def naming(name: str | None) -> Iterator[None]:
 
 
 class TimedRing:
-    """The ring, each operation on it recorded as a span."""
+    """The ring, each operation on it recorded as a span.
 
-    def __init__(self, ring: Any, rank: int, path: str, generation: int = 0) -> None:
+    Args:
+        ring: the ring to time.
+        rank: this rank.
+        path: where the trace goes.
+        generation: an elastic run's generation of ranks (its files are named after it).
+        gathered: ``start_timeline``'s: :func:`stop_timeline` gathers every rank's spans and
+            rank 0 writes them to ``path`` (at ``hvd.shutdown`` still recording, rank 0
+            writes its own); otherwise each rank writes ``path.rank-<rank>.json``.
+        mark_cycles: mark each negotiation ``CYCLE_START``.
+    """
+
+    def __init__(
+        self,
+        ring: Any,
+        rank: int,
+        path: str,
+        generation: int = 0,
+        *,
+        gathered: bool = False,
+        mark_cycles: bool = False,
+    ) -> None:
         self._ring, self._rank, self._path = ring, rank, path
+        self._gathered, self._mark_cycles = gathered, mark_cycles
         self._file = (
             f"{path}.rank-{rank}.json"
             if not generation
@@ -59,10 +87,17 @@ class TimedRing:
         self._clock = WallClock()
         self._offset = time.time_ns() - time.perf_counter_ns()  # a host clock for all ranks
         self._spans: list[tuple[str, str, int, Any, int]] | None = []
+        self._cycles: list[int] = []
         self.rank, self.world_size = ring.rank, ring.world_size
 
+    @property
+    def untimed(self) -> Any:
+        """The ring this one times."""
+        return self._ring
+
     def _span(self, kind: str, tensor: torch.Tensor, start: int, end: Any) -> None:
-        name = getattr(_names, "name", None) or kind
+        given = getattr(_names, "name", None)  # Horovod's tensor names: allreduce.<name>
+        name = (given if kind == "negotiate" else f"{kind}.{given}") if given else kind
         if self._spans is not None:  # None once written
             self._spans.append((kind, name, start, end, tensor.numel() * tensor.element_size()))
 
@@ -80,9 +115,11 @@ class TimedRing:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         start = self._clock.now()
+        negotiating = str(getattr(_names, "name", None)).startswith(NEGOTIATE)
+        if negotiating and self._mark_cycles and self._spans is not None:
+            self._cycles.append(start)
         out = self._ring.all_gather(tensor)
-        kind = "negotiate" if getattr(_names, "name", None) == "negotiate" else "allgather"
-        self._span(kind, tensor, start, self._clock.now())
+        self._span("negotiate" if negotiating else "allgather", tensor, start, self._clock.now())
         return out
 
     def all_gather_async(self, tensor: torch.Tensor) -> Any:
@@ -95,10 +132,11 @@ class TimedRing:
         self.write()
         self._ring.close()
 
-    def write(self) -> None:
-        """Write this rank's spans so far (once; later calls write nothing)."""
+    def events(self) -> list[dict[str, Any]]:
+        """This rank's spans (and cycle marks) so far, as Chrome trace events; once (later
+        calls give none): recording ends."""
         if self._spans is None:
-            return
+            return []
         self._clock.settle()
         self._clock.close()
         events = []
@@ -118,12 +156,100 @@ class TimedRing:
                     "args": {"bytes": size},
                 }
             )
-        with open(self._file, "w") as f:
-            json.dump({"traceEvents": events}, f)
+        for start in self._cycles:
+            ts = (start + self._offset) / 1000
+            events.append({"name": "CYCLE_START", "ph": "i", "s": "p", "ts": ts, "pid": self._rank})
         self._spans = None
+        return events
+
+    def write(self) -> None:
+        """Write this rank's spans so far (once; later calls write nothing): to its own file,
+        or, recording for :func:`stop_timeline` (which gathers them) and cut short, rank 0's
+        own to the trace."""
+        if self._spans is None:
+            return
+        events = self.events()
+        if not self._gathered:
+            with open(self._file, "w") as f:
+                json.dump({"traceEvents": events}, f)
+        elif self._rank == 0:
+            _write_trace(self._path, events)
 
     def __getattr__(self, name: str) -> Any:  # everything else is the ring's
         return getattr(self._ring, name)
+
+
+NEGOTIATE = "NEGOTIATE_"
+"""How a negotiation's all-gather is named (``NEGOTIATE_ALLREDUCE``, ..., as Horovod's)."""
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record every collective of this rank from now on, until :func:`stop_timeline`, as
+    Horovod's ``hvd.start_timeline``: every rank calls it, and rank 0 writes every rank's
+    spans to its ``file_path`` (a Chrome trace). A recording under way (this function's, or
+    ``ringflow-run --timeline-filename``'s) ends first and is written where it was to go.
+    ``mark_cycles`` marks each negotiation ``CYCLE_START``.
+
+    Raises:
+        ValueError: ``hvd.init()`` was not called (Horovod's error).
+    """
+    from ringflow.horovod import basics
+
+    _initialized(basics)
+    stop_timeline()
+    ring = basics.run_ring()
+    timed = TimedRing(
+        ring, basics.rank(), os.path.abspath(file_path), gathered=True, mark_cycles=mark_cycles
+    )
+    basics.replace_ring(timed)
+
+
+def stop_timeline() -> None:
+    """End the recording :func:`start_timeline` began and write it (every rank calls it:
+    their spans are gathered to rank 0, which writes them, before it returns); one that
+    ``ringflow-run --timeline-filename`` began is written to this rank's file. Nothing
+    without a recording.
+
+    Raises:
+        ValueError: ``hvd.init()`` was not called (Horovod's error).
+    """
+    from ringflow.horovod import basics
+    from ringflow.horovod.collectives import allgather_object
+
+    _initialized(basics)
+    timed = basics.run_ring()
+    if not isinstance(timed, TimedRing):
+        return
+    basics.replace_ring(timed.untimed)
+    if not timed._gathered:
+        timed.write()
+        return
+    every = allgather_object(timed.events())
+    if basics.rank() == 0:
+        _write_trace(timed._path, [event for events in every for event in events])
+
+
+def _initialized(basics: Any) -> None:
+    if not basics.is_initialized():
+        raise ValueError("Horovod has not been initialized; use hvd.init().")
+
+
+def _write_trace(path: str, events: list[dict[str, Any]]) -> None:
+    """Write ``events`` (of any ranks) to ``path`` as one Chrome trace: each rank named, the
+    events in time order, the first's time as Horovod's ``start_time_since_epoch_in_micros``."""
+    ranks = sorted({e["pid"] for e in events})
+    start = min((e["ts"] for e in events), default=time.time() * 1e6)
+    meta = [
+        {
+            "name": "process_name",
+            "ph": "M",
+            "pid": r,
+            "args": {"name": f"rank {r}", "start_time_since_epoch_in_micros": int(start)},
+        }
+        for r in ranks
+    ]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": meta + sorted(events, key=lambda e: e["ts"])}, f)
 
 
 def merge(path: str) -> int:
@@ -133,10 +259,5 @@ def merge(path: str) -> int:
         with open(file) as f:
             events += json.load(f)["traceEvents"]
         os.remove(file)
-    ranks = sorted({e["pid"] for e in events})
-    meta = [
-        {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in ranks
-    ]
-    with open(path, "w") as f:
-        json.dump({"traceEvents": meta + sorted(events, key=lambda e: e["ts"])}, f)
+    _write_trace(path, events)
     return len(files)

@@ -314,10 +314,56 @@ def test_the_timeline_holds_every_ranks_collectives_named_after_the_gradients(tm
     spans = [e for e in events if e["ph"] == "X"]
     for rank in (0, 1):  # 8 steps, the weight and bias fused into one bucket each
         reduced = [e["name"] for e in spans if e["pid"] == rank and e["cat"] == "allreduce"]
-        assert reduced == ["bias, weight"] * 8
+        assert reduced == ["allreduce.bias, weight"] * 8  # Horovod's tensor names
     assert {e["cat"] for e in spans} >= {"allreduce", "broadcast", "negotiate"}
     assert all(e["dur"] >= 0 for e in spans)
     assert [e["ts"] for e in spans] == sorted(e["ts"] for e in spans)
+
+
+def recorded(directory: str) -> None:
+    """Two recordings, each started and stopped by every rank at runtime; each rank asks for
+    a file of its own (rank 0's is written, as Horovod's)."""
+    hvd.init()
+    me = hvd.rank()
+    hvd.allreduce(torch.ones(2), name="before")
+    hvd.start_timeline(f"{directory}/first-{me}.json", mark_cycles=True)
+    hvd.allreduce(torch.ones(2), name="grad")
+    hvd.broadcast(torch.ones(2), root_rank=1, name="weights")
+    hvd.stop_timeline()
+    hvd.allreduce(torch.ones(2), name="after")
+    hvd.start_timeline(f"{directory}/second-{me}.json")
+    hvd.allgather(torch.ones(1), name="rows")
+    hvd.stop_timeline()
+    hvd.stop_timeline()  # nothing recording: nothing to do
+
+
+def test_start_and_stop_timeline_write_every_ranks_collectives_to_rank_0s_file(
+    ray_session, tmp_path
+):
+    with pytest.raises(ValueError, match="Horovod has not been initialized"):
+        hvd.start_timeline(str(tmp_path / "never.json"))
+    hvd.run(recorded, args=(str(tmp_path),), np=2, cpus_per_worker=0.5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first-0.json", "second-0.json"]
+    first = json.loads((tmp_path / "first-0.json").read_text())["traceEvents"]
+    second = json.loads((tmp_path / "second-0.json").read_text())["traceEvents"]
+    for events in (first, second):
+        meta = [e for e in events if e["ph"] == "M"]
+        assert [(e["pid"], e["args"]["name"]) for e in meta] == [(0, "rank 0"), (1, "rank 1")]
+        assert all(e["args"]["start_time_since_epoch_in_micros"] > 0 for e in meta)
+    for rank in (0, 1):
+        spans = [e["name"] for e in first if e["ph"] == "X" and e["pid"] == rank]
+        assert spans == [
+            "NEGOTIATE_ALLREDUCE",
+            "allreduce.grad",
+            "NEGOTIATE_BROADCAST",
+            "broadcast.weights",
+        ]
+        cycles = [e for e in first if e["name"] == "CYCLE_START" and e["pid"] == rank]
+        assert len(cycles) == 2  # mark_cycles: one mark per negotiation
+        spans = [e["name"] for e in second if e["ph"] == "X" and e["pid"] == rank]
+        assert "allgather.rows" in spans
+        assert "NEGOTIATE_ALLGATHER" in spans
+    assert not any(e["name"] == "CYCLE_START" for e in second)
 
 
 @pytest.mark.integration

@@ -446,3 +446,15 @@ def test_horovods_own_elastic_state_tests_pass_in_one_process(tmp_path):
         "test_elastic_state": "passed",
         "test_elastic_sampler": "passed",
     }
+
+
+def test_horovods_timeline_test_which_its_file_skips_passes_on_two_ranks():
+    """Horovod's ``test_timeline_api`` (skipped in Horovod's own file, its issue 2496), run
+    as it is on 2 ranks: ``start_timeline``/``stop_timeline`` four times over, rank 0's file
+    holding the named allreduce, its negotiation and (with ``mark_cycles``) the cycles."""
+    done = _ringflow_run(sys.executable, str(CONTRACT / "timeline_api.py"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if "passed" in line) == [
+        "[0] test_timeline_api passed",
+        "[1] test_timeline_api passed",
+    ]
