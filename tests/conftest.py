@@ -141,6 +141,16 @@ def stack(tmp_path_factory):
             httpx.get(f"http://127.0.0.1:{port}/", timeout=5, trust_env=False)
 
 
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """This test process's own Prefect server (tests/support/prefect_server.py), for flows its
+    tests run from the command line: ``PREFECT_API_URL`` in their environment."""
+    from tests.support.prefect_server import prefect_server
+
+    with prefect_server(tmp_path_factory.mktemp("prefect-home")) as api:
+        yield api
+
+
 @pytest.fixture
 def prefect_server(stack):
     """Flows this process runs report to the stack's Prefect server while the test runs."""

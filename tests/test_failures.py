@@ -157,7 +157,7 @@ def test_what_fails_as_the_workers_start_ends_the_run_on_the_first_start(
 
 
 @pytest.mark.integration  # a private Ray and Prefect of its own
-def test_through_the_command_line_the_run_fails_once_without_a_retry(tmp_path):
+def test_through_the_command_line_the_run_fails_once_without_a_retry(tmp_path, prefect_api):
     done = subprocess.run(
         [sys.executable, "-m", "ringflow.flows.train_pipeline"]
         + ["--model", "tests.test_failures:RaisesAtTheThirdStep", "--workers", "2"]
@@ -168,7 +168,11 @@ def test_through_the_command_line_the_run_fails_once_without_a_retry(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "COLUMNS": "250"},
+        env={
+            **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+            "COLUMNS": "250",
+            "PREFECT_API_URL": prefect_api,
+        },
     )
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-3000:]

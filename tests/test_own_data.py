@@ -293,11 +293,12 @@ def test_a_model_trained_on_its_own_data_is_evaluated_on_its_own_loaders(
     assert set(evaluate(str(tmp_path / "model"), None, model=cls)) == metrics
 
 
-@pytest.mark.integration  # a private Ray and Prefect of its own
-def test_the_flow_trains_a_model_on_its_own_data_given_no_data_file(tmp_path):
+@pytest.mark.integration  # a private Ray of its own
+def test_the_flow_trains_a_model_on_its_own_data_given_no_data_file(tmp_path, prefect_api):
     """No data_url, no preprocessing: trained on two workers with the module's loaders,
     evaluated on its own test loader, registered and promoted."""
     summary, _ = _flow(
+        prefect_api,
         tmp_path,
         *("--model", f"{__name__}:ItsOwnTable", "--hparams", '{"total_steps": 16}'),
         *("--workers", "2", "--epochs", "2"),
@@ -436,13 +437,13 @@ class LazyDigits(DigitsClassifier):
         self.net[0] = nn.LazyLinear(self.hparams.hidden)
 
 
-@pytest.mark.integration  # a private Prefect of its own
+@pytest.mark.integration  # a private Ray of its own
 def test_a_module_with_lazy_layers_warm_starts_from_its_production_version_through_the_flow(
-    tmp_path,
+    tmp_path, prefect_api
 ):
     def run(*extra: str) -> tuple[dict, str]:
         lazy = ("--model", f"{__name__}:LazyDigits", "--workers", "1", "--epochs", "1")
-        return _flow(tmp_path, *lazy, *extra)
+        return _flow(prefect_api, tmp_path, *lazy, *extra)
 
     first, _ = run()
     assert first["promoted"] is True
@@ -452,14 +453,15 @@ def test_a_module_with_lazy_layers_warm_starts_from_its_production_version_throu
     assert warm["test_accuracy"] > 0.5
 
 
-def _flow(tmp_path, *args: str) -> tuple[dict, str]:
-    """A run of the flow's command line with ``args`` (no tuning, no serving), storage and
-    Prefect's state under ``tmp_path``: its result and all it printed."""
+def _flow(api: str, tmp_path, *args: str) -> tuple[dict, str]:
+    """A run of the flow's command line with ``args`` (no tuning, no serving), its storage
+    under ``tmp_path``, reporting to the Prefect server at ``api``: its result and all it
+    printed."""
     done = subprocess.run(
         [sys.executable, "-m", "ringflow.flows.train_pipeline", *args]
         + ["--tune-trials", "0", "--no-serve", "--storage-url", str(tmp_path / "storage")],
         cwd=ROOT,
-        env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+        env=clean_env(PREFECT_API_URL=api),
         capture_output=True,
         text=True,
         timeout=600,

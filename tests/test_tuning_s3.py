@@ -31,7 +31,7 @@ def flaky_s3():
         yield endpoint
 
 
-def _flow(s3: S3Endpoint, prefect_home: Path) -> subprocess.Popen:
+def _flow(s3: S3Endpoint, prefect_api: str) -> subprocess.Popen:
     """The flow as a user runs it, its storage on S3 reached through the faulty proxy."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "TUNE_"))}
     env.update(
@@ -40,7 +40,7 @@ def _flow(s3: S3Endpoint, prefect_home: Path) -> subprocess.Popen:
         AWS_SECRET_ACCESS_KEY="testing",
         AWS_DEFAULT_REGION="us-east-1",
         PYTHONPATH=str(ROOT),
-        PREFECT_HOME=str(prefect_home),
+        PREFECT_API_URL=prefect_api,
     )
     args = {
         "storage-url": s3.url("store"),
@@ -131,8 +131,10 @@ def _starts(keys: set[str], trial: str) -> int:
     return sum(r.startswith("starts/") for r in _trials(keys)[trial])
 
 
-def test_a_search_on_a_flaky_object_store_completes_and_resumes_after_a_kill(flaky_s3, tmp_path):
-    first = _flow(flaky_s3, tmp_path / "prefect")
+def test_a_search_on_a_flaky_object_store_completes_and_resumes_after_a_kill(
+    flaky_s3, tmp_path, prefect_api
+):
+    first = _flow(flaky_s3, prefect_api)
     try:
         deadline = time.monotonic() + 400
         while True:
@@ -154,7 +156,7 @@ def test_a_search_on_a_flaky_object_store_completes_and_resumes_after_a_kill(fla
     assert interrupted, sorted(keys)
     checkpointed = {t for t in interrupted if _checkpointed(keys, t)}
 
-    second = _flow(flaky_s3, tmp_path / "prefect")
+    second = _flow(flaky_s3, prefect_api)
     out, _ = second.communicate(timeout=500)
     (tmp_path / "second.log").write_text(out)
     assert second.returncode == 0, out[-4000:]
