@@ -71,11 +71,14 @@ from ringflow.storage.schema import DataError, TableSchema
 
 __all__ = [
     "RAY_SCORE_BYTES",
+    "BlockDone",
     "ROW_ID",
     "ModelSource",
     "ScoreResult",
     "ScoringError",
     "ScoringOptions",
+    "check",
+    "choose_engine",
     "score",
 ]
 
@@ -205,6 +208,8 @@ class ScoreResult:
     blocks: int
     blocks_scored: int
     """Blocks this call read and scored; the others were committed already."""
+    rows_read: int
+    """Rows of the blocks this call scored (predicted or rejected)."""
     engine: str
     """``local`` or ``ray``, where this call scored its blocks; ``committed`` when the
     output was committed already and nothing was scored."""
@@ -300,9 +305,10 @@ def score(
     job, served = _prepare(input_url, output_url, model, allowed, tuple(key_columns), options)
     blocks = _blocks(job, options.block_rows)
     plan = _plan(job, served, blocks, options.block_rows)
+    engine = choose_engine(input_url, output_url, options)
     committed = _committed_manifest(output_url, plan)
     if committed is not None:
-        return _result(committed, output_url, blocks_scored=0, engine="committed", started=started)
+        return _result(committed, output_url, scored=[], engine="committed", started=started)
     _claim_plan(output_url, plan)
     records: dict[str, dict] = {}
     pending = []
@@ -313,7 +319,6 @@ def score(
         else:
             records[block.id] = record
             _report(on_block, block.id, record, skipped=True, done=len(records), total=len(blocks))
-    engine = _choose_engine(input_url, output_url, options)
 
     def finished(block_id: str, record: dict) -> None:
         records[block_id] = record
@@ -327,7 +332,53 @@ def score(
         for block in pending:
             finished(block.id, score_block(job, served, block))
     manifest = _commit(output_url, plan, [records[b.id] for b in blocks])
-    return _result(manifest, output_url, blocks_scored=len(pending), engine=engine, started=started)
+    scored = [records[b.id] for b in pending]
+    return _result(manifest, output_url, scored=scored, engine=engine, started=started)
+
+
+def check(
+    input_url: str,
+    output_url: str,
+    *,
+    model: ModelSource,
+    allowed: Allowed,
+    key_columns: Sequence[str] = (),
+    options: ScoringOptions | None = None,
+) -> None:
+    """Every check :func:`score` makes before it writes anything, with nothing written:
+    the input's files and columns, the model's version and class, the engine.
+
+    Raises:
+        ScoringError: as :func:`score` raises it.
+    """
+    options = options or ScoringOptions()
+    output_url, input_url = absolute(output_url), absolute(input_url)
+    _prepare(input_url, output_url, model, allowed, tuple(key_columns), options)
+    choose_engine(input_url, output_url, options)
+
+
+def choose_engine(input_url: str, output_url: str, options: ScoringOptions) -> str:
+    """Where :func:`score` scores: ``ray`` for ``engine="ray"``, or for ``"auto"`` when
+    ``RAY_ADDRESS`` names a cluster or the input holds ``ray_threshold_bytes``; else
+    ``local``. ``memory://`` URLs, which only this process sees, score here.
+
+    Raises:
+        ScoringError: ``engine="ray"`` with a ``memory://`` URL.
+    """
+    in_memory = [u for u in (input_url, output_url) if u.startswith("memory://")]
+    if options.engine == "ray" and in_memory:
+        raise ScoringError(
+            f"engine='ray' cannot reach {in_memory[0]}: memory:// lives in this process only; "
+            "use engine='local' or a shared URL"
+        )
+    if options.engine != "auto" or in_memory:
+        return "ray" if options.engine == "ray" else "local"
+    if os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local"):
+        return "ray"
+    listing = list_source(input_url)
+    fs, _ = resolve(input_url)
+    size = sum(fs.size(resolve(listing.file_url(n))[1]) for n in listing.names)
+    return "ray" if size >= options.ray_threshold_bytes else "local"
 
 
 # ---------------------------------------------------------------------------- checks
@@ -472,23 +523,6 @@ def _columns(url: str, kind: str) -> list[str]:
 def _prediction_keys(served: _Served) -> list[str]:
     output = served.output
     return [output.key, "probabilities"] if output.kind == "classification" else [output.key]
-
-
-def _choose_engine(input_url: str, output_url: str, options: ScoringOptions) -> str:
-    in_memory = [u for u in (input_url, output_url) if u.startswith("memory://")]
-    if options.engine == "ray" and in_memory:
-        raise ScoringError(
-            f"engine='ray' cannot reach {in_memory[0]}: memory:// lives in this process only; "
-            "use engine='local' or a shared URL"
-        )
-    if options.engine != "auto" or in_memory:
-        return "ray" if options.engine == "ray" else "local"
-    if os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local"):
-        return "ray"
-    listing = list_source(input_url)
-    fs, _ = resolve(input_url)
-    size = sum(fs.size(resolve(listing.file_url(n))[1]) for n in listing.names)
-    return "ray" if size >= options.ray_threshold_bytes else "local"
 
 
 # ---------------------------------------------------------------------------- blocks
@@ -845,7 +879,7 @@ def _report(
 
 
 def _result(
-    manifest: dict[str, Any], output_url: str, *, blocks_scored: int, engine: str, started: float
+    manifest: dict[str, Any], output_url: str, *, scored: list[dict], engine: str, started: float
 ) -> ScoreResult:
     plan = manifest["plan"]
     return ScoreResult(
@@ -854,7 +888,8 @@ def _result(
         rows_scored=manifest["rows_scored"],
         rows_rejected=manifest["rows_rejected"],
         blocks=len(plan["blocks"]),
-        blocks_scored=blocks_scored,
+        blocks_scored=len(scored),
+        rows_read=sum(r["rows"] + r["rejected"] for r in scored),
         engine=engine,
         seconds=time.perf_counter() - started,
         model=dict(plan["model"]),
