@@ -459,19 +459,28 @@ class OutputSpec:
             raise ValueError(f"a valid input gave non-finite scores of shape {list(out.shape)}")
 
     def answers(self, module: torch.nn.Module, x: torch.Tensor) -> list[dict[str, Any]]:
+        columns = self.columns(module, x)
+        rows = zip(*(_as_list(v) for v in columns.values()), strict=True)
+        return [dict(zip(columns, row, strict=True)) for row in rows]
+
+    def columns(self, module: torch.nn.Module, x: torch.Tensor) -> dict[str, Any]:
+        """The answers to the ``n`` inputs of ``x`` as columns, by answer key: a tensor on the
+        CPU (a class id, a value, ``n`` rows of probabilities), or a list (category strings,
+        ``predict_step`` rows). :meth:`answers` is these, row by row."""
         out, n = self.raw(module, x), x.shape[0]
         if self.kind == "prediction":
-            return [{self.key: row} for row in _per_row(out, n)]
+            return {self.key: _per_row(out, n)}
         if self.kind == "regression":
-            return [{self.key: v} for v in out.float().reshape(n).tolist()]
-        probabilities = torch.softmax(out.float(), dim=-1)
-        labels = probabilities.argmax(dim=-1).tolist()
+            return {self.key: out.float().reshape(n).cpu()}
+        probabilities = torch.softmax(out.float(), dim=-1).cpu()
+        labels: Any = probabilities.argmax(dim=-1)
         if self.categories is not None:
-            labels = [self.categories[i] for i in labels]
-        return [
-            {self.key: label, "probabilities": p}
-            for label, p in zip(labels, probabilities.tolist(), strict=True)
-        ]
+            labels = [self.categories[i] for i in labels.tolist()]
+        return {self.key: labels, "probabilities": probabilities}
+
+
+def _as_list(column: Any) -> list[Any]:
+    return column.tolist() if isinstance(column, torch.Tensor) else list(column)
 
 
 def _data_schema(ckpt: ModelCheckpoint) -> TableSchema | None:

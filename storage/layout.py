@@ -11,6 +11,7 @@
     {storage_url}/runs/{run key}/timeline/  its Chrome trace, with TrainConfig.timeline
     {storage_url}/tune/{run key}/           a search's records (ringflow.tuning)
     {storage_url}/registry/{model name}/    versions and the production pointer (storage.registry)
+    {storage_url}/scores/{run key}/         a scoring run's predictions (serving.score)
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class Workspace:
 
     def tune(self, run_key: str) -> str:
         return join(self.url, "tune", run_key)
+
+    def scores(self, run_key: str) -> str:
+        """Where a scoring run writes its predictions, block by block (``serving.score``)."""
+        return join(self.url, "scores", run_key)
 
     @property
     def registry(self) -> str:

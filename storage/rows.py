@@ -353,15 +353,16 @@ def _number_csv_rows(table: pa.Table, invalid: list[pv.InvalidRow]) -> _Rows:
 
 
 def validate_rows(
-    table: pa.Table, schema: TableSchema
+    table: pa.Table, schema: TableSchema, *, features_only: bool = False
 ) -> tuple[dict[str, np.ndarray], dict[int, str]]:
-    """Parse every column; return the values and a reason for each row index that failed.
+    """Parse every column (the features only, for a table to predict on, which has no label);
+    return the values and a reason for each row index that failed.
 
     Values are float64, with a category's code as its value and NaN where a check failed.
     """
     values: dict[str, np.ndarray] = {}
     reasons: dict[int, list[str]] = {}
-    for column in schema.columns:
+    for column in schema.features if features_only else schema.columns:
         text = pc.utf8_trim_whitespace(table[column.name].combine_chunks())
         missing = _mask(pc.or_kleene(pc.is_null(text), pc.equal(text, "")))
         if column.dtype == "category":
@@ -447,12 +448,14 @@ def number_text(value: float | None) -> str:
     return str(int(value)) if value is not None and value.is_integer() else str(value)
 
 
-def rejects_table(rows: _Rows, problems: dict[int, str], schema: TableSchema) -> pa.Table:
-    """The rejected rows, with the raw strings of their schema columns (for
-    :func:`sorted_rejects`)."""
+def rejects_table(
+    rows: _Rows, problems: dict[int, str], schema: TableSchema, *, features_only: bool = False
+) -> pa.Table:
+    """The rejected rows, with the raw strings of their schema columns (the features only,
+    as :func:`validate_rows` checked them) (for :func:`sorted_rejects`)."""
     index = np.fromiter(problems, dtype=np.int64, count=len(problems))
     bad = rows.table.take(pa.array(index, type=pa.int64()))
-    names = [c.name for c in schema.columns]
+    names = [c.name for c in (schema.features if features_only else schema.columns)]
     unsplit = pa.table(
         {
             "source_row": pa.array([r for r, _, _ in rows.unsplit], pa.int64()),

@@ -15,6 +15,7 @@ from pathlib import Path
 from ringflow.engine import SymmConfig, TrainConfig, fit
 from ringflow.engine.collective import ENVIRONMENT_KNOBS
 from ringflow.flows.horovod_train import horovod_train
+from ringflow.flows.score_pipeline import score_pipeline
 from ringflow.flows.train_pipeline import train_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +88,11 @@ def test_the_reference_names_every_knob_of_the_code():
             list(inspect.signature(horovod_train.fn).parameters),
             "flows/horovod_train.py",
         ),
+        *_missing(
+            "flow parameter",
+            list(inspect.signature(score_pipeline.fn).parameters),
+            "flows/score_pipeline.py",
+        ),
         *_missing("fit argument", list(inspect.signature(fit).parameters), "engine/trainer.py"),
         *_missing(
             "TrainConfig field",
@@ -125,6 +131,7 @@ def test_the_reference_names_nothing_the_code_lacks():
     known = {
         *inspect.signature(train_pipeline.fn).parameters,
         *inspect.signature(horovod_train.fn).parameters,
+        *inspect.signature(score_pipeline.fn).parameters,
         *inspect.signature(fit).parameters,
         *(f.name for f in dataclasses.fields(TrainConfig)),
         *_symm_fields(),
