@@ -49,20 +49,22 @@ def table(tmp_path_factory) -> str:
     return url
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ringflow.flows.score_pipeline", *args],
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "RINGFLOW_LOCAL_STACK": "0", "RINGFLOW_DEBUG": "0"},
+        env={**os.environ, "RINGFLOW_LOCAL_STACK": "0", "RINGFLOW_DEBUG": "0", **env},
     )
 
 
-@pytest.mark.integration  # a process of its own, with a temporary Prefect server
-def test_the_production_digits_model_scores_every_row_once(storage, table):
+@pytest.mark.integration  # a process of its own, reporting to the test process's Prefect
+def test_the_production_digits_model_scores_every_row_once(storage, table, prefect_api):
     done = _cli(
-        f"--input-url={table}", f"--storage-url={storage}", "--run-key=nightly", "--block-rows=500"
+        *(f"--input-url={table}", f"--storage-url={storage}", "--run-key=nightly"),
+        "--block-rows=500",
+        PREFECT_API_URL=prefect_api,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
