@@ -90,9 +90,9 @@ from ringflow.horovod.process_sets import (
     global_process_set,
     remove_process_set,
 )
+from ringflow.horovod.recording import start_timeline, stop_timeline
 from ringflow.horovod.runner import RankFailedError, run
 from ringflow.horovod.sync_batch_norm import SyncBatchNorm
-from ringflow.horovod.timeline import start_timeline, stop_timeline
 
 __all__ = [
     "Average",

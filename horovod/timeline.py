@@ -32,7 +32,7 @@ import torch
 
 from ringflow.engine.timeline import WallClock
 
-__all__ = ["TIMELINE", "TimedRing", "merge", "naming", "start_timeline", "stop_timeline"]
+__all__ = ["TIMELINE", "TimedRing", "merge", "naming", "write_trace"]
 
 TIMELINE = "RINGFLOW_HOROVOD_TIMELINE"
 """The variable naming the trace file (set by ``ringflow-run --timeline-filename``)."""
@@ -173,7 +173,7 @@ class TimedRing:
             with open(self._file, "w") as f:
                 json.dump({"traceEvents": events}, f)
         elif self._rank == 0:
-            _write_trace(self._path, events)
+            write_trace(self._path, events)
 
     def __getattr__(self, name: str) -> Any:  # everything else is the ring's
         return getattr(self._ring, name)
@@ -183,58 +183,7 @@ NEGOTIATE = "NEGOTIATE_"
 """How a negotiation's all-gather is named (``NEGOTIATE_ALLREDUCE``, ..., as Horovod's)."""
 
 
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Record every collective of this rank from now on, until :func:`stop_timeline`, as
-    Horovod's ``hvd.start_timeline``: every rank calls it, and rank 0 writes every rank's
-    spans to its ``file_path`` (a Chrome trace). A recording under way (this function's, or
-    ``ringflow-run --timeline-filename``'s) ends first and is written where it was to go.
-    ``mark_cycles`` marks each negotiation ``CYCLE_START``.
-
-    Raises:
-        ValueError: ``hvd.init()`` was not called (Horovod's error).
-    """
-    from ringflow.horovod import basics
-
-    _initialized(basics)
-    stop_timeline()
-    ring = basics.run_ring()
-    timed = TimedRing(
-        ring, basics.rank(), os.path.abspath(file_path), gathered=True, mark_cycles=mark_cycles
-    )
-    basics.replace_ring(timed)
-
-
-def stop_timeline() -> None:
-    """End the recording :func:`start_timeline` began and write it (every rank calls it:
-    their spans are gathered to rank 0, which writes them, before it returns); one that
-    ``ringflow-run --timeline-filename`` began is written to this rank's file. Nothing
-    without a recording.
-
-    Raises:
-        ValueError: ``hvd.init()`` was not called (Horovod's error).
-    """
-    from ringflow.horovod import basics
-    from ringflow.horovod.collectives import allgather_object
-
-    _initialized(basics)
-    timed = basics.run_ring()
-    if not isinstance(timed, TimedRing):
-        return
-    basics.replace_ring(timed.untimed)
-    if not timed._gathered:
-        timed.write()
-        return
-    every = allgather_object(timed.events())
-    if basics.rank() == 0:
-        _write_trace(timed._path, [event for events in every for event in events])
-
-
-def _initialized(basics: Any) -> None:
-    if not basics.is_initialized():
-        raise ValueError("Horovod has not been initialized; use hvd.init().")
-
-
-def _write_trace(path: str, events: list[dict[str, Any]]) -> None:
+def write_trace(path: str, events: list[dict[str, Any]]) -> None:
     """Write ``events`` (of any ranks) to ``path`` as one Chrome trace: each rank named, the
     events in time order, the first's time as Horovod's ``start_time_since_epoch_in_micros``."""
     ranks = sorted({e["pid"] for e in events})
@@ -259,5 +208,5 @@ def merge(path: str) -> int:
         with open(file) as f:
             events += json.load(f)["traceEvents"]
         os.remove(file)
-    _write_trace(path, events)
+    write_trace(path, events)
     return len(files)

@@ -327,7 +327,7 @@ def score(
     if pending and engine == "ray":
         from ringflow.serving.score_ray import score_on_ray
 
-        score_on_ray(job, pending, options, finished)
+        score_on_ray(job, pending, options, finished, score_block=score_block)
     else:
         for block in pending:
             finished(block.id, score_block(job, served, block))
