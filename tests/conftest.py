@@ -3,8 +3,8 @@
 Every test is in one layer, which ``pytest -m`` selects:
 
 - ``unit``: no Ray, no Prefect server (the default for a test that asks for neither);
-- ``integration``: uses the session's one private Ray (``ray_session``), or starts
-  processes of its own (marked ``integration`` by hand);
+- ``integration``: uses the session's one private Ray (``ray_session``) or its module's Ray
+  cluster (``launcher_ray``), or starts processes of its own (marked ``integration`` by hand);
 - ``e2e``: the real stack (Prefect server, Ray head, process worker) that
   ``tests/support/stack.py`` starts once for the run through ``deployments/`` scripts.
 
@@ -25,7 +25,7 @@ import tempfile
 
 import pytest
 
-from tests.support import leaks
+from tests.support import leaks, ray_cluster
 
 # Offline and quiet before anything imports Ray or Prefect, with Ray's token authentication
 # as a flow run asks for it (flows/train_pipeline.py), from a token of this test process's
@@ -67,7 +67,9 @@ def pytest_collection_modifyitems(config, items):
             group = "e2e"
         else:
             if not any(item.get_closest_marker(layer) for layer in _LAYERS):
-                ray = item.get_closest_marker("ray") or "ray_session" in item.fixturenames
+                ray = item.get_closest_marker("ray") or {"ray_session", "launcher_ray"} & set(
+                    item.fixturenames
+                )
                 item.add_marker("integration" if ray else "unit")
             group = item.module.__name__
         item.add_marker(pytest.mark.xdist_group(group))
@@ -84,7 +86,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _leaves_nothing_behind(request):
     """Fails the test that leaves something behind (tests/support/leaks.py)."""
-    with leaks.guard(session_ray=_SESSION_RAY["up"]):
+    with leaks.guard(session_ray=_SESSION_RAY["up"], clusters=ray_cluster.shared_pids()):
         yield
 
 
@@ -114,6 +116,19 @@ def ray_session():
     yield ray
     _SESSION_RAY["up"] = False
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def launcher_ray():
+    """One Ray cluster on 127.0.0.1 (2 CPUs) for the launchers a module's tests start
+    (``ringflow-run``, ``horovod.run`` in a script, a flow's ranks), each joining it through
+    ``RAY_ADDRESS`` as on a user's cluster instead of starting a private Ray: its address.
+    Its workers have ``tests/horovod_scripts`` on their path (code a cluster's nodes have
+    installed). The leak guard fails a test that leaves one of its actors running."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    scripts = os.path.join(root, "tests", "horovod_scripts")
+    with ray_cluster.shared_cluster(num_cpus=2, cwd=root, python_path=(scripts,)) as cluster:
+        yield cluster.address
 
 
 @pytest.fixture(scope="session")

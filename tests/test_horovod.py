@@ -119,19 +119,43 @@ def _one_process(backward_passes_per_step: int = 1) -> dict[str, torch.Tensor]:
         hvd.shutdown()
 
 
+TRAININGS = {
+    "fp16": {"compression": hvd.Compression.fp16},
+    "1 pass": {"backward_passes_per_step": 1},
+    "2 passes": {"backward_passes_per_step": 2},
+}
+"""The ways the tests below train on 2 ranks, by name: ``train``'s keyword arguments."""
+
+
+def trainings() -> dict[str, dict[str, torch.Tensor]]:
+    """Each of :data:`TRAININGS` in turn, each on a ring of its own (``hvd.init`` to
+    ``hvd.shutdown``): the weights each ended with."""
+    ended = {}
+    for name, kwargs in TRAININGS.items():
+        ended[name] = train(**kwargs)
+        hvd.shutdown()
+    return ended
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ray_session) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """Each rank's :func:`trainings`, from one launch of 2 ranks."""
+    return hvd.run(trainings, np=2, cpus_per_worker=0.5)
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("passes", [1, 2])
-def test_two_ranks_end_with_the_weights_one_process_gets(passes, ray_session):
+def test_two_ranks_end_with_the_weights_one_process_gets(passes, two_ranks):
     one = _one_process(passes)
-    two = hvd.run(train, kwargs={"backward_passes_per_step": passes}, np=2, cpus_per_worker=0.5)
+    two = [ended["1 pass" if passes == 1 else "2 passes"] for ended in two_ranks]
     assert relative_difference(two[0], two[1]) == 0.0  # every rank steps on the same average
     assert relative_difference(two[0], one) < 1e-6
 
 
 @pytest.mark.ray
-def test_fp16_compression_trains_close_to_float32(ray_session):
+def test_fp16_compression_trains_close_to_float32(two_ranks):
     one = _one_process()
-    two = hvd.run(train, kwargs={"compression": hvd.Compression.fp16}, np=2, cpus_per_worker=0.5)
+    two = [ended["fp16"] for ended in two_ranks]
     assert 0 < relative_difference(two[0], one) < 1e-2
 
 
@@ -162,10 +186,15 @@ def test_what_horovod_has_and_ringflow_does_not_is_refused_by_name():
 SCRIPT = Path(__file__).parent / "horovod_scripts" / "average.py"
 
 
-def _python(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python ARGS`` from the repository root, on a private Ray of its own (with ``env``
-    added to this process's environment)."""
+def _python(
+    *args: str, ray: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repository root (with ``env`` added to this process's
+    environment), on the Ray cluster at ``ray`` (``RAY_ADDRESS``), else on a private Ray of
+    its own."""
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **(env or {})}
+    if ray is not None:
+        env["RAY_ADDRESS"] = ray
     return subprocess.run(
         [sys.executable, *args],
         capture_output=True,
@@ -176,13 +205,16 @@ def _python(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def _ringflow_run(*args: str) -> subprocess.CompletedProcess:
-    return _python("-m", "ringflow.horovod.runner", *args)
+def _ringflow_run(ray: str, *args: str) -> subprocess.CompletedProcess:
+    """``ringflow-run ARGS``, its ranks on the Ray cluster at ``ray``."""
+    return _python("-m", "ringflow.horovod.runner", *args, ray=ray)
 
 
 @pytest.mark.integration
-def test_ringflow_run_starts_a_script_on_its_ranks_and_prefixes_their_lines():
-    done = _ringflow_run("-np", "2", "--cpus-per-worker", "0.5", sys.executable, str(SCRIPT))
+def test_ringflow_run_starts_a_script_on_its_ranks_and_prefixes_their_lines(launcher_ray):
+    done = _ringflow_run(
+        launcher_ray, "-np", "2", "--cpus-per-worker", "0.5", sys.executable, str(SCRIPT)
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert "[0] rank 0 of 2: mean 0.5" in lines
@@ -190,9 +222,17 @@ def test_ringflow_run_starts_a_script_on_its_ranks_and_prefixes_their_lines():
 
 
 @pytest.mark.integration
-def test_ringflow_run_exits_with_the_first_failing_ranks_status():
+def test_ringflow_run_exits_with_the_first_failing_ranks_status(launcher_ray):
     done = _ringflow_run(
-        "-np", "2", "--cpus-per-worker", "0.5", sys.executable, str(SCRIPT), "--fail-rank", "1"
+        launcher_ray,
+        "-np",
+        "2",
+        "--cpus-per-worker",
+        "0.5",
+        sys.executable,
+        str(SCRIPT),
+        "--fail-rank",
+        "1",
     )
     assert done.returncode == 3, done.stderr[-3000:]
     assert "[1] giving up" in done.stdout.splitlines()
@@ -217,9 +257,16 @@ MNIST_ARGS = ("--epochs", "1", "--samples", "512", "--batch-size", "64", "--log-
 
 
 @pytest.mark.integration
-def test_horovods_mnist_example_runs_under_ringflow_run_with_its_imports_changed():
+def test_horovods_mnist_example_runs_under_ringflow_run_with_its_imports_changed(launcher_ray):
     done = _ringflow_run(
-        "-np", "2", "--cpus-per-worker", "0.5", sys.executable, str(MNIST), *MNIST_ARGS
+        launcher_ray,
+        "-np",
+        "2",
+        "--cpus-per-worker",
+        "0.5",
+        sys.executable,
+        str(MNIST),
+        *MNIST_ARGS,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
@@ -233,8 +280,11 @@ SYNTHETIC = Path(__file__).parent / "horovod_examples" / "pytorch_synthetic_benc
 
 
 @pytest.mark.integration
-def test_horovods_synthetic_benchmark_runs_under_ringflow_run_with_its_imports_changed():
+def test_horovods_synthetic_benchmark_runs_under_ringflow_run_with_its_imports_changed(
+    launcher_ray,
+):
     done = _ringflow_run(
+        launcher_ray,
         *("-np", "2", "--cpus-per-worker", "0.5", sys.executable, str(SYNTHETIC)),
         *("--no-cuda", "--model", "resnet18", "--batch-size", "2", "--num-warmup-batches", "1"),
         *("--num-batches-per-iter", "2", "--num-iters", "2"),
@@ -248,10 +298,10 @@ def test_horovods_synthetic_benchmark_runs_under_ringflow_run_with_its_imports_c
 
 
 @pytest.mark.integration
-def test_horovods_mnist_example_runs_through_its_own_horovod_run():
+def test_horovods_mnist_example_runs_through_its_own_horovod_run(launcher_ray):
     """``--num-proc 2``: the script calls ``horovod.run(main, ..., hosts=None,
     use_gloo=None, use_mpi=None)`` itself."""
-    done = _python(str(MNIST), "--num-proc", "2", *MNIST_ARGS)
+    done = _python(str(MNIST), "--num-proc", "2", *MNIST_ARGS, ray=launcher_ray)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Running training through horovod.run" in done.stdout
 
@@ -281,13 +331,16 @@ def test_the_synthetic_benchmark_against_ddp_prints_its_table_and_ratio():
 
 
 @pytest.mark.integration
-def test_the_horovod_train_flow_fails_once_with_the_scripts_status_and_no_retry(tmp_path):
+def test_the_horovod_train_flow_fails_once_with_the_scripts_status_and_no_retry(
+    tmp_path, launcher_ray
+):
     """Run locally with no server: a rank's error fails the flow run at once, naming the
     script and its status, without a second start."""
     done = _python(
         *("-m", "ringflow.flows.horovod_train", "--script", str(SCRIPT), "--np", "2"),
         *("--args", '["--fail-rank", "1"]', "--cpus-per-worker", "0.5"),
         *("--storage-url", str(tmp_path)),
+        ray=launcher_ray,
     )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     said = done.stderr.strip().splitlines()
@@ -298,10 +351,13 @@ def test_the_horovod_train_flow_fails_once_with_the_scripts_status_and_no_retry(
 
 
 @pytest.mark.integration
-def test_the_timeline_holds_every_ranks_collectives_named_after_the_gradients(tmp_path):
+def test_the_timeline_holds_every_ranks_collectives_named_after_the_gradients(
+    tmp_path, launcher_ray
+):
     trace = tmp_path / "timeline.json"
     script = Path(__file__).parent / "horovod_scripts" / "elastic_linear.py"
     done = _ringflow_run(
+        launcher_ray,
         *("-np", "2", "--cpus-per-worker", "0.5", "--timeline-filename", str(trace)),
         *(sys.executable, str(script), "--out", str(tmp_path / "w.pt"), "--epochs", "1"),
     )
@@ -367,10 +423,13 @@ def test_start_and_stop_timeline_write_every_ranks_collectives_to_rank_0s_file(
 
 
 @pytest.mark.integration
-def test_the_horovod_train_flow_runs_a_function_and_resumes_it_as_the_script_form(tmp_path):
+def test_the_horovod_train_flow_runs_a_function_and_resumes_it_as_the_script_form(
+    tmp_path, launcher_ray
+):
     """The function form (``--function package.module:train --kwargs JSON``), locally with no
-    server: 6 steps, then the same run key asked for 10 resumes at step 6 and ends with the
-    weights of the script form trained 10 steps straight, bit for bit."""
+    Prefect server, on a cluster whose nodes have the function's module installed: 6 steps,
+    then the same run key asked for 10 resumes at step 6 and ends with the weights of the
+    script form trained 10 steps straight, bit for bit."""
     from ringflow.storage import CheckpointStore
 
     scripts = Path(__file__).parent / "horovod_scripts"
@@ -381,6 +440,7 @@ def test_the_horovod_train_flow_runs_a_function_and_resumes_it_as_the_script_for
         return _python(
             *(*flow, "--function", "linear_training:train", "--kwargs", kwargs),
             *("--storage-url", str(tmp_path / "function"), "--run-key", "k"),
+            ray=launcher_ray,
             env={"PYTHONPATH": str(scripts)},
         )
 
@@ -396,6 +456,7 @@ def test_the_horovod_train_flow_runs_a_function_and_resumes_it_as_the_script_for
         *(*flow, "--script", str(scripts / "checkpointed.py")),
         *("--args", '["--steps", "10", "--checkpoint-every", "3"]'),
         *("--storage-url", str(tmp_path / "script"), "--run-key", "k"),
+        ray=launcher_ray,
     )
     assert script.returncode == 0, script.stdout[-3000:] + script.stderr[-3000:]
     ended = [

@@ -253,11 +253,12 @@ def test_collectives_in_a_process_set_run_among_its_ranks_only(ray_session):
 SCRIPTS = Path(__file__).parent / "horovod_scripts"
 
 
-def _ringflow_run(*args: str) -> subprocess.CompletedProcess:
-    """``ringflow-run ARGS`` from the repository root, on a private Ray of its own."""
+def _ringflow_run(ray: str, *args: str) -> subprocess.CompletedProcess:
+    """``ringflow-run ARGS`` from the repository root, its ranks on the Ray cluster at
+    ``ray``."""
     import os
 
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {**os.environ, "RAY_ADDRESS": ray}
     return subprocess.run(
         [
             sys.executable,
@@ -277,10 +278,10 @@ def _ringflow_run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_ringflow_run_tells_each_rank_what_horovodrun_does():
+def test_ringflow_run_tells_each_rank_what_horovodrun_does(launcher_ray):
     names = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
     told = f"import os; print(*(os.environ['HOROVOD_' + k] for k in {names!r}))"
-    done = _ringflow_run(sys.executable, "-c", told)
+    done = _ringflow_run(launcher_ray, sys.executable, "-c", told)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(line for line in done.stdout.splitlines() if line[:1] == "[") == [
         "[0] 0 2 0 2 0 1",
@@ -288,7 +289,7 @@ def test_ringflow_run_tells_each_rank_what_horovodrun_does():
     ]
 
 
-def test_a_failing_rank_leaves_the_others_time_to_finish_before_they_are_stopped():
+def test_a_failing_rank_leaves_the_others_time_to_finish_before_they_are_stopped(launcher_ray):
     script = (
         "import os, sys, time\n"
         "if os.environ['HOROVOD_RANK'] == '1': sys.exit(3)\n"
@@ -296,14 +297,14 @@ def test_a_failing_rank_leaves_the_others_time_to_finish_before_they_are_stopped
         "print('rank 0 wrote its results', flush=True)\n"
         "time.sleep(60)\n"  # past the grace period: stopped
     )
-    done = _ringflow_run("--grace-s", "4", sys.executable, "-c", script)
+    done = _ringflow_run(launcher_ray, "--grace-s", "4", sys.executable, "-c", script)
     assert done.returncode == 3, done.stderr[-3000:]
     assert "[0] rank 0 wrote its results" in done.stdout.splitlines()
     assert "ringflow-run: rank 1 exited with status 3; 1 stopped after 4 s" in done.stderr
 
 
-def test_ten_rounds_of_init_and_shutdown_each_form_a_ring_and_release_it():
-    done = _ringflow_run(sys.executable, str(SCRIPTS / "rounds.py"))
+def test_ten_rounds_of_init_and_shutdown_each_form_a_ring_and_release_it(launcher_ray):
+    done = _ringflow_run(launcher_ray, sys.executable, str(SCRIPTS / "rounds.py"))
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         rounds = [
@@ -399,10 +400,10 @@ def _outcomes(junit_xml: Path) -> dict[str, str]:
     return outcomes
 
 
-def test_horovods_own_torch_tests_pass_on_two_ranks_but_those_refused(tmp_path):
+def test_horovods_own_torch_tests_pass_on_two_ranks_but_those_refused(tmp_path, launcher_ray):
     """Horovod's ``test/parallel/test_torch.py``, unchanged, on 2 ranks through
     ``ringflow-run``: one pytest process per rank, ``horovod.torch`` being ringflow's."""
-    done = _ringflow_run(sys.executable, str(CONTRACT / "rank.py"), str(tmp_path))
+    done = _ringflow_run(launcher_ray, sys.executable, str(CONTRACT / "rank.py"), str(tmp_path))
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]  # 1: some failed
     documented = (Path(__file__).parents[1] / "docs" / "horovod.md").read_text()
     for rank in (0, 1):
@@ -448,11 +449,11 @@ def test_horovods_own_elastic_state_tests_pass_in_one_process(tmp_path):
     }
 
 
-def test_horovods_timeline_test_which_its_file_skips_passes_on_two_ranks():
+def test_horovods_timeline_test_which_its_file_skips_passes_on_two_ranks(launcher_ray):
     """Horovod's ``test_timeline_api`` (skipped in Horovod's own file, its issue 2496), run
     as it is on 2 ranks: ``start_timeline``/``stop_timeline`` four times over, rank 0's file
     holding the named allreduce, its negotiation and (with ``mark_cycles``) the cycles."""
-    done = _ringflow_run(sys.executable, str(CONTRACT / "timeline_api.py"))
+    done = _ringflow_run(launcher_ray, sys.executable, str(CONTRACT / "timeline_api.py"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert sorted(line for line in done.stdout.splitlines() if "passed" in line) == [
         "[0] test_timeline_api passed",

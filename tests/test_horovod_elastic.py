@@ -1,8 +1,8 @@
 """Elastic Horovod on ringflow: a lost rank makes the others roll back to their last
 ``commit()`` in memory and go on; a worker started in its place joins at a commit.
 
-The launcher's runs are real: ``ringflow-run --min-np 1 --max-np 2`` on a private local Ray,
-one rank's process SIGKILLed by PID while the script trains.
+The launcher's runs are real: ``ringflow-run --min-np 1 --max-np 2`` on a local Ray cluster
+(``RAY_ADDRESS``), one rank's process SIGKILLed by PID while the script trains.
 """
 
 from __future__ import annotations
@@ -226,10 +226,11 @@ def test_every_worker_lost_gives_up_with_the_coordinators_reason():
 
 
 class _Run:
-    """``ringflow-run`` in the background, its output read line by line as it comes."""
+    """``ringflow-run`` in the background, its ranks on the Ray cluster at ``ray``, its
+    output read line by line as it comes."""
 
-    def __init__(self, *args: str) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
+    def __init__(self, ray: str, *args: str) -> None:
+        env = {**os.environ, "RAY_ADDRESS": ray}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "ringflow.horovod.runner", *args],
             stdout=subprocess.PIPE,
@@ -276,12 +277,13 @@ ELASTIC = ("-np", "2", "--min-np", "1", "--max-np", "2", "--cpus-per-worker", "0
 
 
 @pytest.mark.integration
-def test_horovods_elastic_example_loses_a_rank_goes_on_and_takes_a_new_one_in():
+def test_horovods_elastic_example_loses_a_rank_goes_on_and_takes_a_new_one_in(launcher_ray):
     """Horovod's examples/elastic/pytorch/pytorch_synthetic_benchmark_elastic.py, its import
     lines changed: worker 0 (rank 0) is killed mid-run; worker 1 rolls back to the last
     commit and goes on as rank 0 at once, the worker started in its place joins at a commit,
     and the run ends with 2 ranks."""
     run = _Run(
+        launcher_ray,
         *ELASTIC,
         "--timeout-s",
         "20",
@@ -316,7 +318,9 @@ def test_horovods_elastic_example_loses_a_rank_goes_on_and_takes_a_new_one_in():
 
 
 @pytest.mark.integration
-def test_a_rank_lost_and_replaced_mid_epoch_ends_with_the_weights_of_one_rank(tmp_path):
+def test_a_rank_lost_and_replaced_mid_epoch_ends_with_the_weights_of_one_rank(
+    tmp_path, launcher_ray
+):
     """A fixed global batch split over the ranks there are, a commit each step: through a
     loss (2 -> 1 ranks) and a join (1 -> 2) the run ends with one rank's weights (run
     without the launcher), within rounding."""
@@ -330,6 +334,7 @@ def test_a_rank_lost_and_replaced_mid_epoch_ends_with_the_weights_of_one_rank(tm
     )
     assert alone.returncode == 0, alone.stderr[-3000:]
     run = _Run(
+        launcher_ray,
         *ELASTIC,
         "--timeout-s",
         "20",
@@ -406,7 +411,9 @@ def test_horovod_run_with_min_np_goes_on_through_a_lost_rank_and_takes_a_new_one
 
 
 @pytest.mark.integration
-def test_an_elastic_run_past_its_reset_limit_ends_with_the_coordinators_reason(tmp_path):
+def test_an_elastic_run_past_its_reset_limit_ends_with_the_coordinators_reason(
+    tmp_path, launcher_ray
+):
     """``--reset-limit 0`` (Horovod's: the ranks may not change): worker 1 dies, and the
     engine's coordinator gives up; the launcher says why in its one line and exits 1."""
     script = tmp_path / "dies.py"
@@ -418,7 +425,7 @@ def test_an_elastic_run_past_its_reset_limit_ends_with_the_coordinators_reason(t
         "time.sleep(120)\n"
     )
     run = _Run(
-        "-np", "2", "--min-np", "1", "--reset-limit", "0", "--cpus-per-worker", "0.5",
+        launcher_ray, "-np", "2", "--min-np", "1", "--reset-limit", "0", "--cpus-per-worker", "0.5",
         sys.executable, str(script),
     )  # fmt: skip
     assert run.finish() == 1, run.text()[-4000:]

@@ -309,26 +309,44 @@ def fused_training(fusion: str, options: dict) -> dict:
     return {"state": net.state_dict(), "sizes": sizes}
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {},
-        {"gradient_predivide_factor": 2.0},
-        {"op": hvd.Sum},
-        {"compression": hvd.Compression.fp16},
-    ],
-    ids=["average", "predivide", "sum", "fp16"],
-)
-def test_gradients_are_fused_into_buckets_with_the_weights_of_one_reduction_each(
-    ray_session, options
-):
+FUSIONS = ("0", "150", str(25 << 20))
+OPTIONS = {
+    "average": {},
+    "predivide": {"gradient_predivide_factor": 2.0},
+    "sum": {"op": hvd.Sum},
+    "fp16": {"compression": hvd.Compression.fp16},
+}
+"""The ``DistributedOptimizer`` options each fusion threshold is trained with, by test id."""
+
+
+def fused_trainings(runs: list[tuple[str, str, dict]]) -> dict[tuple[str, str], dict]:
+    """:func:`fused_training` for each ``(options' id, fusion, options)`` in turn, each on a
+    ring of its own (``hvd.init`` to ``hvd.shutdown``): what each saw."""
+    seen = {}
+    for name, fusion, options in runs:
+        seen[(name, fusion)] = fused_training(fusion, options)
+        hvd.shutdown()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def fused(ray_session) -> dict[str, dict[str, list[dict]]]:
+    """Every way of :data:`OPTIONS` with every one of :data:`FUSIONS`, on the same 2 ranks:
+    by options' id and fusion, each rank's :func:`fused_training`."""
+    runs = [(name, fusion, options) for name, options in OPTIONS.items() for fusion in FUSIONS]
+    ranks = hvd.run(fused_trainings, args=(runs,), np=2, cpus_per_worker=0.5)
+    return {
+        name: {fusion: [rank[(name, fusion)] for rank in ranks] for fusion in FUSIONS}
+        for name in OPTIONS
+    }
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_gradients_are_fused_into_buckets_with_the_weights_of_one_reduction_each(fused, options):
     """Horovod's tensor fusion: by default the MLP's 6 gradients (97 numbers) go as one
     all-reduce a step; a threshold of 150 bytes closes a bucket once it holds 150 bytes or more;
     0 turns fusion off (one all-reduce per gradient). Every way ends with the same weights."""
-    runs = {
-        fusion: hvd.run(fused_training, args=(fusion, options), np=2, cpus_per_worker=0.5)
-        for fusion in ("0", "150", str(25 << 20))
-    }
+    runs = fused[options]
     per_tensor = [1, 4, 4, 32, 8, 48]  # backward's order: the last layer's bias first
     assert [r["sizes"] for r in runs["0"]] == [per_tensor * 3] * 2
     assert [r["sizes"] for r in runs["150"]] == [[1 + 4 + 4 + 32, 8 + 48] * 3] * 2

@@ -4,7 +4,9 @@ private Ray."""
 
 from __future__ import annotations
 
+import functools
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,15 +91,15 @@ def test_the_executors_refuse_what_they_cannot_do():
 
 
 class _Discovery:
-    """Hosts and their slots as a test says: one slot for its first ``grow_after`` calls,
+    """Hosts and their slots as a test says: one slot until the file ``grow_when`` exists,
     two after."""
 
-    def __init__(self, grow_after: int = 10**9, first: int = 1) -> None:
-        self.calls, self.grow_after, self.first = 0, grow_after, first
+    def __init__(self, grow_when: Path | None = None) -> None:
+        self.grow_when = grow_when
 
     def find_available_hosts_and_slots(self) -> dict[str, int]:
-        self.calls += 1
-        return {"127.0.0.1": self.first if self.calls <= self.grow_after else 2}
+        grown = self.grow_when is not None and self.grow_when.exists()
+        return {"127.0.0.1": 2 if grown else 1}
 
 
 def elastic_fn():
@@ -124,8 +126,9 @@ def test_the_elastic_executor_runs_on_the_clusters_slots_its_output_and_logs_rea
     assert logged == [{"ranks": 2.0}, {"done": True}]
 
 
-def grows() -> list[int]:
-    """Commit until the ranks are 2; the sizes seen at each commit."""
+def grows(committed: str) -> list[int]:
+    """Commit until the ranks are 2, writing the file ``committed`` at each commit; the sizes
+    seen at each commit."""
     hvd.init()
     sizes = []
 
@@ -136,6 +139,7 @@ def grows() -> list[int]:
             sizes.append(hvd.size())
             state.commits += 1
             state.commit()
+            Path(committed).touch()
             time.sleep(0.05)
         sizes.append(hvd.size())
 
@@ -143,12 +147,15 @@ def grows() -> list[int]:
     return sizes
 
 
-def test_a_slot_the_discovery_finds_later_takes_a_worker_that_joins_at_a_commit(ray_session):
+def test_a_slot_the_discovery_finds_later_takes_a_worker_that_joins_at_a_commit(
+    ray_session, tmp_path
+):
+    committed = tmp_path / "committed"
     settings = ElasticRayExecutor.create_settings(min_num_proc=1, max_num_proc=2)
-    settings.discovery = _Discovery(grow_after=2)  # start() and run() see 1 slot, then 2
+    settings.discovery = _Discovery(grow_when=committed)  # 1 slot until rank 0 committed
     executor = ElasticRayExecutor(settings, cpus_per_slot=1, override_discovery=False)
     executor.start()
-    first, joined = executor.run(grows)
+    first, joined = executor.run(functools.partial(grows, str(committed)))
     assert first[0] == 1  # it started on the one slot found
     assert first[-1] == 2
     assert joined == [2]  # the worker started on the new slot joined the ranks

@@ -6,7 +6,8 @@ behind, naming it, after cleaning it up so that the next test starts clean:
 
 - a ``torch.distributed`` process group;
 - a Ray instance this process connected to, other than the session's;
-- a process it started (directly, or detached into a session of its own) still running;
+- a process it started (directly, or detached into a session of its own) still running, or
+  one a shared Ray cluster started for it (an actor, and what the actor started);
 - a socket listening on an address beyond loopback, opened by this process or one it
   started;
 - an environment variable it set, changed or removed.
@@ -15,7 +16,10 @@ Processes are ours when this process is their nearest ancestor that was already 
 before the test, or when they were detached (reparented away) but carry :data:`OWNER` in
 their environment, which this process sets at start and every child inherits. A process
 that a long-lived process of the session started (a Ray raylet's new worker, a Prefect
-server's subprocess) is that process's business, not the test's.
+server's subprocess) is that process's business, not the test's; but under a shared Ray
+cluster (``tests/support/ray_cluster.py``: a module's launchers join it) a worker that was
+idle when the test started, or started since, and runs something now (an actor, a task) is
+the test's, with what it started: only idle workers and the cluster's own processes stay.
 """
 
 from __future__ import annotations
@@ -117,6 +121,35 @@ def _left_behind(before: set[int], now: dict[int, _Process]) -> list[_Process]:
     return leaked
 
 
+_IDLE_RAY_WORKER = "ray::IDLE"
+"""How a Ray worker process that runs nothing names itself (``ray::IDLE``,
+``ray::IDLE_SpillWorker``, ...)."""
+
+
+def _idle_ray_worker(proc: _Process) -> bool:
+    return proc.cmdline.startswith(_IDLE_RAY_WORKER)
+
+
+def _left_in_clusters(
+    before: _Before, now: dict[int, _Process], clusters: frozenset[int]
+) -> list[_Process]:
+    """The processes under a shared Ray cluster (``clusters``: the processes holding them up)
+    that run something the test started: a worker busy now that was idle at its start or
+    started since (an actor, a task), and what such a worker started."""
+    leaked = []
+    for proc in now.values():
+        if _idle_ray_worker(proc):
+            continue
+        if proc.pid in before.processes and proc.pid not in before.idle_ray_workers:
+            continue  # the cluster's own: its raylet, its GCS, its agents
+        ancestor = proc.ppid
+        while ancestor in now and ancestor not in clusters and ancestor > 1:
+            ancestor = now[ancestor].ppid
+        if ancestor in clusters:
+            leaked.append(proc)
+    return leaked
+
+
 def _kill(processes: list[_Process]) -> None:
     for proc in processes:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -173,6 +206,7 @@ def _owner_of(inode: int, candidates: list[int]) -> int | None:
 class _Before:
     env: dict[str, str]
     processes: set[int]
+    idle_ray_workers: set[int]
     listeners: set[int]
     ray: bool
 
@@ -192,15 +226,19 @@ def _process_group() -> bool:
 
 
 @contextlib.contextmanager
-def guard(*, session_ray: bool) -> Iterator[None]:
+def guard(*, session_ray: bool, clusters: frozenset[int] = frozenset()) -> Iterator[None]:
     """Run one test; fail it if it left something behind (see the module docstring).
 
     Args:
         session_ray: the session's own Ray instance is connected now (not a leak).
+        clusters: the processes holding shared Ray clusters up (``tests/support/
+            ray_cluster.py``), started before the test and stopped after it.
     """
+    processes = _processes()
     before = _Before(
         env=dict(os.environ),
-        processes=set(_processes()),
+        processes=set(processes),
+        idle_ray_workers={p.pid for p in processes.values() if _idle_ray_worker(p)},
         listeners=set(_listeners()),
         ray=_ray_connected(),
     )
@@ -221,6 +259,7 @@ def guard(*, session_ray: bool) -> Iterator[None]:
     while True:
         now = _processes()
         leaked = _left_behind(before.processes, now)
+        leaked += _left_in_clusters(before, now, clusters)
         mine = [os.getpid(), *(p.pid for p in now.values() if p.ours)]
         listening = {
             inode: address
