@@ -16,7 +16,6 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from ringflow.engine.cluster import connect
-from ringflow.serving import serve_model, serve_registry
 from ringflow.storage.dataset import DataError, TableSchema, dataset_schema
 from ringflow.storage.layout import Workspace
 from ringflow.storage.stream import ParquetSplit
@@ -31,6 +30,8 @@ def serve(model_uri: str, dataset_url: str, *, port: int, model: str) -> dict:
     ``model`` is the model's import path: the only class the checkpoint may hold, and code
     that travels with the job where the cluster does not have it installed
     (``engine.cluster.connect``)."""
+    from ringflow.serving import serve_model  # Ray Serve: imported by a run that serves
+
     connect(model=model)
     endpoint = serve_model(model_uri, port=port, allowed=[model])
     return _sample_answer(endpoint, dataset_url, served=model_uri)
@@ -60,6 +61,8 @@ def serve_production(
     class in ``allowed``: a version naming any other class is logged and skipped, never
     imported, and the served version keeps answering.
     """
+    from ringflow.serving import serve_registry  # Ray Serve: imported by a run that serves
+
     connect(model=model_path)
     registry_url = Workspace(storage_url).registry
     endpoint = serve_registry(

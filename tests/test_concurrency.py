@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Running) from its first checkpoint until the server has turned the others away, so it needs
 # only a few seconds of training left after that checkpoint, however slow the machine; the
 # queued runs train briefly.
-FIRST = {"training": {"workers": 1, "epochs": 60, "checkpoint_every": 5}}
+FIRST = {"training": {"workers": 1, "epochs": 20, "checkpoint_every": 5}}
 QUEUED = {"training": {"workers": 1, "epochs": 1}}
 PARAMS = {"tune_trials": 0, "serve": False, "hparams": {"hidden": 16}}
 _FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}

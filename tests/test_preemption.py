@@ -102,7 +102,7 @@ def _wait_until_final(stack: Stack, run_id: str, seconds: float) -> dict:
         if run["state"]["type"] in {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}:
             return run
         assert time.monotonic() < deadline, f"flow run {run_id} still {run['state']}"
-        time.sleep(1)
+        time.sleep(0.5)
 
 
 def _summary(stack: Stack, run_id: str) -> dict[str, str]:
@@ -361,7 +361,9 @@ def _taken_again(stack: Stack, run_id: str, since: float) -> dict:
         if later:
             return later[0]
         assert time.monotonic() < deadline, [s["name"] for s in states]
-        time.sleep(0.02)
+        # Asked for through the grace period: the flow process the worker then starts lives
+        # seconds before it proposes Running, so a faster poll would only load the server.
+        time.sleep(0.2)
 
 
 @pytest.mark.e2e
@@ -371,8 +373,8 @@ def test_a_run_whose_worker_dies_before_it_starts_is_brought_back_once_per_loss(
     the flow process. Each loss is marked Crashed with why, after the grace period and not
     before, and brought back once; the run then trains once, to the uninterrupted weights."""
     grace = int(stack.env["RINGFLOW_HEARTBEAT_GRACE_SECONDS"])
-    # The worker waits while the run is submitted (the CLI takes seconds): its Pending state
-    # is watched from the first moment.
+    # The worker waits while the run is submitted: its Pending state is watched from the
+    # first moment.
     os.kill(stack.worker(), signal.SIGSTOP)
     try:
         run_id = _submit(stack)
@@ -449,10 +451,16 @@ def test_a_killed_horovod_script_run_is_rescheduled_and_resumes_from_its_checkpo
     assert summary["step"] == "60"
     resumed = store.load_latest(run_id)
 
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private Ray
-    env |= {"RINGFLOW_HOROVOD_CHECKPOINTS": str(tmp_path), "RINGFLOW_HOROVOD_RUN_KEY": "ref"}
+    # The same script uninterrupted, launched from a shell on the stack's Ray head (as
+    # deployments/env.sh sets a user's up), whose idle CPUs it takes as the run's ranks did.
+    env = {
+        **stack.env,
+        "RINGFLOW_HOROVOD_CHECKPOINTS": str(tmp_path),
+        "RINGFLOW_HOROVOD_RUN_KEY": "ref",
+    }
     alone = subprocess.run(
-        [sys.executable, "-m", "ringflow.horovod", "-np", "2", "--cpus-per-worker", "0.5"]
+        ["bash", "-c", '. deployments/env.sh && exec "$@"', "bash"]
+        + [sys.executable, "-m", "ringflow.horovod", "-np", "2", "--cpus-per-worker", "0.5"]
         + [sys.executable, HOROVOD_SCRIPT, *HOROVOD_ARGS[:4]],
         capture_output=True,
         text=True,
