@@ -363,7 +363,8 @@ def choose_engine(input_url: str, output_url: str, options: ScoringOptions) -> s
     ``local``. ``memory://`` URLs, which only this process sees, score here.
 
     Raises:
-        ScoringError: ``engine="ray"`` with a ``memory://`` URL.
+        ScoringError: ``engine="ray"`` with a ``memory://`` URL; for ``"auto"``, an input
+            that is missing or unreadable.
     """
     in_memory = [u for u in (input_url, output_url) if u.startswith("memory://")]
     if options.engine == "ray" and in_memory:
@@ -375,7 +376,10 @@ def choose_engine(input_url: str, output_url: str, options: ScoringOptions) -> s
         return "ray" if options.engine == "ray" else "local"
     if os.environ.get("RAY_ADDRESS", "").strip() not in ("", "local"):
         return "ray"
-    listing = list_source(input_url)
+    try:
+        listing = list_source(input_url)
+    except DataError as err:
+        raise ScoringError(f"input {err}") from err
     fs, _ = resolve(input_url)
     size = sum(fs.size(resolve(listing.file_url(n))[1]) for n in listing.names)
     return "ray" if size >= options.ray_threshold_bytes else "local"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -107,3 +108,34 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(storage, table, args, 
     assert lines[0].startswith("error: ")
     assert named in lines[0]
     assert not os.path.exists(Workspace(storage).scores("bad"))
+
+
+@pytest.mark.parametrize(
+    ("params", "why"),
+    [
+        ({"key_columns": ["order_id"]}, "ScoringError: input .* lacks the schema columns"),
+        ({"version": "v0009"}, r"ScoringError: .*has no version v0009 \(committed: v0001\)"),
+        ({"model": "ringflow.models.tabular:TabularMLP"}, "refused without importing it"),
+        ({"input_url": "/nonexistent/rows.parquet"}, "ScoringError: input .* does not exist"),
+    ],
+)
+def test_bad_input_fails_the_flow_run_on_its_first_attempt_saying_why(
+    storage, table, prefect_api, params, why
+):
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from ringflow.flows.score_pipeline import score_pipeline
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api}):
+        state = score_pipeline(
+            **{"input_url": table, "storage_url": storage, "run_key": "bad-run", **params},
+            return_state=True,
+        )
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(state.state_details.flow_run_id)
+    assert state.is_failed()
+    assert "\n" not in state.message
+    assert re.search(why, state.message), state.message
+    assert run.run_count == 1  # failed once: the flow's retry was not used
+    assert not os.path.exists(Workspace(storage).scores("bad-run"))
