@@ -601,6 +601,8 @@ def _owner_died(owner: dict[str, Any]) -> bool:
 def _kill(hosts: list[Any]) -> None:
     import ray
 
+    if not ray.is_initialized():  # no cluster holds them; never start or join one to kill
+        return
     for host in hosts:
         with contextlib.suppress(Exception):
             ray.kill(host, no_restart=True)
