@@ -292,7 +292,7 @@ def _reschedule(policy: ResumePolicy, why: str) -> ChangeFlowRunState:
     )
 
 
-WATCHED_FLOWS = ("train-pipeline", "horovod-train")
+WATCHED_FLOWS = ("train-pipeline", "horovod-train", "score-pipeline")
 """ringflow's flows: a deployment of one of them is checked for what resuming needs."""
 
 

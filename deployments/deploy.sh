@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Register train-pipeline/local and train-pipeline/nightly with the running Prefect server, and
+# Register train-pipeline/local and /nightly, horovod-train/local and score-pipeline/local and
+# /nightly (deployments/prefect.yaml) with the running Prefect server, and
 # the automations that bring their preempted runs back (deployments/automations.py).
 #
 #   deployments/deploy.sh                       ringflow's own deployments

@@ -31,6 +31,9 @@ export PREFECT_FLOWS_HEARTBEAT_FREQUENCY="${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-3
 export RINGFLOW_HEARTBEAT_GRACE_SECONDS="${RINGFLOW_HEARTBEAT_GRACE_SECONDS:-$((3 * PREFECT_FLOWS_HEARTBEAT_FREQUENCY))}"
 export RINGFLOW_MAX_RESTARTS="${RINGFLOW_MAX_RESTARTS:-3}"
 export RINGFLOW_RESUME_TAG="${RINGFLOW_RESUME_TAG:-auto-resume}"
+# The table score-pipeline/nightly scores (a file or a folder of Parquet files, any fsspec
+# URL): where the day's rows are dropped.
+export RINGFLOW_SCORE_INPUT="${RINGFLOW_SCORE_INPUT:-$RINGFLOW_STATE/score-input}"
 
 # Ray: flows reach it through RAY_ADDRESS. Set it before calling a script to use an existing
 # cluster; otherwise start.sh starts a local head on loopback.
