@@ -54,8 +54,12 @@ BYTES_PER_ROW = 530
 """About what a generated row takes in Parquet (64 noisy float64 and an int64 key)."""
 
 
-def make_table(folder: str, rows: int, seed: int = 0) -> int:
-    """Write ``rows`` digits-like rows as Parquet files under ``folder``; their total bytes."""
+def make_table(folder: str, rows: int, seed: int = 0, integers: bool = False) -> int:
+    """Write ``rows`` digits-like rows as Parquet files under ``folder``; their total bytes.
+    ``integers``: whole pixel values (a digit's plus 0 or 1, int64), as the demo's own data
+    holds them, so that the demo's model (whose schema says integers) takes every row;
+    written uncompressed (about :data:`BYTES_PER_ROW` a row, as the noisy floats compressed):
+    compressed, small integers take 40 bytes a row and a GiB 27 M rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from sklearn.datasets import load_digits
@@ -66,14 +70,18 @@ def make_table(folder: str, rows: int, seed: int = 0) -> int:
     size = 0
     for n, start in enumerate(range(0, rows, FILE_ROWS)):
         count = min(FILE_ROWS, rows - start)
-        pixels = digits[rng.integers(0, len(digits), count)] + rng.random((count, PIXELS))
+        noise = rng.integers(0, 2, (count, PIXELS)) if integers else rng.random((count, PIXELS))
+        pixels = digits[rng.integers(0, len(digits), count)] + noise
         np.clip(pixels, 0.0, 16.0, out=pixels)
+        if integers:
+            pixels = pixels.astype(np.int64)
         table = pa.table(
             {"id": np.arange(start, start + count, dtype=np.int64)}
             | {f"p{i}": pixels[:, i] for i in range(PIXELS)}
         )
         path = os.path.join(folder, f"part-{n:05d}.parquet")
-        pq.write_table(table, path, row_group_size=65_536)
+        plain = {"compression": "none", "use_dictionary": False} if integers else {}
+        pq.write_table(table, path, row_group_size=65_536, **plain)
         size += os.path.getsize(path)
     return size
 

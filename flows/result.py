@@ -1,18 +1,22 @@
-"""What a ``train-pipeline`` run produced, in a few lines for a person.
+"""What a flow run produced, in a few lines for a person.
 
-``python -m ringflow.flows.result [FLOW_RUN_ID]`` prints a finished run's test metrics, the
-gate's decision and why, the endpoint and where its artifacts are, or why it failed; without
-an id, the newest run of ``train-pipeline``. ``deployments/demo.sh`` ends with it, and the
-command line and the flow's log give the same lines.
+``python -m ringflow.flows.result [FLOW_RUN_ID]`` prints a finished run's result, or why it
+failed; without an id, the newest run of ``train-pipeline``. For ``train-pipeline``: its test
+metrics, the gate's decision and why, the endpoint and where its artifacts are
+(``deployments/demo.sh`` ends with it, and the command line and the flow's log give the same
+lines); for ``score-pipeline``: the rows scored and rejected, the model and the output; for
+any other flow, its result's fields. ``--json`` prints the result as one JSON line instead,
+for a script.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
 
-__all__ = ["describe", "main"]
+__all__ = ["describe", "describe_scoring", "main"]
 
 
 def describe(result: dict[str, Any]) -> list[str]:
@@ -43,6 +47,28 @@ def describe(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def describe_scoring(result: dict[str, Any]) -> list[str]:
+    """The lines that say what a completed ``score-pipeline`` run wrote."""
+    model = result.get("model") or {}
+    before = result.get("blocks_skipped", 0)
+    return [
+        f"scored      {result.get('rows_scored', 0):,} rows, {result.get('rows_rejected', 0):,} "
+        f"rejected, in {result.get('blocks')} blocks ({before} committed before this run; "
+        f"engine {result.get('engine')})",
+        f"model       {model.get('name')} {model.get('version')} ({model.get('uri')})",
+        f"output      {result.get('output_url')} (complete: its _manifest.json lists the files)",
+    ]
+
+
+def _fields(result: Any) -> list[str]:
+    if not isinstance(result, dict):
+        return [f"result      {result!r}"]
+    return [f"{name:<11} {value}" for name, value in result.items()]
+
+
+_DESCRIBED = {"train-pipeline": describe, "score-pipeline": describe_scoring}
+
+
 def _number(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
 
@@ -52,30 +78,45 @@ def main(argv: list[str] | None = None) -> int:
     from uuid import UUID
 
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterStartTime,
+    )
     from prefect.client.schemas.sorting import FlowRunSort
 
-    args = sys.argv[1:] if argv is None else argv
+    args = sys.argv[1:] if argv is None else list(argv)
+    as_json = "--json" in args
+    args = [a for a in args if a != "--json"]
     with get_client(sync_client=True) as client:
         if args:
             run = client.read_flow_run(UUID(args[0]))
         else:
-            runs = client.read_flow_runs(
+            runs = client.read_flow_runs(  # the newest started: not tomorrow's scheduled one
                 flow_filter=FlowFilter(name=FlowFilterName(any_=["train-pipeline"])),
-                sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+                flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(is_null_=False)),
+                sort=FlowRunSort.START_TIME_DESC,
                 limit=1,
             )
             if not runs:
                 print("no train-pipeline run yet", file=sys.stderr)
                 return 1
             run = runs[0]
+        flow = client.read_flow(run.flow_id).name
     state = run.state
-    print(f"train-pipeline run {run.name} ({run.id}): {state.name if state else 'unknown'}")
+    if as_json:
+        if state is None or not state.is_completed():
+            print(f"{flow} run {run.id} is {state.name if state else 'unknown'}", file=sys.stderr)
+            return 1
+        print(json.dumps(state.result(), default=str))
+        return 0
+    print(f"{flow} run {run.name} ({run.id}): {state.name if state else 'unknown'}")
     if state is None or not state.is_completed():
-        why = " ".join(str(state.message if state else "").split()) or "no message"
+        why = " ".join(str((state.message if state else "") or "").split()) or "no message"
         print(f"  why         {why}")
         return 1
-    for line in describe(state.result()):
+    for line in _DESCRIBED.get(flow, _fields)(state.result()):
         print("  " + line)
     print(f"  again       python -m ringflow.flows.result {run.id}")
     return 0

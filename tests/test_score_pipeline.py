@@ -61,7 +61,7 @@ def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.integration  # a process of its own, reporting to the test process's Prefect
-def test_the_production_digits_model_scores_every_row_once(storage, table, prefect_api):
+def test_the_production_digits_model_scores_every_row_once(storage, table, prefect_api, capsys):
     done = _cli(
         *(f"--input-url={table}", f"--storage-url={storage}", "--run-key=nightly"),
         "--block-rows=500",
@@ -89,6 +89,31 @@ def test_the_production_digits_model_scores_every_row_once(storage, table, prefe
     sample = predictions.take(list(range(0, 1797, 7)))
     assert sample["digit"].to_pylist() == [a["digit"] for a in expected]
     assert sample["probabilities"].to_pylist() == [a["probabilities"] for a in expected]
+    _shows_the_result(prefect_api, result, capsys)
+
+
+def _shows_the_result(api: str, result: dict, capsys) -> None:
+    """``python -m ringflow.flows.result`` describes the run as a scoring run, and ``--json``
+    gives its result as the command line printed it."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from ringflow.flows.result import main as show_result
+
+    flow = httpx.get(f"{api}/flows/name/score-pipeline").json()
+    (run,) = httpx.post(
+        f"{api}/flow_runs/filter",
+        json={"flows": {"id": {"any_": [flow["id"]]}}, "sort": "START_TIME_DESC", "limit": 1},
+    ).json()
+    capsys.readouterr()
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        assert show_result([run["id"]]) == 0
+        shown = capsys.readouterr().out
+        assert show_result([run["id"], "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == result
+    assert shown.startswith(f"score-pipeline run {run['name']} ({run['id']}): Completed"), shown
+    assert "  scored      1,797 rows, 0 rejected, in 4 blocks (0 committed before" in shown, shown
+    assert f"  output      {result['output_url']} (complete" in shown, shown
 
 
 @pytest.mark.parametrize(
