@@ -335,15 +335,16 @@ def test_the_synthetic_benchmark_against_ddp_prints_its_table_and_ratio():
 
 @pytest.mark.integration
 def test_the_horovod_train_flow_fails_once_with_the_scripts_status_and_no_retry(
-    tmp_path, launcher_ray
+    tmp_path, launcher_ray, prefect_api
 ):
-    """Run locally with no server: a rank's error fails the flow run at once, naming the
-    script and its status, without a second start."""
+    """From the command line: a rank's error fails the flow run at once, naming the script
+    and its status, without a second start."""
     done = _python(
         *("-m", "ringflow.flows.horovod_train", "--script", str(SCRIPT), "--np", "2"),
         *("--args", '["--fail-rank", "1"]', "--cpus-per-worker", "0.5"),
         *("--storage-url", str(tmp_path)),
         ray=launcher_ray,
+        env={"PREFECT_API_URL": prefect_api},
     )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     said = done.stderr.strip().splitlines()
@@ -427,10 +428,10 @@ def test_start_and_stop_timeline_write_every_ranks_collectives_to_rank_0s_file(
 
 @pytest.mark.integration
 def test_the_horovod_train_flow_runs_a_function_and_resumes_it_as_the_script_form(
-    tmp_path, launcher_ray
+    tmp_path, launcher_ray, prefect_api
 ):
-    """The function form (``--function package.module:train --kwargs JSON``), locally with no
-    Prefect server, on a cluster whose nodes have the function's module installed: 6 steps,
+    """The function form (``--function package.module:train --kwargs JSON``) from the command
+    line, on a cluster whose nodes have the function's module installed: 6 steps,
     then the same run key asked for 10 resumes at step 6 and ends with the weights of the
     script form trained 10 steps straight, bit for bit."""
     from ringflow.storage import CheckpointStore
@@ -444,7 +445,7 @@ def test_the_horovod_train_flow_runs_a_function_and_resumes_it_as_the_script_for
             *(*flow, "--function", "linear_training:train", "--kwargs", kwargs),
             *("--storage-url", str(tmp_path / "function"), "--run-key", "k"),
             ray=launcher_ray,
-            env={"PYTHONPATH": str(scripts)},
+            env={"PYTHONPATH": str(scripts), "PREFECT_API_URL": prefect_api},
         )
 
     first = function_run(6)
@@ -460,6 +461,7 @@ def test_the_horovod_train_flow_runs_a_function_and_resumes_it_as_the_script_for
         *("--args", '["--steps", "10", "--checkpoint-every", "3"]'),
         *("--storage-url", str(tmp_path / "script"), "--run-key", "k"),
         ray=launcher_ray,
+        env={"PREFECT_API_URL": prefect_api},
     )
     assert script.returncode == 0, script.stdout[-3000:] + script.stderr[-3000:]
     ended = [
