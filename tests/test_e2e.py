@@ -74,10 +74,11 @@ def _result_line(proc: subprocess.Popen, on_line=None, timeout_s: float = 600) -
 
 
 @contextlib.contextmanager
-def _serving_run(tmp_path: Path, *args: str, on_line=None):
+def _serving_run(tmp_path: Path, *args: str, on_line=None, prefect_api: str | None = None):
     """A ``--keep-serving`` CLI run of the flow with ``args``; yields its JSON result while the
     model serves, then stops it with Ctrl-C, as a user would, and checks it exited cleanly.
-    ``on_line`` sees each line the run prints before its result, as it arrives."""
+    ``on_line`` sees each line the run prints before its result, as it arrives; the run
+    reports to ``prefect_api``, else to a temporary Prefect server of its own."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -93,7 +94,10 @@ def _serving_run(tmp_path: Path, *args: str, on_line=None):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+        env=clean_env(
+            PREFECT_HOME=str(tmp_path / "prefect"),
+            **({"PREFECT_API_URL": prefect_api} if prefect_api else {}),
+        ),
     )
     try:
         result = _result_line(proc, on_line)
@@ -169,8 +173,8 @@ def _search_progress(storage: Path) -> tuple[set[str], set[str], bool]:
     return started, done, (storage / "registry").exists()
 
 
-@pytest.mark.integration  # a private Ray and Prefect of its own
-def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
+@pytest.mark.integration  # a private Ray of its own, reporting to the test process's Prefect
+def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path, prefect_api):
     """The whole process tree of a run is killed mid-training, as on a preempted machine."""
     from ringflow.engine import DataSpec, TrainConfig, fit
     from ringflow.models.digits import DigitsClassifier
@@ -190,7 +194,7 @@ def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
         "--run-key=nightly-7",
         f"--storage-url={storage}",
     ]
-    env = clean_env(PREFECT_HOME=str(tmp_path / "prefect"))
+    env = clean_env(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_API_URL=prefect_api)
     first = subprocess.Popen(args, cwd=ROOT, env=env, start_new_session=True, **_QUIET)
     store = CheckpointStore(str(storage / "checkpoints"))
     try:
@@ -227,9 +231,9 @@ def test_a_killed_local_run_resumes_under_its_run_key_bit_for_bit(tmp_path):
 _QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
 
 
-@pytest.mark.integration  # a private Ray and Prefect of its own
+@pytest.mark.integration  # a private Ray of its own, reporting to the test process's Prefect
 def test_the_sequence_model_trains_in_stages_of_two_replicas_resumes_and_serves_its_predict_step(
-    tmp_path,
+    tmp_path, prefect_api
 ):
     """The character LM, named like any model of one's own: its example data, tuning, two
     replicas of two pipeline stages in bf16-mixed, accumulating and clipping by norm; started
@@ -257,7 +261,7 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_resumes_and_serves_
         [sys.executable, "-m", "ringflow.flows.train_pipeline", *args, "--epochs=1"]
         + ["--no-serve", f"--storage-url={tmp_path / 'storage'}"],
         cwd=ROOT,
-        env=clean_env(PREFECT_HOME=str(tmp_path / "prefect")),
+        env=clean_env(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_API_URL=prefect_api),
         capture_output=True,
         text=True,
         timeout=600,
@@ -269,7 +273,7 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_resumes_and_serves_
     trained_to = CheckpointStore(str(tmp_path / "storage" / "checkpoints")).latest("staged").step
     assert trained_to > 0
 
-    with _serving_run(tmp_path, *args, "--epochs=2") as result:
+    with _serving_run(tmp_path, *args, "--epochs=2", prefect_api=prefect_api) as result:
         assert result["resumed_from_step"] == trained_to
         assert result["model_name"] == "char_lm"
         assert result["test_loss"] < 3.0  # ln(128) = 4.85 is a uniform guess
