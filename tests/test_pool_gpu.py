@@ -47,7 +47,7 @@ def test_a_reset_puts_back_the_backend_flags_a_run_set():
         assert _free_cuda() == []  # nothing to free where CUDA never started
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # started before the leak guard looks (Ray sets PYTHONBREAKPOINT)
 def one_gpu_ray():
     import ray
 
