@@ -26,6 +26,7 @@ from ringflow.engine.module import (
     may_return_none,
     step_arguments,
 )
+from ringflow.engine.sharding import ShardedOptimizer
 from ringflow.engine.sync_batchnorm import attach_collective, convert_sync_batchnorm
 from ringflow.engine.timeline import UNTIMED
 from ringflow.engine.worker import (
@@ -78,6 +79,10 @@ class DataParallelStep:
         self.stepping = False
         """Whether the batch being trained has begun to step the optimizer: a failure from
         then on leaves a state that only a rollback undoes (``Worker.reached``)."""
+        self.shards = worker.config.shard == "optimizer"
+        """Whether each worker steps and keeps the optimizer state of its shard of the
+        parameters only (``TrainConfig.shard``; ``engine.sharding``)."""
+        self.sharded: ShardedOptimizer | None = None
 
     def split(self, split: str) -> Samples:
         return samples_of(self.worker.data, split)
@@ -120,15 +125,23 @@ class DataParallelStep:
     def prepare_buckets(self) -> None:
         w = self.worker
         self.buckets = GradientBuckets(
-            w.params, self.collective, bucket_bytes=self.bucket_bytes, comm_hook=self._comm_hook()
+            w.params,
+            self.collective,
+            bucket_bytes=self.bucket_bytes,
+            comm_hook=None if self.shards else self._comm_hook(),
+            scatter=self.shards,
         )
         self.buckets.timeline = w.timeline
+        if self.shards:  # the optimizer steps this rank's shard; commits keep the whole state
+            self.sharded = ShardedOptimizer(w.optimization.optimizer, self.buckets, self.collective)
+            w.optimizer = self.sharded
         # While the last bucket (the first layers') reduces, step the parameters whose sums
         # are in: the optimizer then hides the all-reduce that backward could not.
         last = {id(p) for p in self.buckets.last_params}
         self._ready_first = [p for p in w.params if id(p) not in last]
         self._steps_in_two = (
-            w.world_size > 1
+            not self.shards
+            and w.world_size > 1
             and w.config.accumulate_grad_batches == 1
             and bool(last)
             and bool(self._ready_first)
@@ -175,6 +188,10 @@ class DataParallelStep:
     def leave(self) -> None:
         if self.syncs_batchnorm and hasattr(self.worker, "module"):
             attach_collective(self.worker.module, None)
+        if self.sharded is not None:  # the next ring's shards are laid out anew
+            self.sharded.release()
+            self.worker.optimizer = self.sharded.inner
+            self.sharded = None
         if self.buckets is not None:
             self.buckets.close()
             self.buckets = None
@@ -220,7 +237,7 @@ class DataParallelStep:
             w.after_copies()
         data = self._batch_start(mine, batch, timeline) if len(mine) else None
         if batch.opens_window:
-            w.optimization.zero_grad(step)
+            self._zero_grad(step)
             self._window_learns = False
         scale = self._loss_weight(batch, window)
         if batch.steps:  # buckets start their all-reduces from inside backward
@@ -259,7 +276,7 @@ class DataParallelStep:
         full, trainer = w.config.workers, w.trainer
         self.stepping = False
         timeline = UNTIMED if w.timeline is None else w.timeline.begin(batch.epoch, step)
-        w.optimization.zero_grad(step)
+        self._zero_grad(step)
         passes = []
         for share in batch.shares:
             seed_generators(share.seed, w.device)
@@ -288,6 +305,14 @@ class DataParallelStep:
                 call_hook(module, "on_train_batch_end", out, data, step)
         timeline.end()
         return len(batch.mine)
+
+    def _zero_grad(self, step: int) -> None:
+        """Zero the gradients before a window; sharded, the whole buckets too: the
+        optimizer's own ``zero_grad`` reaches only this rank's shard, and the rest holds
+        the partial sums of the last reduce-scatter."""
+        self.worker.optimization.zero_grad(step)
+        if self.sharded is not None:
+            self.buckets.zero_()
 
     def _batch_start(self, samples: torch.Tensor, batch: Batch, timeline: Any) -> Any:
         """``samples``' input on the worker's device, and the batch-start hooks run on it."""
@@ -338,6 +363,16 @@ class DataParallelStep:
             w.optimization.step_in_two(
                 step, last=batch.last, ready=self._ready_first, wait=self.buckets.finish_last
             )
+        elif self.sharded is not None:  # this rank's shard, clipped by the whole norm
+            self.sharded.attach_grads()
+            w.optimization.step(
+                step,
+                last=batch.last,
+                clip_val=w.config.gradient_clip_val,
+                clip_algorithm=w.config.gradient_clip_algorithm,
+                across=self.sharded.sum_across,
+            )
+            self.sharded.gather()
         else:
             w.optimization.step(
                 step,

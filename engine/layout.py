@@ -195,9 +195,16 @@ class DataParallel(Layout):
         return self.config.workers
 
     def prepare(self, module_cls, hparams, data, *, module) -> None:
-        from ringflow.engine.module import check_manual_optimisation
+        from ringflow.engine.errors import ModelError
+        from ringflow.engine.module import check_manual_optimisation, optimises_manually
 
         check_manual_optimisation(module, self.config, pipeline=False)
+        if self.config.shard != "none" and optimises_manually(module):
+            raise ModelError(
+                f"shard={self.config.shard!r} does not compose with manual optimisation yet: "
+                f"{module_cls.__name__} steps its own optimizers, which would step whole "
+                "parameters; use shard='none'"
+            )
 
     def worker_kwargs(self, index: int) -> dict[str, Any]:
         from ringflow.engine.data_parallel import WholeModel
@@ -221,6 +228,8 @@ class DataParallel(Layout):
         # Rank 0 copies the replicated state to host memory and writes it in the background,
         # with each rank's communication hook state (PowerSGD's errors differ by rank).
         hooked = self.config.compression not in WIRE_FORMATS
+        if self.config.shard != "none":  # each worker's shard of the optimizer state, gathered
+            group.call(Worker.hold_optimizer_state)
         group.call_rank0(
             Worker.checkpoint,
             store_url,
@@ -276,6 +285,12 @@ class Pipeline(Layout):
 
     def prepare(self, module_cls, hparams, data, *, module) -> None:
         from ringflow.engine.pipeline.checks import check_pipeline
+
+        if self.config.shard != "none":
+            raise ValueError(
+                f"shard={self.config.shard!r} does not compose with pipeline stages yet: "
+                "the data-parallel dimension of a pipeline is not sharded; use shard='none'"
+            )
 
         self.partition = check_pipeline(
             module_cls, hparams=hparams, data=data, config=self.config, pipeline=self.pipeline

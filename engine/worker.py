@@ -1245,6 +1245,25 @@ class Worker:
         # module with buffers) waits for it.
         self.checkpointer.save(run_key, step=step, collect=collect, metrics=metrics, overlap=True)
 
+    def hold_optimizer_state(self) -> None:
+        """Gather a sharded optimizer's whole state (``TrainConfig.shard``; every worker
+        alike) for the checkpoint rank 0 is about to take of it in the background."""
+        self._undo_ahead()
+        hold = getattr(self.optimizer, "hold", None)
+        if hold is not None:
+            hold()
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the optimizer state tensors this worker holds (a sharded one's: its
+        shard's)."""
+        state = self.optimization.optimizer.state
+        return sum(
+            value.numel() * value.element_size()
+            for entry in state.values()
+            for value in entry.values()
+            if isinstance(value, torch.Tensor)
+        )
+
     def training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """This worker's model and optimizer state by full name, on the host, and its
         schedulers' states (a pipeline's stages each give theirs: ``engine.layout``)."""

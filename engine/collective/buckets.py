@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ringflow.engine.collective.base import Collective, CollectiveWork
+from ringflow.engine.collective.base import Collective, CollectiveWork, shard_numel, shard_of
 from ringflow.engine.collective.hooks import GradBucket, Reduced
 
 if TYPE_CHECKING:
@@ -76,11 +76,19 @@ class GradientBuckets:
         bucket_bytes: int = 25 << 20,
         hooks: bool = True,
         comm_hook: tuple[Callable[..., Any], Any, str] | None = None,
+        scatter: bool = False,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if scatter and comm_hook is not None:
+            raise ValueError("scatter reduce-scatters the buckets: it takes no comm_hook")
         self._collective = collective
-        self._buckets = _plan(list(params), bucket_bytes, collective)
+        self.scatter = scatter
+        """Each bucket is reduce-scattered, not all-reduced (sharded data parallel): its
+        buffer is padded to ``world_size`` equal shards, and only this rank's shard holds
+        the sums once reduced (the rest holds partial sums)."""
+        pad = collective.world_size if scatter else 1
+        self._buckets = _plan(list(params), bucket_bytes, collective, pad=pad)
         self._slots = {
             param: (index, slot)
             for index, bucket in enumerate(self._buckets)
@@ -163,6 +171,12 @@ class GradientBuckets:
             raise RuntimeError("cancel() after a bucket's all-reduce started")
         self._active = False
 
+    def zero_(self) -> None:
+        """Zero every bucket whole (gradients, padding, and what a reduce-scatter left in
+        the other ranks' shards)."""
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+
     def finish_last(self) -> None:
         """Wait for the last bucket after ``finish(leave_last=True)``."""
         if self._works:
@@ -228,6 +242,10 @@ class GradientBuckets:
     def _reduce(self, bucket: _Bucket) -> Any:
         """The bucket's all-reduce started: the collective's, or the communication hook's
         future of it."""
+        if self.scatter:
+            collective = self._collective
+            mine = shard_of(bucket.buffer, collective.rank, collective.world_size)
+            return collective.reduce_scatter_async_(bucket.buffer, out=mine, op=self._op)
         if self._comm_hook is None:
             return self._collective.allreduce_async_(bucket.buffer, op=self._op)
         hook, state, _ = self._comm_hook
@@ -271,7 +289,9 @@ def _hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Any:
         param.requires_grad_(False)
 
 
-def _plan(params: list[torch.Tensor], bucket_bytes: int, collective: Collective) -> list[_Bucket]:
+def _plan(
+    params: list[torch.Tensor], bucket_bytes: int, collective: Collective, *, pad: int = 1
+) -> list[_Bucket]:
     """Group the parameters, last first, into buckets of one dtype and device each."""
     groups: list[list[torch.Tensor]] = []
     size = 0
@@ -282,14 +302,15 @@ def _plan(params: list[torch.Tensor], bucket_bytes: int, collective: Collective)
             size = 0
         groups[-1].append(param)
         size += param.numel() * param.element_size()
-    return [_bucket(group, collective) for group in groups]
+    return [_bucket(group, collective, pad=pad) for group in groups]
 
 
-def _bucket(params: list[torch.Tensor], collective: Collective) -> _Bucket:
+def _bucket(params: list[torch.Tensor], collective: Collective, *, pad: int = 1) -> _Bucket:
     offsets, total = [], 0
     for param in params:
         offsets.append(total)
         total += param.numel()
+    total = pad * shard_numel(total, pad)  # zeros to equal shards: never any gradient's
     buffer = collective.empty(total, params[0].dtype, params[0].device)
     return _Bucket(params=params, offsets=offsets, buffer=buffer)
 
