@@ -286,12 +286,6 @@ class Pipeline(Layout):
     def prepare(self, module_cls, hparams, data, *, module) -> None:
         from ringflow.engine.pipeline.checks import check_pipeline
 
-        if self.config.shard != "none":
-            raise ValueError(
-                f"shard={self.config.shard!r} does not compose with pipeline stages yet: "
-                "the data-parallel dimension of a pipeline is not sharded; use shard='none'"
-            )
-
         self.partition = check_pipeline(
             module_cls, hparams=hparams, data=data, config=self.config, pipeline=self.pipeline
         )
@@ -358,6 +352,7 @@ class Pipeline(Layout):
         "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule",
         "timeline": "the timeline records data-parallel workers' steps",
         "sync_batchnorm": "a stage's BatchNorm layers normalise its replica's micro-batches",
+        "shard": "not yet: the data-parallel dimension of pipeline stages is not sharded",
     }
     _ON_GPUS = (
         "on GPUs the replicas share one NCCL world, which is not rebuilt around a lost one: "
