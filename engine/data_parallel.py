@@ -6,6 +6,7 @@ chooses it).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -200,9 +201,23 @@ class DataParallelStep:
             self.collective = None
 
     def reconfigure(self, init_method: str = "") -> None:
-        """Join the new ring (the worker has its new rank); the state stays."""
+        """Join the new ring (the worker has its new rank); the state stays.
+
+        Sharded, the optimizer state is laid out anew: taken from the commit this worker's
+        state is at (survivors rolled back, a replacement adopted), else carried over where
+        this worker keeps its shard (the same rank of as many workers); else it is missing
+        until a rollback loads it, and a step before that raises ``EngineError``.
+        """
+        carried = self.sharded.carry() if self.sharded is not None else []
         self.leave()
         self.join(init_method, rejoin=True)
+        if self.sharded is None:
+            return
+        committed = self.worker.commit_at_state()
+        if committed is not None:
+            self.sharded.load_state_dict(copy.deepcopy(committed))
+        else:
+            self.sharded.take(carried)
 
     # ------------------------------------------------------------------ training
 

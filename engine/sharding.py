@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ringflow.engine.collective import Collective, GradientBuckets, shard_of
-from ringflow.engine.errors import ModelError
+from ringflow.engine.errors import EngineError, ModelError
 
 __all__ = ["ELEMENTWISE", "ShardedOptimizer", "check_elementwise"]
 
@@ -129,6 +129,9 @@ class ShardedOptimizer:
                 self.flats.append(flat)
         self._pieces = pieces
         self._held: dict[int, dict[str, Any]] | None = None
+        self.missing = False
+        """The state of this rank's shard is not here (:meth:`take`) until
+        :meth:`load_state_dict`."""
         for group, mine in zip(optimizer.param_groups, pieces, strict=True):
             group["params"] = [piece.tensor for piece in mine]
         optimizer.state.clear()
@@ -148,6 +151,31 @@ class ShardedOptimizer:
         self.flats = []
         self._held = None
 
+    def carry(self) -> list[tuple[torch.Tensor, int, int, dict[str, Any]]]:
+        """This rank's state, piece by piece, to :meth:`take` into the next layout (call
+        before :meth:`release`)."""
+        return [
+            (piece.param, piece.start, piece.stop, self.inner.state[piece.tensor])
+            for mine in self._pieces
+            for piece in mine
+            if piece.tensor in self.inner.state
+        ]
+
+    def take(self, carried: list[tuple[torch.Tensor, int, int, dict[str, Any]]]) -> bool:
+        """The state :meth:`carry` kept of an earlier layout, where every piece of this one
+        is a piece it kept (the same rank of the same number of workers); whether it was."""
+        kept = {(id(param), start, stop): entry for param, start, stop, entry in carried}
+        pieces = [piece for mine in self._pieces for piece in mine]
+        found = [kept.get((id(p.param), p.start, p.stop)) for p in pieces]
+        if carried and any(entry is None for entry in found):
+            self.missing = True  # until load_state_dict: a rollback's, which comes next
+            return False
+        self.inner.state.clear()
+        for piece, entry in zip(pieces, found, strict=True):
+            if entry is not None:
+                self.inner.state[piece.tensor] = entry
+        return True
+
     def hold(self) -> None:
         """Gather the whole state now (every worker alike) and keep it for the next reads of
         :attr:`state` and :meth:`state_dict` until the next step: a checkpoint's, which rank
@@ -158,7 +186,16 @@ class ShardedOptimizer:
 
     def attach_grads(self) -> None:
         """Before a step: give every piece its gradient shard (a module's
-        ``optimizer_zero_grad`` may have set it to ``None``); a held state is stale after."""
+        ``optimizer_zero_grad`` may have set it to ``None``); a held state is stale after.
+
+        Raises:
+            EngineError: the state of this rank's shard is missing (:meth:`take`).
+        """
+        if self.missing:
+            raise EngineError(
+                "shard='optimizer': the optimizer state of this worker's shard was not carried "
+                "into the new membership and no commit was loaded since"
+            )
         self._held = None
         for mine in self._pieces:
             for piece in mine:
@@ -217,6 +254,7 @@ class ShardedOptimizer:
         for group, saved in zip(self.inner.param_groups, saved_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.inner.state.clear()
+        self.missing = False
         for saved, mine, params in zip(saved_groups, self._pieces, self._groups, strict=True):
             ids = {id(p): i for p, i in zip(params, saved["params"], strict=True)}
             for piece in mine:

@@ -803,6 +803,14 @@ class Worker:
             landed.synchronize()
         return self._commits[step]
 
+    def commit_at_state(self) -> dict[str, Any] | None:
+        """The optimizer state of the commit this worker's state is at (it rolled back to it
+        or adopted it, and nothing ran since), or ``None``."""
+        step = self._ended_at
+        if step is None or step not in self._commits or self._ran_ahead is not None:
+            return None
+        return self.committed_state(step)[1]
+
     def remember(self, step: int, state: dict[str, Any]) -> None:
         """Keep the driver's state at the commit of ``step`` (its history and what the epoch
         logged so far, as a checkpoint records them): a driver restarted after this one's

@@ -128,6 +128,7 @@ def test_a_sharded_run_resumes_bitwise_and_its_checkpoint_loads_unsharded(
         ({"shard": "parameters"}, "not yet built"),
         ({"shard": "optimizer", "compression": "powersgd"}, "does not compose with compression"),
         ({"shard": "optimizer", "precision": "16-mixed"}, "does not compose with precision"),
+        ({"shard": "optimizer", "workers": 3, "min_workers": 2}, "min_workers below workers"),
     ],
 )
 def test_shard_modes_not_built_or_not_composing_are_refused_in_one_line(config, message):
