@@ -255,6 +255,7 @@ class ShardedOptimizer:
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.inner.state.clear()
         self.missing = False
+        self._held = None  # a state gathered before is not this one
         for saved, mine, params in zip(saved_groups, self._pieces, self._groups, strict=True):
             ids = {id(p): i for p, i in zip(params, saved["params"], strict=True)}
             for piece in mine:

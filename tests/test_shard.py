@@ -4,6 +4,8 @@ ends."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ HPARAMS = {"hidden": 32, "lr": 0.01}
 
 
 class _Measured(DigitsClassifier):
-    """Writes the bytes of its optimizer's state tensors, per rank, where training ends."""
+    """Writes the bytes of its optimizer's state tensors, per rank, where training ends, and
+    the state itself (this rank's shard of it, under ``shard="optimizer"``)."""
 
     def __init__(self, record: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
@@ -32,21 +35,54 @@ class _Measured(DigitsClassifier):
             for value in entry.values()
             if isinstance(value, torch.Tensor)
         )
-        Path(self.record, str(self.trainer.global_rank)).write_text(str(size))
+        rank = self.trainer.global_rank
+        Path(self.record, str(rank)).write_text(str(size))
+        torch.save(optimizer.state_dict(), Path(self.record, f"state-{rank}.pt"))
 
 
-def _fit(digits, tmp_path, name: str, *, store_url=None, run_key=None, **config):
+class _KillsItself(_Measured):
+    """Rank 1 SIGKILLs its own process in the step at global step ``dies_at``, once (the
+    file ``mark`` says it did): a worker lost at a chosen step, whatever the timing."""
+
+    def __init__(self, dies_at: int = -1, mark: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.dies_at, self.mark = dies_at, mark
+
+    def training_step(self, batch, batch_idx):
+        if (
+            self.trainer.global_rank == 1
+            and self.global_step == self.dies_at
+            and not Path(self.mark).exists()
+        ):
+            Path(self.mark).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch, batch_idx)
+
+
+def _fit(
+    digits,
+    tmp_path,
+    name: str,
+    *,
+    store_url=None,
+    run_key=None,
+    module=_Measured,
+    hparams=None,
+    on_epoch=None,
+    **config,
+):
     record = tmp_path / f"bytes-{run_key or name}"  # a resumed run's hparams are the same
     record.mkdir(exist_ok=True)
     settings = {"workers": 2, "epochs": 3, "batch_size": 64, "seed": 3, **config}
     result = fit(
-        _Measured,
-        hparams={**HPARAMS, "record": str(record)},
+        module,
+        hparams={**HPARAMS, **(hparams or {}), "record": str(record)},
         data=digits,
         config=TrainConfig(**settings),
         checkpoint_uri=str(tmp_path / name),
         store_url=store_url,
         run_key=run_key,
+        on_epoch=on_epoch,
     )
     state_bytes = [int((record / str(r)).read_text()) for r in range(settings["workers"])]
     return result, state_bytes
@@ -118,6 +154,60 @@ def test_a_sharded_run_resumes_bitwise_and_its_checkpoint_loads_unsharded(
     assert unsharded.resumed_from == 69
     plain = _fit(digits, tmp_path, "plain", epochs=4)[0]
     assert relative_difference(unsharded.state_dict, plain.state_dict) < 1e-5
+
+
+def _optimizer_states(tmp_path, name: str, workers: int) -> list[dict]:
+    """Each rank's optimizer ``state_dict`` where the run ``name`` ended (:class:`_Measured`)."""
+    return [torch.load(tmp_path / f"bytes-{name}" / f"state-{r}.pt") for r in range(workers)]
+
+
+def _assert_same_optimizer_state(got: dict, expected: dict) -> None:
+    assert got["param_groups"] == expected["param_groups"]
+    assert got["state"].keys() == expected["state"].keys()
+    for index, entry in expected["state"].items():
+        assert got["state"][index].keys() == entry.keys(), index
+        for key, value in entry.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("kill", ["by the driver after an epoch", "by itself between commits"])
+def test_a_worker_killed_and_replaced_at_once_under_shard_ends_bit_for_bit(
+    ray_session, digits, tmp_path, kill
+):
+    """``min_workers`` left out: a worker SIGKILLed mid-epoch is replaced at once, the
+    survivor rolling back to the last in-memory commit and the replacement adopting it, each
+    taking its shard of the commit's whole optimizer state. The run ends bit for bit as the
+    uninterrupted one: the weights, and every worker's shard of the optimizer state.
+    Killed by itself at step 35: the commit of step 30 is one the workers made at the end of
+    a call of steps while they ran step 30 ahead of the next call (steps sent ahead)."""
+    from tests.test_elastic import _strike
+
+    config = {
+        "shard": "optimizer",
+        "epochs": 3,
+        "bucket_mb": 0.004,  # several buckets, parameters cut by a shard's edge
+        "cpus_per_worker": 0.5,
+        "collective_timeout_s": 3.0,
+    }
+    reference, _ = _fit(digits, tmp_path, "reference", module=_KillsItself, **config)
+    if kill.startswith("by the driver"):
+        on_epoch, struck = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.0)
+        replaced, _ = _fit(digits, tmp_path, "replaced", on_epoch=on_epoch, **config)
+        assert struck, "no worker was killed"
+    else:
+        mark = tmp_path / "killed"
+        hparams = {"dies_at": 35, "mark": str(mark)}
+        replaced, _ = _fit(
+            digits, tmp_path, "replaced", module=_KillsItself, hparams=hparams, **config
+        )
+        assert mark.exists()
+    assert [e.kind for e in replaced.events] == ["lost", "rollback", "joined", "recovered"]
+    for name, tensor in reference.state_dict.items():
+        assert torch.equal(replaced.state_dict[name], tensor), name
+    expected = _optimizer_states(tmp_path, "reference", 2)
+    for got, want in zip(_optimizer_states(tmp_path, "replaced", 2), expected, strict=True):
+        _assert_same_optimizer_state(got, want)
 
 
 @pytest.mark.parametrize(

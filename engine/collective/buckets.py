@@ -173,9 +173,16 @@ class GradientBuckets:
 
     def zero_(self) -> None:
         """Zero every bucket whole (gradients, padding, and what a reduce-scatter left in
-        the other ranks' shards)."""
+        the other ranks' shards). Reduce-scattered, a gradient that is not its bucket's view
+        (a backward pass cut short by a lost peer left it) is dropped too: nothing else zeroes
+        it, and the next pass would add to it."""
         for bucket in self._buckets:
             bucket.buffer.zero_()
+            if self.scatter:
+                for slot, param in enumerate(bucket.params):
+                    grad = param.grad
+                    if grad is not None and grad.data_ptr() != bucket.view(slot).data_ptr():
+                        param.grad = None
 
     def finish_last(self) -> None:
         """Wait for the last bucket after ``finish(leave_last=True)``."""
@@ -189,14 +196,17 @@ class GradientBuckets:
 
     def close(self) -> None:
         """Stop reducing; gradients that are bucket views become tensors of their own, so
-        the buckets (symmetric memory of a ring that may be gone) are freed now."""
+        the buckets (symmetric memory of a ring that may be gone) are freed now. Reduce-
+        scattered (``scatter``), they are dropped instead: outside this rank's shard they
+        hold partial sums, and a gradient kept would be added to by the next backward pass
+        (the sharded optimizer zeroes its pieces and the buckets, not the parameters')."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         for bucket in self._buckets:
             for slot, param in enumerate(bucket.params):
                 if param.grad is not None and param.grad.data_ptr() == bucket.view(slot).data_ptr():
-                    param.grad = param.grad.clone()
+                    param.grad = None if self.scatter else param.grad.clone()
         self._buckets = []
 
     def ready(self, param: torch.Tensor) -> None:
