@@ -207,10 +207,12 @@ class TrainConfig:
     powersgd_warmup_steps: Annotated[int, Ge(0)] = 100
     """``compression="powersgd"``: optimizer steps reduced whole before compression starts."""
     shard: ShardMode = "none"
-    """Sharded data parallel (ZeRO): ``none`` (every worker holds the whole state) or
+    """Sharded data parallel (ZeRO): ``none`` (every worker holds the whole state),
     ``optimizer`` (ZeRO-1: each worker keeps the optimizer state of its shard of the flat
     parameters only; gradients are reduce-scattered, each worker steps its shard, and the
-    parameters are all-gathered). ``gradients`` and ``parameters`` are not built yet."""
+    parameters are all-gathered) or ``gradients`` (ZeRO-2: its shard of the gradients too,
+    reduce-scattered bucket by bucket during every backward pass). ``parameters`` is not
+    built yet."""
     placement: Placement = "pack"
     """How workers spread over Ray nodes: ``pack`` (as few nodes as possible), ``spread``
     (as many as possible) or ``strict_spread`` (one worker per node)."""
@@ -470,9 +472,10 @@ class TrainConfig:
     def _check_shard(self) -> None:
         if self.shard not in SHARD_MODES:
             raise ValueError(f"shard must be one of {list(SHARD_MODES)}, got {self.shard!r}")
-        if self.shard in ("gradients", "parameters"):
+        if self.shard == "parameters":
             raise ValueError(
-                f"shard={self.shard!r} is not yet built: use 'optimizer' (ZeRO-1) or 'none'"
+                f"shard={self.shard!r} is not yet built: use 'gradients' (ZeRO-2), "
+                "'optimizer' (ZeRO-1) or 'none'"
             )
         if self.shard == "none":
             return

@@ -80,9 +80,12 @@ class DataParallelStep:
         self.stepping = False
         """Whether the batch being trained has begun to step the optimizer: a failure from
         then on leaves a state that only a rollback undoes (``Worker.reached``)."""
-        self.shards = worker.config.shard == "optimizer"
+        self.shards = worker.config.shard in ("optimizer", "gradients")
         """Whether each worker steps and keeps the optimizer state of its shard of the
         parameters only (``TrainConfig.shard``; ``engine.sharding``)."""
+        self.keeps_grad_shards = worker.config.shard == "gradients"
+        """Whether each worker keeps only its shard of the gradients too (ZeRO-2): every
+        batch's are reduce-scattered as backward makes them, accumulation included."""
         self.sharded: ShardedOptimizer | None = None
 
     def split(self, split: str) -> Samples:
@@ -131,6 +134,7 @@ class DataParallelStep:
             bucket_bytes=self.bucket_bytes,
             comm_hook=None if self.shards else self._comm_hook(),
             scatter=self.shards,
+            keep_shards=self.keeps_grad_shards,
         )
         self.buckets.timeline = w.timeline
         if self.shards:  # the optimizer steps this rank's shard; commits keep the whole state
@@ -230,7 +234,8 @@ class DataParallelStep:
         Without accumulation the weight is applied to each gradient on its way into a bucket
         (where every share is alike, the buckets' all-reduces average instead); with it, and
         under ``sync_batchnorm`` where shares differ, to the loss, and the buckets reduce the
-        window's summed gradients once.
+        window's summed gradients once (under ``shard="gradients"``, each batch's as backward
+        makes them, their shards added up: no whole gradient outlives its bucket).
         The module's hooks run where Trainer runs them (``on_after_backward`` sees the
         averaged gradients of a window's last batch). Where nothing reads every gradient
         before the step, the optimizer steps the parameters whose buckets are reduced while
@@ -255,7 +260,8 @@ class DataParallelStep:
             self._zero_grad(step)
             self._window_learns = False
         scale = self._loss_weight(batch, window)
-        if batch.steps:  # buckets start their all-reduces from inside backward
+        # Buckets start their all-reduces from inside backward (ZeRO-2: every batch's).
+        if batch.steps or self.keeps_grad_shards:
             self._start_buckets(batch, summed=scale is not None)
         out = loss = None
         if data is not None:
@@ -271,14 +277,24 @@ class DataParallelStep:
         if batch.steps:
             self._update(batch, timeline, after_backward=learns and data is not None)
         else:
-            w.after_copies()  # the module's hooks may change the weights
-            if learns and data is not None:
-                call_hook(module, "on_after_backward")
+            self._within_window(learns=learns, after_backward=learns and data is not None)
         if data is not None:
             w.metric_log.enter("on_train_batch_end", batch_size=len(mine), log_step=log_step)
             call_hook(module, "on_train_batch_end", out, data, step)
         timeline.end()
         return len(mine)
+
+    def _within_window(self, *, learns: bool, after_backward: bool) -> None:
+        """After a batch that does not step (accumulation): under ZeRO-2 its gradients'
+        shards are waited for and added up (a batch every worker skipped reduces nothing);
+        then the module's ``on_after_backward``."""
+        if self.keeps_grad_shards and learns:
+            self.buckets.finish()
+        elif self.keeps_grad_shards:
+            self.buckets.cancel()
+        self.worker.after_copies()  # the module's hooks may change the weights
+        if after_backward:
+            call_hook(self.worker.module, "on_after_backward")
 
     def _train_shares(self, batch: Batch) -> int:
         """One batch where this worker trains the parts of several ranks of the run's full

@@ -1,5 +1,6 @@
-"""Sharded data parallel, ZeRO-1 (``TrainConfig.shard="optimizer"``): each worker keeps the
-optimizer state of its shard of the flat parameters only.
+"""Sharded data parallel: ZeRO-1 (``TrainConfig.shard="optimizer"``), each worker keeping the
+optimizer state of its shard of the flat parameters only, and ZeRO-2 (``"gradients"``), its
+shard of the gradients too.
 
 The gradient buckets (``engine.collective.buckets``) are padded to ``world_size`` equal
 shards and reduce-scattered, so rank ``r`` ends holding the averaged gradient of shard ``r``
@@ -8,6 +9,11 @@ the buckets are; the optimizer's param groups hold this rank's pieces of them in
 parameter cut by a shard's edge gives a piece to each side), with the bucket's gradient
 shard as their ``.grad``. The optimizer steps those pieces in place, and every bucket's
 parameter buffer is then all-gathered: every worker holds the whole updated model.
+Under ZeRO-2 the buckets keep only that shard of their sums (``GradientBuckets``'s
+``keep_shards``), reduce-scattered at every backward pass (with gradient accumulation, each
+batch's sums are added to the shard) and their whole buffers let go once reduced: the
+parameters hold no gradient after backward, and the pieces' gradients are views of the
+kept shards.
 
 Only optimizers that update each element from its own gradient and state alone may step
 pieces instead of parameters (``ELEMENTWISE``): the result is then what stepping the whole
@@ -55,7 +61,7 @@ def check_elementwise(optimizer: Any) -> None:
     if type(optimizer) not in ELEMENTWISE:
         names = ", ".join(o.__name__ for o in ELEMENTWISE)
         raise ModelError(
-            f"shard='optimizer' steps each worker's shard of the parameters, which "
+            f"a sharded optimizer steps each worker's shard of the parameters, which "
             f"{type(optimizer).__name__} may not update element by element: use one of "
             f"{names}, or shard='none'"
         )
@@ -83,7 +89,8 @@ class ShardedOptimizer:
     Args:
         optimizer: the module's optimizer (``check_elementwise``); its param groups are
             given this rank's pieces and its state is cleared.
-        buckets: the gradient buckets, reduce-scattered (``scatter=True``).
+        buckets: the gradient buckets, reduce-scattered (``scatter=True``; under ZeRO-2
+            keeping their shards only, ``keep_shards=True``).
         collective: the ring of this rank.
     """
 
@@ -103,9 +110,9 @@ class ShardedOptimizer:
         self._layout: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
         pieces: list[list[_Piece]] = [[] for _ in self._groups]
         with torch.no_grad():
-            for index, (params, grads) in enumerate(buckets.groups):
-                flat = torch.zeros_like(grads)
-                shard = flat.numel() // size
+            for index, (params, numel, grads) in enumerate(buckets.shards):
+                flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+                shard = numel // size
                 low, high = rank * shard, (rank + 1) * shard
                 offset = 0
                 for param in params:
@@ -122,7 +129,7 @@ class ShardedOptimizer:
                                 start - offset,
                                 stop - offset,
                                 flat[start:stop],
-                                grads[start:stop],
+                                grads[start - low : stop - low],
                             )
                         )
                     offset += n
@@ -193,7 +200,7 @@ class ShardedOptimizer:
         """
         if self.missing:
             raise EngineError(
-                "shard='optimizer': the optimizer state of this worker's shard was not carried "
+                "a sharded optimizer: the state of this worker's shard was not carried "
                 "into the new membership and no commit was loaded since"
             )
         self._held = None

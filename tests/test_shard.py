@@ -1,6 +1,6 @@
-"""Sharded data parallel, ZeRO-1 (``TrainConfig.shard="optimizer"``): each worker keeps the
-optimizer state of its shard of the parameters, and training ends where ``shard="none"``
-ends."""
+"""Sharded data parallel, ZeRO-1 (``TrainConfig.shard="optimizer"``) and ZeRO-2
+(``"gradients"``): each worker keeps the optimizer state of its shard of the parameters (and
+under ZeRO-2 its shard of the gradients), and training ends where ``shard="none"`` ends."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ HPARAMS = {"hidden": 32, "lr": 0.01}
 
 
 class _Measured(DigitsClassifier):
-    """Writes the bytes of its optimizer's state tensors, per rank, where training ends, and
-    the state itself (this rank's shard of it, under ``shard="optimizer"``)."""
+    """Writes the bytes of its optimizer's state tensors, per rank, where training ends, the
+    state itself (this rank's shard of it, sharded), and the bytes of the memory its
+    gradients take (the module's parameters' and the optimizer's)."""
 
     def __init__(self, record: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
@@ -37,6 +38,13 @@ class _Measured(DigitsClassifier):
         )
         rank = self.trainer.global_rank
         Path(self.record, str(rank)).write_text(str(size))
+        params = [*self.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
+        storages = {
+            p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+            for p in params
+            if p.grad is not None
+        }
+        Path(self.record, f"grads-{rank}").write_text(str(sum(storages.values())))
         torch.save(optimizer.state_dict(), Path(self.record, f"state-{rank}.pt"))
 
 
@@ -92,16 +100,23 @@ def _fit(
 def test_sharded_adam_on_two_workers_ends_where_unsharded_ends_with_half_the_state(
     ray_session, digits, tmp_path
 ):
-    """69 steps of Adam: the weights within 1e-6 of ``shard="none"``'s, and each worker
-    holds about half of the optimizer state (several buckets: a parameter cut by a shard's
-    edge is stepped in two pieces, one on each worker)."""
+    """69 steps of Adam, ZeRO-1 and ZeRO-2: the weights within 1e-6 of ``shard="none"``'s,
+    and each worker holds about half of the optimizer state (several buckets: a parameter
+    cut by a shard's edge is stepped in two pieces, one on each worker); under ZeRO-2 about
+    half of the gradients too, where ZeRO-1 keeps the whole buckets."""
     none, whole = _fit(digits, tmp_path, "none", bucket_mb=0.004)
-    sharded, parts = _fit(digits, tmp_path, "sharded", bucket_mb=0.004, shard="optimizer")
-    assert relative_difference(sharded.state_dict, none.state_dict) < 1e-6
     initial = DigitsClassifier(hidden=32).state_dict()
     assert relative_difference(none.state_dict, initial) > 1e-2  # training moved the weights
     assert whole[0] == whole[1] > 0
-    assert all(part <= 0.55 * whole[0] for part in parts), (parts, whole)
+    for mode in ("optimizer", "gradients"):
+        sharded, parts = _fit(digits, tmp_path, mode, bucket_mb=0.004, shard=mode)
+        assert relative_difference(sharded.state_dict, none.state_dict) < 1e-6, mode
+        assert all(part <= 0.55 * whole[0] for part in parts), (mode, parts, whole)
+    grads = _gradient_bytes(tmp_path, "none", 2)
+    assert grads[0] == grads[1] > 0
+    assert all(part >= grads[0] for part in _gradient_bytes(tmp_path, "optimizer", 2))
+    parts = _gradient_bytes(tmp_path, "gradients", 2)
+    assert all(part <= 0.55 * grads[0] for part in parts), (parts, grads)
 
 
 @pytest.mark.ray
@@ -110,19 +125,25 @@ def test_sharded_with_accumulation_and_clipping_on_four_workers_ends_where_unsha
 ):
     """Accumulation over 2 batches and clipping by the global norm (small enough to clip
     every step: each worker's shard alone has a smaller norm) on 4 workers, each holding
-    about a quarter of the state."""
+    about a quarter of the state, ZeRO-1 and ZeRO-2 (whose every batch's gradients are
+    reduce-scattered and added up in each worker's quarter of them)."""
     config = {
         "workers": 4,
-        "epochs": 4,  # 12 optimizer steps an epoch
+        "epochs": 5,  # 12 optimizer steps an epoch: 60
         "accumulate_grad_batches": 2,
         "gradient_clip_val": 0.05,
         "commit_every": 4,
         "cpus_per_worker": 0.5,
+        "bucket_mb": 0.004,
     }
     none, whole = _fit(digits, tmp_path, "none4", **config)
-    sharded, parts = _fit(digits, tmp_path, "sharded4", shard="optimizer", **config)
-    assert relative_difference(sharded.state_dict, none.state_dict) < 1e-6
-    assert all(part <= 0.3 * whole[0] for part in parts), (parts, whole)
+    for mode in ("optimizer", "gradients"):
+        sharded, parts = _fit(digits, tmp_path, f"{mode}4", shard=mode, **config)
+        assert relative_difference(sharded.state_dict, none.state_dict) < 1e-6, mode
+        assert all(part <= 0.3 * whole[0] for part in parts), (mode, parts, whole)
+    grads = _gradient_bytes(tmp_path, "none4", 4)
+    parts = _gradient_bytes(tmp_path, "gradients4", 4)
+    assert all(part <= 0.3 * grads[0] for part in parts), (parts, grads)
     # The clipping acted (so a norm of one shard's gradients alone would have shown):
     unclipped = {**config, "gradient_clip_val": None, "workers": 2}
     assert (
@@ -156,6 +177,11 @@ def test_a_sharded_run_resumes_bitwise_and_its_checkpoint_loads_unsharded(
     assert relative_difference(unsharded.state_dict, plain.state_dict) < 1e-5
 
 
+def _gradient_bytes(tmp_path, name: str, workers: int) -> list[int]:
+    """Each rank's bytes of gradients where the run ``name`` ended (:class:`_Measured`)."""
+    return [int((tmp_path / f"bytes-{name}" / f"grads-{r}").read_text()) for r in range(workers)]
+
+
 def _optimizer_states(tmp_path, name: str, workers: int) -> list[dict]:
     """Each rank's optimizer ``state_dict`` where the run ``name`` ended (:class:`_Measured`)."""
     return [torch.load(tmp_path / f"bytes-{name}" / f"state-{r}.pt") for r in range(workers)]
@@ -171,9 +197,16 @@ def _assert_same_optimizer_state(got: dict, expected: dict) -> None:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("kill", ["by the driver after an epoch", "by itself between commits"])
+@pytest.mark.parametrize(
+    ("shard", "kill"),
+    [
+        ("optimizer", "by the driver after an epoch"),
+        ("optimizer", "by itself between commits"),
+        ("gradients", "by itself between commits"),
+    ],
+)
 def test_a_worker_killed_and_replaced_at_once_under_shard_ends_bit_for_bit(
-    ray_session, digits, tmp_path, kill
+    ray_session, digits, tmp_path, shard, kill
 ):
     """``min_workers`` left out: a worker SIGKILLed mid-epoch is replaced at once, the
     survivor rolling back to the last in-memory commit and the replacement adopting it, each
@@ -184,7 +217,7 @@ def test_a_worker_killed_and_replaced_at_once_under_shard_ends_bit_for_bit(
     from tests.test_elastic import _strike
 
     config = {
-        "shard": "optimizer",
+        "shard": shard,
         "epochs": 3,
         "bucket_mb": 0.004,  # several buckets, parameters cut by a shard's edge
         "cpus_per_worker": 0.5,
@@ -214,7 +247,7 @@ def test_a_worker_killed_and_replaced_at_once_under_shard_ends_bit_for_bit(
     ("config", "message"),
     [
         ({"shard": "zero"}, "shard must be one of"),
-        ({"shard": "gradients"}, "not yet built"),
+        ({"shard": "gradients", "compression": "powersgd"}, "does not compose with compression"),
         ({"shard": "parameters"}, "not yet built"),
         ({"shard": "optimizer", "compression": "powersgd"}, "does not compose with compression"),
         ({"shard": "optimizer", "precision": "16-mixed"}, "does not compose with precision"),
