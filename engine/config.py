@@ -44,6 +44,8 @@ otherwise."""
 Placement = Literal["pack", "spread", "strict_spread"]
 ClipAlgorithm = Literal["norm", "value"]
 LrScaling = Literal["none", "linear", "sqrt"]
+ShardMode = Literal["none", "optimizer", "gradients", "parameters"]
+SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
 LR_SCALINGS: tuple[str, ...] = get_args(LrScaling)
 _SHIPPED_COLLECTIVES = ("ring", "native")
 """Registered by ``engine.collective.ring`` and ``.native``; another name is looked up in
@@ -204,6 +206,13 @@ class TrainConfig:
     """``compression="powersgd"``: the rank of each gradient matrix's approximation."""
     powersgd_warmup_steps: Annotated[int, Ge(0)] = 100
     """``compression="powersgd"``: optimizer steps reduced whole before compression starts."""
+    shard: ShardMode = "none"
+    """Sharded data parallel (ZeRO): ``none`` (every worker holds the whole state),
+    ``optimizer`` (ZeRO-1: each worker keeps the optimizer state of its shard of the flat
+    parameters only; gradients are reduce-scattered, each worker steps its shard, and the
+    parameters are all-gathered) or ``gradients`` (ZeRO-2: its shard of the gradients too,
+    reduce-scattered bucket by bucket during every backward pass). ``parameters`` is not
+    built yet."""
     placement: Placement = "pack"
     """How workers spread over Ray nodes: ``pack`` (as few nodes as possible), ``spread``
     (as many as possible) or ``strict_spread`` (one worker per node)."""
@@ -289,6 +298,7 @@ class TrainConfig:
 
             comm_hook(self.compression)  # raises naming the built-in and registered ones
         self._check_elastic()
+        self._check_shard()
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int):
             raise ValueError(f"checkpoint_every must be an integer, got {self.checkpoint_every!r}")
         if self.checkpoint_every < 0:
@@ -458,6 +468,34 @@ class TrainConfig:
                     f"accumulate_grad_batches ({window}): a commit or checkpoint cannot fall "
                     "inside an accumulation window"
                 )
+
+    def _check_shard(self) -> None:
+        if self.shard not in SHARD_MODES:
+            raise ValueError(f"shard must be one of {list(SHARD_MODES)}, got {self.shard!r}")
+        if self.shard == "parameters":
+            raise ValueError(
+                f"shard={self.shard!r} is not yet built: use 'gradients' (ZeRO-2), "
+                "'optimizer' (ZeRO-1) or 'none'"
+            )
+        if self.shard == "none":
+            return
+        if self.compression not in WIRE_FORMATS:
+            raise ValueError(
+                f"shard={self.shard!r} does not compose with compression={self.compression!r} "
+                "yet: communication hooks reduce whole buckets, sharding reduce-scatters them; "
+                f"use one of {list(WIRE_FORMATS)}"
+            )
+        if self.min_workers is not None and self.min_workers < self.workers:
+            raise ValueError(
+                f"shard={self.shard!r} does not compose with min_workers below workers yet: "
+                "survivors going on without a rollback would lose the lost worker's optimizer "
+                "shard; leave min_workers out (a lost worker is replaced from the last commit)"
+            )
+        if self.precision == "16-mixed":
+            raise ValueError(
+                f"shard={self.shard!r} does not compose with precision='16-mixed' yet: its "
+                "gradient scaler would find overflows in one shard only; use 'bf16-mixed'"
+            )
 
     def _check_precision(self) -> None:
         if self.precision not in PRECISIONS:

@@ -6,6 +6,7 @@ chooses it).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from ringflow.engine.module import (
     may_return_none,
     step_arguments,
 )
+from ringflow.engine.sharding import ShardedOptimizer
 from ringflow.engine.sync_batchnorm import attach_collective, convert_sync_batchnorm
 from ringflow.engine.timeline import UNTIMED
 from ringflow.engine.worker import (
@@ -78,6 +80,13 @@ class DataParallelStep:
         self.stepping = False
         """Whether the batch being trained has begun to step the optimizer: a failure from
         then on leaves a state that only a rollback undoes (``Worker.reached``)."""
+        self.shards = worker.config.shard in ("optimizer", "gradients")
+        """Whether each worker steps and keeps the optimizer state of its shard of the
+        parameters only (``TrainConfig.shard``; ``engine.sharding``)."""
+        self.keeps_grad_shards = worker.config.shard == "gradients"
+        """Whether each worker keeps only its shard of the gradients too (ZeRO-2): every
+        batch's are reduce-scattered as backward makes them, accumulation included."""
+        self.sharded: ShardedOptimizer | None = None
 
     def split(self, split: str) -> Samples:
         return samples_of(self.worker.data, split)
@@ -120,15 +129,24 @@ class DataParallelStep:
     def prepare_buckets(self) -> None:
         w = self.worker
         self.buckets = GradientBuckets(
-            w.params, self.collective, bucket_bytes=self.bucket_bytes, comm_hook=self._comm_hook()
+            w.params,
+            self.collective,
+            bucket_bytes=self.bucket_bytes,
+            comm_hook=None if self.shards else self._comm_hook(),
+            scatter=self.shards,
+            keep_shards=self.keeps_grad_shards,
         )
         self.buckets.timeline = w.timeline
+        if self.shards:  # the optimizer steps this rank's shard; commits keep the whole state
+            self.sharded = ShardedOptimizer(w.optimization.optimizer, self.buckets, self.collective)
+            w.optimizer = self.sharded
         # While the last bucket (the first layers') reduces, step the parameters whose sums
         # are in: the optimizer then hides the all-reduce that backward could not.
         last = {id(p) for p in self.buckets.last_params}
         self._ready_first = [p for p in w.params if id(p) not in last]
         self._steps_in_two = (
-            w.world_size > 1
+            not self.shards
+            and w.world_size > 1
             and w.config.accumulate_grad_batches == 1
             and bool(last)
             and bool(self._ready_first)
@@ -175,6 +193,10 @@ class DataParallelStep:
     def leave(self) -> None:
         if self.syncs_batchnorm and hasattr(self.worker, "module"):
             attach_collective(self.worker.module, None)
+        if self.sharded is not None:  # the next ring's shards are laid out anew
+            self.sharded.release()
+            self.worker.optimizer = self.sharded.inner
+            self.sharded = None
         if self.buckets is not None:
             self.buckets.close()
             self.buckets = None
@@ -183,9 +205,23 @@ class DataParallelStep:
             self.collective = None
 
     def reconfigure(self, init_method: str = "") -> None:
-        """Join the new ring (the worker has its new rank); the state stays."""
+        """Join the new ring (the worker has its new rank); the state stays.
+
+        Sharded, the optimizer state is laid out anew: taken from the commit this worker's
+        state is at (survivors rolled back, a replacement adopted), else carried over where
+        this worker keeps its shard (the same rank of as many workers); else it is missing
+        until a rollback loads it, and a step before that raises ``EngineError``.
+        """
+        carried = self.sharded.carry() if self.sharded is not None else []
         self.leave()
         self.join(init_method, rejoin=True)
+        if self.sharded is None:
+            return
+        committed = self.worker.commit_at_state()
+        if committed is not None:
+            self.sharded.load_state_dict(copy.deepcopy(committed))
+        else:
+            self.sharded.take(carried)
 
     # ------------------------------------------------------------------ training
 
@@ -198,7 +234,8 @@ class DataParallelStep:
         Without accumulation the weight is applied to each gradient on its way into a bucket
         (where every share is alike, the buckets' all-reduces average instead); with it, and
         under ``sync_batchnorm`` where shares differ, to the loss, and the buckets reduce the
-        window's summed gradients once.
+        window's summed gradients once (under ``shard="gradients"``, each batch's as backward
+        makes them, their shards added up: no whole gradient outlives its bucket).
         The module's hooks run where Trainer runs them (``on_after_backward`` sees the
         averaged gradients of a window's last batch). Where nothing reads every gradient
         before the step, the optimizer steps the parameters whose buckets are reduced while
@@ -220,10 +257,11 @@ class DataParallelStep:
             w.after_copies()
         data = self._batch_start(mine, batch, timeline) if len(mine) else None
         if batch.opens_window:
-            w.optimization.zero_grad(step)
+            self._zero_grad(step)
             self._window_learns = False
         scale = self._loss_weight(batch, window)
-        if batch.steps:  # buckets start their all-reduces from inside backward
+        # Buckets start their all-reduces from inside backward (ZeRO-2: every batch's).
+        if batch.steps or self.keeps_grad_shards:
             self._start_buckets(batch, summed=scale is not None)
         out = loss = None
         if data is not None:
@@ -239,14 +277,24 @@ class DataParallelStep:
         if batch.steps:
             self._update(batch, timeline, after_backward=learns and data is not None)
         else:
-            w.after_copies()  # the module's hooks may change the weights
-            if learns and data is not None:
-                call_hook(module, "on_after_backward")
+            self._within_window(learns=learns, after_backward=learns and data is not None)
         if data is not None:
             w.metric_log.enter("on_train_batch_end", batch_size=len(mine), log_step=log_step)
             call_hook(module, "on_train_batch_end", out, data, step)
         timeline.end()
         return len(mine)
+
+    def _within_window(self, *, learns: bool, after_backward: bool) -> None:
+        """After a batch that does not step (accumulation): under ZeRO-2 its gradients'
+        shards are waited for and added up (a batch every worker skipped reduces nothing);
+        then the module's ``on_after_backward``."""
+        if self.keeps_grad_shards and learns:
+            self.buckets.finish()
+        elif self.keeps_grad_shards:
+            self.buckets.cancel()
+        self.worker.after_copies()  # the module's hooks may change the weights
+        if after_backward:
+            call_hook(self.worker.module, "on_after_backward")
 
     def _train_shares(self, batch: Batch) -> int:
         """One batch where this worker trains the parts of several ranks of the run's full
@@ -259,7 +307,7 @@ class DataParallelStep:
         full, trainer = w.config.workers, w.trainer
         self.stepping = False
         timeline = UNTIMED if w.timeline is None else w.timeline.begin(batch.epoch, step)
-        w.optimization.zero_grad(step)
+        self._zero_grad(step)
         passes = []
         for share in batch.shares:
             seed_generators(share.seed, w.device)
@@ -288,6 +336,14 @@ class DataParallelStep:
                 call_hook(module, "on_train_batch_end", out, data, step)
         timeline.end()
         return len(batch.mine)
+
+    def _zero_grad(self, step: int) -> None:
+        """Zero the gradients before a window; sharded, the whole buckets too: the
+        optimizer's own ``zero_grad`` reaches only this rank's shard, and the rest holds
+        the partial sums of the last reduce-scatter."""
+        self.worker.optimization.zero_grad(step)
+        if self.sharded is not None:
+            self.buckets.zero_()
 
     def _batch_start(self, samples: torch.Tensor, batch: Batch, timeline: Any) -> Any:
         """``samples``' input on the worker's device, and the batch-start hooks run on it."""
@@ -338,6 +394,16 @@ class DataParallelStep:
             w.optimization.step_in_two(
                 step, last=batch.last, ready=self._ready_first, wait=self.buckets.finish_last
             )
+        elif self.sharded is not None:  # this rank's shard, clipped by the whole norm
+            self.sharded.attach_grads()
+            w.optimization.step(
+                step,
+                last=batch.last,
+                clip_val=w.config.gradient_clip_val,
+                clip_algorithm=w.config.gradient_clip_algorithm,
+                across=self.sharded.sum_across,
+            )
+            self.sharded.gather()
         else:
             w.optimization.step(
                 step,

@@ -195,9 +195,16 @@ class DataParallel(Layout):
         return self.config.workers
 
     def prepare(self, module_cls, hparams, data, *, module) -> None:
-        from ringflow.engine.module import check_manual_optimisation
+        from ringflow.engine.errors import ModelError
+        from ringflow.engine.module import check_manual_optimisation, optimises_manually
 
         check_manual_optimisation(module, self.config, pipeline=False)
+        if self.config.shard != "none" and optimises_manually(module):
+            raise ModelError(
+                f"shard={self.config.shard!r} does not compose with manual optimisation yet: "
+                f"{module_cls.__name__} steps its own optimizers, which would step whole "
+                "parameters; use shard='none'"
+            )
 
     def worker_kwargs(self, index: int) -> dict[str, Any]:
         from ringflow.engine.data_parallel import WholeModel
@@ -221,6 +228,8 @@ class DataParallel(Layout):
         # Rank 0 copies the replicated state to host memory and writes it in the background,
         # with each rank's communication hook state (PowerSGD's errors differ by rank).
         hooked = self.config.compression not in WIRE_FORMATS
+        if self.config.shard != "none":  # each worker's shard of the optimizer state, gathered
+            group.call(Worker.hold_optimizer_state)
         group.call_rank0(
             Worker.checkpoint,
             store_url,
@@ -343,6 +352,7 @@ class Pipeline(Layout):
         "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule",
         "timeline": "the timeline records data-parallel workers' steps",
         "sync_batchnorm": "a stage's BatchNorm layers normalise its replica's micro-batches",
+        "shard": "not yet: the data-parallel dimension of pipeline stages is not sharded",
     }
     _ON_GPUS = (
         "on GPUs the replicas share one NCCL world, which is not rebuilt around a lost one: "

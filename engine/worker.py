@@ -803,6 +803,14 @@ class Worker:
             landed.synchronize()
         return self._commits[step]
 
+    def commit_at_state(self) -> dict[str, Any] | None:
+        """The optimizer state of the commit this worker's state is at (it rolled back to it
+        or adopted it, and nothing ran since), or ``None``."""
+        step = self._ended_at
+        if step is None or step not in self._commits or self._ran_ahead is not None:
+            return None
+        return self.committed_state(step)[1]
+
     def remember(self, step: int, state: dict[str, Any]) -> None:
         """Keep the driver's state at the commit of ``step`` (its history and what the epoch
         logged so far, as a checkpoint records them): a driver restarted after this one's
@@ -1244,6 +1252,25 @@ class Worker:
         # forward and backward pass run; the optimizer step (and the forward pass of a
         # module with buffers) waits for it.
         self.checkpointer.save(run_key, step=step, collect=collect, metrics=metrics, overlap=True)
+
+    def hold_optimizer_state(self) -> None:
+        """Gather a sharded optimizer's whole state (``TrainConfig.shard``; every worker
+        alike) for the checkpoint rank 0 is about to take of it in the background."""
+        self._undo_ahead()
+        hold = getattr(self.optimizer, "hold", None)
+        if hold is not None:
+            hold()
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of the optimizer state tensors this worker holds (a sharded one's: its
+        shard's)."""
+        state = self.optimization.optimizer.state
+        return sum(
+            value.numel() * value.element_size()
+            for entry in state.values()
+            for value in entry.values()
+            if isinstance(value, torch.Tensor)
+        )
 
     def training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """This worker's model and optimizer state by full name, on the host, and its

@@ -187,3 +187,58 @@ def test_buckets_are_allocated_by_the_collective():
     collective.empty = empty
     buckets = GradientBuckets(list(model.parameters()), collective, bucket_bytes=300 * 4)
     assert allocated == buckets.bucket_sizes == [340, 144]
+
+
+def _flat_grads(model: nn.Module, buckets: GradientBuckets) -> list[torch.Tensor]:
+    """Each bucket's parameters' gradients, flat and in its order (the padding aside)."""
+    return [torch.cat([p.grad.reshape(-1) for p in params]) for params, _, _ in buckets.shards]
+
+
+def test_reduce_scattered_buckets_closed_or_zeroed_leave_no_gradient_to_add_to():
+    """Outside a rank's shard a reduce-scattered bucket holds partial sums: closed, the
+    gradients go (kept, the next backward pass would add to them, which nothing zeroes
+    under sharding); zeroed, one that is not its bucket's view (a pass cut short) goes."""
+    model = _model()
+    buckets = GradientBuckets(list(model.parameters()), _RecordingCollective(model), scatter=True)
+    _backward(model, buckets)
+    stray = model[0].weight
+    stray.grad = stray.grad.clone()  # as a backward pass cut short before its bucket leaves it
+    buckets.zero_()
+    assert stray.grad is None
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    _backward(model, buckets)
+    buckets.close()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_buckets_that_keep_their_shards_leave_the_parameters_no_gradient_and_add_up():
+    """ZeRO-2: the sums land in the kept shards (here the one rank's: the whole bucket), the
+    parameters let their gradients go, and a second pass adds to the first until zeroed."""
+    model = _model()
+    plain = GradientBuckets(
+        list(model.parameters()), _RecordingCollective(model), bucket_bytes=300 * 4
+    )
+    _backward(model, plain)
+    want = _flat_grads(model, plain)
+    plain.close()
+    kept = GradientBuckets(
+        list(model.parameters()),
+        _RecordingCollective(model),
+        bucket_bytes=300 * 4,
+        scatter=True,
+        keep_shards=True,
+    )
+    kept.zero_()
+    _backward(model, kept)
+    assert all(p.grad is None for p in model.parameters())
+    shards = [shard for _, _, shard in kept.shards]
+    assert [s.numel() for s in shards] == kept.bucket_sizes == [340, 144]
+    for shard, sums in zip(shards, want, strict=True):
+        assert torch.equal(shard, sums)
+    _backward(model, kept)
+    for shard, sums in zip(shards, want, strict=True):
+        assert torch.equal(shard, 2 * sums)
+    kept.zero_()
+    assert not any(shard.any() for shard in shards)
+    with pytest.raises(ValueError, match="set scatter"):
+        GradientBuckets(list(model.parameters()), _RecordingCollective(model), keep_shards=True)

@@ -193,6 +193,67 @@ def _async_many(state, *, count: int, numel: int):
     return [_digest(r) for r in results]
 
 
+def _collective(state, name: str):
+    """The rank's ring, or ``torch.distributed``'s own over the same ranks (``native``)."""
+    if name == "ring":
+        return state["ring"]
+    from ringflow.engine.collective import NativeCollective
+
+    return NativeCollective(
+        rank=state["rank"], world_size=state["world_size"], group=state["group"]
+    )
+
+
+def _reduce_scatter(
+    state, *, shard: int, dtype: str, op: str, seed: int, into: str, collective: str = "ring"
+):
+    """Each rank's shard of the reduction against ``torch.distributed.reduce_scatter_tensor``;
+    ``into``: ``view`` (the shard of the flat tensor itself), ``tensor`` (one of its own),
+    ``async`` (the async form, into a tensor of its own)."""
+    import torch.distributed as dist
+
+    if state["ring"] is None:
+        return None
+    n, rank = state["world_size"], state["rank"]
+    x = _input(seed, rank, n * shard, DTYPES[dtype])
+    want = torch.empty(shard, dtype=x.dtype)
+    dist.reduce_scatter_tensor(want, x.clone(), group=state["group"])
+    if op == "avg":
+        want /= n
+    group = _collective(state, collective)
+    flat = x.clone()
+    out = flat[rank * shard : (rank + 1) * shard] if into == "view" else torch.empty_like(want)
+    if into == "async":
+        got = group.reduce_scatter_async_(flat, out=out, op=op).wait()
+    else:
+        got = group.reduce_scatter_(flat, out=out, op=op)
+    return {"equal": torch.equal(got, want) and got is out}
+
+
+def _all_gather_into(state, *, shard: int, dtype: str, seed: int, into: str, collective: str):
+    """Every rank's shard gathered into the flat tensor, against
+    ``torch.distributed.all_gather_into_tensor``; ``into`` as for :func:`_reduce_scatter`."""
+    import torch.distributed as dist
+
+    if state["ring"] is None:
+        return None
+    n, rank = state["world_size"], state["rank"]
+    mine = _input(seed, rank, shard, DTYPES[dtype])
+    want = torch.empty(n * shard, dtype=mine.dtype)
+    dist.all_gather_into_tensor(want, mine, group=state["group"])
+    group = _collective(state, collective)
+    out = torch.full_like(want, float("nan"))
+    source = mine
+    if into == "view":
+        source = out[rank * shard : (rank + 1) * shard]
+        source.copy_(mine)
+    if into == "async":
+        got = group.all_gather_into_async_(source, out=out).wait()
+    else:
+        got = group.all_gather_into_(source, out=out)
+    return {"equal": torch.equal(got, want) and got is out}
+
+
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -204,6 +265,8 @@ _COMMANDS = {
     "broadcast": _broadcast,
     "all_gather": _all_gather,
     "async_many": _async_many,
+    "reduce_scatter": _reduce_scatter,
+    "all_gather_into": _all_gather_into,
 }
 
 
@@ -308,3 +371,56 @@ def test_ranks_without_gpu_shared_memory_all_refuse_it_and_none_waits():
     assert answers[0] == answers[1]
     assert answers[0] is not None
     assert "no CUDA" in answers[0]
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_reduce_scatter_and_all_gather_into_match_torch_distributed(pool, world_size, transport):
+    pool.ring(world_size, transport)
+
+    @settings(max_examples=15, deadline=None, database=None)
+    @given(
+        shard=st.one_of(st.integers(0, 5), st.integers(0, 700), st.sampled_from([63, 64, 65])),
+        dtype=st.sampled_from(sorted(DTYPES)),
+        op=st.sampled_from(["sum", "avg"]),
+        seed=st.integers(0, 2**20),
+        into=st.sampled_from(["view", "tensor", "async"]),
+    )
+    def check(shard, dtype, op, seed, into):
+        kwargs = {"shard": shard, "dtype": dtype, "seed": seed, "into": into}
+        replies = pool.call("reduce_scatter", op=op, **kwargs)[:world_size]
+        assert all(r["equal"] for r in replies), f"ring != reduce_scatter_tensor: {kwargs} {op}"
+        replies = pool.call("all_gather_into", collective="ring", **kwargs)[:world_size]
+        assert all(r["equal"] for r in replies), f"ring != all_gather_into_tensor: {kwargs}"
+
+    check()
+
+
+def test_compressed_reduce_scatter_sums_in_float32(pool):
+    pool.ring(4, "shm", "bf16")  # quarter-integers and their sums fit bf16: exact
+    for shard, op in [(1, "sum"), (250, "sum"), (199, "avg")]:
+        replies = pool.call(
+            "reduce_scatter", shard=shard, dtype="float32", op=op, seed=shard, into="tensor"
+        )[:4]
+        assert all(r["equal"] for r in replies)
+
+
+@pytest.mark.parametrize("into", ["view", "tensor", "async"])
+def test_native_reduce_scatter_and_all_gather_into(pool, into):
+    pool.ring(3, "shm")
+    for shard, op in [(0, "sum"), (1, "avg"), (257, "sum"), (100, "avg")]:
+        kwargs = {"shard": shard, "dtype": "float32", "seed": shard, "into": into}
+        got = pool.call("reduce_scatter", op=op, collective="native", **kwargs)[:3]
+        assert all(r["equal"] for r in got)
+        got = pool.call("all_gather_into", collective="native", **kwargs)[:3]
+        assert all(r["equal"] for r in got)
+
+
+def test_shards_that_do_not_partition_the_flat_tensor_are_refused_before_any_send():
+    from ringflow.engine.collective import RingCollective
+
+    ring = RingCollective(rank=0, world_size=1)
+    with pytest.raises(ValueError, match="pad it to"):
+        ring.reduce_scatter_(torch.zeros(5), out=torch.zeros(4))
+    with pytest.raises(ValueError, match="one dtype"):
+        ring.all_gather_into_(torch.zeros(2, dtype=torch.float64), out=torch.zeros(2))

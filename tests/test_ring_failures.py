@@ -29,7 +29,7 @@ def _context():
     return ctx
 
 
-def _rank_main(rank: int, port: int, transport: str, queue) -> None:
+def _rank_main(rank: int, port: int, transport: str, queue, op: str = "allreduce") -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     from ringflow.engine.collective import PeerLostError, RingCollective
@@ -42,12 +42,18 @@ def _rank_main(rank: int, port: int, transport: str, queue) -> None:
         timeout_s=DEADLINE_S,
         connect_timeout_s=60,
     )
-    tensor = torch.zeros(4 << 20)
-    ring.allreduce_(tensor)
+    tensor = torch.zeros((4 << 20) - (4 << 20) % WORLD)
+    shard = tensor[: tensor.numel() // WORLD].clone()
+    collectives = {
+        "allreduce": lambda: ring.allreduce_(tensor),
+        "reduce_scatter": lambda: ring.reduce_scatter_(tensor, out=shard),
+        "all_gather": lambda: ring.all_gather_into_(shard, out=tensor),
+    }
+    collectives[op]()
     queue.put((rank, "ready", os.getpid()))
     try:
         while True:
-            ring.allreduce_(tensor)
+            collectives[op]()
     except PeerLostError as err:
         queue.put((rank, "raised", (type(err).__name__, err.peer, err.op, time.time(), str(err))))
     except BaseException as err:  # noqa: BLE001 - reported as a failure below
@@ -69,11 +75,31 @@ def _rank_main(rank: int, port: int, transport: str, queue) -> None:
     ids=["shm-kill", "shm-stop", "shm-kill-and-stop", "gloo-kill", "gloo-stop-store-host"],
 )
 def test_survivors_raise_a_typed_error_within_the_deadline(transport, signals):
+    _kill_and_check(transport, signals, "allreduce")
+
+
+@pytest.mark.parametrize(
+    ("transport", "signals", "op"),
+    [
+        ("shm", {1: signal.SIGKILL}, "reduce_scatter"),
+        ("gloo", {2: signal.SIGSTOP}, "reduce_scatter"),
+        ("shm", {2: signal.SIGSTOP}, "all_gather"),
+        ("gloo", {1: signal.SIGKILL}, "all_gather"),
+    ],
+    ids=["shm-kill-rs", "gloo-stop-rs", "shm-stop-ag", "gloo-kill-ag"],
+)
+def test_reduce_scatter_and_all_gather_survivors_raise_a_typed_error(transport, signals, op):
+    """The two halves of the all-reduce on their own (sharded data parallel's collectives)
+    carry its deadline: a lost peer is an error naming it and the operation, not a hang."""
+    _kill_and_check(transport, signals, op)
+
+
+def _kill_and_check(transport: str, signals: dict, op: str) -> None:
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, port, transport, queue), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, port, transport, queue, op), daemon=True)
         for r in range(WORLD)
     ]
     for p in procs:
@@ -94,22 +120,24 @@ def test_survivors_raise_a_typed_error_within_the_deadline(transport, signals):
             rank, what, payload = queue.get(timeout=DEADLINE_S + 10)
             assert what == "raised", f"rank {rank} ended with {payload}"
             reports[rank] = payload
-        _check(reports, survivors, signals, signalled_at)
+        _check(reports, survivors, signals, signalled_at, op=op)
     finally:
         for p in procs:
             p.kill()  # SIGKILL ends stopped processes too
             p.join(5)
 
 
-def _check(reports: dict, survivors: list[int], signals: dict, signalled_at: float) -> None:
+def _check(
+    reports: dict, survivors: list[int], signals: dict, signalled_at: float, *, op: str
+) -> None:
     assert sorted(reports) == survivors
     stopped_only = all(sig == signal.SIGSTOP for sig in signals.values())
-    for rank, (name, peer, op, raised_at, message) in reports.items():
+    for rank, (name, peer, reported, raised_at, message) in reports.items():
         assert name in ("PeerLostError", "CollectiveTimeoutError"), message
         if stopped_only:
             assert name == "CollectiveTimeoutError", message
         assert peer in signals, f"rank {rank} blamed {peer}: {message}"
-        assert op == "allreduce"
+        assert reported == op
         assert raised_at - signalled_at < DEADLINE_S + SLACK_S, f"rank {rank} raised late"
 
 

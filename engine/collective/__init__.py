@@ -15,6 +15,8 @@ from ringflow.engine.collective.base import (
     create_collective,
     environment_overrides,
     register_collective,
+    shard_numel,
+    shard_of,
 )
 from ringflow.engine.collective.buckets import GradientBuckets
 from ringflow.engine.collective.hooks import GradBucket, allreduce_hook, register_comm_hook
@@ -42,4 +44,6 @@ __all__ = [
     "environment_overrides",
     "register_collective",
     "register_comm_hook",
+    "shard_numel",
+    "shard_of",
 ]

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Hop", "Schedule", "all_gather_schedule", "allreduce_schedule", "broadcast_schedule"]
+__all__ = [
+    "Hop",
+    "Schedule",
+    "all_gather_schedule",
+    "allreduce_schedule",
+    "broadcast_schedule",
+    "reduce_scatter_schedule",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,16 +60,40 @@ def allreduce_schedule(
     """
     n = world_size
     segments = _segmented(torch.tensor_split(flat, n), segment_elems)
+    grid = _reduce_scatter_grid(segments, rank=rank, world_size=n)
+    for step in range(n - 1):
+        send, recv = segments[(rank + 1 - step) % n], segments[(rank - step) % n]
+        grid.append(_hops(send, recv, first_tag=len(grid) * len(send), owned=step == 0))
+    return _ordered(grid, wavefront=wavefront)
+
+
+def reduce_scatter_schedule(
+    flat: torch.Tensor, *, rank: int, world_size: int, segment_elems: int, wavefront: bool = False
+) -> Schedule:
+    """The reduce-scatter half of :func:`allreduce_schedule`, in place over ``flat``, with
+    the chunks taken one place further round the ring: rank ``r`` ends holding the full sum
+    of chunk ``r`` (its ``r``-th of ``world_size``), as ``torch.distributed``'s
+    reduce-scatter gives it. The rest of ``flat`` holds partial sums."""
+    n = world_size
+    segments = _segmented(torch.tensor_split(flat, n), segment_elems)
+    # Rotated by one: the allreduce's rank r finishes chunk r + 1; here that is chunk r.
+    grid = _reduce_scatter_grid([*segments[-1:], *segments[:-1]], rank=rank, world_size=n)
+    return _ordered(grid, wavefront=wavefront)
+
+
+def _reduce_scatter_grid(
+    segments: list[list[torch.Tensor]], *, rank: int, world_size: int
+) -> list[list[Hop]]:
+    """The ``world_size - 1`` reduce-scatter steps over ``segments`` (each chunk's): after
+    them rank ``r`` holds the full sum of the chunk at ``r + 1``."""
+    n = world_size
     grid: list[list[Hop]] = []
     for step in range(n - 1):
         send, recv = segments[(rank - step) % n], segments[(rank - step - 1) % n]
         grid.append(
             _hops(send, recv, first_tag=len(grid) * len(send), reduce=True, final=step == n - 2)
         )
-    for step in range(n - 1):
-        send, recv = segments[(rank + 1 - step) % n], segments[(rank - step) % n]
-        grid.append(_hops(send, recv, first_tag=len(grid) * len(send), owned=step == 0))
-    return _ordered(grid, wavefront=wavefront)
+    return grid
 
 
 def all_gather_schedule(

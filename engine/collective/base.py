@@ -29,6 +29,9 @@ __all__ = [
     "create_collective",
     "environment_overrides",
     "register_collective",
+    "check_shards",
+    "shard_numel",
+    "shard_of",
     "wire_dtype",
 ]
 
@@ -98,6 +101,49 @@ class Collective(abc.ABC):
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype on all ranks), in rank order."""
 
+    def reduce_scatter_async_(
+        self, tensor: torch.Tensor, *, out: torch.Tensor, op: ReduceOp = "sum"
+    ) -> CollectiveWork:
+        """Start reducing the flat ``tensor`` over all ranks into ``out``, this rank's shard.
+
+        ``tensor`` (contiguous, ``world_size * out.numel()`` elements: pad it, see
+        :func:`shard_numel`) is cut into ``world_size`` contiguous shards; rank ``r``'s
+        ``out`` receives the sum (or mean) of shard ``r``, as ``torch.distributed``'s
+        ``reduce_scatter_tensor``. ``out`` may be a view of that shard of ``tensor``. The
+        rest of ``tensor`` is scratch: neither may be touched until ``wait()`` returns.
+
+        This default all-reduces ``tensor`` whole; implementations move only the shards.
+        """
+        check_shards(tensor, out, self.world_size, what="tensor")
+        check_reduce_op(op, tensor)
+        work = self.allreduce_async_(tensor, op=op)
+        return _ShardOf(work, tensor=tensor, out=out, rank=self.rank, world_size=self.world_size)
+
+    def reduce_scatter_(
+        self, tensor: torch.Tensor, *, out: torch.Tensor, op: ReduceOp = "sum"
+    ) -> torch.Tensor:
+        """:meth:`reduce_scatter_async_`, waited for; returns ``out``."""
+        return self.reduce_scatter_async_(tensor, out=out, op=op).wait()
+
+    def all_gather_into_async_(self, shard: torch.Tensor, *, out: torch.Tensor) -> CollectiveWork:
+        """Start gathering every rank's ``shard`` into the flat ``out``, in rank order.
+
+        ``out`` (contiguous, ``world_size * shard.numel()`` elements) receives rank ``r``'s
+        ``shard`` as its ``r``-th contiguous shard, as ``torch.distributed``'s
+        ``all_gather_into_tensor``; ``shard`` may be a view of this rank's shard of ``out``.
+
+        This default gathers through :meth:`all_gather`; implementations override it.
+        """
+        check_shards(out, shard, self.world_size, what="out")
+        gathered = [part.clone() for part in self.all_gather(shard.view(-1))]
+        for rank, part in enumerate(gathered):
+            shard_of(out, rank, self.world_size).copy_(part)
+        return CompletedWork(out)
+
+    def all_gather_into_(self, shard: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`all_gather_into_async_`, waited for; returns ``out``."""
+        return self.all_gather_into_async_(shard, out=out).wait()
+
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed flat tensor this collective all-reduces again and again (a gradient
         bucket); an implementation may place it where it reduces fastest. Collective: every
@@ -125,6 +171,61 @@ class Collective(abc.ABC):
     def close(self) -> None:
         """Release the group's resources. Safe to call twice."""
         return None
+
+
+class _ShardOf(CollectiveWork):
+    """An all-reduce of which only this rank's shard is wanted, copied into ``out``."""
+
+    def __init__(
+        self,
+        work: CollectiveWork,
+        *,
+        tensor: torch.Tensor,
+        out: torch.Tensor,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        self._work, self._out = work, out
+        self._mine = shard_of(tensor, rank, world_size)
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        if self._mine.data_ptr() != self._out.data_ptr():
+            self._out.view(-1).copy_(self._mine)
+        return self._out
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements of each of ``world_size`` equal shards of ``numel`` elements, padded: a flat
+    buffer of ``world_size * shard_numel(...)`` elements takes a reduce-scatter."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    return -(-numel // world_size)
+
+
+def shard_of(flat: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous shard of the flat ``flat`` (a view)."""
+    size = flat.numel() // world_size
+    return flat.view(-1)[rank * size : (rank + 1) * size]
+
+
+def check_shards(flat: torch.Tensor, shard: torch.Tensor, world_size: int, *, what: str) -> None:
+    """Refuse a flat buffer and shard that do not partition, before any rank starts."""
+    if not flat.is_contiguous() or not shard.is_contiguous():
+        raise ValueError(f"{what} and its shard must be contiguous")
+    if flat.dtype != shard.dtype or flat.device != shard.device:
+        raise ValueError(
+            f"{what} ({flat.dtype}, {flat.device}) and its shard ({shard.dtype}, "
+            f"{shard.device}) must have one dtype and device"
+        )
+    if flat.numel() != world_size * shard.numel():
+        raise ValueError(
+            f"{what} has {flat.numel()} elements, not world_size ({world_size}) x the shard's "
+            f"{shard.numel()}: pad it to {world_size} x shard_numel(numel, world_size)"
+        )
 
 
 def wire_dtype(compression: str) -> torch.dtype | None:

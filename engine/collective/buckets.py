@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ringflow.engine.collective.base import Collective, CollectiveWork
+from ringflow.engine.collective.base import Collective, CollectiveWork, shard_numel, shard_of
 from ringflow.engine.collective.hooks import GradBucket, Reduced
 
 if TYPE_CHECKING:
@@ -32,7 +32,11 @@ __all__ = ["GradientBuckets"]
 class _Bucket:
     params: list[torch.Tensor]
     offsets: list[int]
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None
+    """The flat gradients; under ``keep_shards`` only from its launch until it is
+    reduced."""
+    numel: int
+    """Elements of the buffer (padded to equal shards where reduce-scattered)."""
     filled: list[bool] = field(default_factory=list)
 
     def view(self, slot: int) -> torch.Tensor:
@@ -66,6 +70,12 @@ class GradientBuckets:
             owner that counts backward passes first, as Horovod's ``DistributedOptimizer``).
         comm_hook: what reduces each bucket (``engine.collective.hooks``): ``(hook, state,
             name)``; ``None``: :func:`~ringflow.engine.collective.hooks.allreduce_hook`.
+        scatter: reduce-scatter the buckets instead (sharded data parallel).
+        keep_shards: with ``scatter``, keep only this rank's shard of each bucket's sums
+            (:attr:`shards`, added to by every backward pass until :meth:`zero_`; ZeRO-2).
+            The parameters' gradients are then no bucket views: a full bucket copies them
+            into a buffer made for its reduce-scatter and lets them go, and the buffer is
+            let go once its shard is added, so about two buckets' buffers live at once.
     """
 
     def __init__(
@@ -76,11 +86,35 @@ class GradientBuckets:
         bucket_bytes: int = 25 << 20,
         hooks: bool = True,
         comm_hook: tuple[Callable[..., Any], Any, str] | None = None,
+        scatter: bool = False,
+        keep_shards: bool = False,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if scatter and comm_hook is not None:
+            raise ValueError("scatter reduce-scatters the buckets: it takes no comm_hook")
+        if keep_shards and not scatter:
+            raise ValueError("keep_shards keeps reduce-scattered buckets' shards: set scatter")
         self._collective = collective
-        self._buckets = _plan(list(params), bucket_bytes, collective)
+        self.scatter = scatter
+        """Each bucket is reduce-scattered, not all-reduced (sharded data parallel): its
+        buffer is padded to ``world_size`` equal shards, and only this rank's shard holds
+        the sums once reduced (the rest holds partial sums)."""
+        self.keep_shards = keep_shards
+        """Only this rank's shard of the sums is kept (:attr:`shards`), as the buckets
+        reduce; the parameters hold no gradient after backward (ZeRO-2)."""
+        pad = collective.world_size if scatter else 1
+        self._buckets = _plan(
+            list(params), bucket_bytes, collective, pad=pad, allocate=not keep_shards
+        )
+        self._kept = [
+            torch.zeros(b.numel // pad, dtype=b.params[0].dtype, device=b.params[0].device)
+            for b in self._buckets
+            if keep_shards
+        ]
+        self._settled = 0
+        """Under ``keep_shards``: the launched buckets whose shards are added (the first
+        ones), their buffers let go."""
         self._slots = {
             param: (index, slot)
             for index, bucket in enumerate(self._buckets)
@@ -98,7 +132,7 @@ class GradientBuckets:
     @property
     def bucket_sizes(self) -> list[int]:
         """Elements per bucket, in the order they are reduced."""
-        return [b.buffer.numel() for b in self._buckets]
+        return [b.numel for b in self._buckets]
 
     def start(self, *, weight: float = 1.0, average: bool = False, over: int | None = None) -> None:
         """Get ready for one backward pass; each gradient is multiplied by ``weight``, or with
@@ -116,7 +150,7 @@ class GradientBuckets:
             raise ValueError("start() takes one of weight, average or over")
         self._weight, self._op = weight, "avg" if average else "sum"
         self._over = over
-        self._works, self._active = [], True
+        self._works, self._active, self._settled = [], True, 0
         for bucket in self._buckets:
             bucket.filled = [False] * len(bucket.params)
 
@@ -127,8 +161,27 @@ class GradientBuckets:
 
     @property
     def groups(self) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
-        """Each bucket's parameters and its flat buffer, in the order they are reduced."""
+        """Each bucket's parameters and its flat buffer, in the order they are reduced (not
+        under ``keep_shards``, whose buffers live only while they reduce)."""
+        if self.keep_shards:
+            raise RuntimeError("buckets that keep their shards have no lasting buffers")
         return [(list(b.params), b.buffer) for b in self._buckets]
+
+    @property
+    def shards(self) -> list[tuple[list[torch.Tensor], int, torch.Tensor]]:
+        """Reduce-scattered: each bucket's parameters, its padded length, and this rank's
+        shard of its sums (a view of the buffer, or the kept shard), in the order they are
+        reduced."""
+        collective = self._collective
+        rank, size = collective.rank, collective.world_size
+        return [
+            (
+                list(b.params),
+                b.numel,
+                self._kept[i] if self.keep_shards else shard_of(b.buffer, rank, size),
+            )
+            for i, b in enumerate(self._buckets)
+        ]
 
     @property
     def last_params(self) -> list[torch.Tensor]:
@@ -163,6 +216,26 @@ class GradientBuckets:
             raise RuntimeError("cancel() after a bucket's all-reduce started")
         self._active = False
 
+    def zero_(self) -> None:
+        """Zero every bucket whole (gradients, padding, and what a reduce-scatter left in
+        the other ranks' shards). Reduce-scattered, a gradient that is not its bucket's view
+        (a backward pass cut short by a lost peer left it) is dropped too: nothing else zeroes
+        it, and the next pass would add to it."""
+        if self.keep_shards:  # gradients a pass cut short left before their bucket took them
+            for kept in self._kept:
+                kept.zero_()
+            for param in self._slots:
+                if param.requires_grad:
+                    param.grad = None
+            return
+        for bucket in self._buckets:
+            bucket.buffer.zero_()
+            if self.scatter:
+                for slot, param in enumerate(bucket.params):
+                    grad = param.grad
+                    if grad is not None and grad.data_ptr() != bucket.view(slot).data_ptr():
+                        param.grad = None
+
     def finish_last(self) -> None:
         """Wait for the last bucket after ``finish(leave_last=True)``."""
         if self._works:
@@ -175,15 +248,23 @@ class GradientBuckets:
 
     def close(self) -> None:
         """Stop reducing; gradients that are bucket views become tensors of their own, so
-        the buckets (symmetric memory of a ring that may be gone) are freed now."""
+        the buckets (symmetric memory of a ring that may be gone) are freed now. Reduce-
+        scattered (``scatter``), they are dropped instead: outside this rank's shard they
+        hold partial sums, and a gradient kept would be added to by the next backward pass
+        (the sharded optimizer zeroes its pieces and the buckets, not the parameters')."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         for bucket in self._buckets:
             for slot, param in enumerate(bucket.params):
-                if param.grad is not None and param.grad.data_ptr() == bucket.view(slot).data_ptr():
-                    param.grad = param.grad.clone()
-        self._buckets = []
+                if self.keep_shards:
+                    if param.requires_grad:
+                        param.grad = None
+                elif (
+                    param.grad is not None and param.grad.data_ptr() == bucket.view(slot).data_ptr()
+                ):
+                    param.grad = None if self.scatter else param.grad.clone()
+        self._buckets, self._kept = [], []
 
     def ready(self, param: torch.Tensor) -> None:
         """``param``'s gradient is accumulated: its bucket starts once full (in order)."""
@@ -196,7 +277,11 @@ class GradientBuckets:
             self._launch(self._buckets[len(self._works)])
 
     def _fill(self, bucket: _Bucket, slot: int, param: torch.Tensor) -> None:
-        """Make ``param.grad`` its view in ``bucket``, holding the gradient."""
+        """Make ``param.grad`` its view in ``bucket``, holding the gradient (under
+        ``keep_shards`` it stays where it is until the bucket launches)."""
+        if self.keep_shards:
+            bucket.filled[slot] = True
+            return
         view, grad = bucket.view(slot), param.grad
         if not param.requires_grad:  # switched off (``toggle_optimizer``): not this pass's
             if grad is not None and grad.data_ptr() == view.data_ptr():
@@ -211,6 +296,9 @@ class GradientBuckets:
         bucket.filled[slot] = True
 
     def _launch(self, bucket: _Bucket) -> None:
+        index = len(self._works)
+        if self.keep_shards:
+            _take_gradients(bucket)
         if self._weight != 1.0:  # the whole bucket at once: one pass, one kernel
             bucket.buffer.mul_(self._weight)
         timeline = self.timeline
@@ -223,11 +311,24 @@ class GradientBuckets:
             work = Reduced(work, bucket.buffer, self._comm_hook[2])
         if self._over is not None:
             work = _Divided(work, bucket.buffer, self._over)
+        if self.keep_shards:
+            collective = self._collective
+            mine = shard_of(bucket.buffer, collective.rank, collective.world_size)
+            work = _Added(work, mine, into=self._kept[index])
+            bucket.buffer = None  # held by the work until its shard is added
         self._works.append(work)
+        if self.keep_shards:  # at most two buckets' buffers in flight
+            while self._settled < len(self._works) - 2:
+                self._works[self._settled].wait()
+                self._settled += 1
 
     def _reduce(self, bucket: _Bucket) -> Any:
         """The bucket's all-reduce started: the collective's, or the communication hook's
         future of it."""
+        if self.scatter:
+            collective = self._collective
+            mine = shard_of(bucket.buffer, collective.rank, collective.world_size)
+            return collective.reduce_scatter_async_(bucket.buffer, out=mine, op=self._op)
         if self._comm_hook is None:
             return self._collective.allreduce_async_(bucket.buffer, op=self._op)
         hook, state, _ = self._comm_hook
@@ -240,6 +341,44 @@ class GradientBuckets:
             last=len(self._works) == len(self._buckets) - 1,
         )
         return hook(state, grad_bucket)
+
+
+def _take_gradients(bucket: _Bucket) -> None:
+    """A buffer for ``bucket`` holding its parameters' gradients (zeros for those with none
+    and the padding); the parameters let theirs go."""
+    first = bucket.params[0]
+    buffer = torch.empty(bucket.numel, dtype=first.dtype, device=first.device)
+    end = 0
+    for param, start in zip(bucket.params, bucket.offsets, strict=True):
+        end = start + param.numel()
+        view, grad = buffer[start:end].view_as(param), param.grad
+        if grad is None or not param.requires_grad:
+            view.zero_()
+        else:
+            view.copy_(grad)
+            param.grad = None
+    buffer[end:].zero_()
+    bucket.buffer = buffer
+
+
+class _Added(CollectiveWork):
+    """A reduce-scattered bucket whose shard of the sums, once in, is added to ``into``
+    (once); the work, and so the bucket's buffer, is let go then."""
+
+    def __init__(self, work: CollectiveWork, shard: torch.Tensor, *, into: torch.Tensor) -> None:
+        self._work: CollectiveWork | None = work
+        self._shard: torch.Tensor | None = shard
+        self._into = into
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._into.add_(self._shard)
+            self._work = self._shard = None
+        return self._into
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
 
 
 class _Divided(CollectiveWork):
@@ -271,7 +410,14 @@ def _hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Any:
         param.requires_grad_(False)
 
 
-def _plan(params: list[torch.Tensor], bucket_bytes: int, collective: Collective) -> list[_Bucket]:
+def _plan(
+    params: list[torch.Tensor],
+    bucket_bytes: int,
+    collective: Collective,
+    *,
+    pad: int = 1,
+    allocate: bool = True,
+) -> list[_Bucket]:
     """Group the parameters, last first, into buckets of one dtype and device each."""
     groups: list[list[torch.Tensor]] = []
     size = 0
@@ -282,16 +428,19 @@ def _plan(params: list[torch.Tensor], bucket_bytes: int, collective: Collective)
             size = 0
         groups[-1].append(param)
         size += param.numel() * param.element_size()
-    return [_bucket(group, collective) for group in groups]
+    return [_bucket(group, collective, pad=pad, allocate=allocate) for group in groups]
 
 
-def _bucket(params: list[torch.Tensor], collective: Collective) -> _Bucket:
+def _bucket(
+    params: list[torch.Tensor], collective: Collective, *, pad: int = 1, allocate: bool = True
+) -> _Bucket:
     offsets, total = [], 0
     for param in params:
         offsets.append(total)
         total += param.numel()
-    buffer = collective.empty(total, params[0].dtype, params[0].device)
-    return _Bucket(params=params, offsets=offsets, buffer=buffer)
+    total = pad * shard_numel(total, pad)  # zeros to equal shards: never any gradient's
+    buffer = collective.empty(total, params[0].dtype, params[0].device) if allocate else None
+    return _Bucket(params=params, offsets=offsets, buffer=buffer, numel=total)
 
 
 def _kind(param: torch.Tensor) -> tuple[torch.dtype, torch.device]:

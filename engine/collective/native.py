@@ -13,7 +13,9 @@ from ringflow.engine.collective.base import (
     CompletedWork,
     ReduceOp,
     check_reduce_op,
+    check_shards,
     register_collective,
+    shard_of,
     wire_dtype,
 )
 from ringflow.engine.errors import PeerLostError
@@ -81,6 +83,38 @@ class NativeCollective(Collective):
         divisor = self.world_size if op == "avg" and not average else 1
         return _NativeWork(work, tensor=tensor, buffer=buffer, divisor=divisor)
 
+    def reduce_scatter_async_(
+        self, tensor: torch.Tensor, *, out: torch.Tensor, op: ReduceOp = "sum"
+    ) -> CollectiveWork:
+        """``torch.distributed``'s reduce-scatter (gloo sums, then divides for ``avg``)."""
+        check_shards(tensor, out, self.world_size, what="tensor")
+        check_reduce_op(op, tensor)
+        if self._group is None:
+            if out.data_ptr() != tensor.data_ptr():
+                out.view(-1).copy_(tensor.view(-1))
+            return CompletedWork(out)
+        wire = self._wire if tensor.dtype == torch.float32 else None
+        source = tensor.view(-1) if wire is None else tensor.view(-1).to(wire)
+        mine = shard_of(tensor, self.rank, self.world_size)
+        overlaps = wire is None and mine.data_ptr() == out.data_ptr()
+        buffer = out if wire is None and not overlaps else mine.to(source.dtype)
+        average = op == "avg" and self._averages
+        reduce = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        work = _REDUCE_SCATTER(buffer.view(-1), source, op=reduce, group=self._group, async_op=True)
+        divisor = self.world_size if op == "avg" and not average else 1
+        return _NativeWork(work, tensor=out, buffer=buffer, divisor=divisor, op="reduce_scatter")
+
+    def all_gather_into_async_(self, shard: torch.Tensor, *, out: torch.Tensor) -> CollectiveWork:
+        check_shards(out, shard, self.world_size, what="out")
+        if self._group is None:
+            if out.data_ptr() != shard.data_ptr():
+                out.view(-1).copy_(shard.view(-1))
+            return CompletedWork(out)
+        mine = shard_of(out, self.rank, self.world_size)
+        source = shard.clone() if mine.data_ptr() == shard.data_ptr() else shard
+        work = _ALL_GATHER(out.view(-1), source.view(-1), group=self._group, async_op=True)
+        return _NativeWork(work, tensor=out, buffer=out, divisor=1, op="all_gather")
+
     def broadcast_(self, tensor: torch.Tensor, *, src: int = 0) -> torch.Tensor:
         if self._group is not None:
             dist.broadcast(tensor, group_src=src, group=self._group)
@@ -99,13 +133,26 @@ class NativeCollective(Collective):
         self._group = None
 
 
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""The flat-tensor forms, by their names in this torch (older ones lack ``*_single``)."""
+
+
 class _NativeWork(CollectiveWork):
-    """An async ``dist.all_reduce``; the result lands in ``tensor`` when waited for."""
+    """An async ``torch.distributed`` collective; the result lands in ``tensor`` when waited
+    for."""
 
     def __init__(
-        self, work: dist.Work, *, tensor: torch.Tensor, buffer: torch.Tensor, divisor: int
+        self,
+        work: dist.Work,
+        *,
+        tensor: torch.Tensor,
+        buffer: torch.Tensor,
+        divisor: int,
+        op: str = "allreduce",
     ) -> None:
         self._work, self._tensor, self._buffer, self._divisor = work, tensor, buffer, divisor
+        self._op = op
         self._done = False
 
     def wait(self) -> torch.Tensor:
@@ -114,12 +161,12 @@ class _NativeWork(CollectiveWork):
                 self._work.wait()
             except RuntimeError as err:
                 raise PeerLostError(
-                    f"native all-reduce failed: {err}", peer=None, op="allreduce"
+                    f"native {self._op} failed: {err}", peer=None, op=self._op
                 ) from err
             if self._divisor != 1:
                 self._buffer.div_(self._divisor)
             if self._buffer is not self._tensor:
-                self._tensor.copy_(self._buffer)
+                self._tensor.copy_(self._buffer.view_as(self._tensor))
             self._done = True
         return self._tensor
 

@@ -27,6 +27,7 @@ from ringflow.engine.collective._schedule import (
     all_gather_schedule,
     allreduce_schedule,
     broadcast_schedule,
+    reduce_scatter_schedule,
 )
 from ringflow.engine.collective._shm import ShmTransport, shm_available
 from ringflow.engine.collective._symm import SymmTransport, symm_unusable
@@ -37,7 +38,9 @@ from ringflow.engine.collective.base import (
     CompletedWork,
     ReduceOp,
     check_reduce_op,
+    check_shards,
     register_collective,
+    shard_of,
     wire_dtype,
 )
 from ringflow.engine.config import TRANSPORTS, SymmConfig
@@ -140,6 +143,38 @@ class RingCollective(Collective):
             return CompletedWork(tensor)
         return self._start(
             "allreduce", tensor, lambda deadline: self._allreduce(tensor, op, deadline)
+        )
+
+    def reduce_scatter_async_(
+        self, tensor: torch.Tensor, *, out: torch.Tensor, op: ReduceOp = "sum"
+    ) -> CollectiveWork:
+        """The reduce-scatter half of the ring's all-reduce, each rank ending with its own
+        shard (``Collective.reduce_scatter_async_``), under the same deadline; float32
+        travels as ``compression`` and is summed in float32, as in an all-reduce."""
+        check_shards(tensor, out, self.world_size, what="tensor")
+        check_reduce_op(op, tensor)
+        if self._transport is None:
+            if out.data_ptr() != tensor.data_ptr():
+                out.view(-1).copy_(tensor.view(-1))
+            return CompletedWork(out)
+        return self._start(
+            "reduce_scatter",
+            tensor,
+            lambda deadline: self._reduce_scatter(tensor, out, op, deadline),
+        )
+
+    def all_gather_into_async_(self, shard: torch.Tensor, *, out: torch.Tensor) -> CollectiveWork:
+        """The all-gather half of the ring's all-reduce (``Collective.all_gather_into_async_``),
+        under the same deadline."""
+        check_shards(out, shard, self.world_size, what="out")
+        mine = shard_of(out, self.rank, self.world_size)
+        if mine.data_ptr() != shard.data_ptr():
+            mine.copy_(shard.view(-1))
+        if self._transport is None:
+            return CompletedWork(out)
+        flat = out.view(-1)
+        return self._start(
+            "all_gather", flat, lambda deadline: (out, self._gather_into(flat, deadline))
         )
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -246,6 +281,45 @@ class RingCollective(Collective):
         finish = _finisher(op, self.world_size)
         completion = self._transport.run(plan, wire=wire, finish=finish, deadline=deadline)
         return _unflat(flat, tensor, completion)
+
+    def _reduce_scatter(
+        self, tensor: torch.Tensor, out: torch.Tensor, op: ReduceOp, deadline: Deadline
+    ) -> _Started:
+        flat = tensor.view(-1)
+        wire = self._wire if self._wire is not None and tensor.dtype == torch.float32 else None
+        wire = wire or tensor.dtype
+        chunk = flat.numel() // self.world_size
+        plan = Plan(
+            lambda: reduce_scatter_schedule(
+                flat,
+                rank=self.rank,
+                world_size=self.world_size,
+                segment_elems=self._elems(chunk, wire, flat.dtype),
+                wavefront=self._transport.wavefront,
+            ),
+            key=("reduce_scatter", *_shape_of(flat), wire, op),
+            keep=(flat, out),
+        )
+        finish = _finisher(op, self.world_size)
+        completion = self._transport.run(plan, wire=wire, finish=finish, deadline=deadline)
+        mine = shard_of(flat, self.rank, self.world_size)
+        if mine.data_ptr() == out.data_ptr():
+            return out, completion
+        return _unflat(mine, out, completion)
+
+    def _gather_into(self, flat: torch.Tensor, deadline: Deadline) -> Completion | None:
+        plan = Plan(
+            lambda: all_gather_schedule(
+                flat,
+                rank=self.rank,
+                world_size=self.world_size,
+                segment_elems=self._elems(flat.numel() // self.world_size, flat.dtype),
+                wavefront=self._transport.wavefront,
+            ),
+            key=("all_gather", *_shape_of(flat)),
+            keep=flat,
+        )
+        return self._transport.run(plan, wire=flat.dtype, finish=None, deadline=deadline)
 
     def _broadcast(self, tensor: torch.Tensor, src: int, deadline: Deadline) -> _Started:
         flat = _flat(tensor)

@@ -1,0 +1,322 @@
+"""Sharded data parallel: ZeRO-1 (``TrainConfig.shard="optimizer"``), each worker keeping the
+optimizer state of its shard of the flat parameters only, and ZeRO-2 (``"gradients"``), its
+shard of the gradients too.
+
+The gradient buckets (``engine.collective.buckets``) are padded to ``world_size`` equal
+shards and reduce-scattered, so rank ``r`` ends holding the averaged gradient of shard ``r``
+of every bucket. The module's parameters become views of flat parameter buffers laid out as
+the buckets are; the optimizer's param groups hold this rank's pieces of them instead (a
+parameter cut by a shard's edge gives a piece to each side), with the bucket's gradient
+shard as their ``.grad``. The optimizer steps those pieces in place, and every bucket's
+parameter buffer is then all-gathered: every worker holds the whole updated model.
+Under ZeRO-2 the buckets keep only that shard of their sums (``GradientBuckets``'s
+``keep_shards``), reduce-scattered at every backward pass (with gradient accumulation, each
+batch's sums are added to the shard) and their whole buffers let go once reduced: the
+parameters hold no gradient after backward, and the pieces' gradients are views of the
+kept shards.
+
+Only optimizers that update each element from its own gradient and state alone may step
+pieces instead of parameters (``ELEMENTWISE``): the result is then what stepping the whole
+parameters gives. Clipping by norm takes the whole model's norm: the squared norms of the
+shards, summed over the workers.
+
+What commits and checkpoints keep is the whole optimizer state, in the format of
+``shard="none"`` (``ShardedOptimizer.state_dict`` gathers it; every worker calls it alike),
+so a sharded run resumes unsharded and back, on any number of workers; each worker loads
+its pieces from it. Sharded checkpoint files (each worker writing its own shard) are next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ringflow.engine.collective import Collective, GradientBuckets, shard_of
+from ringflow.engine.errors import EngineError, ModelError
+
+__all__ = ["ELEMENTWISE", "ShardedOptimizer", "check_elementwise"]
+
+ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+)
+"""torch's optimizers that update each element of a parameter from its own gradient and
+state alone (and a step count): stepping any cut of the elements gives the same result."""
+
+
+def check_elementwise(optimizer: Any) -> None:
+    """Refuse an optimizer that cannot step shards of its parameters.
+
+    Raises:
+        ModelError: in one line, naming it and those that can.
+    """
+    if type(optimizer) not in ELEMENTWISE:
+        names = ", ".join(o.__name__ for o in ELEMENTWISE)
+        raise ModelError(
+            f"a sharded optimizer steps each worker's shard of the parameters, which "
+            f"{type(optimizer).__name__} may not update element by element: use one of "
+            f"{names}, or shard='none'"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """The elements ``[start, stop)`` of ``param`` that fall in this rank's shard of its
+    bucket; ``tensor`` views them in the bucket's parameter buffer."""
+
+    param: torch.Tensor
+    start: int
+    stop: int
+    tensor: torch.Tensor
+    grad: torch.Tensor
+
+
+class ShardedOptimizer:
+    """A torch optimizer made to step this rank's shard of the parameters only.
+
+    Stands where the worker's optimizer stands for commits and checkpoints: ``param_groups``
+    and ``state`` name the module's whole parameters, ``state_dict`` /
+    ``load_state_dict`` take the whole state (gathering it is collective).
+
+    Args:
+        optimizer: the module's optimizer (``check_elementwise``); its param groups are
+            given this rank's pieces and its state is cleared.
+        buckets: the gradient buckets, reduce-scattered (``scatter=True``; under ZeRO-2
+            keeping their shards only, ``keep_shards=True``).
+        collective: the ring of this rank.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, buckets: GradientBuckets, collective: Collective
+    ) -> None:
+        check_elementwise(optimizer)
+        if not buckets.scatter:
+            raise ValueError("the buckets of a sharded optimizer must reduce-scatter")
+        self.inner = optimizer
+        self.collective = collective
+        rank, size = collective.rank, collective.world_size
+        self._groups = [list(group["params"]) for group in optimizer.param_groups]
+        owner = {id(p): g for g, params in enumerate(self._groups) for p in params}
+        self.flats: list[torch.Tensor] = []
+        """Each bucket's parameters, flat and padded: the module's parameters view them."""
+        self._layout: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
+        pieces: list[list[_Piece]] = [[] for _ in self._groups]
+        with torch.no_grad():
+            for index, (params, numel, grads) in enumerate(buckets.shards):
+                flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+                shard = numel // size
+                low, high = rank * shard, (rank + 1) * shard
+                offset = 0
+                for param in params:
+                    n = param.numel()
+                    view = flat[offset : offset + n].view_as(param)
+                    view.copy_(param)
+                    param.data = view
+                    self._layout[id(param)] = (index, offset)
+                    start, stop = max(low, offset), min(high, offset + n)
+                    if start < stop and id(param) in owner:
+                        pieces[owner[id(param)]].append(
+                            _Piece(
+                                param,
+                                start - offset,
+                                stop - offset,
+                                flat[start:stop],
+                                grads[start - low : stop - low],
+                            )
+                        )
+                    offset += n
+                self.flats.append(flat)
+        self._pieces = pieces
+        self._held: dict[int, dict[str, Any]] | None = None
+        self.missing = False
+        """The state of this rank's shard is not here (:meth:`take`) until
+        :meth:`load_state_dict`."""
+        for group, mine in zip(optimizer.param_groups, pieces, strict=True):
+            group["params"] = [piece.tensor for piece in mine]
+        optimizer.state.clear()
+        self.attach_grads()
+
+    def release(self) -> None:
+        """Give the optimizer its parameters back, its state cleared, and the parameters
+        storage of their own (the ring, and so the layout, is about to change)."""
+        with torch.no_grad():
+            for params in self._groups:
+                for param in params:
+                    if id(param) in self._layout:
+                        param.data = param.data.clone()
+        for group, params in zip(self.inner.param_groups, self._groups, strict=True):
+            group["params"] = params
+        self.inner.state.clear()
+        self.flats = []
+        self._held = None
+
+    def carry(self) -> list[tuple[torch.Tensor, int, int, dict[str, Any]]]:
+        """This rank's state, piece by piece, to :meth:`take` into the next layout (call
+        before :meth:`release`)."""
+        return [
+            (piece.param, piece.start, piece.stop, self.inner.state[piece.tensor])
+            for mine in self._pieces
+            for piece in mine
+            if piece.tensor in self.inner.state
+        ]
+
+    def take(self, carried: list[tuple[torch.Tensor, int, int, dict[str, Any]]]) -> bool:
+        """The state :meth:`carry` kept of an earlier layout, where every piece of this one
+        is a piece it kept (the same rank of the same number of workers); whether it was."""
+        kept = {(id(param), start, stop): entry for param, start, stop, entry in carried}
+        pieces = [piece for mine in self._pieces for piece in mine]
+        found = [kept.get((id(p.param), p.start, p.stop)) for p in pieces]
+        if carried and any(entry is None for entry in found):
+            self.missing = True  # until load_state_dict: a rollback's, which comes next
+            return False
+        self.inner.state.clear()
+        for piece, entry in zip(pieces, found, strict=True):
+            if entry is not None:
+                self.inner.state[piece.tensor] = entry
+        return True
+
+    def hold(self) -> None:
+        """Gather the whole state now (every worker alike) and keep it for the next reads of
+        :attr:`state` and :meth:`state_dict` until the next step: a checkpoint's, which rank
+        0 reads alone, in the background."""
+        self._held = self._gather_state()
+
+    # ------------------------------------------------------------------ training
+
+    def attach_grads(self) -> None:
+        """Before a step: give every piece its gradient shard (a module's
+        ``optimizer_zero_grad`` may have set it to ``None``); a held state is stale after.
+
+        Raises:
+            EngineError: the state of this rank's shard is missing (:meth:`take`).
+        """
+        if self.missing:
+            raise EngineError(
+                "a sharded optimizer: the state of this worker's shard was not carried "
+                "into the new membership and no commit was loaded since"
+            )
+        self._held = None
+        for mine in self._pieces:
+            for piece in mine:
+                piece.tensor.grad = piece.grad
+
+    def sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the workers (clipping's squared norms of the shards)."""
+        return self.collective.allreduce_(tensor.reshape(1).clone()).reshape(tensor.shape)
+
+    def gather(self) -> None:
+        """All-gather every bucket's parameters after this rank stepped its shard."""
+        size, rank = self.collective.world_size, self.collective.rank
+        works = [
+            self.collective.all_gather_into_async_(shard_of(flat, rank, size), out=flat)
+            for flat in self.flats
+        ]
+        for work in works:
+            work.wait()
+
+    # ------------------------------------------------------------------ the whole state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's param groups with the module's parameters in them."""
+        return [
+            {**group, "params": params}
+            for group, params in zip(self.inner.param_groups, self._groups, strict=True)
+        ]
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Every parameter's whole state (gathered: collective)."""
+        whole = self._held if self._held is not None else self._gather_state()
+        params = [p for params in self._groups for p in params]
+        return {params[i]: entry for i, entry in whole.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer's ``state_dict``, as the unsharded optimizer gives it
+        (gathered from every worker: each calls it alike)."""
+        groups, index = [], 0
+        for group, params in zip(self.inner.param_groups, self._groups, strict=True):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": list(range(index, index + len(params)))})
+            index += len(params)
+        state = self._held if self._held is not None else self._gather_state()
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take this rank's pieces of a whole optimizer's ``state_dict``."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self._groups):
+            raise ValueError(
+                f"the state holds {len(saved_groups)} param groups, the optimizer "
+                f"{len(self._groups)}"
+            )
+        for group, saved in zip(self.inner.param_groups, saved_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.inner.state.clear()
+        self.missing = False
+        self._held = None  # a state gathered before is not this one
+        for saved, mine, params in zip(saved_groups, self._pieces, self._groups, strict=True):
+            ids = {id(p): i for p, i in zip(params, saved["params"], strict=True)}
+            for piece in mine:
+                entry = state_dict["state"].get(ids[id(piece.param)])
+                if entry:
+                    self.inner.state[piece.tensor] = {
+                        key: self._piece_of(piece, key, value) for key, value in entry.items()
+                    }
+
+    def _piece_of(self, piece: _Piece, key: str, value: Any) -> Any:
+        """This piece's part of a parameter's state ``value``: a slice of an elementwise
+        state (the parameter's shape), the rest (the step count) whole."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if key != "step" and value.shape == piece.param.shape:
+            value = value.reshape(-1)[piece.start : piece.stop]
+        return value.to(device=piece.tensor.device, copy=True)
+
+    def _gather_state(self) -> dict[int, dict[str, Any]]:
+        """The whole state by parameter index: each elementwise state's pieces all-gathered
+        through flat buffers laid out as the parameters' (collective); the others (the step
+        count) are every piece's alike."""
+        mine = [(piece, self.inner.state.get(piece.tensor)) for g in self._pieces for piece in g]
+        first = next((entry for _, entry in mine if entry), None)
+        if first is None:  # no step yet: every worker alike
+            return {}
+        size, rank = self.collective.world_size, self.collective.rank
+        sharded = [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() == 1]
+        others = {k: v for k, v in first.items() if k not in sharded}
+        whole: dict[str, list[torch.Tensor]] = {}
+        for key in sorted(sharded):
+            flats = [torch.zeros_like(flat, dtype=first[key].dtype) for flat in self.flats]
+            for piece, entry in mine:
+                index, offset = self._layout[id(piece.param)]
+                flats[index][offset + piece.start : offset + piece.stop].copy_(entry[key])
+            works = [
+                self.collective.all_gather_into_async_(shard_of(f, rank, size), out=f)
+                for f in flats
+            ]
+            for work in works:
+                work.wait()
+            whole[key] = flats
+        state: dict[int, dict[str, Any]] = {}
+        params = [p for group in self._groups for p in group]
+        for i, param in enumerate(params):
+            if id(param) not in self._layout:
+                continue
+            index, offset = self._layout[id(param)]
+            entry = {k: _copied(v) for k, v in others.items()}
+            for key, flats in whole.items():
+                entry[key] = flats[index][offset : offset + param.numel()].view_as(param).clone()
+            state[i] = entry
+        return state
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,279 @@
+"""Sharded data parallel, ZeRO-1 (``TrainConfig.shard="optimizer"``) and ZeRO-2
+(``"gradients"``): each worker keeps the optimizer state of its shard of the parameters (and
+under ZeRO-2 its shard of the gradients), and training ends where ``shard="none"`` ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringflow.engine import TrainConfig, fit
+from ringflow.models.digits import DigitsClassifier
+from tests.support.fitting import relative_difference
+
+HPARAMS = {"hidden": 32, "lr": 0.01}
+
+
+class _Measured(DigitsClassifier):
+    """Writes the bytes of its optimizer's state tensors, per rank, where training ends, the
+    state itself (this rank's shard of it, sharded), and the bytes of the memory its
+    gradients take (the module's parameters' and the optimizer's)."""
+
+    def __init__(self, record: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.record = record
+
+    def on_train_end(self) -> None:
+        optimizer = self.optimizers()
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        size = sum(
+            value.numel() * value.element_size()
+            for entry in optimizer.state.values()
+            for value in entry.values()
+            if isinstance(value, torch.Tensor)
+        )
+        rank = self.trainer.global_rank
+        Path(self.record, str(rank)).write_text(str(size))
+        params = [*self.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
+        storages = {
+            p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+            for p in params
+            if p.grad is not None
+        }
+        Path(self.record, f"grads-{rank}").write_text(str(sum(storages.values())))
+        torch.save(optimizer.state_dict(), Path(self.record, f"state-{rank}.pt"))
+
+
+class _KillsItself(_Measured):
+    """Rank 1 SIGKILLs its own process in the step at global step ``dies_at``, once (the
+    file ``mark`` says it did): a worker lost at a chosen step, whatever the timing."""
+
+    def __init__(self, dies_at: int = -1, mark: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.dies_at, self.mark = dies_at, mark
+
+    def training_step(self, batch, batch_idx):
+        if (
+            self.trainer.global_rank == 1
+            and self.global_step == self.dies_at
+            and not Path(self.mark).exists()
+        ):
+            Path(self.mark).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch, batch_idx)
+
+
+def _fit(
+    digits,
+    tmp_path,
+    name: str,
+    *,
+    store_url=None,
+    run_key=None,
+    module=_Measured,
+    hparams=None,
+    on_epoch=None,
+    **config,
+):
+    record = tmp_path / f"bytes-{run_key or name}"  # a resumed run's hparams are the same
+    record.mkdir(exist_ok=True)
+    settings = {"workers": 2, "epochs": 3, "batch_size": 64, "seed": 3, **config}
+    result = fit(
+        module,
+        hparams={**HPARAMS, **(hparams or {}), "record": str(record)},
+        data=digits,
+        config=TrainConfig(**settings),
+        checkpoint_uri=str(tmp_path / name),
+        store_url=store_url,
+        run_key=run_key,
+        on_epoch=on_epoch,
+    )
+    state_bytes = [int((record / str(r)).read_text()) for r in range(settings["workers"])]
+    return result, state_bytes
+
+
+@pytest.mark.ray
+def test_sharded_adam_on_two_workers_ends_where_unsharded_ends_with_half_the_state(
+    ray_session, digits, tmp_path
+):
+    """69 steps of Adam, ZeRO-1 and ZeRO-2: the weights within 1e-6 of ``shard="none"``'s,
+    and each worker holds about half of the optimizer state (several buckets: a parameter
+    cut by a shard's edge is stepped in two pieces, one on each worker); under ZeRO-2 about
+    half of the gradients too, where ZeRO-1 keeps the whole buckets."""
+    none, whole = _fit(digits, tmp_path, "none", bucket_mb=0.004)
+    initial = DigitsClassifier(hidden=32).state_dict()
+    assert relative_difference(none.state_dict, initial) > 1e-2  # training moved the weights
+    assert whole[0] == whole[1] > 0
+    for mode in ("optimizer", "gradients"):
+        sharded, parts = _fit(digits, tmp_path, mode, bucket_mb=0.004, shard=mode)
+        assert relative_difference(sharded.state_dict, none.state_dict) < 1e-6, mode
+        assert all(part <= 0.55 * whole[0] for part in parts), (mode, parts, whole)
+    grads = _gradient_bytes(tmp_path, "none", 2)
+    assert grads[0] == grads[1] > 0
+    assert all(part >= grads[0] for part in _gradient_bytes(tmp_path, "optimizer", 2))
+    parts = _gradient_bytes(tmp_path, "gradients", 2)
+    assert all(part <= 0.55 * grads[0] for part in parts), (parts, grads)
+
+
+@pytest.mark.ray
+def test_sharded_with_accumulation_and_clipping_on_four_workers_ends_where_unsharded_ends(
+    ray_session, digits, tmp_path
+):
+    """Accumulation over 2 batches and clipping by the global norm (small enough to clip
+    every step: each worker's shard alone has a smaller norm) on 4 workers, each holding
+    about a quarter of the state, ZeRO-1 and ZeRO-2 (whose every batch's gradients are
+    reduce-scattered and added up in each worker's quarter of them)."""
+    config = {
+        "workers": 4,
+        "epochs": 5,  # 12 optimizer steps an epoch: 60
+        "accumulate_grad_batches": 2,
+        "gradient_clip_val": 0.05,
+        "commit_every": 4,
+        "cpus_per_worker": 0.5,
+        "bucket_mb": 0.004,
+    }
+    none, whole = _fit(digits, tmp_path, "none4", **config)
+    for mode in ("optimizer", "gradients"):
+        sharded, parts = _fit(digits, tmp_path, f"{mode}4", shard=mode, **config)
+        assert relative_difference(sharded.state_dict, none.state_dict) < 1e-6, mode
+        assert all(part <= 0.3 * whole[0] for part in parts), (mode, parts, whole)
+    grads = _gradient_bytes(tmp_path, "none4", 4)
+    parts = _gradient_bytes(tmp_path, "gradients4", 4)
+    assert all(part <= 0.3 * grads[0] for part in parts), (parts, grads)
+    # The clipping acted (so a norm of one shard's gradients alone would have shown):
+    unclipped = {**config, "gradient_clip_val": None, "workers": 2}
+    assert (
+        relative_difference(
+            _fit(digits, tmp_path, "unclipped", **unclipped)[0].state_dict, none.state_dict
+        )
+        > 1e-3
+    )
+
+
+@pytest.mark.ray
+def test_a_sharded_run_resumes_bitwise_and_its_checkpoint_loads_unsharded(
+    ray_session, digits, tmp_path
+):
+    """The checkpoint holds the whole optimizer state, in the format of ``shard="none"``:
+    a sharded run resumed ends bit for bit as the uninterrupted one, and the same
+    checkpoint resumes unsharded to where an unsharded run ends (same math, another
+    summation order)."""
+    store = str(tmp_path / "store")
+    every = {"shard": "optimizer", "checkpoint_every": 10, "epochs": 3}
+    reference = _fit(digits, tmp_path, "reference", **every)[0]
+    _fit(digits, tmp_path, "first", store_url=store, run_key="r", **{**every, "epochs": 2})
+    resumed = _fit(digits, tmp_path, "resumed", store_url=store, run_key="r", **every)[0]
+    assert resumed.resumed_from == 46
+    assert resumed.state_dict.keys() == reference.state_dict.keys()
+    for name, tensor in reference.state_dict.items():
+        assert torch.equal(resumed.state_dict[name], tensor), name
+    unsharded = _fit(digits, tmp_path, "unsharded", store_url=store, run_key="r", epochs=4)[0]
+    assert unsharded.resumed_from == 69
+    plain = _fit(digits, tmp_path, "plain", epochs=4)[0]
+    assert relative_difference(unsharded.state_dict, plain.state_dict) < 1e-5
+
+
+def _gradient_bytes(tmp_path, name: str, workers: int) -> list[int]:
+    """Each rank's bytes of gradients where the run ``name`` ended (:class:`_Measured`)."""
+    return [int((tmp_path / f"bytes-{name}" / f"grads-{r}").read_text()) for r in range(workers)]
+
+
+def _optimizer_states(tmp_path, name: str, workers: int) -> list[dict]:
+    """Each rank's optimizer ``state_dict`` where the run ``name`` ended (:class:`_Measured`)."""
+    return [torch.load(tmp_path / f"bytes-{name}" / f"state-{r}.pt") for r in range(workers)]
+
+
+def _assert_same_optimizer_state(got: dict, expected: dict) -> None:
+    assert got["param_groups"] == expected["param_groups"]
+    assert got["state"].keys() == expected["state"].keys()
+    for index, entry in expected["state"].items():
+        assert got["state"][index].keys() == entry.keys(), index
+        for key, value in entry.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("shard", "kill"),
+    [
+        ("optimizer", "by the driver after an epoch"),
+        ("optimizer", "by itself between commits"),
+        ("gradients", "by itself between commits"),
+    ],
+)
+def test_a_worker_killed_and_replaced_at_once_under_shard_ends_bit_for_bit(
+    ray_session, digits, tmp_path, shard, kill
+):
+    """``min_workers`` left out: a worker SIGKILLed mid-epoch is replaced at once, the
+    survivor rolling back to the last in-memory commit and the replacement adopting it, each
+    taking its shard of the commit's whole optimizer state. The run ends bit for bit as the
+    uninterrupted one: the weights, and every worker's shard of the optimizer state.
+    Killed by itself at step 35: the commit of step 30 is one the workers made at the end of
+    a call of steps while they ran step 30 ahead of the next call (steps sent ahead)."""
+    from tests.test_elastic import _strike
+
+    config = {
+        "shard": shard,
+        "epochs": 3,
+        "bucket_mb": 0.004,  # several buckets, parameters cut by a shard's edge
+        "cpus_per_worker": 0.5,
+        "collective_timeout_s": 3.0,
+    }
+    reference, _ = _fit(digits, tmp_path, "reference", module=_KillsItself, **config)
+    if kill.startswith("by the driver"):
+        on_epoch, struck = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.0)
+        replaced, _ = _fit(digits, tmp_path, "replaced", on_epoch=on_epoch, **config)
+        assert struck, "no worker was killed"
+    else:
+        mark = tmp_path / "killed"
+        hparams = {"dies_at": 35, "mark": str(mark)}
+        replaced, _ = _fit(
+            digits, tmp_path, "replaced", module=_KillsItself, hparams=hparams, **config
+        )
+        assert mark.exists()
+    assert [e.kind for e in replaced.events] == ["lost", "rollback", "joined", "recovered"]
+    for name, tensor in reference.state_dict.items():
+        assert torch.equal(replaced.state_dict[name], tensor), name
+    expected = _optimizer_states(tmp_path, "reference", 2)
+    for got, want in zip(_optimizer_states(tmp_path, "replaced", 2), expected, strict=True):
+        _assert_same_optimizer_state(got, want)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"shard": "zero"}, "shard must be one of"),
+        ({"shard": "gradients", "compression": "powersgd"}, "does not compose with compression"),
+        ({"shard": "parameters"}, "not yet built"),
+        ({"shard": "optimizer", "compression": "powersgd"}, "does not compose with compression"),
+        ({"shard": "optimizer", "precision": "16-mixed"}, "does not compose with precision"),
+        ({"shard": "optimizer", "workers": 3, "min_workers": 2}, "min_workers below workers"),
+    ],
+)
+def test_shard_modes_not_built_or_not_composing_are_refused_in_one_line(config, message):
+    with pytest.raises(ValueError, match=message) as raised:
+        TrainConfig(**config)
+    assert "\n" not in str(raised.value)
+
+
+def test_an_optimizer_that_is_not_elementwise_is_refused_in_one_line():
+    from ringflow.engine.errors import ModelError
+    from ringflow.engine.sharding import check_elementwise
+
+    check_elementwise(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]))
+    with pytest.raises(ModelError, match="LBFGS may not update element by element"):
+        check_elementwise(torch.optim.LBFGS([torch.zeros(1, requires_grad=True)]))
+
+
+@pytest.mark.ray
+def test_manual_optimisation_under_shard_is_refused_before_any_worker_starts(tmp_path, ray_session):
+    from ringflow.engine import ModelError
+    from tests.test_manual_optimisation import NoiseFromData, images, under_ringflow
+
+    with pytest.raises(ModelError, match="does not compose with manual optimisation") as raised:
+        under_ringflow(NoiseFromData, {}, images(), tmp_path, workers=2, shard="optimizer")
+    assert "\n" not in str(raised.value)
