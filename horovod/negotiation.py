@@ -57,10 +57,12 @@ _ELEMENTWISE = (Min, Max, Product)
 _RAGGED = ("allgather", "alltoall")  # every dimension but the first must agree
 _REFUSED_WHILE_JOINED = ("allgather", "alltoall", "broadcast")
 _WIDTH = len(_FIELDS)
+_OP, _REFUSAL = _FIELDS.index("op"), _FIELDS.index("refusal")
 _HEADER = 4  # waits, has joined, joined in this cycle, how many rows
-SHOWN = 4
-"""Rows each rank shows in a cycle's first all-gather: one that has more waiting shows them
-all in a second one (every rank sees every rank's count, so they all take part in it)."""
+SHOWN = 1
+"""Rows each rank shows in a cycle's first all-gather: where the ranks start operations in the
+same order, each cycle's queue holds the one just started. A rank with more shows them all in
+a second all-gather (every rank sees every rank's count, so they all take part in it)."""
 
 
 def describe(kind: str, tensor: torch.Tensor | None, name: str, root: int, op: str) -> list[int]:
@@ -88,7 +90,7 @@ def refusing(row: list[int]) -> list[int]:
 
 def elementwise(row: list[int]) -> bool:
     """Whether ``row`` asks for a min, max or product (which joined ranks cannot join)."""
-    index = row[_FIELDS.index("op")]
+    index = row[_OP]
     return index > 0 and _OPS[index] in _ELEMENTWISE
 
 
@@ -194,11 +196,11 @@ def _failure(asked: list[tuple[int, list[int]]], joined: bool) -> Failure | None
     """Why the operation the ranks ``asked`` for (each with its row) cannot run, ``joined``
     where a rank in ``hvd.join`` would take part with zeros."""
     kind, row = KINDS[asked[0][1][0]], asked[0][1]
-    refused = [r for r, theirs in asked if theirs[_FIELDS.index("refusal")] == 1]
+    refused = [r for r, theirs in asked if theirs[_REFUSAL] == 1]
     if refused:
         return Failure("refused", f"rank {refused[0]} refused its arguments (its error says why)")
     if joined and (kind in _REFUSED_WHILE_JOINED or elementwise(row)):
-        what = f"{kind} {_OPS[row[_FIELDS.index('op')]]}" if elementwise(row) else kind
+        what = f"{kind} {_OPS[row[_OP]]}" if elementwise(row) else kind
         return Failure("joined", f"{what} cannot run once a rank has joined (nor in Horovod)")
     return _disagreement(asked)
 
@@ -208,12 +210,11 @@ def _disagreement(asked: list[tuple[int, list[int]]]) -> Failure | None:
     (``None``: they are the same)."""
     if len(asked) < 2:
         return None
-    compared = [(r, _comparable(row)) for r, row in asked]
-    (a, row_a), others = compared[0], compared[1:]
-    for b, row_b in others:
-        field = next((i for i, (x, y) in enumerate(zip(row_a, row_b, strict=True)) if x != y), -1)
-        if field < 0:
+    a, row_a = asked[0][0], _comparable(asked[0][1])
+    for b, row_b in ((r, _comparable(row)) for r, row in asked[1:]):
+        if row_b == row_a:
             continue
+        field = next(i for i, (x, y) in enumerate(zip(row_a, row_b, strict=True)) if x != y)
         if _FIELDS[field] == "name":
             said = f"rank {a} and rank {b} gave it different names"
         else:
