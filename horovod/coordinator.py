@@ -17,8 +17,7 @@ gradients then go straight to the ring in the same order on every rank.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -172,13 +171,17 @@ class Coordinator:
     def cycle(self, kind: str, *, waits: bool) -> Outcome:
         """Tell the other ranks this rank's queue (``kind``: the operation this call is about,
         as the timeline names the negotiation), and run what every rank asked for."""
-        with self._on_its_ring():
+        before = getattr(basics._scope, "set", None)
+        basics._scope.set = self.process_set  # wherever it was called from (synchronize)
+        try:
             self.cycles += 1
             outcome = decide(self._exchange(kind, waits))
             for key, row, failure in outcome.ready:
                 self._run(key, row, failure, outcome.joined)
             if outcome.stuck is not None:
                 self._fail_every(outcome.stuck)
+        finally:
+            basics._scope.set = before
         return outcome
 
     def _exchange(self, kind: str, waits: bool) -> list[Told]:
@@ -229,17 +232,6 @@ class Coordinator:
             request.error, request.ran_in = error, self.cycles
         self.queue.clear()
         self.waited_in = self.cycles
-
-    @contextlib.contextmanager
-    def _on_its_ring(self) -> Iterator[None]:
-        """The cycle runs in this queue's process set, wherever it was called from (a
-        ``synchronize`` is called outside any)."""
-        before = getattr(basics._scope, "set", None)
-        basics._scope.set = self.process_set
-        try:
-            yield
-        finally:
-            basics._scope.set = before
 
 
 def _gathered(values: list[int]) -> list[list[int]]:

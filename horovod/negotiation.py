@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -94,8 +95,7 @@ def elementwise(row: list[int]) -> bool:
     return index > 0 and _OPS[index] in _ELEMENTWISE
 
 
-@dataclass(frozen=True)
-class Told:
+class Told(NamedTuple):  # a tuple: one per rank every cycle, quick to make
     """What one rank told in a cycle."""
 
     waits: bool
@@ -154,8 +154,7 @@ class Failure:
         return HorovodError(f"{head}: {self.told}")
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
     """What every rank concludes from a cycle."""
 
     ready: list[tuple[int, list[int], Failure | None]]
@@ -173,6 +172,8 @@ class Outcome:
 
 def decide(every: list[Told]) -> Outcome:
     """What every rank concludes from what each told (``every``, in rank order)."""
+    if _alike(every):  # the same operations asked for in the same order: all of them run
+        return Outcome([(row[-1], row, None) for row in every[0].rows], [], None, None)
     joined = [r for r, t in enumerate(every) if t.joined]
     active = [r for r, t in enumerate(every) if not t.joined]
     if not active:
@@ -190,6 +191,14 @@ def decide(every: list[Told]) -> Outcome:
         oldest = [(r, every[r].rows[0]) for r in active if every[r].rows]
         stuck = _disagreement(oldest) or Failure("disagree", "the ranks wait for each other")
     return Outcome(ready, joined, None, stuck)
+
+
+def _alike(every: list[Told]) -> bool:
+    """Whether no rank is in ``hvd.join``, every queue is the same and none refused."""
+    first = every[0]
+    if first.joined or any(row[_REFUSAL] for row in first.rows):
+        return False
+    return all(t.rows == first.rows and not t.joined for t in every[1:])
 
 
 def _failure(asked: list[tuple[int, list[int]]], joined: bool) -> Failure | None:

@@ -26,6 +26,8 @@ def test_operations_every_rank_asked_for_run_in_rank_0s_order_whatever_the_other
     assert [key for key, _, _ in outcome.ready] == [_key("a"), _key("c")]
     assert all(failure is None for _, _, failure in outcome.ready)
     assert outcome.stuck is None
+    same = decide([_told("a", "b"), _told("a", "b")])
+    assert [key for key, _, failure in same.ready if failure is None] == [_key("a"), _key("b")]
 
 
 def test_an_operation_one_rank_asked_for_waits_until_every_rank_waits():
