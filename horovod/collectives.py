@@ -1,9 +1,11 @@
 """Horovod's tensor and object collectives on ringflow's ring.
 
-Every rank calls them in the same order, as under Horovod (``name=`` is accepted and only
-names the operation in errors: the ring matches operations by order, not by name). Those
-that return a new tensor, differentiable as Horovod's are, are autograd functions over
-these handles (``ringflow.horovod.differentiable``).
+As under Horovod, an operation runs once every rank (of its process set) has asked for it,
+matched by its ``name=`` (an unnamed one by its kind and how many of that kind the rank asked
+for before), so ranks may start operations in different orders; one asked for on one rank only
+waits there (``ringflow.horovod.coordinator``). Those that return a new tensor, differentiable
+as Horovod's are, are autograd functions over these handles
+(``ringflow.horovod.differentiable``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,9 +21,8 @@ import torch
 from ringflow.engine.collective.base import CompletedWork
 from ringflow.horovod import negotiation
 from ringflow.horovod.basics import OPS, Average, HorovodError, Max, Min, Sum, ring, size
-from ringflow.horovod.negotiation import agree
+from ringflow.horovod.coordinator import Request, coordinator
 from ringflow.horovod.process_sets import current, in_process_set, within
-from ringflow.horovod.timeline import naming
 
 __all__ = [
     "Handle",
@@ -53,14 +55,24 @@ _PENDING = object()
 
 class Handle:
     """An operation started by an ``*_async`` call: :func:`poll` tells whether it finished,
-    :func:`synchronize` waits for it and gives its result."""
+    :func:`synchronize` waits for it and gives its result. ``requests``: what it waits for
+    in the queue before it runs."""
 
-    def __init__(self, wait: Callable[[], Any], done: Callable[[], bool] = lambda: True) -> None:
-        self._wait, self._done = wait, done
+    def __init__(
+        self,
+        wait: Callable[[], Any],
+        done: Callable[[], bool] = lambda: True,
+        requests: Sequence[Request] = (),
+    ) -> None:
+        self._wait, self._done, self.requests = wait, done, tuple(requests)
         self.result: Any = _PENDING
 
     def finished(self) -> bool:
         return self.result is not _PENDING or self._done()
+
+    def in_flight(self) -> bool:
+        """Whether a second operation of its name is refused (see ``Request.in_flight``)."""
+        return self.result is _PENDING and any(r.in_flight() for r in self.requests)
 
     def wait(self) -> Any:
         if self.result is _PENDING:
@@ -79,7 +91,38 @@ def _done(result: Any) -> Handle:
 
 def _group(handles: list[Handle]) -> Handle:
     """One handle for a grouped operation: its result is every member's, in order."""
-    return Handle(lambda: [h.wait() for h in handles], lambda: all(h.finished() for h in handles))
+    return Handle(
+        lambda: [h.wait() for h in handles],
+        lambda: all(h.finished() for h in handles),
+        [r for h in handles for r in h.requests],
+    )
+
+
+def _ask(kind: str, tensor: torch.Tensor | None, name: str | None, start, **how) -> Handle:
+    """Ask the ranks for an operation (``Coordinator.ask``); its handle. ``start`` runs it,
+    on every rank in the same cycle, and gives a handle on its result.
+
+    Raises:
+        HorovodError: it ran in this call's cycle and failed: the ranks disagree on it, or
+            another rank refused it.
+        Exception: this rank's ``refusal=``, where it failed in this call's cycle.
+    """
+    request = coordinator().ask(kind, tensor, name, start, **how)
+    if request.error is not None:
+        raise request.error
+
+    def wait() -> Any:
+        request.owner.wait(request)
+        if request.error is not None:
+            raise request.error
+        return request.started.wait()
+
+    def done() -> bool:
+        if request.ran_in is None:
+            return False
+        return request.error is not None or request.started.finished()
+
+    return Handle(wait, done, [request])
 
 
 _in_flight: dict[str, Handle] = {}  # this rank's async operations by name, not yet waited for
@@ -91,7 +134,7 @@ def _named(kind: str, name: str | None) -> None:
     Raises:
         ValueError: an operation of this ``name`` is still in flight on this rank.
     """
-    if name is not None and name in _in_flight and _in_flight[name].result is _PENDING:
+    if name is not None and name in _in_flight and _in_flight[name].in_flight():
         raise ValueError(f"{kind} {name!r}: an operation of that name is still in flight")
 
 
@@ -130,9 +173,24 @@ def allreduce_async_(
     """
     op = _op(average, op)
     _named("allreduce", name)
-    agree("allreduce", tensor, name, op=op)
-    with naming(name):
-        return _started(name, _reduce(tensor, op, prescale_factor, postscale_factor))
+    return _started(
+        name,
+        _ask(
+            "allreduce",
+            tensor,
+            name,
+            partial(_reduce, tensor, op, prescale_factor, postscale_factor),
+            op=op,
+        ),
+    )
+
+
+def _reduce_asked(tensor: torch.Tensor, op: str, pre: float, post: float, label: str | None):
+    """:func:`_reduce` of an unnamed operation asked for through the queue, named ``label`` in
+    the timeline (``DistributedOptimizer``'s gradients while a rank is in ``hvd.join``: its
+    row tells the joined ranks the shape of their zeros)."""
+    start = partial(_reduce, tensor, op, pre, post)
+    return _ask("allreduce", tensor, None, start, op=op, label=label)
 
 
 def _reduce(tensor: torch.Tensor, op: str, pre: float, post: float) -> Handle:
@@ -180,7 +238,11 @@ def allreduce_async(tensor: torch.Tensor, average=None, name=None, op=None, **kw
 
 
 def poll(handle: Handle) -> bool:
-    """Whether the operation behind ``handle`` finished."""
+    """Whether the operation behind ``handle`` finished. One that waits for other ranks to
+    ask for it runs a cycle (``Coordinator.poll``) first."""
+    waiting = [r for r in handle.requests if r.ran_in is None]
+    if waiting and handle.result is _PENDING:
+        waiting[0].owner.poll(waiting[0])
     return handle.finished()
 
 
@@ -234,11 +296,14 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     refusal, root = None, _root(root_rank)
     if not 0 <= root < size():
         refusal = HorovodError(f"broadcast: root_rank {root_rank} is not one of the {size()} ranks")
-    agree("broadcast", tensor, name, root=root, refusal=refusal)
+    start = partial(_broadcast, tensor, root)
+    return _started(name, _ask("broadcast", tensor, name, start, root=root, refusal=refusal))
+
+
+def _broadcast(tensor: torch.Tensor, root: int) -> Handle:
     flat = tensor.detach().reshape(-1).contiguous()
-    with naming(name):
-        ring().broadcast_(flat, src=root)
-    return _started(name, _done(_into(tensor, flat)))
+    ring().broadcast_(flat, src=root)
+    return _done(_into(tensor, flat))
 
 
 def _root(root_rank: int) -> int:
@@ -265,9 +330,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
 def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Handle:
     """Start :func:`allgather`; a handle for :func:`synchronize`."""
     _named("allgather", name)
-    agree("allgather", tensor, name, first_dim_may_differ=True)
-    with naming(name):
-        return _started(name, _concatenating(tensor))
+    return _started(name, _ask("allgather", tensor, name, partial(_concatenating, tensor)))
 
 
 def _concatenated(tensor: torch.Tensor) -> torch.Tensor:
@@ -296,25 +359,23 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Handle:
     """Start :func:`alltoall`; the handle's result is ``(tensor, received_splits)``."""
     _named("alltoall", name)
-    return _started(name, _done(_exchanged(tensor, splits, name)))
-
-
-def _exchanged(
-    tensor: torch.Tensor, splits: Any, name: str | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``r``'s parts of every rank's ``tensor``, and how many rows came from each. It
-    travels as an all-gather over the ring (each rank receives every rank's whole tensor)."""
     counts, refusal = _splits(tensor, splits)
-    agree("alltoall", tensor, name, first_dim_may_differ=True, refusal=refusal)
+    start = partial(_exchanged, tensor, counts)
+    return _started(name, _ask("alltoall", tensor, name, start, refusal=refusal))
+
+
+def _exchanged(tensor: torch.Tensor, counts: list[int]) -> Handle:
+    """A handle on rank ``r``'s parts of every rank's ``tensor`` (``counts``: the rows this
+    rank sends each rank) and how many rows came from each. It travels as an all-gather over
+    the ring (each rank receives every rank's whole tensor)."""
     me = ring().rank
-    with naming(name):
-        every_split = torch.stack(ring().all_gather(torch.tensor(counts, dtype=torch.int64)))
-        gathered = _concatenated(tensor)
+    every_split = torch.stack(ring().all_gather(torch.tensor(counts, dtype=torch.int64)))
+    gathered = _concatenated(tensor)
     starts = torch.cumsum(every_split.sum(1), 0) - every_split.sum(1)
     offsets = starts + every_split[:, :me].sum(1)
     received = every_split[:, me]
     parts = [gathered[int(o) : int(o) + int(n)] for o, n in zip(offsets, received, strict=True)]
-    return torch.cat(parts), received.to(torch.int32)
+    return _done((torch.cat(parts), received.to(torch.int32)))
 
 
 def _splits(tensor: torch.Tensor, splits: Any) -> tuple[list[int], ValueError | None]:
@@ -381,15 +442,17 @@ def reducescatter_async(
         refusal = ValueError("reducescatter takes a tensor of 1 or more dimensions")
     elif op not in (Average, Sum):
         refusal = ValueError(f"reducescatter takes op=Average or op=Sum, not {op}")
-    agree("reducescatter", tensor, name, op=op, refusal=refusal)
+    start = partial(_scattered, tensor, op, prescale_factor, postscale_factor)
+    return _started(name, _ask("reducescatter", tensor, name, start, op=op, refusal=refusal))
+
+
+def _scattered(tensor: torch.Tensor, op: str, pre: float, post: float) -> Handle:
+    """Start reducing ``tensor``; a handle on this rank's rows of the result."""
     n, me, rows = size(), ring().rank, tensor.shape[0]
     counts = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
-    start = sum(counts[:me])
-    with naming(name):
-        reduced = _reduce(tensor.detach().clone(), op, prescale_factor, postscale_factor)
-    return _started(
-        name, Handle(lambda: reduced.wait()[start : start + counts[me]].clone(), reduced.finished)
-    )
+    first = sum(counts[:me])
+    reduced = _reduce(tensor.detach().clone(), op, pre, post)
+    return Handle(lambda: reduced.wait()[first : first + counts[me]].clone(), reduced.finished)
 
 
 @in_process_set
@@ -408,16 +471,7 @@ def join(device: int = -1) -> int:
     product while a rank has joined raises on the ranks that asked for it, as in Horovod."""
     if size() == 1:
         return 0
-    first = 1
-    while True:
-        row = negotiation.describe("join", None, None, -1, "")
-        row[1], first = first, 0  # the round this rank joined in
-        every = negotiation.exchange(row)
-        active = [theirs for theirs in every if theirs[0] != negotiation.JOINED]
-        if not active:
-            return max(r for r, theirs in enumerate(every) if theirs[1] == 1)
-        if not any(negotiation.refused(theirs) for theirs in active):
-            _with_zeros(active[0])
+    return coordinator().join(_with_zeros)
 
 
 def _with_zeros(row: list[int]) -> None:
@@ -433,7 +487,9 @@ def _with_zeros(row: list[int]) -> None:
 def barrier(process_set: Any = None) -> None:
     """Wait until every rank (of ``process_set``) got here (Horovod's ``hvd.barrier``)."""
     with within(process_set):
-        synchronize(allreduce_async(torch.zeros(1), op=Sum))
+        zero = torch.zeros(1)
+        start = partial(_reduce, zero, Sum, 1.0, 1.0)
+        synchronize(_ask("allreduce", zero, None, start, op=Sum, counter="barrier"))
 
 
 @in_process_set

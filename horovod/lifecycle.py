@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ringflow.horovod import basics
+from ringflow.horovod import basics, coordinator
 from ringflow.horovod.basics import HorovodError
 from ringflow.horovod.process_sets import add_process_set, remove_every_process_set
 
@@ -25,6 +25,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
 def shutdown() -> None:
     """Leave the ring and every process set's: their connections, shared memory and threads
-    are released; ``init`` forms a new ring of the same ranks."""
+    are released; ``init`` forms a new ring of the same ranks. Operations still waiting for
+    other ranks fail."""
+    coordinator.forget()
     remove_every_process_set()
     basics.leave_ring()

@@ -11,9 +11,15 @@ from typing import Any
 import torch
 
 from ringflow.engine.collective import CollectiveWork, GradientBuckets
-from ringflow.horovod import negotiation
 from ringflow.horovod.basics import Average, HorovodError, Sum, ring, size
-from ringflow.horovod.collectives import _reduce, allgather_object, broadcast_object, synchronize
+from ringflow.horovod.collectives import (
+    _reduce,
+    _reduce_asked,
+    allgather_object,
+    broadcast_object,
+    synchronize,
+)
+from ringflow.horovod.coordinator import coordinator
 from ringflow.horovod.process_sets import ProcessSet, within
 from ringflow.horovod.timeline import naming
 
@@ -132,7 +138,7 @@ class _Distributed:
             _agree_on_parameters(list(self._counts), self._names)
             self._agreed = ring()
         if self._joined is None:  # the step's first reduction: has a rank joined?
-            self._joined = negotiation.step()
+            self._joined = coordinator().step()
         if param in self._handles or param in self._ready:
             raise HorovodError(
                 "a gradient was reduced twice before the optimizer stepped: call "
@@ -145,9 +151,11 @@ class _Distributed:
             return
         wire, ctx = self._compression.compress(param.grad)
         op, pre, post = self._scaling()
-        if self._joined:  # the joined ranks take part with zeros of this shape
-            negotiation.agree("allreduce", wire, None, op=op)
-        with naming((self._names or {}).get(id(param))):
+        label = (self._names or {}).get(id(param))
+        if self._joined:  # through the queue: the joined ranks take part with zeros by its row
+            self._handles[param] = (_reduce_asked(wire, op, pre, post, label), ctx)
+            return
+        with naming(label):
             self._handles[param] = (_reduce(wire, op, pre, post), ctx)
 
     def _scaling(self) -> tuple[str, float, float]:

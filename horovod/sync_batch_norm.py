@@ -12,8 +12,7 @@ import torch
 
 from ringflow.engine.sync_batchnorm import RankBatchNorm
 from ringflow.horovod.basics import Sum, size
-from ringflow.horovod.collectives import _reduce, synchronize
-from ringflow.horovod.negotiation import agree
+from ringflow.horovod.collectives import allreduce_async_, synchronize
 
 __all__ = ["SyncBatchNorm"]
 
@@ -29,5 +28,4 @@ class SyncBatchNorm(RankBatchNorm):
         return batch_stats and size() > 1
 
     def _summed(self, flat: torch.Tensor) -> torch.Tensor:
-        agree("allreduce", flat, None, op=Sum)  # a joined rank takes part with zeros
-        return synchronize(_reduce(flat, Sum, 1.0, 1.0))
+        return synchronize(allreduce_async_(flat, op=Sum))  # a joined rank gives zeros

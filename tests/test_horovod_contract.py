@@ -371,15 +371,6 @@ SKIPPED_BY_HOROVOD = {"test_timeline_api"}  # marked skip in Horovod's file (its
 
 REFUSED = {
     **dict.fromkeys(
-        (
-            "test_horovod_allgather_duplicate_name_error",
-            "test_horovod_allreduce_duplicate_name_error",
-            "test_horovod_broadcast_duplicate_name_error",
-            "test_horovod_reducescatter_duplicate_name_error",
-        ),
-        "operations matched by call order, not by name",
-    ),
-    **dict.fromkeys(
         ("test_broadcast_state", "test_broadcast_state_options", "test_force_allreduce"),
         "torch's Muon takes only 2-D parameters (Horovod's test builds every torch.optim one)",
     ),

@@ -117,6 +117,41 @@ def disagreements() -> dict[str, str]:
     return seen
 
 
+def out_of_order() -> dict:
+    """Rank 0 starts ``a`` then ``g``, rank 1 ``g`` then ``a``; then rank 0 starts ``late``
+    and polls it before a barrier, rank 1 starts it only after the barrier."""
+    hvd.init()
+    me = hvd.rank()
+    start = {
+        "a": lambda: hvd.allreduce_async(torch.full((3,), 1.0 + me), name="a", op=hvd.Sum),
+        "g": lambda: hvd.allgather_async(torch.full((me + 1, 2), float(me)), name="g"),
+    }
+    handles = {n: start[n]() for n in (("a", "g") if me == 0 else ("g", "a"))}
+    seen = {n: hvd.synchronize(h).tolist() for n, h in handles.items()}
+    if me == 0:
+        late = hvd.allreduce_async(torch.tensor([5.0]), name="late", op=hvd.Sum)
+        seen["late polled before the barrier"] = hvd.poll(late)
+    hvd.barrier()
+    if me == 1:
+        late = hvd.allreduce_async(torch.tensor([7.0]), name="late", op=hvd.Sum)
+    seen["late"] = hvd.synchronize(late).tolist()
+    seen["after them"] = hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist()
+    return seen
+
+
+def test_operations_match_by_name_in_any_order_and_one_waiting_blocks_no_barrier(ray_session):
+    """As Horovod's: each operation runs once every rank started one of its name, whatever
+    order they started them in; one only some ranks started waits there without holding up
+    the operations (a barrier) the others go on with."""
+    first, second = hvd.run(out_of_order, np=2, cpus_per_worker=0.5)
+    for seen in (first, second):
+        assert seen["a"] == [3.0, 3.0, 3.0]
+        assert seen["g"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+        assert seen["late"] == [12.0]
+        assert seen["after them"] == [2.0]
+    assert first["late polled before the barrier"] is False
+
+
 def another_model() -> str:
     hvd.init()
     model = torch.nn.Linear(4, 3 if hvd.rank() == 0 else 2)
