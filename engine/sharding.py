@@ -105,6 +105,14 @@ class ShardedOptimizer:
         rank, size = collective.rank, collective.world_size
         self._groups = [list(group["params"]) for group in optimizer.param_groups]
         owner = {id(p): g for g, params in enumerate(self._groups) for p in params}
+        idle = _ranks_without_pieces(buckets.shards, owner, size)
+        if idle:
+            total = sum(p.numel() for params in self._groups for p in params)
+            raise ModelError(
+                f"shard: on {size} workers, worker {idle[0]} would step no parameter: the "
+                f"model's {total:,} trainable elements do not reach its shard of any bucket; "
+                "use fewer workers or shard='none'"
+            )
         self.flats: list[torch.Tensor] = []
         """Each bucket's parameters, flat and padded: the module's parameters view them."""
         self._layout: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
@@ -316,6 +324,21 @@ class ShardedOptimizer:
                 entry[key] = flats[index][offset : offset + param.numel()].view_as(param).clone()
             state[i] = entry
         return state
+
+
+def _ranks_without_pieces(shards: list[tuple[Any, int, Any]], owner: dict, size: int) -> list[int]:
+    """The ranks whose shard of every bucket holds only padding (or parameters no optimizer
+    group steps): each worker computes the same from the same layout."""
+    holding: set[int] = set()
+    for params, numel, _ in shards:
+        shard = numel // size
+        offset = 0
+        for param in params:
+            n = param.numel()
+            if id(param) in owner and n:
+                holding.update(range(offset // shard, min(size, -(-(offset + n) // shard))))
+            offset += n
+    return [rank for rank in range(size) if rank not in holding]
 
 
 def _copied(value: Any) -> Any:

@@ -242,3 +242,31 @@ def test_buckets_that_keep_their_shards_leave_the_parameters_no_gradient_and_add
     assert not any(shard.any() for shard in shards)
     with pytest.raises(ValueError, match="set scatter"):
         GradientBuckets(list(model.parameters()), _RecordingCollective(model), keep_shards=True)
+
+
+class _Ranks(_RecordingCollective):
+    """One rank of ``size``: the layout of its buckets, nothing reduced."""
+
+    def __init__(self, model: nn.Module, *, rank: int, size: int) -> None:
+        super().__init__(model)
+        self.rank, self.world_size = rank, size
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_sharded_optimizer_that_would_leave_a_worker_nothing_to_step_is_refused(rank):
+    """A model smaller than the workers' shards would leave a worker no piece to step, and
+    its commits waiting on gathers the others never join: every worker refuses it alike."""
+    from ringflow.engine.errors import ModelError
+    from ringflow.engine.sharding import ShardedOptimizer
+
+    tiny = nn.Sequential(nn.Linear(1, 1))  # 2 elements, 4 workers
+    collective = _Ranks(tiny, rank=rank, size=4)
+    buckets = GradientBuckets(list(tiny.parameters()), collective, scatter=True)
+    optimizer = torch.optim.Adam(tiny.parameters())
+    with pytest.raises(ModelError, match=r"^shard: on 4 workers, worker 2 would step no param"):
+        ShardedOptimizer(optimizer, buckets, collective)
+    model = _model()  # 484 elements: every worker has some
+    collective = _Ranks(model, rank=rank, size=4)
+    buckets = GradientBuckets(list(model.parameters()), collective, scatter=True)
+    sharded = ShardedOptimizer(torch.optim.Adam(model.parameters()), buckets, collective)
+    assert sum(p.numel() for g in sharded.inner.param_groups for p in g["params"]) > 0
