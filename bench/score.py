@@ -202,21 +202,22 @@ def _read(folder: str, columns: list[str]):
     return ds.dataset(folder, format="parquet").to_table(columns=columns)
 
 
-def _ours_predictions(out: str):
+def predictions(out: str, columns: tuple[str, ...] = ("id", "digit")):
+    """``columns`` of a scoring output's predictions, from the files its manifest lists."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     with open(os.path.join(out, "_manifest.json")) as f:
         files = [e["path"] for e in json.load(f)["files"] if e["path"].startswith("predictions/")]
     return pa.concat_tables(
-        [pq.read_table(os.path.join(out, p), columns=["id", "digit"]) for p in files]
+        [pq.read_table(os.path.join(out, p), columns=list(columns)) for p in files]
     )
 
 
 def agreement(rows: int, ours_out: str, ray_out: str, predict: dict, sample: int) -> dict:
     """Every id once in ours; the classes of a sample of rows equal between ours and the
     plain script, and of every /predict row between ours and /predict."""
-    ours = _ours_predictions(ours_out)
+    ours = predictions(ours_out)
     ids = ours["id"].to_numpy()
     ids_once = len(ids) == rows and bool(np.array_equal(np.sort(ids), np.arange(rows)))
     if not ids_once:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from bench import headline_json
-from bench.score import BYTES_PER_ROW, PIXELS, make_table
+from bench.score import BYTES_PER_ROW, PIXELS, make_table, predictions
 
 HEADLINE = ("rows", "ids_once", "predict_agrees")
 _FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
@@ -96,19 +96,6 @@ def score_deployment(table: str, run_key: str, api: str) -> dict[str, Any]:
     return {"result": json.loads(result.stdout.strip().splitlines()[-1]), "seconds": seconds}
 
 
-def _predictions(output: str):
-    """The output's predictions as the manifest lists them: id, digit, probabilities."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    with open(os.path.join(output, "_manifest.json")) as f:
-        files = [e["path"] for e in json.load(f)["files"] if e["path"].startswith("predictions/")]
-    columns = ["id", "digit", "probabilities"]
-    return pa.concat_tables(
-        [pq.read_table(os.path.join(output, p), columns=columns) for p in files]
-    )
-
-
 def _served(port: int, pixels: np.ndarray) -> list[dict[str, Any]]:
     import httpx
 
@@ -125,7 +112,7 @@ def check(output: str, table: str, rows: int, sample: int, port: int) -> dict[st
     """Every id of the table once in ``output``; ``sample`` rows as ``/predict`` answers."""
     import pyarrow.dataset as ds
 
-    ours = _predictions(output)
+    ours = predictions(output, ("id", "digit", "probabilities"))
     ids = ours["id"].to_numpy()
     ids_once = len(ids) == rows and bool(np.array_equal(np.sort(ids), np.arange(rows)))
     rng = np.random.default_rng(0)
