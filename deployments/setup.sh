@@ -17,16 +17,32 @@ want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-# Each phase says what it installs; pip shows its own progress (a bar per download when this
-# is a terminal).
+# uv installs (a few seconds where pip takes minutes); pip installs uv, and everything where uv
+# cannot be had. uv is handed pip's own configuration (its find-links and indexes, as pip reads
+# them from pip.conf and PIP_* variables), so both pick the same files, the CPU torch among them.
 pip_install() {
   "$VENV/bin/python" -m pip install --disable-pip-version-check "$@"
 }
-echo "[1/3] pip: the newest release, into $VENV"
-pip_install --quiet --upgrade pip
+pip_sources() {
+  "$VENV/bin/python" -m pip config list 2>/dev/null | sed -nE \
+    "s/^[^.]*\.(find-links|index-url|extra-index-url)='(.*)'$/\1 \2/p" | while read -r key values; do
+    for value in $values; do printf -- '--%s=%s\n' "$key" "$value"; done
+  done | sort -u
+}
+install() {
+  if [ -x "$VENV/bin/uv" ]; then
+    mapfile -t sources < <(pip_sources)
+    "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" \
+      --index-strategy unsafe-best-match "${sources[@]}" "$@"
+  else
+    pip_install "$@"
+  fi
+}
+echo "[1/3] uv, the installer, into $VENV"
+pip_install --quiet uv || echo "uv could not be installed: pip installs the rest (a few minutes)"
 echo "[2/3] torch 2.13.0, the CPU build (about 200 MB on a fresh machine)"
-pip_install "torch==2.13.0"
+install "torch==2.13.0"
 echo "[3/3] ringflow and its dependencies (Prefect, Ray, Lightning, pyarrow, ...) and test tools"
-pip_install -e "$ROOT[dev]"
+install "torch==2.13.0" -e "$ROOT[dev]"
 echo "$want" >"$stamp"
 echo "installed ringflow into $VENV"
