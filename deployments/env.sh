@@ -87,6 +87,9 @@ running() {
 SECRET_ENV=(RINGFLOW_SERVE_TOKEN)
 without_secrets=(env)
 for _secret in "${SECRET_ENV[@]}"; do without_secrets+=(-u "$_secret"); done
+# The Ray nodes these scripts start prestart no idle workers: ringflow's never use them
+# (LEAN_RAY_ENV in engine/cluster.py says why). `"${without_secrets[@]}" "${lean_ray[@]}" ray`.
+lean_ray=(RAY_enable_worker_prestart=0 RAY_prestart_worker_first_driver=0)
 
 # start_bg NAME COMMAND...: run COMMAND detached in a session of its own, remember its pid.
 start_bg() {

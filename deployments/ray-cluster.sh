@@ -27,7 +27,7 @@ auth_token() {
 head() {
   local cpus=${1:-$RINGFLOW_CPUS} p=$RINGFLOW_RAY_PORT
   auth_token
-  start_bg ray-head "${without_secrets[@]}" ray start --head --block --disable-usage-stats \
+  start_bg ray-head "${without_secrets[@]}" "${lean_ray[@]}" ray start --head --block --disable-usage-stats \
     --node-ip-address=127.0.0.1 --port="$p" --num-cpus="$cpus" \
     --include-dashboard=false --ray-client-server-port=$((p + 1)) \
     --dashboard-agent-listen-port=$((p + 2)) --dashboard-agent-grpc-port=$((p + 3)) \
@@ -41,7 +41,7 @@ node() {
   [[ $cpus =~ ^[0-9]+$ ]] || { echo "error: CPUS must be a whole number, got '$cpus'" >&2; exit 2; }
   auth_token
   # ray_node.py is `ray start` that may join a node on loopback (see its docstring).
-  start_bg "ray-node-$name" "${without_secrets[@]}" python "$RINGFLOW_ROOT/deployments/ray_node.py" start --address="$RAY_ADDRESS" --block --disable-usage-stats \
+  start_bg "ray-node-$name" "${without_secrets[@]}" "${lean_ray[@]}" python "$RINGFLOW_ROOT/deployments/ray_node.py" start --address="$RAY_ADDRESS" --block --disable-usage-stats \
     --node-ip-address=127.0.0.1 --num-cpus="$cpus" --resources="{\"ringflow-node-$name\": 1}" \
     --node-manager-port="$p" --object-manager-port=$((p + 1)) \
     --dashboard-agent-listen-port=$((p + 2)) --dashboard-agent-grpc-port=$((p + 3)) \

@@ -29,7 +29,7 @@ if [ "$RINGFLOW_LOCAL_RAY" = 1 ]; then
     dashboard=(--include-dashboard=true --dashboard-host=127.0.0.1
       --dashboard-port="$RINGFLOW_RAY_DASHBOARD_PORT")
   fi
-  start_bg ray-head "${without_secrets[@]}" ray start --head --block --disable-usage-stats \
+  start_bg ray-head "${without_secrets[@]}" "${lean_ray[@]}" ray start --head --block --disable-usage-stats \
     --node-ip-address=127.0.0.1 --port="$p" --num-cpus="$RINGFLOW_CPUS" \
     "${dashboard[@]}" --ray-client-server-port=$((p + 1)) \
     --dashboard-agent-listen-port=$((p + 2)) --dashboard-agent-grpc-port=$((p + 3)) \

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 __all__ = [
+    "LEAN_RAY_ENV",
     "QUIET_ENV",
     "SECRET_ENV",
     "connect",
@@ -32,6 +33,14 @@ QUIET_ENV = {
 """Offline and quiet: no usage statistics, nothing bound beyond loopback on one machine."""
 
 
+LEAN_RAY_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
+"""A Ray that ringflow starts (a private local one, the local stack's head) starts no idle
+worker processes ahead of time. Ray prestarts one per CPU, and one more for each driver, in
+the default environment, each importing Ray; ringflow's workers start in an environment of
+their own (``engine/pool.py``), so those would never be used, only cost CPU while the run's
+own workers start (16 of them on a 16-core host)."""
+
+
 SECRET_ENV = ("RINGFLOW_SERVE_TOKEN",)
 """Secrets that only the driving process reads: Ray's processes (workers, Serve replicas)
 start without them. The model server gets a digest of the serving token, never the token."""
@@ -46,6 +55,21 @@ def without_secrets() -> Iterator[None]:
         yield
     finally:
         os.environ.update(held)
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment while the block runs, then as they were."""
+    held = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in held.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def quiet_environment(**extra: str) -> None:
@@ -80,7 +104,8 @@ def connect(
         if address:
             ray.init(address=address, log_to_driver=False, runtime_env=_project_code(model))
         else:
-            with without_secrets():  # every Ray process inherits the environment of this one
+            # every Ray process inherits the environment of this one
+            with without_secrets(), _environment(LEAN_RAY_ENV):
                 ray.init(
                     address="local",
                     num_cpus=num_cpus or os.cpu_count(),

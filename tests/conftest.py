@@ -25,6 +25,7 @@ import tempfile
 
 import pytest
 
+from ringflow.engine.cluster import LEAN_RAY_ENV
 from tests.support import leaks, ray_cluster
 
 # Offline and quiet before anything imports Ray or Prefect, with Ray's token authentication
@@ -43,6 +44,7 @@ for _key, _value in {
     "NCCL_NVLS_ENABLE": "0",  # what bench/ sets by default, so a benchmark run here changes none
     "RAY_AUTH_MODE": "token",
     "RAY_AUTH_TOKEN_PATH": os.path.join(_RAY_TOKEN_DIR, "auth_token"),
+    **LEAN_RAY_ENV,  # every Ray the tests start, as those ringflow starts: no idle workers
 }.items():
     os.environ.setdefault(_key, _value)
 # The tests' S3 is moto's (tests/moto_s3.py), which takes any credentials; boto refuses to
