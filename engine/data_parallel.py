@@ -309,7 +309,8 @@ class DataParallelStep:
         if learns and loss is not None:
             call_hook(module, "on_before_backward", loss)
             timeline.start("backward")
-            w.precision.backward(loss if scale is None else loss * scale)
+            with self._backward():
+                w.precision.backward(loss if scale is None else loss * scale)
             timeline.stop("backward")
             w.metric_log.record("train_loss", logged_number(loss), len(mine))
         if batch.steps:
@@ -579,6 +580,11 @@ class DataParallelStep:
         finally:
             if self.weights is not None:
                 self.weights.end()
+
+    def _backward(self) -> contextlib.AbstractContextManager[None]:
+        """Around the backward pass: under ZeRO-3 a forward that runs inside it (activation
+        checkpointing's recomputation) frees nothing; the buckets free the units."""
+        return contextlib.nullcontext() if self.weights is None else self.weights.backward()
 
     def _gathered(self, *, write: bool = False) -> contextlib.AbstractContextManager[None]:
         """Under ZeRO-3, every unit's weights gathered while the block runs (collective;

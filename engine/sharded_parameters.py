@@ -83,7 +83,8 @@ class ShardedParameters:
                 self.flats.append(flat)
                 self.shards.append(shard_of(flat, rank, size).clone())
                 self._params.append(list(params))
-        self._key = (rank, size, tuple((tuple(map(id, ps)), f.numel()) for ps, f, _ in self._units))
+        layout = tuple((tuple(map(id, params)), flat.numel()) for params, flat, _ in self._units)
+        self._key = (rank, size, layout)
         count = len(self.flats)
         self._bytes = [flat.untyped_storage().nbytes() for flat in self.flats]
         self._gathered = [True] * count
@@ -92,6 +93,8 @@ class ShardedParameters:
         """The data pointer of each gathered unit's storage: its index."""
         self._holding = 0
         """While above 0, every unit is gathered and stays so (:meth:`gathered`)."""
+        self._backward = False
+        """Within the backward pass (:meth:`backward`)."""
         self.missing = False
         """This rank's shard of the weights is not here (:meth:`take`) until whole weights
         are written (:meth:`writing`)."""
@@ -122,6 +125,7 @@ class ShardedParameters:
             self._hooks.append(
                 owner.register_forward_hook(functools.partial(self._after_forward, units))
             )
+        self._buckets = buckets
         buckets.launched = self._reduced
         for index in range(count):
             self._free(index)
@@ -179,11 +183,14 @@ class ShardedParameters:
         self, units: list[int], module: torch.nn.Module, args: Any, output: Any
     ) -> None:
         """A module's forward ran: a unit every owner of which has run since it was gathered
-        is freed (the module's own aside, and every unit while :meth:`gathered` holds)."""
+        is freed (the module's own aside, every unit while :meth:`gathered` holds, and any
+        within backward, where the bucket frees it)."""
+        if self._holding or self._backward:
+            return
         for index in units:
             left = self._left[index]
             left.discard(id(module))
-            if not left and not self._holding and index not in self.pinned:
+            if not left and index not in self.pinned:
                 self._free(index)
 
     def _reduced(self, index: int) -> None:
@@ -237,6 +244,17 @@ class ShardedParameters:
         unit's weights gather it again when backward unpacks them."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Around the backward pass: a forward run inside it (activation checkpointing's
+        recomputation, whose saved tensors this cannot see) frees nothing; each unit is
+        freed once its bucket's gradients are taken, or at :meth:`end`."""
+        self._backward = True
+        try:
+            yield
+        finally:
+            self._backward = False
 
     @contextlib.contextmanager
     def gathered(self, *, write: bool = False) -> Iterator[None]:
@@ -335,6 +353,7 @@ class ShardedParameters:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._buckets.launched = None
         self.end()
         with torch.no_grad():
             for params in self._params:
