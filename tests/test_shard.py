@@ -85,6 +85,7 @@ def _fit(
     module=_Measured,
     hparams=None,
     on_epoch=None,
+    callbacks=None,
     **config,
 ):
     record = tmp_path / f"bytes-{run_key or name}"  # a resumed run's hparams are the same
@@ -99,6 +100,7 @@ def _fit(
         store_url=store_url,
         run_key=run_key,
         on_epoch=on_epoch,
+        callbacks=callbacks,
     )
     state_bytes = [int((record / str(r)).read_text()) for r in range(settings["workers"])]
     return result, state_bytes
@@ -199,6 +201,32 @@ def test_a_sharded_run_resumes_bitwise_and_its_checkpoint_loads_unsharded(
     assert unsharded.resumed_from == 69
     plain = _fit(digits, tmp_path, "plain", epochs=4, bucket_mb=BUCKET_MB)[0]
     assert relative_difference(unsharded.state_dict, plain.state_dict) < 1e-5
+
+
+@pytest.mark.ray
+def test_sharded_parameters_evaluate_where_a_worker_has_no_part_and_write_model_checkpoints(
+    ray_session, digits, tmp_path
+):
+    """Batches of 179: the validation split's last batch (1 of its 180 samples) leaves
+    worker 1 nothing, so each evaluation gathers the whole model at once (a forward on one
+    worker alone would gather alone); the metrics and weights are ``shard="none"``'s.
+    ``ModelCheckpoint``'s file, written by rank 0 from the weights every worker gathered,
+    holds the run's weights and loads unsharded."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    config = {"batch_size": 179, "epochs": 2, "bucket_mb": BUCKET_MB}
+    none, _ = _fit(digits, tmp_path, "none", **config)
+    saved = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    sharded, _ = _fit(
+        digits, tmp_path, "parameters", shard="parameters", callbacks=[saved], **config
+    )
+    assert relative_difference(sharded.state_dict, none.state_dict) < 1e-6
+    for mine, theirs in zip(sharded.history, none.history, strict=True):
+        assert mine.metrics.keys() == theirs.metrics.keys()
+        assert mine.metrics["val_loss"] == pytest.approx(theirs.metrics["val_loss"], rel=1e-6)
+    last = _Measured.load_from_checkpoint(saved.last_model_path)
+    for name, tensor in sharded.state_dict.items():
+        assert torch.equal(last.state_dict()[name], tensor), name
 
 
 def _gradient_bytes(tmp_path, name: str, workers: int) -> list[int]:
