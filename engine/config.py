@@ -210,9 +210,11 @@ class TrainConfig:
     """Sharded data parallel (ZeRO): ``none`` (every worker holds the whole state),
     ``optimizer`` (ZeRO-1: each worker keeps the optimizer state of its shard of the flat
     parameters only; gradients are reduce-scattered, each worker steps its shard, and the
-    parameters are all-gathered) or ``gradients`` (ZeRO-2: its shard of the gradients too,
-    reduce-scattered bucket by bucket during every backward pass). ``parameters`` is not
-    built yet."""
+    parameters are all-gathered), ``gradients`` (ZeRO-2: its shard of the gradients too,
+    reduce-scattered bucket by bucket during every backward pass) or ``parameters`` (ZeRO-3,
+    FSDP's full sharding: its shard of the parameters too, each bucket's all-gathered just
+    before the forward and the backward that use it and freed after;
+    ``engine.sharded_parameters``)."""
     placement: Placement = "pack"
     """How workers spread over Ray nodes: ``pack`` (as few nodes as possible), ``spread``
     (as many as possible) or ``strict_spread`` (one worker per node)."""
@@ -472,11 +474,6 @@ class TrainConfig:
     def _check_shard(self) -> None:
         if self.shard not in SHARD_MODES:
             raise ValueError(f"shard must be one of {list(SHARD_MODES)}, got {self.shard!r}")
-        if self.shard == "parameters":
-            raise ValueError(
-                f"shard={self.shard!r} is not yet built: use 'gradients' (ZeRO-2), "
-                "'optimizer' (ZeRO-1) or 'none'"
-            )
         if self.shard == "none":
             return
         if self.compression not in WIRE_FORMATS:

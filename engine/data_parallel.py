@@ -6,8 +6,9 @@ chooses it).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from ringflow.engine.module import (
     may_return_none,
     step_arguments,
 )
+from ringflow.engine.sharded_parameters import ShardedParameters
 from ringflow.engine.sharding import ShardedOptimizer
 from ringflow.engine.sync_batchnorm import attach_collective, convert_sync_batchnorm
 from ringflow.engine.timeline import UNTIMED
@@ -80,13 +82,19 @@ class DataParallelStep:
         self.stepping = False
         """Whether the batch being trained has begun to step the optimizer: a failure from
         then on leaves a state that only a rollback undoes (``Worker.reached``)."""
-        self.shards = worker.config.shard in ("optimizer", "gradients")
+        self.shards = worker.config.shard != "none"
         """Whether each worker steps and keeps the optimizer state of its shard of the
         parameters only (``TrainConfig.shard``; ``engine.sharding``)."""
-        self.keeps_grad_shards = worker.config.shard == "gradients"
+        self.keeps_grad_shards = worker.config.shard in ("gradients", "parameters")
         """Whether each worker keeps only its shard of the gradients too (ZeRO-2): every
         batch's are reduce-scattered as backward makes them, accumulation included."""
+        self.shards_parameters = worker.config.shard == "parameters"
+        """Whether each worker keeps only its shard of the parameters too (ZeRO-3), each
+        bucket's gathered where a forward or backward pass needs it
+        (``engine.sharded_parameters``)."""
         self.sharded: ShardedOptimizer | None = None
+        self.weights: ShardedParameters | None = None
+        """Under ZeRO-3, the module's sharded parameters."""
 
     def split(self, split: str) -> Samples:
         return samples_of(self.worker.data, split)
@@ -103,6 +111,14 @@ class DataParallelStep:
         if self.syncs_batchnorm:
             module = convert_sync_batchnorm(module)
         compile_in_place(module)  # eager state names, whatever configure_model compiled
+        if self.shards_parameters and any(
+            getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
+        ):
+            raise ModelError(
+                f"shard='parameters' does not compose with torch.compile yet: "
+                f"{type(module).__name__} compiles a module whose forward hooks gather its "
+                "sharded weights; use shard='gradients' or leave the module uncompiled"
+            )
         return w.precision.convert_module(module.to(w.device))
 
     # ------------------------------------------------------------------ membership
@@ -114,7 +130,7 @@ class DataParallelStep:
     def connect(self, init_method: str = "") -> None:
         """Join the collective and start from rank 0's weights, as DDP does."""
         self.join(init_method)
-        with torch.no_grad():
+        with torch.no_grad(), self._gathered(write=True):
             for tensor in self.worker.module.state_dict().values():
                 self.collective.broadcast_(tensor, src=0)
 
@@ -137,8 +153,12 @@ class DataParallelStep:
             keep_shards=self.keeps_grad_shards,
         )
         self.buckets.timeline = w.timeline
+        if self.shards_parameters:  # each worker keeps its shard of the weights
+            self.weights = ShardedParameters(w.module, self.buckets, self.collective)
         if self.shards:  # the optimizer steps this rank's shard; commits keep the whole state
-            self.sharded = ShardedOptimizer(w.optimization.optimizer, self.buckets, self.collective)
+            self.sharded = ShardedOptimizer(
+                w.optimization.optimizer, self.buckets, self.collective, parameters=self.weights
+            )
             w.optimizer = self.sharded
         # While the last bucket (the first layers') reduces, step the parameters whose sums
         # are in: the optimizer then hides the all-reduce that backward could not.
@@ -193,6 +213,9 @@ class DataParallelStep:
     def leave(self) -> None:
         if self.syncs_batchnorm and hasattr(self.worker, "module"):
             attach_collective(self.worker.module, None)
+        if self.weights is not None:  # its hooks removed, the weights in storage of their own
+            self.weights.release()
+            self.weights = None
         if self.sharded is not None:  # the next ring's shards are laid out anew
             self.sharded.release()
             self.worker.optimizer = self.sharded.inner
@@ -207,21 +230,27 @@ class DataParallelStep:
     def reconfigure(self, init_method: str = "") -> None:
         """Join the new ring (the worker has its new rank); the state stays.
 
-        Sharded, the optimizer state is laid out anew: taken from the commit this worker's
-        state is at (survivors rolled back, a replacement adopted), else carried over where
-        this worker keeps its shard (the same rank of as many workers); else it is missing
-        until a rollback loads it, and a step before that raises ``EngineError``.
+        Sharded, the optimizer state (under ZeRO-3 the weights too) is laid out anew: taken
+        from the commit this worker's state is at (survivors rolled back, a replacement
+        adopted), else carried over where this worker keeps its shard (the same rank of as
+        many workers); else it is missing until a rollback loads it, and a step before that
+        raises ``EngineError``.
         """
         carried = self.sharded.carry() if self.sharded is not None else []
+        weights = self.weights.carry() if self.weights is not None else None
         self.leave()
         self.join(init_method, rejoin=True)
         if self.sharded is None:
             return
         committed = self.worker.commit_at_state()
         if committed is not None:
-            self.sharded.load_state_dict(copy.deepcopy(committed))
+            if self.weights is not None:
+                self.worker.write_model(committed[0])
+            self.sharded.load_state_dict(copy.deepcopy(committed[1]))
         else:
             self.sharded.take(carried)
+            if self.weights is not None:
+                self.weights.take(weights)
 
     # ------------------------------------------------------------------ training
 
@@ -249,6 +278,15 @@ class DataParallelStep:
             return self._train_manual(batch)
         if batch.shares:
             return self._train_shares(batch)
+        if self.weights is None:
+            return self._train(batch)
+        self.weights.begin()  # ZeRO-3: the weights are gathered unit by unit, freed after
+        try:
+            return self._train(batch)
+        finally:
+            self.weights.end()
+
+    def _train(self, batch: Batch) -> int:
         w, mine, step, window = self.worker, batch.mine, batch.step, batch.window
         module, log_step = w.module, batch.log_step
         self.stepping = False
@@ -271,7 +309,8 @@ class DataParallelStep:
         if learns and loss is not None:
             call_hook(module, "on_before_backward", loss)
             timeline.start("backward")
-            w.precision.backward(loss if scale is None else loss * scale)
+            with self._backward():
+                w.precision.backward(loss if scale is None else loss * scale)
             timeline.stop("backward")
             w.metric_log.record("train_loss", logged_number(loss), len(mine))
         if batch.steps:
@@ -364,7 +403,8 @@ class DataParallelStep:
         w.metric_log.enter("training_step", batch_size=size, log_step=batch.log_step)
         timeline.start("forward")
         # What the step compiles is split at buckets: a module compiled whole overlaps too.
-        with w.precision.forward_context(), compiled_in_buckets(self.bucket_bytes):
+        saving = contextlib.nullcontext() if self.weights is None else self.weights.saving()
+        with w.precision.forward_context(), compiled_in_buckets(self.bucket_bytes), saving:
             out = module.training_step(
                 *step_arguments(module.training_step, w.precision.convert_input(data), batch.step)
             )
@@ -511,21 +551,70 @@ class DataParallelStep:
     # ------------------------------------------------------------------ evaluation, state
 
     def evaluate(self, split: str, samples: Samples) -> Logged:
-        """This rank's part of ``split`` through the module's validation or test step."""
+        """This rank's part of ``split`` through the module's validation or test step.
+
+        Under ZeRO-3 the forward hooks gather each unit's weights and free them, every
+        worker running each batch; where a batch leaves some workers nothing (fewer samples
+        than workers), the whole model is gathered for the evaluation instead."""
         w = self.worker
         batches = -(-len(samples) // w.config.batch_size)
-        return evaluate_module(
-            w.module,
-            samples,
-            split=split,
-            batch_size=w.config.batch_size,
-            rank=w.rank,
-            world_size=w.world_size,
-            first_step=w.trainer.current_epoch * batches,  # the batches of earlier epochs
-            device=w.device,
-            precision=w.precision,
-            log=w.metric_log,
-        )
+        last = len(samples) - (batches - 1) * w.config.batch_size if batches else 0
+        uneven = min(w.config.batch_size, last) < w.world_size
+        whole = self._gathered() if uneven else contextlib.nullcontext()
+        if self.weights is not None:
+            self.weights.begin()
+        try:
+            with whole:
+                return evaluate_module(
+                    w.module,
+                    samples,
+                    split=split,
+                    batch_size=w.config.batch_size,
+                    rank=w.rank,
+                    world_size=w.world_size,
+                    first_step=w.trainer.current_epoch * batches,  # the earlier epochs' batches
+                    device=w.device,
+                    precision=w.precision,
+                    log=w.metric_log,
+                )
+        finally:
+            if self.weights is not None:
+                self.weights.end()
+
+    def _backward(self) -> contextlib.AbstractContextManager[None]:
+        """Around the backward pass: under ZeRO-3 a forward that runs inside it (activation
+        checkpointing's recomputation) frees nothing; the buckets free the units."""
+        return contextlib.nullcontext() if self.weights is None else self.weights.backward()
+
+    def _gathered(self, *, write: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Under ZeRO-3, every unit's weights gathered while the block runs (collective;
+        :meth:`ShardedParameters.gathered`); elsewhere nothing to do."""
+        if self.weights is None:
+            return contextlib.nullcontext()
+        return self.weights.gathered(write=write)
+
+    def whole_state(self) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict``; under ZeRO-3 its parameters gathered into tensors of
+        their own (collective: every worker calls it alike), which a commit or checkpoint
+        may copy while the next steps run."""
+        module = self.worker.module
+        if self.weights is None:
+            return module.state_dict()
+        copies = self.weights.copies()
+        return {
+            name: copies[id(value)] if id(value) in copies else value.detach()
+            for name, value in module.state_dict(keep_vars=True).items()
+        }
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """Around writing whole weights into the module (a rollback, a checkpoint loaded):
+        under ZeRO-3 each worker keeps its shard of them (not collective)."""
+        if self.weights is None:
+            yield
+            return
+        with self.weights.writing():
+            yield
 
     def own(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What of a whole model's ``state`` this worker holds: all of it."""

@@ -243,8 +243,26 @@ class DataParallel(Layout):
     def flush(self, group: Workers) -> list[str]:
         return group.call_rank0(Worker.flush_checkpoints)["errors"]
 
+    def attach_callbacks(self, callbacks: Any, group: Workers, *, loggers: bool) -> None:
+        super().attach_callbacks(callbacks, group, loggers=loggers)
+        if self.config.shard == "parameters":  # every worker gathers the weights rank 0 writes
+            callbacks.write_files_with(_Everyone(group))
+
     def model_state(self, group: Workers) -> dict[str, torch.Tensor]:
+        if self.config.shard == "parameters":  # every worker gathers them, rank 0 returns them
+            return group.call(Worker.state_dict)[0]
         return group.call_rank0(Worker.state_dict)
+
+
+class _Everyone:
+    """``group``, whose calls for rank 0 go to every worker (sharded parameters: reading the
+    whole weights is collective), rank 0's answer returned."""
+
+    def __init__(self, group: Workers) -> None:
+        self.group = group
+
+    def call_rank0(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.group.call(method, *args, **kwargs)[0]
 
 
 class Pipeline(Layout):

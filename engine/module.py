@@ -945,11 +945,13 @@ def lightning_checkpoint(
     *,
     weights_only: bool,
     callbacks: dict[str, Any],
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """What ``Trainer.save_checkpoint`` puts in a ``.ckpt`` file (its checkpoint connector's
     ``dump_checkpoint``), so that ``load_from_checkpoint`` reads it: the epoch and step, the
-    weights, the hyperparameters the module saved, what ``on_save_checkpoint`` adds and,
-    unless ``weights_only``, the optimizers', schedulers', scaler's and ``callbacks``' states.
+    weights (``state_dict``, where given: the module's gathered), the hyperparameters the
+    module saved, what ``on_save_checkpoint`` adds and, unless ``weights_only``, the
+    optimizers', schedulers', scaler's and ``callbacks``' states.
     """
     import lightning
 
@@ -957,7 +959,7 @@ def lightning_checkpoint(
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "pytorch-lightning_version": lightning.__version__,
-        "state_dict": module.state_dict(),
+        "state_dict": module.state_dict() if state_dict is None else state_dict,
         "loops": {},
     }
     if not weights_only:

@@ -1,6 +1,6 @@
 """Sharded data parallel: ZeRO-1 (``TrainConfig.shard="optimizer"``), each worker keeping the
-optimizer state of its shard of the flat parameters only, and ZeRO-2 (``"gradients"``), its
-shard of the gradients too.
+optimizer state of its shard of the flat parameters only, ZeRO-2 (``"gradients"``), its
+shard of the gradients too, and ZeRO-3 (``"parameters"``), its shard of the parameters too.
 
 The gradient buckets (``engine.collective.buckets``) are padded to ``world_size`` equal
 shards and reduce-scattered, so rank ``r`` ends holding the averaged gradient of shard ``r``
@@ -24,17 +24,24 @@ What commits and checkpoints keep is the whole optimizer state, in the format of
 ``shard="none"`` (``ShardedOptimizer.state_dict`` gathers it; every worker calls it alike),
 so a sharded run resumes unsharded and back, on any number of workers; each worker loads
 its pieces from it. Sharded checkpoint files (each worker writing its own shard) are next.
+
+ZeRO-3 (``"parameters"``) keeps only this rank's shard of the parameters too
+(``engine.sharded_parameters``): the pieces view it, the step updates it in place, and the
+next forward gathers each bucket's parameters where they are used.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ringflow.engine.collective import Collective, GradientBuckets, shard_of
 from ringflow.engine.errors import EngineError, ModelError
+
+if TYPE_CHECKING:
+    from ringflow.engine.sharded_parameters import ShardedParameters
 
 __all__ = ["ELEMENTWISE", "ShardedOptimizer", "check_elementwise"]
 
@@ -92,10 +99,18 @@ class ShardedOptimizer:
         buckets: the gradient buckets, reduce-scattered (``scatter=True``; under ZeRO-2
             keeping their shards only, ``keep_shards=True``).
         collective: the ring of this rank.
+        parameters: under ZeRO-3 (``shard="parameters"``), the sharded parameters
+            (``engine.sharded_parameters``): the pieces are views of this rank's shards
+            of their buffers, which hold the parameters between steps.
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, buckets: GradientBuckets, collective: Collective
+        self,
+        optimizer: torch.optim.Optimizer,
+        buckets: GradientBuckets,
+        collective: Collective,
+        *,
+        parameters: ShardedParameters | None = None,
     ) -> None:
         check_elementwise(optimizer)
         if not buckets.scatter:
@@ -113,21 +128,29 @@ class ShardedOptimizer:
                 f"model's {total:,} trainable elements do not reach its shard of any bucket; "
                 "use fewer workers or shard='none'"
             )
+        self.parameters = parameters
+        """Under ZeRO-3, the sharded parameters, whose shards the pieces view: stepped in
+        place, they are gathered by the next forward, not after the step."""
         self.flats: list[torch.Tensor] = []
         """Each bucket's parameters, flat and padded: the module's parameters view them."""
         self._layout: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
         pieces: list[list[_Piece]] = [[] for _ in self._groups]
         with torch.no_grad():
             for index, (params, numel, grads) in enumerate(buckets.shards):
-                flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
                 shard = numel // size
                 low, high = rank * shard, (rank + 1) * shard
+                if parameters is None:
+                    flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+                    mine = flat[low:high]
+                else:  # the parameters view it already; its storage is freed
+                    flat, mine = parameters.flats[index], parameters.shards[index]
                 offset = 0
                 for param in params:
                     n = param.numel()
-                    view = flat[offset : offset + n].view_as(param)
-                    view.copy_(param)
-                    param.data = view
+                    if parameters is None:
+                        view = flat[offset : offset + n].view_as(param)
+                        view.copy_(param)
+                        param.data = view
                     self._layout[id(param)] = (index, offset)
                     start, stop = max(low, offset), min(high, offset + n)
                     if start < stop and id(param) in owner:
@@ -136,7 +159,7 @@ class ShardedOptimizer:
                                 param,
                                 start - offset,
                                 stop - offset,
-                                flat[start:stop],
+                                mine[start - low : stop - low],
                                 grads[start - low : stop - low],
                             )
                         )
@@ -158,12 +181,13 @@ class ShardedOptimizer:
         with torch.no_grad():
             for params in self._groups:
                 for param in params:
-                    if id(param) in self._layout:
+                    if id(param) in self._layout and self.parameters is None:
                         param.data = param.data.clone()
         for group, params in zip(self.inner.param_groups, self._groups, strict=True):
             group["params"] = params
         self.inner.state.clear()
         self.flats = []
+        self.parameters = None
         self._held = None
 
     def carry(self) -> list[tuple[torch.Tensor, int, int, dict[str, Any]]]:
@@ -221,7 +245,10 @@ class ShardedOptimizer:
         return self.collective.allreduce_(tensor.reshape(1).clone()).reshape(tensor.shape)
 
     def gather(self) -> None:
-        """All-gather every bucket's parameters after this rank stepped its shard."""
+        """All-gather every bucket's parameters after this rank stepped its shard (under
+        ZeRO-3 nothing: the next forward gathers them)."""
+        if self.parameters is not None:
+            return
         size, rank = self.collective.world_size, self.collective.rank
         works = [
             self.collective.all_gather_into_async_(shard_of(flat, rank, size), out=flat)

@@ -410,6 +410,9 @@ class Worker:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.checkpointer: AsyncCheckpointer | None = None
         self._shard_writes = _ShardWrites()
+        self._held_model: dict[str, torch.Tensor] | None = None
+        """Where the weights are sharded: the whole model gathered for the checkpoint rank 0
+        takes next (:meth:`hold_optimizer_state`)."""
         self._commits: dict[int, Commit] = {}
         self._commit_tensors: dict[int, list[torch.Tensor]] = {}
         """Each commit's host tensors, reused by a later commit once it is dropped."""
@@ -463,6 +466,8 @@ class Worker:
             why = f"{name} optimises manually"
         elif config.sync_batchnorm:
             why = f"{name}'s BatchNorm layers are synchronised (sync_batchnorm)"
+        elif config.shard == "parameters":
+            why = f"{name}'s weights are sharded (shard='parameters': every forward gathers them)"
         else:
             return
         raise ModelError(
@@ -699,7 +704,7 @@ class Worker:
             self._landed.pop(old, None)  # the copy stream writes in order: no wait to reuse
             reuse = self._commit_tensors.pop(old, None) or reuse
         (model, optimizer), copies = _host_targets(
-            (self.module.state_dict(), self.optimizer.state_dict()), step, reuse=reuse
+            (self._model_state(), self.optimizer.state_dict()), step, reuse=reuse
         )
         schedulers = self.optimization.state_dict()
         comm = self._comm_state()
@@ -783,14 +788,37 @@ class Worker:
         self.metric_log.reset()  # what the lost steps logged is not kept
         if self.checkpointer is not None:
             self.checkpointer.fence()  # a background copy may still read the weights
-        with torch.no_grad():
-            for name, tensor in self.module.state_dict().items():
-                tensor.copy_(model[name])
+        self.write_model(model)
         self.optimizer.load_state_dict(copy.deepcopy(optimizer))
         self.optimization.load_state_dict(copy.deepcopy(schedulers))
         if comm:
             self.step.load_comm_state(comm, own=own)
         self._ended_at = step
+
+    def write_model(self, model: dict[str, torch.Tensor]) -> None:
+        """Copy a whole model's state (a commit's) into the module (sharded parameters: this
+        worker's shard of it, ``Step.writing``)."""
+        with self._writing(), torch.no_grad():
+            for name, tensor in self.module.state_dict().items():
+                tensor.copy_(model[name])
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict``, whole: where the layout shards the parameters,
+        gathered into tensors of their own (collective: every worker calls it alike)."""
+        whole = getattr(self.step, "whole_state", None)
+        return self.module.state_dict() if whole is None else whole()
+
+    def _writing(self) -> contextlib.AbstractContextManager[None]:
+        """Around writing whole weights into the module: where the layout shards the
+        parameters, each worker keeps its shard of them."""
+        writing = getattr(self.step, "writing", None)
+        return contextlib.nullcontext() if writing is None else writing()
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether each worker holds only its shard of the weights between steps (ZeRO-3):
+        reading them whole is collective."""
+        return bool(getattr(self.step, "shards_parameters", False))
 
     def committed_state(self, step: int) -> Commit:
         """The commit of ``step`` (CPU tensors, and the schedulers' states), for rolling back or
@@ -803,13 +831,13 @@ class Worker:
             landed.synchronize()
         return self._commits[step]
 
-    def commit_at_state(self) -> dict[str, Any] | None:
-        """The optimizer state of the commit this worker's state is at (it rolled back to it
-        or adopted it, and nothing ran since), or ``None``."""
+    def commit_at_state(self) -> Commit | None:
+        """The commit this worker's state is at (it rolled back to it or adopted it, and
+        nothing ran since), or ``None``."""
         step = self._ended_at
         if step is None or step not in self._commits or self._ran_ahead is not None:
             return None
-        return self.committed_state(step)[1]
+        return self.committed_state(step)
 
     def remember(self, step: int, state: dict[str, Any]) -> None:
         """Keep the driver's state at the commit of ``step`` (its history and what the epoch
@@ -1184,35 +1212,46 @@ class Worker:
         a pipeline stage takes those of its layers."""
         state = self.step.own(read_checkpoint(model_uri).state_dict)
         check_warm_start(type(self.module).__name__, state, self.module.state_dict(), model_uri)
-        self.module.load_state_dict(state, strict=True)
+        with self._writing():
+            self.module.load_state_dict(state, strict=True)
 
     def save_lightning_checkpoint(
         self, filepath: str, weights_only: bool, callbacks: dict[str, Any]
     ) -> None:
         """Write the ``.ckpt`` file ``Trainer.save_checkpoint`` writes (``ModelCheckpoint``'s)
-        to ``filepath``, any fsspec URL, through Lightning's own checkpoint IO."""
+        to ``filepath``, any fsspec URL, through Lightning's own checkpoint IO. Where the
+        weights are sharded every worker is called, gathers them, and rank 0 writes."""
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+        state = self._model_state()
+        if self.shards_parameters and self.rank != 0:
+            return
         checkpoint = lightning_checkpoint(
             self.module,
             self.optimization,
             self.trainer,
             weights_only=weights_only,
             callbacks=callbacks,
+            state_dict=state,
         )
         TorchCheckpointIO().save_checkpoint(checkpoint, filepath)
 
     def remove_lightning_checkpoint(self, filepath: str) -> None:
-        """Remove a ``.ckpt`` file :meth:`save_lightning_checkpoint` wrote."""
+        """Remove a ``.ckpt`` file :meth:`save_lightning_checkpoint` wrote (rank 0 does)."""
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+        if self.rank != 0:
+            return
         TorchCheckpointIO().remove_checkpoint(filepath)
 
     def restore(self, store_url: str, checkpoint: CommittedCheckpoint) -> int:
         """Load the model and optimizer state of ``checkpoint``, whatever layout wrote it;
         return its step."""
         tensors = self.step.load(CheckpointStore(store_url), checkpoint)
-        load_training_state(self.module, self.optimizer, tensors, checkpoint.metadata["optimizer"])
+        with self._writing():
+            load_training_state(
+                self.module, self.optimizer, tensors, checkpoint.metadata["optimizer"]
+            )
         self.optimization.load_state_dict(checkpoint.metadata.get("optimization", {}))
         self._hook("on_load_checkpoint", dict(checkpoint.metadata.get("module", {})))
         return checkpoint.step
@@ -1242,9 +1281,12 @@ class Worker:
             "optimization": self.optimization.state_dict(),
             "module": module_checkpoint(self.module),
         }
+        held, self._held_model = self._held_model, None
 
         def collect() -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
             tensors, optimizer_meta = training_state(self.module, self.optimizer)
+            if held is not None:  # sharded parameters: the model every worker gathered
+                tensors.update({f"model/{name}": value for name, value in held.items()})
             ranks = {rank_shard(r): state for r, state in enumerate(comm_states or []) if state}
             return {REPLICATED: tensors, **ranks}, {**metadata, "optimizer": optimizer_meta}
 
@@ -1255,11 +1297,15 @@ class Worker:
 
     def hold_optimizer_state(self) -> None:
         """Gather a sharded optimizer's whole state (``TrainConfig.shard``; every worker
-        alike) for the checkpoint rank 0 is about to take of it in the background."""
+        alike) for the checkpoint rank 0 is about to take of it in the background; where the
+        weights are sharded too, the whole model's (rank 0 keeps it for that checkpoint)."""
         self._undo_ahead()
         hold = getattr(self.optimizer, "hold", None)
         if hold is not None:
             hold()
+        if self.shards_parameters:
+            model = self._model_state()
+            self._held_model = model if self.rank == 0 else None
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of the optimizer state tensors this worker holds (a sharded one's: its
@@ -1320,9 +1366,13 @@ class Worker:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights (a pipeline stage's: its layers') as CPU tensors: the driver
-        may have no GPU."""
+        may have no GPU. Where the weights are sharded, every worker gathers them (each is
+        called) and rank 0 returns them; the others return nothing."""
         self._undo_ahead()
-        return _host_copy(self.module.state_dict())[0]
+        state = self._model_state()
+        if self.shards_parameters and self.rank != 0:
+            return {}
+        return _host_copy(state)[0]
 
     def timeline_spans(self) -> list[dict[str, Any]]:
         """The spans this worker recorded (``engine.timeline``); each is returned once."""

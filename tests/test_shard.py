@@ -1,6 +1,7 @@
-"""Sharded data parallel, ZeRO-1 (``TrainConfig.shard="optimizer"``) and ZeRO-2
-(``"gradients"``): each worker keeps the optimizer state of its shard of the parameters (and
-under ZeRO-2 its shard of the gradients), and training ends where ``shard="none"`` ends."""
+"""Sharded data parallel, ZeRO-1 (``TrainConfig.shard="optimizer"``), ZeRO-2
+(``"gradients"``) and ZeRO-3 (``"parameters"``): each worker keeps the optimizer state of its
+shard of the parameters (under ZeRO-2 its shard of the gradients too, under ZeRO-3 of the
+parameters too), and training ends where ``shard="none"`` ends."""
 
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ from ringflow.models.digits import DigitsClassifier
 from tests.support.fitting import relative_difference
 
 HPARAMS = {"hidden": 32, "lr": 0.01}
+MODES = ("optimizer", "gradients", "parameters")
+BUCKET_MB = 0.001
+"""Two buckets of the digits model (the last layer's, the first's), each cut by the shards'
+edges inside a parameter: under ZeRO-3, two units gathered and freed in turn."""
 
 
 class _Measured(DigitsClassifier):
     """Writes the bytes of its optimizer's state tensors, per rank, where training ends, the
     state itself (this rank's shard of it, sharded), and the bytes of the memory its
-    gradients take (the module's parameters' and the optimizer's)."""
+    gradients and its parameters take (the module's parameters' and the optimizer's:
+    storage freed holds none)."""
 
     def __init__(self, record: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
@@ -45,6 +51,8 @@ class _Measured(DigitsClassifier):
             if p.grad is not None
         }
         Path(self.record, f"grads-{rank}").write_text(str(sum(storages.values())))
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+        Path(self.record, f"params-{rank}").write_text(str(sum(storages.values())))
         torch.save(optimizer.state_dict(), Path(self.record, f"state-{rank}.pt"))
 
 
@@ -77,6 +85,7 @@ def _fit(
     module=_Measured,
     hparams=None,
     on_epoch=None,
+    callbacks=None,
     **config,
 ):
     record = tmp_path / f"bytes-{run_key or name}"  # a resumed run's hparams are the same
@@ -91,6 +100,7 @@ def _fit(
         store_url=store_url,
         run_key=run_key,
         on_epoch=on_epoch,
+        callbacks=callbacks,
     )
     state_bytes = [int((record / str(r)).read_text()) for r in range(settings["workers"])]
     return result, state_bytes
@@ -100,23 +110,30 @@ def _fit(
 def test_sharded_adam_on_two_workers_ends_where_unsharded_ends_with_half_the_state(
     ray_session, digits, tmp_path
 ):
-    """69 steps of Adam, ZeRO-1 and ZeRO-2: the weights within 1e-6 of ``shard="none"``'s,
-    and each worker holds about half of the optimizer state (several buckets: a parameter
-    cut by a shard's edge is stepped in two pieces, one on each worker); under ZeRO-2 about
-    half of the gradients too, where ZeRO-1 keeps the whole buckets."""
-    none, whole = _fit(digits, tmp_path, "none", bucket_mb=0.004)
+    """69 steps of Adam, ZeRO-1, ZeRO-2 and ZeRO-3: the weights within 1e-6 of
+    ``shard="none"``'s, and each worker holds about half of the optimizer state (two buckets:
+    a parameter cut by a shard's edge is stepped in two pieces, one on each worker); under
+    ZeRO-2 and ZeRO-3 about half of the gradients too, where ZeRO-1 keeps the whole buckets;
+    under ZeRO-3 about half of the parameters too, where the others keep them whole."""
+    none, whole = _fit(digits, tmp_path, "none", bucket_mb=BUCKET_MB)
     initial = DigitsClassifier(hidden=32).state_dict()
     assert relative_difference(none.state_dict, initial) > 1e-2  # training moved the weights
     assert whole[0] == whole[1] > 0
-    for mode in ("optimizer", "gradients"):
-        sharded, parts = _fit(digits, tmp_path, mode, bucket_mb=0.004, shard=mode)
+    for mode in MODES:
+        sharded, parts = _fit(digits, tmp_path, mode, bucket_mb=BUCKET_MB, shard=mode)
         assert relative_difference(sharded.state_dict, none.state_dict) < 1e-6, mode
         assert all(part <= 0.55 * whole[0] for part in parts), (mode, parts, whole)
     grads = _gradient_bytes(tmp_path, "none", 2)
     assert grads[0] == grads[1] > 0
     assert all(part >= grads[0] for part in _gradient_bytes(tmp_path, "optimizer", 2))
-    parts = _gradient_bytes(tmp_path, "gradients", 2)
-    assert all(part <= 0.55 * grads[0] for part in parts), (parts, grads)
+    for mode in ("gradients", "parameters"):
+        parts = _gradient_bytes(tmp_path, mode, 2)
+        assert all(part <= 0.55 * grads[0] for part in parts), (mode, parts, grads)
+    weights = _parameter_bytes(tmp_path, "none", 2)
+    assert weights[0] == weights[1] > 0
+    assert all(part >= weights[0] for part in _parameter_bytes(tmp_path, "gradients", 2))
+    parts = _parameter_bytes(tmp_path, "parameters", 2)
+    assert all(part <= 0.55 * weights[0] for part in parts), (parts, weights)
 
 
 @pytest.mark.ray
@@ -125,8 +142,10 @@ def test_sharded_with_accumulation_and_clipping_on_four_workers_ends_where_unsha
 ):
     """Accumulation over 2 batches and clipping by the global norm (small enough to clip
     every step: each worker's shard alone has a smaller norm) on 4 workers, each holding
-    about a quarter of the state, ZeRO-1 and ZeRO-2 (whose every batch's gradients are
-    reduce-scattered and added up in each worker's quarter of them)."""
+    about a quarter of the state, ZeRO-1, ZeRO-2 (whose every batch's gradients are
+    reduce-scattered and added up in each worker's quarter of them) and ZeRO-3, whose
+    workers each hold at most 0.3 of what an unsharded worker holds between steps:
+    parameters, gradients and optimizer state."""
     config = {
         "workers": 4,
         "epochs": 5,  # 12 optimizer steps an epoch: 60
@@ -134,16 +153,20 @@ def test_sharded_with_accumulation_and_clipping_on_four_workers_ends_where_unsha
         "gradient_clip_val": 0.05,
         "commit_every": 4,
         "cpus_per_worker": 0.5,
-        "bucket_mb": 0.004,
+        "bucket_mb": BUCKET_MB,
     }
     none, whole = _fit(digits, tmp_path, "none4", **config)
-    for mode in ("optimizer", "gradients"):
+    for mode in MODES:
         sharded, parts = _fit(digits, tmp_path, f"{mode}4", shard=mode, **config)
         assert relative_difference(sharded.state_dict, none.state_dict) < 1e-6, mode
         assert all(part <= 0.3 * whole[0] for part in parts), (mode, parts, whole)
     grads = _gradient_bytes(tmp_path, "none4", 4)
-    parts = _gradient_bytes(tmp_path, "gradients4", 4)
-    assert all(part <= 0.3 * grads[0] for part in parts), (parts, grads)
+    for mode in ("gradients", "parameters"):
+        parts = _gradient_bytes(tmp_path, f"{mode}4", 4)
+        assert all(part <= 0.3 * grads[0] for part in parts), (mode, parts, grads)
+    held = _held_bytes(tmp_path, "none4", 4)
+    parts = _held_bytes(tmp_path, "parameters4", 4)
+    assert all(part <= 0.3 * held[0] for part in parts), (parts, held)
     # The clipping acted (so a norm of one shard's gradients alone would have shown):
     unclipped = {**config, "gradient_clip_val": None, "workers": 2}
     assert (
@@ -155,15 +178,16 @@ def test_sharded_with_accumulation_and_clipping_on_four_workers_ends_where_unsha
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("shard", ["optimizer", "parameters"])
 def test_a_sharded_run_resumes_bitwise_and_its_checkpoint_loads_unsharded(
-    ray_session, digits, tmp_path
+    ray_session, digits, tmp_path, shard
 ):
-    """The checkpoint holds the whole optimizer state, in the format of ``shard="none"``:
-    a sharded run resumed ends bit for bit as the uninterrupted one, and the same
-    checkpoint resumes unsharded to where an unsharded run ends (same math, another
+    """The checkpoint holds the whole model and optimizer state, in the format of
+    ``shard="none"``: a sharded run resumed ends bit for bit as the uninterrupted one, and
+    the same checkpoint resumes unsharded to where an unsharded run ends (same math, another
     summation order)."""
     store = str(tmp_path / "store")
-    every = {"shard": "optimizer", "checkpoint_every": 10, "epochs": 3}
+    every = {"shard": shard, "checkpoint_every": 10, "epochs": 3, "bucket_mb": BUCKET_MB}
     reference = _fit(digits, tmp_path, "reference", **every)[0]
     _fit(digits, tmp_path, "first", store_url=store, run_key="r", **{**every, "epochs": 2})
     resumed = _fit(digits, tmp_path, "resumed", store_url=store, run_key="r", **every)[0]
@@ -171,15 +195,58 @@ def test_a_sharded_run_resumes_bitwise_and_its_checkpoint_loads_unsharded(
     assert resumed.state_dict.keys() == reference.state_dict.keys()
     for name, tensor in reference.state_dict.items():
         assert torch.equal(resumed.state_dict[name], tensor), name
-    unsharded = _fit(digits, tmp_path, "unsharded", store_url=store, run_key="r", epochs=4)[0]
+    unsharded = _fit(
+        digits, tmp_path, "unsharded", store_url=store, run_key="r", epochs=4, bucket_mb=BUCKET_MB
+    )[0]
     assert unsharded.resumed_from == 69
-    plain = _fit(digits, tmp_path, "plain", epochs=4)[0]
+    plain = _fit(digits, tmp_path, "plain", epochs=4, bucket_mb=BUCKET_MB)[0]
     assert relative_difference(unsharded.state_dict, plain.state_dict) < 1e-5
+
+
+@pytest.mark.ray
+def test_sharded_parameters_evaluate_where_a_worker_has_no_part_and_write_model_checkpoints(
+    ray_session, digits, tmp_path
+):
+    """Batches of 179: the validation split's last batch (1 of its 180 samples) leaves
+    worker 1 nothing, so each evaluation gathers the whole model at once (a forward on one
+    worker alone would gather alone); the metrics and weights are ``shard="none"``'s.
+    ``ModelCheckpoint``'s file, written by rank 0 from the weights every worker gathered,
+    holds the run's weights and loads unsharded."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    config = {"batch_size": 179, "epochs": 2, "bucket_mb": BUCKET_MB}
+    none, _ = _fit(digits, tmp_path, "none", **config)
+    saved = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    sharded, _ = _fit(
+        digits, tmp_path, "parameters", shard="parameters", callbacks=[saved], **config
+    )
+    assert relative_difference(sharded.state_dict, none.state_dict) < 1e-6
+    for mine, theirs in zip(sharded.history, none.history, strict=True):
+        assert mine.metrics.keys() == theirs.metrics.keys()
+        assert mine.metrics["val_loss"] == pytest.approx(theirs.metrics["val_loss"], rel=1e-6)
+    last = _Measured.load_from_checkpoint(saved.last_model_path)
+    for name, tensor in sharded.state_dict.items():
+        assert torch.equal(last.state_dict()[name], tensor), name
 
 
 def _gradient_bytes(tmp_path, name: str, workers: int) -> list[int]:
     """Each rank's bytes of gradients where the run ``name`` ended (:class:`_Measured`)."""
     return [int((tmp_path / f"bytes-{name}" / f"grads-{r}").read_text()) for r in range(workers)]
+
+
+def _parameter_bytes(tmp_path, name: str, workers: int) -> list[int]:
+    """Each rank's bytes of parameters where the run ``name`` ended (:class:`_Measured`)."""
+    return [int((tmp_path / f"bytes-{name}" / f"params-{r}").read_text()) for r in range(workers)]
+
+
+def _held_bytes(tmp_path, name: str, workers: int) -> list[int]:
+    """Each rank's bytes held between steps where the run ``name`` ended: parameters,
+    gradients and optimizer state (:class:`_Measured`)."""
+    record = tmp_path / f"bytes-{name}"
+    return [
+        sum(int((record / f"{kind}{r}").read_text()) for kind in ("params-", "grads-", ""))
+        for r in range(workers)
+    ]
 
 
 def _optimizer_states(tmp_path, name: str, workers: int) -> list[dict]:
@@ -203,6 +270,8 @@ def _assert_same_optimizer_state(got: dict, expected: dict) -> None:
         ("optimizer", "by the driver after an epoch"),
         ("optimizer", "by itself between commits"),
         ("gradients", "by itself between commits"),
+        ("parameters", "by the driver after an epoch"),
+        ("parameters", "by itself between commits"),
     ],
 )
 def test_a_worker_killed_and_replaced_at_once_under_shard_ends_bit_for_bit(
@@ -219,7 +288,7 @@ def test_a_worker_killed_and_replaced_at_once_under_shard_ends_bit_for_bit(
     config = {
         "shard": shard,
         "epochs": 3,
-        "bucket_mb": 0.004,  # several buckets, parameters cut by a shard's edge
+        "bucket_mb": BUCKET_MB,  # two buckets, parameters cut by a shard's edge
         "cpus_per_worker": 0.5,
         "collective_timeout_s": 3.0,
     }
@@ -248,13 +317,18 @@ def test_a_worker_killed_and_replaced_at_once_under_shard_ends_bit_for_bit(
     [
         ({"shard": "zero"}, "shard must be one of"),
         ({"shard": "gradients", "compression": "powersgd"}, "does not compose with compression"),
-        ({"shard": "parameters"}, "not yet built"),
+        ({"shard": "parameters", "compression": "bf16"}, None),
+        ({"shard": "parameters", "compression": "powersgd"}, "does not compose with compression"),
+        ({"shard": "parameters", "workers": 4, "min_workers": 2}, "min_workers below workers"),
         ({"shard": "optimizer", "compression": "powersgd"}, "does not compose with compression"),
         ({"shard": "optimizer", "precision": "16-mixed"}, "does not compose with precision"),
         ({"shard": "optimizer", "workers": 3, "min_workers": 2}, "min_workers below workers"),
     ],
 )
-def test_shard_modes_not_built_or_not_composing_are_refused_in_one_line(config, message):
+def test_shard_modes_not_composing_are_refused_in_one_line(config, message):
+    if message is None:  # composes
+        assert TrainConfig(**config).shard == config["shard"]
+        return
     with pytest.raises(ValueError, match=message) as raised:
         TrainConfig(**config)
     assert "\n" not in str(raised.value)
@@ -277,3 +351,80 @@ def test_manual_optimisation_under_shard_is_refused_before_any_worker_starts(tmp
     with pytest.raises(ModelError, match="does not compose with manual optimisation") as raised:
         under_ringflow(NoiseFromData, {}, images(), tmp_path, workers=2, shard="optimizer")
     assert "\n" not in str(raised.value)
+
+
+def _layers() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+    )
+
+
+def test_sharded_parameters_hold_memory_only_around_their_use_and_train_as_whole_ones():
+    """ZeRO-3's units on one rank (the ring moves nothing; the hooks run as on many): each
+    unit's buffer holds memory from the forward of its first layer to that of its last (the
+    next unit's gather started meanwhile), none between steps, and an evaluation gathers and
+    frees alike; Adam's steps end bit for bit where whole parameters' end. Whole weights
+    written keep this rank's shard; gathered copies are the weights; released, the module
+    carries no hook and its parameters have storage of their own."""
+    from ringflow.engine.collective import GradientBuckets
+    from ringflow.engine.collective.ring import RingCollective
+    from ringflow.engine.sharded_parameters import ShardedParameters
+    from ringflow.engine.sharding import ShardedOptimizer
+
+    reference, model = _layers(), _layers()
+    plain = torch.optim.Adam(reference.parameters(), lr=0.01)
+    ring = RingCollective(rank=0, world_size=1)
+    buckets = GradientBuckets(
+        list(model.parameters()), ring, bucket_bytes=300 * 4, scatter=True, keep_shards=True
+    )
+    weights = ShardedParameters(model, buckets, ring)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    sharded = ShardedOptimizer(optimizer, buckets, ring, parameters=weights)
+    assert buckets.bucket_sizes == [340, 144]  # the last two layers, then the first
+
+    def held() -> list[int]:
+        return [flat.untyped_storage().nbytes() for flat in weights.flats]
+
+    seen = []
+    for layer in model:
+        layer.register_forward_hook(lambda *_: seen.append(held()), prepend=True)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(5, 8, generator=generator)
+        plain.zero_grad()
+        reference(x).square().sum().backward()
+        plain.step()
+        optimizer.zero_grad()
+        buckets.zero_()
+        weights.begin()
+        buckets.start()
+        with weights.saving():
+            loss = model(x).square().sum()
+        assert held() == [0, 0]  # both freed after their forward, saved for backward
+        loss.backward()
+        buckets.finish()
+        sharded.attach_grads()
+        optimizer.step()
+        sharded.gather()
+        weights.end()
+        assert held() == [0, 0]
+    # Each layer's forward ran with: the first layer's unit and the next on its way, then
+    # (ReLU, the other two layers) that next unit alone.
+    assert seen[:4] == [[1360, 576], [1360, 0], [1360, 0], [1360, 0]]
+    with torch.no_grad():
+        weights.begin()
+        assert torch.equal(model(x), reference(x))
+        weights.end()
+    assert held() == [0, 0]
+    copies = weights.copies()
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(copies[id(mine)], theirs)
+    with weights.writing(), torch.no_grad():
+        for param in model.parameters():
+            param.fill_(0.5)
+    assert all(torch.equal(shard, torch.full_like(shard, 0.5)) for shard in weights.shards)
+    weights.release()
+    sharded.release()
+    assert all(not layer._forward_pre_hooks for layer in model)
+    assert all(p.untyped_storage().nbytes() == p.numel() * 4 for p in model.parameters())

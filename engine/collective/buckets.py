@@ -128,6 +128,9 @@ class GradientBuckets:
         self._comm_hook = comm_hook
         self.timeline: WorkerTimeline | None = None
         """Set, each bucket's all-reduce is recorded there (``engine.timeline``)."""
+        self.launched: Callable[[int], None] | None = None
+        """Set, called with a bucket's index once its reduction started, its gradients taken
+        (sharded parameters free the bucket's weights then: ``engine.sharded_parameters``)."""
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -317,6 +320,8 @@ class GradientBuckets:
             work = _Added(work, mine, into=self._kept[index])
             bucket.buffer = None  # held by the work until its shard is added
         self._works.append(work)
+        if self.launched is not None:
+            self.launched(index)
         if self.keep_shards:  # at most two buckets' buffers in flight
             while self._settled < len(self._works) - 2:
                 self._works[self._settled].wait()

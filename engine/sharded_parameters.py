@@ -1,0 +1,362 @@
+"""Sharded parameters: ZeRO-3 (``TrainConfig.shard="parameters"``), FSDP's full sharding.
+
+Between steps each worker holds only its shard of the parameters, as under ZeRO-2 it holds
+only its shard of the gradients and of the optimizer state (``engine.sharding``): the
+module's parameters are views of flat buffers laid out as the gradient buckets are, and the
+buffers' storage is freed (resized to nothing) while no computation needs them; this rank's
+shard of each buffer lives in a tensor of its own, which the optimizer steps in place.
+
+A *unit* is a bucket. Its buffer is all-gathered just before the forward of a module that
+owns one of its parameters (a forward pre-hook; the next unit's gather starts meanwhile) and
+freed once every such module's forward has run. Backward gathers it again where autograd
+unpacks a tensor saved from it (``saved_tensors_hooks``; the next unit backward reaches
+starts to gather meanwhile), and frees it once the bucket's gradients are taken for their
+reduce-scatter (``GradientBuckets.launched``): backward needs a unit's weights only to
+compute the gradients of the layers before it, which it has done once the unit's own
+gradients are in. The module's own parameters (a LightningModule's, used anywhere in its
+step) are gathered for a whole pass. Evaluation gathers and frees through the same hooks.
+
+So every worker must run the same layers in the same order, in every forward pass (each
+gather is a collective), and a layer's weights may be used only inside the forward of a
+module that owns them: a weight used elsewhere (another module reading it, a tensor returned
+that views it) holds no memory once its unit is freed.
+
+Commits, checkpoints and the weights a run returns are the whole state, gathered by every
+worker alike (:meth:`ShardedParameters.copies`); a rollback or a checkpoint loaded writes
+whole weights, each worker keeping its shard of them (:meth:`ShardedParameters.writing`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+from ringflow.engine.collective import Collective, GradientBuckets, shard_of
+from ringflow.engine.collective.base import CollectiveWork
+from ringflow.engine.errors import EngineError
+
+__all__ = ["ShardedParameters"]
+
+
+class _Saved(NamedTuple):
+    """A tensor autograd saved for backward that views the buffer of unit ``index``."""
+
+    index: int
+    tensor: torch.Tensor
+
+
+class ShardedParameters:
+    """The module's trainable parameters, each worker holding its shard of each bucket's.
+
+    Args:
+        module: the module; its parameters become views of the buckets' flat buffers, and
+            every submodule that owns one gets the forward hooks that gather and free them.
+        buckets: the gradient buckets (reduce-scattered, keeping their shards): one unit
+            each, laid out as they are.
+        collective: the ring of this rank.
+    """
+
+    def __init__(
+        self, module: torch.nn.Module, buckets: GradientBuckets, collective: Collective
+    ) -> None:
+        self.collective = collective
+        rank, size = collective.rank, collective.world_size
+        self.flats: list[torch.Tensor] = []
+        """Each bucket's parameters, flat and padded: the module's parameters view them;
+        their storage is freed while the unit is not gathered."""
+        self.shards: list[torch.Tensor] = []
+        """This rank's shard of each flat buffer, in storage of its own: what is kept."""
+        self._params: list[list[torch.Tensor]] = []
+        with torch.no_grad():
+            for params, numel, _ in buckets.shards:
+                flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+                offset = 0
+                for param in params:
+                    view = flat[offset : offset + param.numel()].view_as(param)
+                    view.copy_(param)
+                    param.data = view
+                    offset += param.numel()
+                self.flats.append(flat)
+                self.shards.append(shard_of(flat, rank, size).clone())
+                self._params.append(list(params))
+        layout = tuple((tuple(map(id, params)), flat.numel()) for params, flat, _ in self._units)
+        self._key = (rank, size, layout)
+        count = len(self.flats)
+        self._bytes = [flat.untyped_storage().nbytes() for flat in self.flats]
+        self._gathered = [True] * count
+        self._works: list[CollectiveWork | None] = [None] * count
+        self._ptrs: dict[int, int] = {}
+        """The data pointer of each gathered unit's storage: its index."""
+        self._holding = 0
+        """While above 0, every unit is gathered and stays so (:meth:`gathered`)."""
+        self._backward = False
+        """Within the backward pass (:meth:`backward`)."""
+        self.missing = False
+        """This rank's shard of the weights is not here (:meth:`take`) until whole weights
+        are written (:meth:`writing`)."""
+        unit_of = {id(p): index for index, params in enumerate(self._params) for p in params}
+        self._owners: list[list[torch.nn.Module]] = [[] for _ in range(count)]
+        self._left: list[set[int]] = [set() for _ in range(count)]
+        """The owners of each gathered unit whose forward has not run since it gathered."""
+        self._hooks: list[Any] = []
+        self.pinned: frozenset[int] = frozenset()
+        """The units holding the module's own parameters: gathered for whole passes."""
+        for owner in module.modules():
+            units = sorted(
+                {
+                    unit_of[id(p)]
+                    for p in owner._parameters.values()
+                    if p is not None and id(p) in unit_of
+                }
+            )
+            if not units:
+                continue
+            if owner is module:
+                self.pinned = frozenset(units)
+            for index in units:
+                self._owners[index].append(owner)
+            self._hooks.append(
+                owner.register_forward_pre_hook(functools.partial(self._before_forward, units))
+            )
+            self._hooks.append(
+                owner.register_forward_hook(functools.partial(self._after_forward, units))
+            )
+        self._buckets = buckets
+        buckets.launched = self._reduced
+        for index in range(count):
+            self._free(index)
+
+    # ------------------------------------------------------------------ units
+
+    def _start(self, index: int) -> None:
+        """Start gathering unit ``index`` (nothing if it is gathered or on its way)."""
+        if self._gathered[index] or self._works[index] is not None:
+            return
+        flat = self.flats[index]
+        storage = flat.untyped_storage()
+        storage.resize_(self._bytes[index])
+        self._ptrs[storage.data_ptr()] = index
+        self._left[index] = {id(owner) for owner in self._owners[index]}
+        self._works[index] = self.collective.all_gather_into_async_(self.shards[index], out=flat)
+
+    def _gather(self, index: int) -> None:
+        """Unit ``index`` gathered, waiting for it."""
+        self._start(index)
+        work, self._works[index] = self._works[index], None
+        if work is not None:
+            work.wait()
+            self._gathered[index] = True
+
+    def _free(self, index: int, *, quietly: bool = False) -> None:
+        """Let unit ``index``'s buffer go (once a gather into it is done: the collective
+        writes into it until then)."""
+        work, self._works[index] = self._works[index], None
+        if work is not None:
+            try:
+                work.wait()
+            except Exception:
+                if not quietly:
+                    raise
+        storage = self.flats[index].untyped_storage()
+        self._ptrs.pop(storage.data_ptr(), None)
+        storage.resize_(0)
+        self._gathered[index] = False
+
+    def _prefetch(self, index: int) -> None:
+        if 0 <= index < len(self.flats):
+            self._start(index)
+
+    def _before_forward(self, units: list[int], module: torch.nn.Module, args: Any) -> None:
+        """A module's forward is about to run: its units gathered, and the unit forward
+        reaches next (the buckets run from the last layers to the first) on its way."""
+        for index in units:
+            self._start(index)
+        for index in units:
+            self._gather(index)
+        self._prefetch(units[0] - 1)
+
+    def _after_forward(
+        self, units: list[int], module: torch.nn.Module, args: Any, output: Any
+    ) -> None:
+        """A module's forward ran: a unit every owner of which has run since it was gathered
+        is freed (the module's own aside, every unit while :meth:`gathered` holds, and any
+        within backward, where the bucket frees it)."""
+        if self._holding or self._backward:
+            return
+        for index in units:
+            left = self._left[index]
+            left.discard(id(module))
+            if not left and index not in self.pinned:
+                self._free(index)
+
+    def _reduced(self, index: int) -> None:
+        """Bucket ``index``'s gradients are taken for their reduce-scatter: backward needs
+        its weights no more."""
+        if not self._holding and index not in self.pinned:
+            self._free(index)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        try:
+            index = self._ptrs.get(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # no storage of its own to view ours
+            return tensor
+        return tensor if index is None else _Saved(index, tensor)
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if type(saved) is not _Saved:
+            return saved
+        self._gather(saved.index)
+        self._prefetch(saved.index + 1)  # the unit backward reaches next
+        return saved.tensor
+
+    # ------------------------------------------------------------------ passes
+
+    def begin(self) -> None:
+        """Before a pass (a training batch, an evaluation): the module's own parameters
+        gathered.
+
+        Raises:
+            EngineError: this rank's shard of the weights is missing (:meth:`take`).
+        """
+        if self.missing:
+            raise EngineError(
+                "sharded parameters: this worker's shard of the weights was not carried into "
+                "the new membership and no commit was loaded since"
+            )
+        for index in sorted(self.pinned, reverse=True):
+            self._start(index)
+        for index in sorted(self.pinned, reverse=True):
+            self._gather(index)
+
+    def end(self) -> None:
+        """After a pass: every unit freed (a failed collective's error is not raised again:
+        the ring keeps it for the next collective or check)."""
+        for index in range(len(self.flats)):
+            self._free(index, quietly=True)
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around a forward pass whose backward comes: the tensors autograd saves from a
+        unit's weights gather it again when backward unpacks them."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Around the backward pass: a forward run inside it (activation checkpointing's
+        recomputation, whose saved tensors this cannot see) frees nothing; each unit is
+        freed once its bucket's gradients are taken, or at :meth:`end`."""
+        self._backward = True
+        try:
+            yield
+        finally:
+            self._backward = False
+
+    @contextlib.contextmanager
+    def gathered(self, *, write: bool = False) -> Iterator[None]:
+        """Every unit gathered while the block runs (collective: every worker alike), then
+        freed; with ``write``, what the block wrote into the weights (every worker alike: a
+        broadcast) is kept."""
+        for index in reversed(range(len(self.flats))):
+            self._start(index)
+        for index in reversed(range(len(self.flats))):
+            self._gather(index)
+        self._holding += 1
+        try:
+            yield
+            if write:
+                self._keep_shards()
+        finally:
+            self._holding -= 1
+            if not self._holding:
+                self.end()
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """The block writes whole weights (a rollback, a checkpoint loaded); each worker
+        keeps its shard of them. Not collective: the buffers are allocated, not gathered,
+        and only this rank's shard of each is read back."""
+        self.end()
+        rank, size = self.collective.rank, self.collective.world_size
+        for index, flat in enumerate(self.flats):
+            flat.untyped_storage().resize_(self._bytes[index])
+            with torch.no_grad():
+                flat.zero_()
+                shard_of(flat, rank, size).copy_(self.shards[index])
+            self._gathered[index] = True
+        self._holding += 1
+        try:
+            yield
+            self._keep_shards()
+            self.missing = False
+        finally:
+            self._holding -= 1
+            self.end()
+
+    def _keep_shards(self) -> None:
+        rank, size = self.collective.rank, self.collective.world_size
+        with torch.no_grad():
+            for flat, shard in zip(self.flats, self.shards, strict=True):
+                shard.copy_(shard_of(flat, rank, size))
+
+    def copies(self) -> dict[int, torch.Tensor]:
+        """Every trainable parameter's whole value by ``id``, gathered into tensors of their
+        own (collective: every worker alike), the module's buffers left as they are."""
+        works, whole = [], {}
+        for params, flat, shard in self._units:
+            out = torch.empty_like(flat)
+            works.append(self.collective.all_gather_into_async_(shard, out=out))
+            offset = 0
+            for param in params:
+                whole[id(param)] = out[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+        for work in works:
+            work.wait()
+        return whole
+
+    @property
+    def _units(self) -> list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]]:
+        """Each unit's parameters, flat buffer and shard."""
+        return list(zip(self._params, self.flats, self.shards, strict=True))
+
+    # ------------------------------------------------------------------ membership
+
+    def carry(self) -> tuple[Any, list[torch.Tensor]]:
+        """This rank's shards, to :meth:`take` into the next layout (call before
+        :meth:`release`)."""
+        return self._key, self.shards
+
+    def take(self, carried: tuple[Any, list[torch.Tensor]] | None) -> bool:
+        """The shards :meth:`carry` kept of an earlier layout, where it is this one (the
+        same rank of the same number of workers); whether it was. Else the weights are
+        missing until whole weights are written."""
+        if carried is None:
+            return True
+        key, shards = carried
+        if key != self._key:
+            self.missing = True
+            return False
+        with torch.no_grad():
+            for mine, kept in zip(self.shards, shards, strict=True):
+                mine.copy_(kept)
+        self.missing = False
+        return True
+
+    def release(self) -> None:
+        """Remove the hooks and give every parameter storage of its own, zeroed (the ring,
+        and so the layout, is about to change: the weights come from a commit or from
+        :meth:`carry` then)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._buckets.launched = None
+        self.end()
+        with torch.no_grad():
+            for params in self._params:
+                for param in params:
+                    param.data = torch.zeros_like(param)
+        self._params, self.flats, self.shards = [], [], []
