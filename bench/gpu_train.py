@@ -65,6 +65,7 @@ import torch.multiprocessing as mp
 
 from bench import headline_json
 from ringflow.engine import phases
+from ringflow.engine.config import SHARD_MODES
 from ringflow.models.gpt import GPTModule
 
 HEADLINE = (
@@ -105,6 +106,9 @@ class Spec:
     """Ours' in-memory commits (``TrainConfig.commit_every``): every this many steps, inside
     the timed epoch too; ``None``: once an epoch, at its end (outside the timed steps)."""
     precision: str = "bf16-mixed"
+    shard: str = "none"
+    """Ours' sharding (``TrainConfig.shard``): ``parameters`` is FSDP's full sharding, for
+    ours against the FSDP2 runner."""
     seed: int = 0
     lr: float = 6e-4
     repeats: int = 1
@@ -444,6 +448,7 @@ def _run_ours(spec: Spec) -> Result:
                 bucket_mb=spec.bucket_mb,
                 collective=spec.collective,
                 precision=spec.precision,
+                shard=spec.shard,
                 gpus_per_worker=1 if spec.device == "cuda" else 0,
                 cpus_per_worker=1.0,
                 commit_every=spec.commit_every or spec.steps,
@@ -846,6 +851,12 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
     )
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--precision", default="bf16-mixed", help="as TrainConfig.precision")
+    parser.add_argument(
+        "--shard",
+        default="none",
+        choices=SHARD_MODES,
+        help="ours' TrainConfig.shard (parameters: FSDP's full sharding, eager only)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--timeline",
@@ -865,6 +876,8 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
         parser.error("--gpus and --per-gpu-batch must be positive, --steps at least 2")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.shard == "parameters" and modes != ["eager"] and "ours" in runners:
+        parser.error("--shard parameters trains eager only: pass --compile eager")
     if args.commit_every is not None and args.commit_every < 1:
         parser.error(f"--commit-every must be positive, got {args.commit_every}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -887,6 +900,7 @@ def _parse(argv: list[str] | None) -> tuple[Spec, list[int], list[str], list[str
         commit_every=args.commit_every,
         repeats=args.repeats,
         precision=args.precision,
+        shard=args.shard,
         seed=args.seed,
     )
     return spec, counts, modes, runners, args.timeline
