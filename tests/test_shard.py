@@ -183,14 +183,19 @@ def test_sharded_with_accumulation_and_clipping_on_four_workers_ends_where_unsha
 def test_a_sharded_run_resumes_bitwise_and_its_checkpoint_loads_unsharded(
     ray_session, digits, tmp_path, shard
 ):
-    """The checkpoint holds the whole model and optimizer state, in the format of
-    ``shard="none"``: a sharded run resumed ends bit for bit as the uninterrupted one, and
-    the same checkpoint resumes unsharded to where an unsharded run ends (same math, another
-    summation order)."""
+    """The checkpoint is each worker's shard, written by that worker: a sharded run resumed
+    ends bit for bit as the uninterrupted one, and the same checkpoint resumes unsharded to
+    where an unsharded run ends (same math, another summation order)."""
+    from ringflow.storage import CheckpointStore
+
     store = str(tmp_path / "store")
     every = {"shard": shard, "checkpoint_every": 10, "epochs": 3, "bucket_mb": BUCKET_MB}
     reference = _fit(digits, tmp_path, "reference", **every)[0]
     _fit(digits, tmp_path, "first", store_url=store, run_key="r", **{**every, "epochs": 2})
+    assert sorted(CheckpointStore(store).checkpoints("r")[-1].shards) == [
+        "zero-00000",
+        "zero-00001",
+    ]
     resumed = _fit(digits, tmp_path, "resumed", store_url=store, run_key="r", **every)[0]
     assert resumed.resumed_from == 46
     assert resumed.state_dict.keys() == reference.state_dict.keys()
@@ -586,3 +591,80 @@ def test_a_sharded_checkpoint_is_every_workers_own_pieces_and_loads_on_any_numbe
     partial = store.commit("z", step=3, shards=records, metadata=checkpoint.metadata)
     with pytest.raises(CheckpointError, match="cover"):
         load_whole(store, partial)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("shard", "then"), [("parameters", "gradients"), ("optimizer", "parameters")]
+)
+def test_four_sharded_workers_checkpoint_resumes_on_two_sharded_and_one_unsharded_bitwise(
+    ray_session, digits, tmp_path, shard, then
+):
+    """Four sharded workers checkpoint their shards (``zero-0000{0..3}``, no state gathered
+    anywhere), whose weights assembled are the run's. Resumed on two workers under another
+    shard mode (``then``) and on one worker unsharded, each run ends bit for bit where the
+    same run resumed from the same state in the format of ``shard="none"`` ends (the one
+    whole shard every worker reads; the same membership history: four workers, then two or
+    one). No uninterrupted run goes from four workers to two: a sharded run keeps its
+    workers (``min_workers`` below ``workers`` is refused), and a run on fewer workers sums
+    the gradients in another order, so only the resumed runs compare bit for bit; that one
+    ended where it started from is ``test_a_sharded_run_resumes_bitwise...``'s."""
+    import shutil
+
+    from ringflow.storage import REPLICATED, CheckpointStore, load_whole
+
+    every = {"bucket_mb": BUCKET_MB, "checkpoint_every": 10, "cpus_per_worker": 0.5}
+    pieces = tmp_path / "pieces"
+    four, _ = _fit(
+        digits,
+        tmp_path,
+        "four",
+        store_url=str(pieces),
+        run_key="r",
+        workers=4,
+        shard=shard,
+        epochs=2,
+        **every,
+    )
+    store = CheckpointStore(str(pieces))
+    checkpoint = store.checkpoints("r")[-1]
+    assert checkpoint.step == 46
+    assert sorted(checkpoint.shards) == [f"zero-0000{r}" for r in range(4)]
+    whole = load_whole(store, checkpoint)
+    for name, tensor in four.state_dict.items():
+        assert torch.equal(whole[f"model/{name}"], tensor), name
+    # The same state as shard="none" writes it: one shard, every tensor whole.
+    replicated = tmp_path / "whole"
+    CheckpointStore(str(replicated)).save(
+        "r",
+        step=checkpoint.step,
+        shards={REPLICATED: whole},
+        metadata={k: v for k, v in checkpoint.metadata.items() if k != "pieces"},
+        metrics=checkpoint.metrics,
+    )
+    plain, _ = _fit(digits, tmp_path, "plain", epochs=3, bucket_mb=BUCKET_MB)
+    for workers, mode in ((2, then), (1, "none")):
+        ends = []
+        for source in (pieces, replicated):
+            copied = tmp_path / f"{source.name}-{workers}"
+            shutil.copytree(source, copied)
+            resumed, _ = _fit(
+                digits,
+                tmp_path,
+                copied.name,
+                store_url=str(copied),
+                run_key="r",
+                workers=workers,
+                shard=mode,
+                epochs=3,
+                **every,
+            )
+            assert resumed.resumed_from == 46
+            ends.append(resumed.state_dict)
+        from_pieces, from_whole = ends
+        assert from_pieces.keys() == from_whole.keys()
+        for name, tensor in from_whole.items():
+            assert torch.equal(from_pieces[name], tensor), (workers, mode, name)
+        # Where two unsharded workers end, but for the order of the sums: the epoch started
+        # from the checkpoint (from the initial weights it ends elsewhere).
+        assert relative_difference(from_pieces, plain.state_dict) < 1e-5
