@@ -190,6 +190,11 @@ class DataParallel(Layout):
 
     elastic = True
 
+    def __init__(self, config: TrainConfig) -> None:
+        super().__init__(config)
+        self._written = _WrittenShards(lambda group, method, *args: group.call(method, *args))
+        """Sharded: the checkpoint whose shards every worker is writing."""
+
     @property
     def size(self) -> int:
         return self.config.workers
@@ -223,11 +228,6 @@ class DataParallel(Layout):
         size = len(group.members)
         init_method = group.call_ranked(Worker.addresses, [()], [0])[0][0]
         group.call_each(Worker.reconfigure, [(rank, size, init_method) for rank in range(size)])
-
-    def __init__(self, config: TrainConfig) -> None:
-        super().__init__(config)
-        self._written = _WrittenShards(lambda group, method, *args: group.call(method, *args))
-        """Sharded: the checkpoint whose shards every worker is writing."""
 
     def checkpoint(self, group, store_url, run_key, *, step, metadata, metrics) -> None:
         if self.config.shard != "none":
