@@ -39,7 +39,15 @@ from ringflow.engine.worker import (
     seed_generators,
     to_device,
 )
-from ringflow.storage.reshard import REPLICATED, load_data_parallel
+from ringflow.storage.reshard import (
+    REPLICATED,
+    is_sharded,
+    load_data_parallel,
+    piece_key,
+    pieced_keys,
+    read_pieces,
+    zero_shard,
+)
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
 
 if TYPE_CHECKING:
@@ -61,8 +69,6 @@ class DataParallelStep:
 
     calls_hooks = True
     """The module's own hooks run on every worker, as on every rank under Trainer."""
-    shard = REPLICATED
-    """Every worker holds the whole state: rank 0's is the checkpoint's one shard."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
@@ -95,6 +101,13 @@ class DataParallelStep:
         self.sharded: ShardedOptimizer | None = None
         self.weights: ShardedParameters | None = None
         """Under ZeRO-3, the module's sharded parameters."""
+
+    @property
+    def shard(self) -> str:
+        """The checkpoint shard this worker writes (``Worker.write_shard``): sharded, its own
+        (``zero-{rank}``, :meth:`own_training_state`); else every worker holds the whole
+        state, and rank 0's is the checkpoint's one shard."""
+        return zero_shard(self.worker.rank) if self.shards else REPLICATED
 
     def split(self, split: str) -> Samples:
         return samples_of(self.worker.data, split)
@@ -615,6 +628,87 @@ class DataParallelStep:
             return
         with self.weights.writing():
             yield
+
+    def own_training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """Sharded, this worker's shard of the training state by full name and element range
+        (``storage.reshard``'s sharded layout), nothing gathered: its pieces of the weights
+        (:meth:`ShardedOptimizer.spans`) and of the optimizer state; rank 0 adds the module's
+        tensors that are not sharded (buffers, frozen parameters). The metadata is the
+        optimizer's (``merge_sharded_optimizer_metadata`` joins the workers'), with
+        ``pieces``: each sharded parameter's shape and the other names it has in the
+        module's ``state_dict``. ``None`` unsharded: the whole state is rank 0's. The tensors
+        alias the state."""
+        if self.sharded is None:
+            return None
+        module, sharded = self.worker.module, self.sharded
+        named = list(module.named_parameters())
+        names = {id(param): name for name, param in named}
+        bucketed = sharded.bucketed
+        tensors = {
+            piece_key(f"model/{names[id(param)]}", start, stop): view
+            for param, start, stop, view in sharded.spans()
+        }
+        aliases = {}
+        for key, value in module.state_dict(keep_vars=True).items():
+            if id(value) in bucketed:
+                if names[id(value)] != key:
+                    aliases[key] = names[id(value)]
+            elif self.worker.rank == 0:
+                tensors[f"model/{key}"] = value.detach()
+        optim, metadata = sharded.state_pieces(named)
+        tensors.update({f"optim/{key}": value for key, value in optim.items()})
+        metadata["pieces"] = {
+            "workers": self.worker.world_size,
+            "shapes": {name: list(p.shape) for name, p in named if id(p) in bucketed},
+            "aliases": aliases,
+        }
+        return tensors, metadata
+
+    def restore_own(self, store: CheckpointStore, checkpoint: CommittedCheckpoint) -> bool:
+        """Sharded, from a sharded checkpoint (of any number of workers, any shard mode):
+        load this worker's pieces of the optimizer state, and of the weights under ZeRO-3
+        (the whole weights otherwise), reading only the checkpoint's shards that hold some
+        of them; whether it did (else the whole state is loaded: :meth:`load`)."""
+        if self.sharded is None or not is_sharded(checkpoint):
+            return False
+        module, sharded = self.worker.module, self.sharded
+        named = list(module.named_parameters())
+        names = {id(param): name for name, param in named}
+        bucketed = sharded.bucketed
+        state = module.state_dict(keep_vars=True)
+        wanted: dict[str, list[tuple[int, int]] | None] = {
+            f"model/{key}": None for key, value in state.items() if id(value) not in bucketed
+        }
+        spans = sharded.spans()
+        if self.weights is None:  # every worker holds the whole weights
+            wanted.update({f"model/{names[i]}": None for i in bucketed})
+        else:
+            wanted.update({f"model/{names[id(p)]}": [(a, b)] for p, a, b, _ in spans})
+        metadata = checkpoint.metadata["optimizer"]
+        pieced = pieced_keys(checkpoint)
+        for param, start, stop in sharded.pieces():
+            name = names[id(param)]
+            for key in metadata["state"].get(name, {}).get("tensors", []):
+                full = f"optim/{name}/{key}"
+                wanted[full] = [(start, stop)] if full in pieced else None
+        found = read_pieces(store, checkpoint, wanted)
+        with torch.no_grad():
+            whole = {
+                key: found[f"model/{key}"]
+                for key, value in state.items()
+                if f"model/{key}" in found and (self.weights is None or id(value) not in bucketed)
+            }
+            if self.weights is None:  # tied weights: the parameter under its other names
+                for key, value in state.items():
+                    if key not in whole:
+                        whole[key] = found[f"model/{names[id(value)]}"]
+            module.load_state_dict(whole, strict=self.weights is None)
+            if self.weights is not None:
+                for param, start, stop, view in spans:
+                    view.copy_(found[piece_key(f"model/{names[id(param)]}", start, stop)])
+        optim = {key[6:]: value for key, value in found.items() if key.startswith("optim/")}
+        sharded.load_pieces(named, optim, metadata)
+        return True
 
     def own(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What of a whole model's ``state`` this worker holds: all of it."""

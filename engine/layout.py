@@ -22,7 +22,7 @@ import torch
 from ringflow.engine.config import WIRE_FORMATS, TrainConfig
 from ringflow.engine.elastic.membership import Elastic, Fixed, Membership
 from ringflow.engine.worker import Worker
-from ringflow.storage.reshard import merge_optimizer_metadata
+from ringflow.storage.reshard import merge_optimizer_metadata, merge_sharded_optimizer_metadata
 from ringflow.storage.store import CheckpointStorageError, CheckpointStore
 
 if TYPE_CHECKING:
@@ -190,6 +190,11 @@ class DataParallel(Layout):
 
     elastic = True
 
+    def __init__(self, config: TrainConfig) -> None:
+        super().__init__(config)
+        self._written = _WrittenShards(lambda group, method, *args: group.call(method, *args))
+        """Sharded: the checkpoint whose shards every worker is writing."""
+
     @property
     def size(self) -> int:
         return self.config.workers
@@ -225,11 +230,30 @@ class DataParallel(Layout):
         group.call_each(Worker.reconfigure, [(rank, size, init_method) for rank in range(size)])
 
     def checkpoint(self, group, store_url, run_key, *, step, metadata, metrics) -> None:
+        if self.config.shard != "none":
+            # Every worker writes its own shard (``zero-{rank}``) in the background, nothing
+            # gathered; the manifest follows once all are written (``settle``).
+            self._written.settle(group, wait=True)
+            parts = group.call(Worker.write_own_shard, store_url, run_key, step)
+            optimizer = merge_sharded_optimizer_metadata([part["optimizer"] for part in parts])
+            pieces = optimizer.pop("pieces")
+            self._written.pending = _PendingCheckpoint(
+                store_url,
+                run_key,
+                step=step,
+                metadata={
+                    **metadata,
+                    "optimizer": optimizer,
+                    "pieces": pieces,
+                    "optimization": parts[0]["optimization"],  # every worker's alike
+                    "module": parts[0]["module"],
+                },
+                metrics=metrics,
+            )
+            return
         # Rank 0 copies the replicated state to host memory and writes it in the background,
         # with each rank's communication hook state (PowerSGD's errors differ by rank).
         hooked = self.config.compression not in WIRE_FORMATS
-        if self.config.shard != "none":  # each worker's shard of the optimizer state, gathered
-            group.call(Worker.hold_optimizer_state)
         group.call_rank0(
             Worker.checkpoint,
             store_url,
@@ -240,8 +264,11 @@ class DataParallel(Layout):
             comm_states=group.call(Worker.comm_state) if hooked else None,
         )
 
+    def settle(self, group: Workers, *, wait: bool = False) -> None:
+        self._written.settle(group, wait=wait)
+
     def flush(self, group: Workers) -> list[str]:
-        return group.call_rank0(Worker.flush_checkpoints)["errors"]
+        return group.call_rank0(Worker.flush_checkpoints)["errors"] + self._written.flush(group)
 
     def attach_callbacks(self, callbacks: Any, group: Workers, *, loggers: bool) -> None:
         super().attach_callbacks(callbacks, group, loggers=loggers)
@@ -293,9 +320,10 @@ class Pipeline(Layout):
         self.pipeline = pipeline
         self.partition: Partition | None = None
         """Which layers each stage owns: decided by :meth:`prepare`."""
-        self._pending: _PendingCheckpoint | None = None
+        self._written = _WrittenShards(
+            lambda group, method, *args: group.call_first(pipeline.stages, method, *args)
+        )
         """The checkpoint whose shards the stages are writing."""
-        self._not_saved: list[str] = []
 
     @property
     def size(self) -> int:
@@ -430,11 +458,11 @@ class Pipeline(Layout):
         # Replica 0's stages hold the whole state between them, one shard per stage: each
         # writes its own in the background, and the manifest follows once all are written
         # (at the next chunk's end, checkpoint or flush: ``settle``).
-        self.settle(group, wait=True)
+        self._written.settle(group, wait=True)
         stages = group.call_first(
             self.pipeline.stages, Worker.write_shard, store_url, run_key, step
         )
-        self._pending = _PendingCheckpoint(
+        self._written.pending = _PendingCheckpoint(
             store_url,
             run_key,
             step=step,
@@ -448,36 +476,10 @@ class Pipeline(Layout):
         )
 
     def settle(self, group: Workers, *, wait: bool = False) -> None:
-        """Commit the checkpoint whose shards the stages finished writing (``wait``: once
-        they have); one whose shard could not be written is not committed, and said."""
-        pending = self._pending
-        if pending is None:
-            return
-        writes = group.call_first(self.pipeline.stages, Worker.shard_written, pending.step, wait)
-        states = {write["state"] for write in writes}
-        if states == {"written"}:
-            self._pending = None
-            try:
-                CheckpointStore(pending.store_url).commit(
-                    pending.run_key,
-                    step=pending.step,
-                    shards=[write["record"] for write in writes],
-                    metadata=pending.metadata,
-                    metrics=pending.metrics,
-                )
-            except CheckpointStorageError as err:  # retried there; the previous stays latest
-                self._not_saved.append(f"step {pending.step}: {err}")
-        elif "writing" not in states:  # a write failed, or a stage that wrote one was lost
-            self._pending = None
-            errors = [
-                w.get("error", "its stage was replaced") for w in writes if w["state"] != "written"
-            ]
-            self._not_saved.append(f"step {pending.step}: {'; '.join(errors)}")
+        self._written.settle(group, wait=wait)
 
     def flush(self, group: Workers) -> list[str]:
-        self.settle(group, wait=True)
-        not_saved, self._not_saved = self._not_saved, []
-        return not_saved
+        return self._written.flush(group)
 
     def model_state(self, group: Workers) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
@@ -488,13 +490,59 @@ class Pipeline(Layout):
 
 @dataclass(frozen=True)
 class _PendingCheckpoint:
-    """A pipeline checkpoint whose manifest waits for its stages' shards."""
+    """A checkpoint whose manifest waits for its workers' shards."""
 
     store_url: str
     run_key: str
     step: int
     metadata: dict[str, Any]
     metrics: dict[str, float]
+
+
+class _WrittenShards:
+    """Checkpoints each of whose shards one worker writes in the background (a pipeline's
+    stages, sharded data-parallel workers): the manifest is committed once every shard is
+    written, manifest last. ``writers`` calls a worker method on the workers that write."""
+
+    def __init__(self, writers: Callable[..., list[Any]]) -> None:
+        self._writers = writers
+        self.pending: _PendingCheckpoint | None = None
+        """The checkpoint whose shards the workers are writing."""
+        self._not_saved: list[str] = []
+
+    def settle(self, group: Workers, *, wait: bool = False) -> None:
+        """Commit the checkpoint whose shards the workers finished writing (``wait``: once
+        they have); one whose shard could not be written is not committed, and said."""
+        pending = self.pending
+        if pending is None:
+            return
+        writes = self._writers(group, Worker.shard_written, pending.step, wait)
+        states = {write["state"] for write in writes}
+        if states == {"written"}:
+            self.pending = None
+            try:
+                CheckpointStore(pending.store_url).commit(
+                    pending.run_key,
+                    step=pending.step,
+                    shards=[write["record"] for write in writes],
+                    metadata=pending.metadata,
+                    metrics=pending.metrics,
+                )
+            except CheckpointStorageError as err:  # retried there; the previous stays latest
+                self._not_saved.append(f"step {pending.step}: {err}")
+        elif "writing" not in states:  # a write failed, or a worker that wrote one was lost
+            self.pending = None
+            errors = [
+                w.get("error", "its worker was replaced") for w in writes if w["state"] != "written"
+            ]
+            self._not_saved.append(f"step {pending.step}: {'; '.join(errors)}")
+
+    def flush(self, group: Workers) -> list[str]:
+        """Wait for the shards still being written and commit them; the errors since the
+        last flush."""
+        self.settle(group, wait=True)
+        not_saved, self._not_saved = self._not_saved, []
+        return not_saved
 
 
 def layout_of(config: TrainConfig, pipeline: PipelineConfig | None) -> Layout:

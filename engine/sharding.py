@@ -20,10 +20,14 @@ pieces instead of parameters (``ELEMENTWISE``): the result is then what stepping
 parameters gives. Clipping by norm takes the whole model's norm: the squared norms of the
 shards, summed over the workers.
 
-What commits and checkpoints keep is the whole optimizer state, in the format of
-``shard="none"`` (``ShardedOptimizer.state_dict`` gathers it; every worker calls it alike),
-so a sharded run resumes unsharded and back, on any number of workers; each worker loads
-its pieces from it. Sharded checkpoint files (each worker writing its own shard) are next.
+A checkpoint holds each worker's own shard, written by that worker, nothing gathered
+(``storage.reshard``'s ``zero-{rank}`` shards): the optimizer state of its pieces
+(:meth:`ShardedOptimizer.state_pieces`) and its pieces of the weights, by parameter name and
+element range; any number of workers, sharded or not, assembles what it needs from them
+(:meth:`ShardedOptimizer.load_pieces` takes a worker's pieces). In-memory commits still keep
+the whole optimizer state, in the format of ``shard="none"`` (``ShardedOptimizer.state_dict``
+gathers it; every worker calls it alike): a replacement worker, or survivors laid out anew,
+take their pieces from it.
 
 ZeRO-3 (``"parameters"``) keeps only this rank's shard of the parameters too
 (``engine.sharded_parameters``): the pieces view it, the step updates it in place, and the
@@ -32,6 +36,7 @@ next forward gathers each bucket's parameters where they are used.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +44,8 @@ import torch
 
 from ringflow.engine.collective import Collective, GradientBuckets, shard_of
 from ringflow.engine.errors import EngineError, ModelError
+from ringflow.storage.checkpoint import CheckpointError
+from ringflow.storage.reshard import optimizer_state_by_name, piece_key, restore_hyperparameters
 
 if TYPE_CHECKING:
     from ringflow.engine.sharded_parameters import ShardedParameters
@@ -134,6 +141,9 @@ class ShardedOptimizer:
         self.flats: list[torch.Tensor] = []
         """Each bucket's parameters, flat and padded: the module's parameters view them."""
         self._layout: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, offset)
+        self._spans: list[tuple[torch.Tensor, int, int, int, int]] = []
+        """Every bucketed parameter with elements in this rank's shard: (param, start, stop,
+        bucket, where ``start`` is in the bucket's shard)."""
         pieces: list[list[_Piece]] = [[] for _ in self._groups]
         with torch.no_grad():
             for index, (params, numel, grads) in enumerate(buckets.shards):
@@ -153,6 +163,9 @@ class ShardedOptimizer:
                         param.data = view
                     self._layout[id(param)] = (index, offset)
                     start, stop = max(low, offset), min(high, offset + n)
+                    if start < stop:
+                        span = (param, start - offset, stop - offset, index, start - low)
+                        self._spans.append(span)
                     if start < stop and id(param) in owner:
                         pieces[owner[id(param)]].append(
                             _Piece(
@@ -166,7 +179,6 @@ class ShardedOptimizer:
                     offset += n
                 self.flats.append(flat)
         self._pieces = pieces
-        self._held: dict[int, dict[str, Any]] | None = None
         self.missing = False
         """The state of this rank's shard is not here (:meth:`take`) until
         :meth:`load_state_dict`."""
@@ -188,7 +200,7 @@ class ShardedOptimizer:
         self.inner.state.clear()
         self.flats = []
         self.parameters = None
-        self._held = None
+        self._spans = []
 
     def carry(self) -> list[tuple[torch.Tensor, int, int, dict[str, Any]]]:
         """This rank's state, piece by piece, to :meth:`take` into the next layout (call
@@ -215,17 +227,11 @@ class ShardedOptimizer:
                 self.inner.state[piece.tensor] = entry
         return True
 
-    def hold(self) -> None:
-        """Gather the whole state now (every worker alike) and keep it for the next reads of
-        :attr:`state` and :meth:`state_dict` until the next step: a checkpoint's, which rank
-        0 reads alone, in the background."""
-        self._held = self._gather_state()
-
     # ------------------------------------------------------------------ training
 
     def attach_grads(self) -> None:
         """Before a step: give every piece its gradient shard (a module's
-        ``optimizer_zero_grad`` may have set it to ``None``); a held state is stale after.
+        ``optimizer_zero_grad`` may have set it to ``None``).
 
         Raises:
             EngineError: the state of this rank's shard is missing (:meth:`take`).
@@ -235,7 +241,6 @@ class ShardedOptimizer:
                 "a sharded optimizer: the state of this worker's shard was not carried "
                 "into the new membership and no commit was loaded since"
             )
-        self._held = None
         for mine in self._pieces:
             for piece in mine:
                 piece.tensor.grad = piece.grad
@@ -257,6 +262,102 @@ class ShardedOptimizer:
         for work in works:
             work.wait()
 
+    # ------------------------------------------------------------------ this rank's shard
+
+    def spans(self) -> list[tuple[torch.Tensor, int, int, torch.Tensor]]:
+        """Every bucketed parameter's elements ``[start, stop)`` (of it flattened) that fall
+        in this rank's shard, with a view of their values there: this rank's shard of the
+        weights (under ZeRO-3 the shard kept, else the flat buffer's; the whole weights are
+        the module's parameters then), which writing into changes."""
+        spans = []
+        for param, start, stop, index, at in self._spans:
+            mine = self._mine(index)
+            spans.append((param, start, stop, mine[at : at + stop - start]))
+        return spans
+
+    def _mine(self, index: int) -> torch.Tensor:
+        """This rank's shard of bucket ``index``'s parameters."""
+        if self.parameters is not None:
+            return self.parameters.shards[index]
+        return shard_of(self.flats[index], self.collective.rank, self.collective.world_size)
+
+    @property
+    def bucketed(self) -> frozenset[int]:
+        """The ``id`` of every parameter laid out in the buckets (sharded)."""
+        return frozenset(self._layout)
+
+    def state_pieces(
+        self, named_params: Iterable[tuple[str, torch.Tensor]]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's part of the optimizer state by parameter name, nothing gathered: each
+        elementwise state tensor of a piece as ``{name}/{key}[{start}:{stop}]``
+        (``storage.reshard.piece_key``), the others (the step count, every piece's alike)
+        whole as ``{name}/{key}`` from the rank holding the parameter's first elements.
+        The metadata is ``storage.reshard.optimizer_state_by_name``'s, for the parameters
+        this rank holds pieces of (``merge_sharded_optimizer_metadata`` joins the ranks').
+        The tensors alias the state."""
+        named = list(named_params)
+        names = {id(param): name for name, param in named}
+        held = {
+            piece.param: (piece, self.inner.state[piece.tensor])
+            for mine in self._pieces
+            for piece in mine
+            if self.inner.state.get(piece.tensor)
+        }
+        view = _Whole(self.param_groups, {param: entry for param, (_, entry) in held.items()})
+        by_name, metadata = optimizer_state_by_name(view, named)
+        metadata["optimizer"] = type(self.inner).__name__
+        piece_of = {names[id(param)]: piece for param, (piece, _) in held.items()}
+        tensors: dict[str, torch.Tensor] = {}
+        for key, value in by_name.items():
+            name, state = key.rsplit("/", 1)
+            piece = piece_of[name]
+            if _elementwise(state, value):
+                tensors[piece_key(key, piece.start, piece.stop)] = value
+            elif piece.start == 0:
+                tensors[key] = value
+        return tensors, metadata
+
+    def pieces(self) -> list[tuple[torch.Tensor, int, int]]:
+        """This rank's pieces: each parameter an optimizer group steps, and which of its
+        elements (flattened) this rank steps."""
+        return [(p.param, p.start, p.stop) for mine in self._pieces for p in mine]
+
+    def load_pieces(
+        self,
+        named_params: Iterable[tuple[str, torch.Tensor]],
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, Any],
+    ) -> None:
+        """Take this rank's pieces of the optimizer state: ``tensors`` holds, for every
+        state tensor of a piece's parameter saved in ``metadata``, the piece's elements under
+        ``{name}/{key}[{start}:{stop}]`` or the whole tensor under ``{name}/{key}``; the
+        groups' hyperparameters come from ``metadata`` (``optimizer_state_by_name``'s).
+
+        Raises:
+            CheckpointError: a tensor is missing, or a parameter has no hyperparameters.
+        """
+        names = {id(param): name for name, param in named_params}
+        for group, params in zip(self.inner.param_groups, self._groups, strict=True):
+            restore_hyperparameters(group, [names[id(p)] for p in params], metadata)
+        self.inner.state.clear()
+        self.missing = False
+        for piece in (piece for mine in self._pieces for piece in mine):
+            name = names[id(piece.param)]
+            entry = metadata["state"].get(name)
+            if not entry:
+                continue
+            state: dict[str, Any] = dict(entry["values"])
+            for key in entry["tensors"]:
+                ranged = piece_key(f"{name}/{key}", piece.start, piece.stop)
+                value = tensors.get(ranged, tensors.get(f"{name}/{key}"))
+                if value is None:
+                    raise CheckpointError(f"optimizer tensor {name}/{key} is missing")
+                if ranged not in tensors:  # whole: a step count, or a whole state's
+                    value = self._piece_of(piece, key, value)
+                state[key] = value.to(device=piece.tensor.device, copy=True)
+            self.inner.state[piece.tensor] = state
+
     # ------------------------------------------------------------------ the whole state
 
     @property
@@ -270,7 +371,7 @@ class ShardedOptimizer:
     @property
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:
         """Every parameter's whole state (gathered: collective)."""
-        whole = self._held if self._held is not None else self._gather_state()
+        whole = self._gather_state()
         params = [p for params in self._groups for p in params]
         return {params[i]: entry for i, entry in whole.items()}
 
@@ -282,7 +383,7 @@ class ShardedOptimizer:
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({**hyper, "params": list(range(index, index + len(params)))})
             index += len(params)
-        state = self._held if self._held is not None else self._gather_state()
+        state = self._gather_state()
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -297,7 +398,6 @@ class ShardedOptimizer:
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.inner.state.clear()
         self.missing = False
-        self._held = None  # a state gathered before is not this one
         for saved, mine, params in zip(saved_groups, self._pieces, self._groups, strict=True):
             ids = {id(p): i for p, i in zip(params, saved["params"], strict=True)}
             for piece in mine:
@@ -370,3 +470,18 @@ def _ranks_without_pieces(shards: list[tuple[Any, int, Any]], owner: dict, size:
 
 def _copied(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _elementwise(key: str, value: Any) -> bool:
+    """Whether a piece's state tensor ``key`` holds one value per element of the piece (as
+    :meth:`ShardedOptimizer._gather_state` takes it), not one for the whole parameter."""
+    return isinstance(value, torch.Tensor) and key != "step" and value.dim() == 1
+
+
+@dataclass
+class _Whole:
+    """What ``optimizer_state_by_name`` reads of an optimizer: the module's parameters in
+    their groups, with the state of this rank's piece of each."""
+
+    param_groups: list[dict[str, Any]]
+    state: dict[torch.Tensor, dict[str, Any]]

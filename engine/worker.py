@@ -410,9 +410,6 @@ class Worker:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.checkpointer: AsyncCheckpointer | None = None
         self._shard_writes = _ShardWrites()
-        self._held_model: dict[str, torch.Tensor] | None = None
-        """Where the weights are sharded: the whole model gathered for the checkpoint rank 0
-        takes next (:meth:`hold_optimizer_state`)."""
         self._commits: dict[int, Commit] = {}
         self._commit_tensors: dict[int, list[torch.Tensor]] = {}
         """Each commit's host tensors, reused by a later commit once it is dropped."""
@@ -1247,11 +1244,14 @@ class Worker:
     def restore(self, store_url: str, checkpoint: CommittedCheckpoint) -> int:
         """Load the model and optimizer state of ``checkpoint``, whatever layout wrote it;
         return its step."""
-        tensors = self.step.load(CheckpointStore(store_url), checkpoint)
-        with self._writing():
-            load_training_state(
-                self.module, self.optimizer, tensors, checkpoint.metadata["optimizer"]
-            )
+        store = CheckpointStore(store_url)
+        restore_own = getattr(self.step, "restore_own", None)  # a sharded worker's pieces
+        if restore_own is None or not restore_own(store, checkpoint):
+            tensors = self.step.load(store, checkpoint)
+            with self._writing():
+                load_training_state(
+                    self.module, self.optimizer, tensors, checkpoint.metadata["optimizer"]
+                )
         self.optimization.load_state_dict(checkpoint.metadata.get("optimization", {}))
         self._hook("on_load_checkpoint", dict(checkpoint.metadata.get("module", {})))
         return checkpoint.step
@@ -1281,12 +1281,9 @@ class Worker:
             "optimization": self.optimization.state_dict(),
             "module": module_checkpoint(self.module),
         }
-        held, self._held_model = self._held_model, None
 
         def collect() -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
             tensors, optimizer_meta = training_state(self.module, self.optimizer)
-            if held is not None:  # sharded parameters: the model every worker gathered
-                tensors.update({f"model/{name}": value for name, value in held.items()})
             ranks = {rank_shard(r): state for r, state in enumerate(comm_states or []) if state}
             return {REPLICATED: tensors, **ranks}, {**metadata, "optimizer": optimizer_meta}
 
@@ -1294,18 +1291,6 @@ class Worker:
         # forward and backward pass run; the optimizer step (and the forward pass of a
         # module with buffers) waits for it.
         self.checkpointer.save(run_key, step=step, collect=collect, metrics=metrics, overlap=True)
-
-    def hold_optimizer_state(self) -> None:
-        """Gather a sharded optimizer's whole state (``TrainConfig.shard``; every worker
-        alike) for the checkpoint rank 0 is about to take of it in the background; where the
-        weights are sharded too, the whole model's (rank 0 keeps it for that checkpoint)."""
-        self._undo_ahead()
-        hold = getattr(self.optimizer, "hold", None)
-        if hold is not None:
-            hold()
-        if self.shards_parameters:
-            model = self._model_state()
-            self._held_model = model if self.rank == 0 else None
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of the optimizer state tensors this worker holds (a sharded one's: its
@@ -1320,9 +1305,12 @@ class Worker:
 
     def training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """This worker's model and optimizer state by full name, on the host, and its
-        schedulers' states (a pipeline's stages each give theirs: ``engine.layout``)."""
+        schedulers' states (a pipeline's stages each give theirs, and sharded data-parallel
+        workers each their shard: ``engine.layout``)."""
         self._undo_ahead()
-        tensors, metadata = training_state(self.module, self.optimizer)
+        own = getattr(self.step, "own_training_state", None)
+        state = None if own is None else own()
+        tensors, metadata = training_state(self.module, self.optimizer) if state is None else state
         tensors = {k: v.detach().cpu().clone() for k, v in tensors.items()}
         return tensors, metadata, self.optimization.state_dict()
 
@@ -1343,6 +1331,15 @@ class Worker:
         )
         self._shard_writes.start(step, write)
         return optimizer_meta, optimization
+
+    def write_own_shard(self, store_url: str, run_key: str, step: int) -> dict[str, Any]:
+        """:meth:`write_shard` for a sharded data-parallel worker, every one of which writes
+        its shard: returns the optimizer's metadata (``optimizer``, this worker's part), the
+        schedulers' states (``optimization``) and, from rank 0, what the module's
+        ``on_save_checkpoint`` adds (``module``)."""
+        optimizer_meta, optimization = self.write_shard(store_url, run_key, step)
+        module = module_checkpoint(self.module) if self.rank == 0 else None
+        return {"optimizer": optimizer_meta, "optimization": optimization, "module": module}
 
     def shard_written(self, step: int, wait: bool) -> dict[str, Any]:
         """Where the write of this worker's shard of checkpoint ``step`` is: ``state``

@@ -20,10 +20,22 @@ Layouts:
 - pipeline with P stages: shard ``stage-{s:05d}`` holds the state of the parameters stage s
   owns, under their full names. A new stage of any P' takes, from whichever old stages hold
   them, exactly the names it owns.
+- sharded data parallel (ZeRO) with W ranks: rank r writes shard ``zero-{r:05d}``, its own
+  pieces of the state and nothing gathered. A piece is the elements ``[start, stop)`` of a
+  tensor flattened, named ``{key}[{start}:{stop}]`` (``model/fc.weight[0:120]``,
+  ``optim/fc.weight/exp_avg[0:120]``): a parameter cut by the edge of a rank's shard gives a
+  piece to each side. Tensors that are not cut (buffers, a step count) keep their plain key,
+  written by one rank. The manifest's metadata ``pieces`` records each cut parameter's shape
+  and the other names a parameter has in the module's ``state_dict`` (tied weights). Any
+  number of ranks, sharded or not, assembles what it needs by name and range
+  (:func:`read_pieces`), reading only the shards that hold some of it;
+  :func:`load_data_parallel` assembles the whole state.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,21 +44,31 @@ import torch
 
 from ringflow.storage.checkpoint import CheckpointError
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
+from ringflow.storage.tensorfile import dtype_of
 
 __all__ = [
     "REPLICATED",
     "RankState",
     "data_parallel_shards",
+    "is_sharded",
     "load_data_parallel",
     "load_optimizer_state_by_name",
     "load_pipeline_stage",
     "load_training_state",
+    "load_whole",
     "merge_optimizer_metadata",
+    "merge_sharded_optimizer_metadata",
     "optimizer_state_by_name",
+    "piece_key",
+    "pieced_keys",
     "pipeline_shards",
     "rank_shard",
+    "read_pieces",
+    "restore_hyperparameters",
+    "split_piece_key",
     "stage_shard",
     "training_state",
+    "zero_shard",
 ]
 
 REPLICATED = "replicated"
@@ -62,6 +84,15 @@ def rank_shard(rank: int) -> str:
 def stage_shard(stage: int) -> str:
     """Name of the shard holding pipeline stage ``stage``'s state."""
     return f"stage-{stage:05d}"
+
+
+ZERO = "zero-"
+"""The names of a sharded data-parallel checkpoint's shards start so: ``zero-{rank:05d}``."""
+
+
+def zero_shard(rank: int) -> str:
+    """Name of the shard sharded data-parallel rank ``rank`` writes: its pieces of the state."""
+    return f"{ZERO}{rank:05d}"
 
 
 # ---------------------------------------------------------------------------- optimizer
@@ -182,6 +213,20 @@ def _joined_state(
     except KeyError as err:
         raise CheckpointError(f"optimizer tensor {name}/{err.args[0]} is missing") from err
     return {**joined, **entry["values"]}
+
+
+def restore_hyperparameters(
+    group: dict[str, Any], names: Sequence[str], metadata: Mapping[str, Any]
+) -> None:
+    """Set the hyperparameters of an optimizer's param ``group`` whose parameters are
+    ``names`` to those :func:`optimizer_state_by_name` saved for them in ``metadata``.
+
+    Raises:
+        CheckpointError: a name has none saved, or they were saved in different groups
+            with different hyperparameters.
+    """
+    hyper_of = {name: g["hyper"] for g in metadata["groups"] for name in g["params"]}
+    _restore_hyperparameters(group, list(names), hyper_of)
 
 
 def _restore_hyperparameters(
@@ -308,7 +353,8 @@ def data_parallel_shards(
 def load_data_parallel(
     store: CheckpointStore, checkpoint: CommittedCheckpoint, *, rank: int, world_size: int
 ) -> RankState:
-    """Load what rank ``rank`` of ``world_size`` needs, whatever world size wrote it.
+    """Load what rank ``rank`` of ``world_size`` needs, whatever world size wrote it; a
+    sharded checkpoint (``zero-*`` shards) gives the whole state, assembled from its pieces.
 
     Raises:
         ValueError: ``rank`` is not below ``world_size``.
@@ -316,6 +362,14 @@ def load_data_parallel(
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if is_sharded(checkpoint):  # every rank's pieces, assembled whole
+        own_shard = rank_shard(rank) if rank_shard(rank) in checkpoint.shards else None
+        own = None if own_shard is None else store.load(checkpoint, shards=[own_shard])
+        return RankState(
+            replicated=load_whole(store, checkpoint),
+            own=None if own is None else own.shards[own_shard],
+            saved_world_size=sum(1 for name in checkpoint.shards if name.startswith(ZERO)),
+        )
     saved = sum(1 for name in checkpoint.shards if name.startswith("rank-"))
     names = [REPLICATED] + ([rank_shard(rank)] if rank_shard(rank) in checkpoint.shards else [])
     loaded = store.load(checkpoint, shards=names)
@@ -371,3 +425,210 @@ def _owner(key: str) -> str:
     """The module tensor a ``model/{name}`` or ``optim/{name}/{state}`` key belongs to."""
     kind, _, rest = key.partition("/")
     return rest.rsplit("/", 1)[0] if kind == "optim" else rest
+
+
+# ---------------------------------------------------------------------------- sharded (ZeRO)
+
+_PIECE = re.compile(r"^(.+)\[(\d+):(\d+)\]$")
+
+
+def piece_key(key: str, start: int, stop: int) -> str:
+    """The name of elements ``[start, stop)`` of tensor ``key`` flattened, in a shard."""
+    return f"{key}[{start}:{stop}]"
+
+
+def split_piece_key(name: str) -> tuple[str, int | None, int | None]:
+    """``(key, start, stop)`` of a :func:`piece_key`; ``(name, None, None)`` for a whole one."""
+    match = _PIECE.match(name)
+    if match is None:
+        return name, None, None
+    return match.group(1), int(match.group(2)), int(match.group(3))
+
+
+def is_sharded(checkpoint: CommittedCheckpoint) -> bool:
+    """Whether sharded data-parallel ranks wrote ``checkpoint`` (``zero-*`` shards)."""
+    return any(name.startswith(ZERO) for name in checkpoint.shards)
+
+
+def pieced_keys(checkpoint: CommittedCheckpoint) -> set[str]:
+    """The tensors a sharded ``checkpoint`` holds in pieces (the others are whole)."""
+    return {key for key, stored in _stored(checkpoint).items() if stored.pieced}
+
+
+def merge_sharded_optimizer_metadata(metadatas: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Merge what each sharded rank's :func:`optimizer_state_by_name` saw into the whole
+    optimizer's metadata: the same groups everywhere, and each parameter's state entry from
+    the ranks holding a piece of it.
+
+    Raises:
+        ValueError: the ranks disagree on the groups or on a parameter's entry.
+    """
+    metadatas = list(metadatas)
+    if not metadatas:
+        raise ValueError("no metadata to merge")
+    merged = {**metadatas[0], "state": {}}
+    for metadata in metadatas:
+        if metadata["groups"] != merged["groups"]:
+            raise ValueError("sharded ranks saved different optimizer param groups")
+        for name, entry in metadata["state"].items():
+            if merged["state"].setdefault(name, entry) != entry:
+                raise ValueError(f"sharded ranks saved different optimizer state for {name}")
+    return merged
+
+
+def read_pieces(
+    store: CheckpointStore,
+    checkpoint: CommittedCheckpoint,
+    wanted: Mapping[str, Sequence[tuple[int, int]] | None],
+) -> dict[str, torch.Tensor]:
+    """Assemble tensors of a sharded checkpoint by name and element range.
+
+    Reads the shards that hold some of what is wanted, one at a time, and copies the parts
+    of their pieces that fall in each wanted range; every returned tensor is storage of its
+    own (nothing views a shard's buffer).
+
+    Args:
+        wanted: ``{key: ranges}``: ``None`` for the whole tensor (its shape), else a list of
+            ``(start, stop)`` element ranges of it flattened.
+
+    Returns:
+        ``{key: tensor}`` for the whole ones, ``{piece_key(key, start, stop): flat tensor}``
+        for the ranges.
+
+    Raises:
+        CheckpointError: a key is not in the checkpoint, or its pieces leave part of a
+            wanted range uncovered (a shard missing) or cover it twice.
+    """
+    stored = _stored(checkpoint)
+    targets = _targets(checkpoint, stored, wanted)
+    shards = sorted(
+        {
+            piece.shard
+            for target in targets
+            for piece in stored[target.key].pieces
+            if piece.start < target.stop and target.start < piece.stop
+        }
+    )
+    out: dict[_Target, torch.Tensor] = {}
+    filled: dict[_Target, int] = dict.fromkeys(targets, 0)
+    for shard in shards:
+        tensors = store.load(checkpoint, shards=[shard]).shards[shard]
+        for target in targets:
+            for piece in stored[target.key].pieces:
+                if piece.shard == shard:
+                    filled[target] += _copy_overlap(target, piece, tensors[piece.name], out)
+        del tensors
+    result: dict[str, torch.Tensor] = {}
+    for target in targets:
+        if filled[target] != target.stop - target.start:
+            raise CheckpointError(
+                f"{checkpoint.url}: the pieces of {target.key} cover {filled[target]} of its "
+                f"elements [{target.start}:{target.stop}); its shards are "
+                f"{sorted(checkpoint.shards)}"
+            )
+        tensor = out.get(target, torch.empty(0, dtype=stored[target.key].dtype))
+        if target.whole:
+            result[target.key] = tensor.reshape(stored[target.key].shape)
+        else:
+            result[piece_key(target.key, target.start, target.stop)] = tensor
+    return result
+
+
+def _targets(
+    checkpoint: CommittedCheckpoint,
+    stored: Mapping[str, _Stored],
+    wanted: Mapping[str, Sequence[tuple[int, int]] | None],
+) -> list[_Target]:
+    targets: list[_Target] = []
+    for key, ranges in wanted.items():
+        if key not in stored:
+            raise CheckpointError(f"{checkpoint.url} holds no {key}")
+        whole = ranges is None
+        for start, stop in [(0, stored[key].numel)] if whole else ranges:
+            if not 0 <= start <= stop <= stored[key].numel:
+                raise ValueError(f"{key} has {stored[key].numel} elements, not [{start}:{stop})")
+            targets.append(_Target(key, start, stop, whole))
+    return targets
+
+
+def _copy_overlap(
+    target: _Target, piece: _Piece, source: torch.Tensor, out: dict[_Target, torch.Tensor]
+) -> int:
+    """Copy what of ``piece`` (its values ``source``) falls in ``target``; how many."""
+    low, high = max(piece.start, target.start), min(piece.stop, target.stop)
+    if low >= high:
+        return 0
+    source = source.reshape(-1)
+    if target not in out:
+        out[target] = torch.empty(target.stop - target.start, dtype=source.dtype)
+    out[target][low - target.start : high - target.start].copy_(
+        source[low - piece.start : high - piece.start]
+    )
+    return high - low
+
+
+def load_whole(store: CheckpointStore, checkpoint: CommittedCheckpoint) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint whole, under the names :func:`training_state`
+    gives them (the other names of tied parameters included): what
+    :func:`load_training_state` takes."""
+    whole = read_pieces(store, checkpoint, dict.fromkeys(_stored(checkpoint)))
+    aliases = checkpoint.metadata.get("pieces", {}).get("aliases", {})
+    whole.update({f"model/{alias}": whole[f"model/{name}"] for alias, name in aliases.items()})
+    return whole
+
+
+@dataclass(frozen=True)
+class _Target:
+    key: str
+    start: int
+    stop: int
+    whole: bool
+
+
+@dataclass(frozen=True)
+class _Piece:
+    shard: str
+    name: str
+    start: int
+    stop: int
+
+
+@dataclass
+class _Stored:
+    """A tensor of a sharded checkpoint: its shape and where its pieces are."""
+
+    shape: list[int]
+    dtype: torch.dtype
+    pieces: list[_Piece]
+    pieced: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _stored(checkpoint: CommittedCheckpoint) -> dict[str, _Stored]:
+    """Each tensor of the ``zero-*`` shards by key, from the manifest alone."""
+    shapes = checkpoint.metadata.get("pieces", {}).get("shapes", {})
+    stored: dict[str, _Stored] = {}
+    for shard, record in sorted(checkpoint.shards.items()):
+        if not shard.startswith(ZERO):
+            continue
+        for name, (code, shape) in record.tensors.items():
+            key, start, stop = split_piece_key(name)
+            if start is None:
+                start, stop = 0, math.prod(shape)
+                entry = stored.setdefault(key, _Stored(list(shape), dtype_of(code), [], False))
+            else:
+                owner = _owner(key)
+                if owner not in shapes:
+                    raise CheckpointError(
+                        f"{checkpoint.url}: {shard} holds a piece of {key}, whose shape its "
+                        "manifest does not record"
+                    )
+                shape = shapes[owner]
+                entry = stored.setdefault(key, _Stored(list(shape), dtype_of(code), [], True))
+            if entry.pieced != (name != key):
+                raise CheckpointError(f"{checkpoint.url}: {key} is held both whole and in pieces")
+            entry.pieces.append(_Piece(shard, name, start, stop))
+    return stored

@@ -33,7 +33,16 @@ import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["CHECKSUMS", "Encoded", "TensorFileError", "decode", "encode", "read_verified", "write"]
+__all__ = [
+    "CHECKSUMS",
+    "Encoded",
+    "TensorFileError",
+    "decode",
+    "dtype_of",
+    "encode",
+    "read_verified",
+    "write",
+]
 
 CHECKSUMS = ("crc32", "sha256")
 """Checksum algorithms a shard may be written with."""
@@ -56,6 +65,14 @@ _CODES = {code: dtype for dtype, code in _DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
 _CHUNK = 16 << 20  # large enough that per-chunk overhead vanishes, small enough to pipeline
 _THREADED = 1 << 20  # below this a helper thread costs more than it saves
+
+
+def dtype_of(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code (``"F32"``), as a manifest records it."""
+    try:
+        return _CODES[code]
+    except KeyError as err:
+        raise TensorFileError(f"no supported dtype has the code {code!r}") from err
 
 
 class TensorFileError(ValueError):

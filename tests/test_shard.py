@@ -5,6 +5,7 @@ parameters too), and training ends where ``shard="none"`` ends."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 from pathlib import Path
@@ -182,14 +183,19 @@ def test_sharded_with_accumulation_and_clipping_on_four_workers_ends_where_unsha
 def test_a_sharded_run_resumes_bitwise_and_its_checkpoint_loads_unsharded(
     ray_session, digits, tmp_path, shard
 ):
-    """The checkpoint holds the whole model and optimizer state, in the format of
-    ``shard="none"``: a sharded run resumed ends bit for bit as the uninterrupted one, and
-    the same checkpoint resumes unsharded to where an unsharded run ends (same math, another
-    summation order)."""
+    """The checkpoint is each worker's shard, written by that worker: a sharded run resumed
+    ends bit for bit as the uninterrupted one, and the same checkpoint resumes unsharded to
+    where an unsharded run ends (same math, another summation order)."""
+    from ringflow.storage import CheckpointStore
+
     store = str(tmp_path / "store")
     every = {"shard": shard, "checkpoint_every": 10, "epochs": 3, "bucket_mb": BUCKET_MB}
     reference = _fit(digits, tmp_path, "reference", **every)[0]
     _fit(digits, tmp_path, "first", store_url=store, run_key="r", **{**every, "epochs": 2})
+    assert sorted(CheckpointStore(store).checkpoints("r")[-1].shards) == [
+        "zero-00000",
+        "zero-00001",
+    ]
     resumed = _fit(digits, tmp_path, "resumed", store_url=store, run_key="r", **every)[0]
     assert resumed.resumed_from == 46
     assert resumed.state_dict.keys() == reference.state_dict.keys()
@@ -428,3 +434,237 @@ def test_sharded_parameters_hold_memory_only_around_their_use_and_train_as_whole
     sharded.release()
     assert all(not layer._forward_pre_hooks for layer in model)
     assert all(p.untyped_storage().nbytes() == p.numel() * 4 for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------- sharded checkpoints
+
+
+class _Tied(torch.nn.Module):
+    """An embedding tied to the output layer (one parameter, two names in ``state_dict``),
+    a frozen bias (whole, not sharded) and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(10, 8)
+        self.mid = torch.nn.Linear(8, 24)
+        self.out = torch.nn.Linear(24, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+        self.mid.bias.requires_grad_(False)
+        self.register_buffer("scale", torch.tensor([0.5, 2.0]))
+
+
+class _Ranks:
+    """Rank ``rank`` of ``world_size``, for building a rank's buckets, sharded parameters and
+    sharded optimizer in one process: they run no collective until a step."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def empty(self, numel, dtype, device):
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def _trained_tied() -> tuple[_Tied, torch.optim.Optimizer]:
+    """A :class:`_Tied` and its Adam after three steps on made-up gradients, its first
+    group's learning rate changed since (a scheduler's)."""
+    model = _Tied()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(3):
+        for index, param in enumerate(model.parameters()):
+            if param.requires_grad:
+                param.grad = torch.linspace(-1, 1, param.numel()).view_as(param) * (step + index)
+        optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.0123
+    return model, optimizer
+
+
+def _sharded_rank(model, rank: int, world_size: int, shard: str):
+    """Rank ``rank``'s ``DataParallelStep`` of ``world_size`` over ``model`` (its pieces laid
+    out as a worker lays them out), built without a worker or a ring."""
+    from types import SimpleNamespace
+
+    from ringflow.engine.collective import GradientBuckets
+    from ringflow.engine.data_parallel import DataParallelStep
+    from ringflow.engine.sharded_parameters import ShardedParameters
+    from ringflow.engine.sharding import ShardedOptimizer
+
+    ring = _Ranks(rank, world_size)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    buckets = GradientBuckets(
+        trainable, ring, bucket_bytes=200 * 4, scatter=True, keep_shards=shard != "optimizer"
+    )
+    weights = ShardedParameters(model, buckets, ring) if shard == "parameters" else None
+    inner = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = object.__new__(DataParallelStep)
+    step.worker = SimpleNamespace(module=model, rank=rank, world_size=world_size)
+    step.shards, step.weights = True, weights
+    step.sharded = ShardedOptimizer(inner, buckets, ring, parameters=weights)
+    return step
+
+
+def _written_sharded(store, model, optimizer, world_size: int, shard: str, *, step: int = 3):
+    """The state of ``model`` and ``optimizer`` as ``world_size`` sharded workers checkpoint
+    it: each writes its shard, the manifest last."""
+    from ringflow.storage.reshard import merge_sharded_optimizer_metadata
+
+    records, metadatas = [], []
+    for rank in range(world_size):
+        worker = _sharded_rank(copy.deepcopy(model), rank, world_size, shard)
+        worker.sharded.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        tensors, metadata = worker.own_training_state()
+        records.append(store.write_shard("z", step=step, name=worker.shard, tensors=tensors))
+        metadatas.append(metadata)
+    merged = merge_sharded_optimizer_metadata(metadatas)
+    pieces = merged.pop("pieces")
+    return store.commit(
+        "z", step=step, shards=records, metadata={"optimizer": merged, "pieces": pieces}
+    )
+
+
+@pytest.mark.parametrize("shard", MODES)
+def test_a_sharded_checkpoint_is_every_workers_own_pieces_and_loads_on_any_number_bitwise(
+    tmp_path, shard
+):
+    """Four sharded workers each write their shard alone, by name and element range: a
+    parameter cut by a shard's edge is in pieces in two shards, a tied weight is written
+    once (its other name recorded), what is not sharded is rank 0's. Assembled whole, it is
+    the model's and the optimizer's state bit for bit; two sharded workers (ZeRO-1 and
+    ZeRO-3) each load their pieces from the shards that hold them, as each would take them
+    from the whole state; a missing shard is named."""
+    import copy as _copy
+
+    from ringflow.storage import CheckpointError, CheckpointStore, load_whole, training_state
+
+    store = CheckpointStore(str(tmp_path / "store"))
+    model, optimizer = _trained_tied()
+    checkpoint = _written_sharded(store, model, optimizer, 4, shard)
+    assert sorted(checkpoint.shards) == [f"zero-0000{r}" for r in range(4)]
+    from ringflow.storage.reshard import split_piece_key
+
+    held = [set(record.tensors) for record in checkpoint.shards.values()]
+    shards_of: dict[str, set[int]] = {}
+    for rank, names in enumerate(held):
+        for name in names:
+            key, start, _ = split_piece_key(name)
+            if start is not None:
+                shards_of.setdefault(key, set()).add(rank)
+    assert any(len(ranks) > 1 for key, ranks in shards_of.items() if key.startswith("model/"))
+    assert any(len(ranks) > 1 for key, ranks in shards_of.items() if key.endswith("/exp_avg"))
+    steps = [n for names in held for n in names if n.endswith("/step")]
+    assert len(steps) == len(set(steps))  # a step count whole, once
+    assert "model/scale" in held[0]
+    assert "model/mid.bias" in held[0]
+    assert not any("scale" in n or "mid.bias" in n for names in held[1:] for n in names)
+    assert checkpoint.metadata["pieces"]["aliases"] == {"head.weight": "embed.weight"}
+    assert not any(n.startswith("model/head.weight") for names in held for n in names)
+
+    expected, _ = training_state(model, optimizer)
+    whole = load_whole(store, checkpoint)
+    assert whole.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert whole[key].dtype == tensor.dtype, key
+        assert torch.equal(whole[key], tensor), key
+
+    for target in ("optimizer", "parameters"):
+        for rank in range(2):
+            loaded = _sharded_rank(_Tied(), rank, 2, target)  # another init, overwritten
+            with torch.no_grad():
+                loaded.worker.module.scale.zero_()
+            assert loaded.restore_own(store, checkpoint)
+            wanted = _sharded_rank(_copy.deepcopy(model), rank, 2, target)
+            wanted.sharded.load_state_dict(_copy.deepcopy(optimizer.state_dict()))
+            _assert_same_optimizer_state(
+                loaded.sharded.inner.state_dict(), wanted.sharded.inner.state_dict()
+            )
+            assert loaded.sharded.inner.param_groups[0]["lr"] == 0.0123
+            if target == "parameters":
+                for mine, theirs in zip(loaded.weights.shards, wanted.weights.shards, strict=True):
+                    assert torch.equal(mine, theirs)
+                assert torch.equal(loaded.worker.module.scale, model.scale)
+            else:
+                for name, tensor in model.state_dict().items():
+                    assert torch.equal(loaded.worker.module.state_dict()[name], tensor), name
+
+    records = [r for name, r in checkpoint.shards.items() if name != "zero-00002"]
+    partial = store.commit("z", step=3, shards=records, metadata=checkpoint.metadata)
+    with pytest.raises(CheckpointError, match="cover"):
+        load_whole(store, partial)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("shard", "then"), [("parameters", "gradients"), ("optimizer", "parameters")]
+)
+def test_four_sharded_workers_checkpoint_resumes_on_two_sharded_and_one_unsharded_bitwise(
+    ray_session, digits, tmp_path, shard, then
+):
+    """Four sharded workers checkpoint their shards (``zero-0000{0..3}``, no state gathered
+    anywhere), whose weights assembled are the run's. Resumed on two workers under another
+    shard mode (``then``) and on one worker unsharded, each run ends bit for bit where the
+    same run resumed from the same state in the format of ``shard="none"`` ends (the one
+    whole shard every worker reads; the same membership history: four workers, then two or
+    one). No uninterrupted run goes from four workers to two: a sharded run keeps its
+    workers (``min_workers`` below ``workers`` is refused), and a run on fewer workers sums
+    the gradients in another order, so only the resumed runs compare bit for bit; that one
+    ended where it started from is ``test_a_sharded_run_resumes_bitwise...``'s."""
+    import shutil
+
+    from ringflow.storage import REPLICATED, CheckpointStore, load_whole
+
+    every = {"bucket_mb": BUCKET_MB, "checkpoint_every": 10, "cpus_per_worker": 0.5}
+    pieces = tmp_path / "pieces"
+    four, _ = _fit(
+        digits,
+        tmp_path,
+        "four",
+        store_url=str(pieces),
+        run_key="r",
+        workers=4,
+        shard=shard,
+        epochs=2,
+        **every,
+    )
+    store = CheckpointStore(str(pieces))
+    checkpoint = store.checkpoints("r")[-1]
+    assert checkpoint.step == 46
+    assert sorted(checkpoint.shards) == [f"zero-0000{r}" for r in range(4)]
+    whole = load_whole(store, checkpoint)
+    for name, tensor in four.state_dict.items():
+        assert torch.equal(whole[f"model/{name}"], tensor), name
+    # The same state as shard="none" writes it: one shard, every tensor whole.
+    replicated = tmp_path / "whole"
+    CheckpointStore(str(replicated)).save(
+        "r",
+        step=checkpoint.step,
+        shards={REPLICATED: whole},
+        metadata={k: v for k, v in checkpoint.metadata.items() if k != "pieces"},
+        metrics=checkpoint.metrics,
+    )
+    plain, _ = _fit(digits, tmp_path, "plain", epochs=3, bucket_mb=BUCKET_MB)
+    for workers, mode in ((2, then), (1, "none")):
+        ends = []
+        for source in (pieces, replicated):
+            copied = tmp_path / f"{source.name}-{workers}"
+            shutil.copytree(source, copied)
+            resumed, _ = _fit(
+                digits,
+                tmp_path,
+                copied.name,
+                store_url=str(copied),
+                run_key="r",
+                workers=workers,
+                shard=mode,
+                epochs=3,
+                **every,
+            )
+            assert resumed.resumed_from == 46
+            ends.append(resumed.state_dict)
+        from_pieces, from_whole = ends
+        assert from_pieces.keys() == from_whole.keys()
+        for name, tensor in from_whole.items():
+            assert torch.equal(from_pieces[name], tensor), (workers, mode, name)
+        # Where two unsharded workers end, but for the order of the sums: the epoch started
+        # from the checkpoint (from the initial weights it ends elsewhere).
+        assert relative_difference(from_pieces, plain.state_dict) < 1e-5
