@@ -17,9 +17,19 @@ gradients are in. The module's own parameters (a LightningModule's, used anywher
 step) are gathered for a whole pass. Evaluation gathers and frees through the same hooks.
 
 So every worker must run the same layers in the same order, in every forward pass (each
-gather is a collective), and a layer's weights may be used only inside the forward of a
-module that owns them: a weight used elsewhere (another module reading it, a tensor returned
-that views it) holds no memory once its unit is freed.
+gather is a collective), and a layer's weights may be read only inside the forward of a
+module that owns them (the module's own parameters: anywhere in its step). A unit freed, its
+parameters are of a class of their own (:func:`_freed_class`) whose every use but their
+metadata (shape, dtype, ``.grad``, ``requires_grad``) raises ``RuntimeError`` naming the
+weight and what to do: a weight penalty that reads a layer's weights after its forward, a
+hook or callback that reads them after the step (``on_train_batch_end``,
+``on_validation_epoch_end``...) fail at once as the module's error, never read freed memory.
+``detach()``, ``.data`` and ``state_dict()`` of a freed weight give tensors that raise alike.
+
+Each gather fills a buffer of its own, and freeing a unit only lets go of it: a tensor that
+views a unit's weights (kept from a forward, returned by it) keeps that buffer, and the
+values it viewed, for as long as it lives. Autograd's saved tensors keep no buffer: each
+names its unit and its place in the buffer, and backward views the unit gathered again.
 
 Commits, checkpoints and the weights a run returns are the whole state, gathered by every
 worker alike (:meth:`ShardedParameters.copies`); a rollback or a checkpoint loaded writes
@@ -43,10 +53,116 @@ __all__ = ["ShardedParameters"]
 
 
 class _Saved(NamedTuple):
-    """A tensor autograd saved for backward that views the buffer of unit ``index``."""
+    """A tensor autograd saved for backward that views the buffer of unit ``index``: where
+    in it (not the tensor, which would keep the buffer)."""
 
     index: int
-    tensor: torch.Tensor
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+_METADATA = frozenset(
+    {
+        "shape", "dtype", "device", "layout", "ndim", "is_leaf", "requires_grad", "grad",
+        "_grad", "retains_grad", "grad_fn", "_version", "output_nr", "_base", "names", "_cdata",
+        "_backward_hooks", "_post_accumulate_grad_hooks", "itemsize", "nbytes", "is_cuda",
+        "is_cpu", "is_meta", "is_mps", "is_xpu", "is_sparse", "is_quantized", "is_mkldnn",
+        "is_nested", "size", "dim", "numel", "nelement", "element_size", "stride",
+        "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "is_signed",
+        "is_inference", "_is_view", "get_device", "requires_grad_", "register_hook",
+        "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr", "__len__",
+        "__dir__", "empty_like", "zeros_like", "ones_like", "full_like", "new_empty",
+        "new_zeros", "new_ones", "new_full", "new_empty_strided",
+    }
+)  # fmt: skip
+"""What a freed weight answers: what reads none of its elements."""
+_SHAPES = frozenset({"view_as", "expand_as", "reshape_as", "type_as"})
+"""What takes only a freed weight's metadata where it is the other tensor."""
+_SETTABLE = frozenset(
+    {"grad", "_grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"}
+)
+_ALIASES = frozenset({"detach", "data"})
+"""What gives a freed weight's alias (``state_dict()`` takes its ``detach()``): freed too."""
+_NAMES: dict[int, str] = {}
+"""Each sharded parameter's name in its module, by ``id``: what a freed one's error names."""
+
+
+def _freed_torch_function(
+    cls: type, func: Any, types: Any, args: Any = (), kwargs: Any = None
+) -> Any:
+    """Any use of a freed weight (a parameter whose unit is not gathered, or an alias of
+    it) but its metadata raises ``RuntimeError`` naming it; its ``detach()`` and ``.data``
+    are aliases freed alike."""
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", "")
+    access = "call"
+    if name in ("__get__", "__set__", "__delete__"):
+        access, name = name, getattr(getattr(func, "__self__", None), "__name__", "")
+    if access == "__set__":
+        allowed = name in _SETTABLE
+    else:
+        allowed = name in _METADATA or (
+            name in _SHAPES and len(args) == 2 and not _is_freed(args[0])
+        )
+    if allowed:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if access != "__set__" and name in _ALIASES and len(args) == 1 and not kwargs:
+        with torch._C.DisableTorchFunctionSubclass():
+            alias = func(*args).as_subclass(_FreedTensor)
+        alias._ringflow_name = _name_of(args[0])
+        return alias
+    freed = next((a for a in _tensors(args, kwargs) if _is_freed(a)), None)
+    raise RuntimeError(
+        f"the weight {_freed_name(freed)} was read where it is not gathered: under "
+        "shard='parameters' a layer's weights exist only inside the forward of the module "
+        "that owns them (the module's own parameters: during its steps); read weights only "
+        "there, or use shard='gradients'"
+    )
+
+
+def _tensors(args: Any, kwargs: dict[str, Any]) -> Iterator[Any]:
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, list | tuple):
+            yield from arg
+        else:
+            yield arg
+
+
+def _is_freed(value: Any) -> bool:
+    return getattr(type(value), "_ringflow_freed", False)
+
+
+def _name_of(tensor: Any) -> str:
+    return _NAMES.get(id(tensor)) or getattr(tensor, "_ringflow_name", "")
+
+
+def _freed_name(tensor: Any) -> str:
+    name = _name_of(tensor)
+    return repr(name) if name else "(a sharded parameter)"
+
+
+class _FreedTensor(torch.Tensor):
+    """An alias of a freed weight (``detach()``, ``.data``, ``state_dict()``): it raises as
+    the weight does."""
+
+    _ringflow_freed = True
+    __torch_function__ = classmethod(_freed_torch_function)  # type: ignore[assignment]
+
+
+@functools.cache
+def _freed_class(cls: type) -> type:
+    """The class a parameter of class ``cls`` takes while its unit is freed."""
+    return type(
+        f"Freed{cls.__name__}",
+        (cls,),
+        {
+            "_ringflow_freed": True,
+            "__torch_function__": classmethod(_freed_torch_function),
+            "__module__": __name__,
+        },
+    )
 
 
 class ShardedParameters:
@@ -66,27 +182,36 @@ class ShardedParameters:
         self.collective = collective
         rank, size = collective.rank, collective.world_size
         self.flats: list[torch.Tensor] = []
-        """Each bucket's parameters, flat and padded: the module's parameters view them;
-        their storage is freed while the unit is not gathered."""
+        """Each bucket's parameters, flat and padded: while the unit is gathered, the buffer
+        its module's parameters view (a new one each gather); else a stand-in of its size
+        that holds no memory."""
         self.shards: list[torch.Tensor] = []
         """This rank's shard of each flat buffer, in storage of its own: what is kept."""
         self._params: list[list[torch.Tensor]] = []
+        self._classes: list[list[type]] = []
+        """Each parameter's own class, which it has while its unit is gathered."""
+        self._empty: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        """Each unit's stand-ins, holding no memory: a flat one, and one per parameter."""
+        names = {id(p): name for name, p in module.named_parameters()}
         with torch.no_grad():
             for params, numel, _ in buckets.shards:
                 flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-                offset = 0
+                empty = torch.empty_like(flat)
+                offset, stand_ins = 0, []
                 for param in params:
-                    view = flat[offset : offset + param.numel()].view_as(param)
-                    view.copy_(param)
-                    param.data = view
+                    flat[offset : offset + param.numel()].view_as(param).copy_(param)
+                    stand_ins.append(empty[offset : offset + param.numel()].view_as(param))
+                    _NAMES[id(param)] = names.get(id(param), "")
                     offset += param.numel()
+                empty.untyped_storage().resize_(0)
                 self.flats.append(flat)
                 self.shards.append(shard_of(flat, rank, size).clone())
                 self._params.append(list(params))
+                self._classes.append([type(param) for param in params])
+                self._empty.append((empty, stand_ins))
         layout = tuple((tuple(map(id, params)), flat.numel()) for params, flat, _ in self._units)
         self._key = (rank, size, layout)
         count = len(self.flats)
-        self._bytes = [flat.untyped_storage().nbytes() for flat in self.flats]
         self._gathered = [True] * count
         self._works: list[CollectiveWork | None] = [None] * count
         self._ptrs: dict[int, int] = {}
@@ -128,6 +253,7 @@ class ShardedParameters:
         self._buckets = buckets
         buckets.launched = self._reduced
         for index in range(count):
+            self._show(index)
             self._free(index)
 
     # ------------------------------------------------------------------ units
@@ -137,9 +263,8 @@ class ShardedParameters:
         if self._gathered[index] or self._works[index] is not None:
             return
         flat = self.flats[index]
-        storage = flat.untyped_storage()
-        storage.resize_(self._bytes[index])
-        self._ptrs[storage.data_ptr()] = index
+        flat.data = torch.empty_like(flat)
+        self._ptrs[flat.untyped_storage().data_ptr()] = index
         self._left[index] = {id(owner) for owner in self._owners[index]}
         self._works[index] = self.collective.all_gather_into_async_(self.shards[index], out=flat)
 
@@ -149,22 +274,43 @@ class ShardedParameters:
         work, self._works[index] = self._works[index], None
         if work is not None:
             work.wait()
-            self._gathered[index] = True
+            self._show(index)
+
+    def _show(self, index: int) -> None:
+        """Unit ``index`` gathered: its parameters view its buffer, of their own class."""
+        flat, offset = self.flats[index], 0
+        with torch._C.DisableTorchFunctionSubclass():
+            for param, cls in zip(self._params[index], self._classes[index], strict=True):
+                param.data = flat[offset : offset + param.numel()].view_as(param)
+                param.__class__ = cls
+                offset += param.numel()
+        self._gathered[index] = True
 
     def _free(self, index: int, *, quietly: bool = False) -> None:
         """Let unit ``index``'s buffer go (once a gather into it is done: the collective
-        writes into it until then)."""
+        writes into it until then): its parameters are freed (:func:`_freed_class`), a
+        stand-in that holds no memory their data."""
         work, self._works[index] = self._works[index], None
-        if work is not None:
-            try:
+        if work is None and not self._gathered[index]:
+            return
+        try:
+            if work is not None:
                 work.wait()
-            except Exception:
-                if not quietly:
-                    raise
-        storage = self.flats[index].untyped_storage()
-        self._ptrs.pop(storage.data_ptr(), None)
-        storage.resize_(0)
-        self._gathered[index] = False
+        except Exception:
+            if not quietly:
+                raise
+        finally:
+            empty, stand_ins = self._empty[index]
+            with torch._C.DisableTorchFunctionSubclass():
+                for param, cls, stand_in in zip(
+                    self._params[index], self._classes[index], stand_ins, strict=True
+                ):
+                    param.__class__ = _freed_class(cls)
+                    param.data = stand_in
+            flat = self.flats[index]
+            self._ptrs.pop(flat.untyped_storage().data_ptr(), None)
+            flat.data = empty
+            self._gathered[index] = False
 
     def _prefetch(self, index: int) -> None:
         if 0 <= index < len(self.flats):
@@ -200,18 +346,24 @@ class ShardedParameters:
             self._free(index)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        """A tensor that views a gathered unit's buffer as its place in it; any other as it
+        is (one viewing a buffer in another way, of another dtype, keeps it)."""
         try:
             index = self._ptrs.get(tensor.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # no storage of its own to view ours
             return tensor
-        return tensor if index is None else _Saved(index, tensor)
+        if index is None or tensor.dtype != self.flats[index].dtype or tensor.is_conj():
+            return tensor
+        if tensor.is_neg() or type(tensor) is not torch.Tensor:
+            return tensor
+        return _Saved(index, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if type(saved) is not _Saved:
             return saved
         self._gather(saved.index)
         self._prefetch(saved.index + 1)  # the unit backward reaches next
-        return saved.tensor
+        return self.flats[saved.index].as_strided(saved.size, saved.stride, saved.offset)
 
     # ------------------------------------------------------------------ passes
 
@@ -283,11 +435,10 @@ class ShardedParameters:
         self.end()
         rank, size = self.collective.rank, self.collective.world_size
         for index, flat in enumerate(self.flats):
-            flat.untyped_storage().resize_(self._bytes[index])
+            flat.data = torch.zeros_like(flat)
             with torch.no_grad():
-                flat.zero_()
                 shard_of(flat, rank, size).copy_(self.shards[index])
-            self._gathered[index] = True
+            self._show(index)
         self._holding += 1
         try:
             yield
@@ -355,8 +506,10 @@ class ShardedParameters:
         self._hooks = []
         self._buckets.launched = None
         self.end()
-        with torch.no_grad():
-            for params in self._params:
-                for param in params:
-                    param.data = torch.zeros_like(param)
-        self._params, self.flats, self.shards = [], [], []
+        with torch._C.DisableTorchFunctionSubclass():
+            for params, classes in zip(self._params, self._classes, strict=True):
+                for param, cls in zip(params, classes, strict=True):
+                    param.__class__ = cls
+                    param.data = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+                    _NAMES.pop(id(param), None)
+        self._params, self.flats, self.shards, self._classes, self._empty = [], [], [], [], []
