@@ -235,6 +235,84 @@ def test_sharded_parameters_evaluate_where_a_worker_has_no_part_and_write_model_
         assert torch.equal(last.state_dict()[name], tensor), name
 
 
+class _PenalisesAfterForward(DigitsClassifier):
+    """A weight penalty in ``training_step`` that reads the first layer's weights after the
+    forward (under ZeRO-3 its unit is freed by then); each read is marked in ``marks``."""
+
+    def __init__(self, marks: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.marks = marks
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        with open(self.marks, "a") as marks:
+            marks.write(f"{self.global_rank}\n")
+        return loss + 1e-4 * sum(p.pow(2).sum() for p in self.net[0].parameters())
+
+
+class _ReadsWeightsAfterTheBatch(_PenalisesAfterForward):
+    """Logs the first layer's weight norm in ``on_train_batch_end``, after the step."""
+
+    def training_step(self, batch, batch_idx):
+        return DigitsClassifier.training_step(self, batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        with open(self.marks, "a") as marks:
+            marks.write(f"{self.global_rank}\n")
+        self.log("first_weight_norm", self.net[0].weight.norm())
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(
+    ("module", "hook"),
+    [
+        (_PenalisesAfterForward, "training_step"),
+        (_ReadsWeightsAfterTheBatch, "on_train_batch_end"),
+    ],
+)
+def test_a_weight_read_outside_its_forward_under_zero3_fails_the_run_at_once_naming_the_hook(
+    ray_session, digits, tmp_path, caplog, module, hook
+):
+    """Under ZeRO-3 a layer's weights exist only inside the forward of the module that owns
+    them: a penalty that reads them after the forward, or a hook after the step, raises at
+    its first read (never reads freed memory: no crashed worker, no retry), and the run ends
+    with one line naming the hook, the weight and what to do."""
+    import logging
+
+    from ringflow.engine import ModelError
+
+    caplog.set_level(logging.INFO, logger="ringflow.engine")
+    marks = tmp_path / "marks"
+    config = {"workers": 2, "epochs": 1, "batch_size": 64, "seed": 3, "bucket_mb": BUCKET_MB}
+    with pytest.raises(ModelError) as failed:
+        fit(
+            module,
+            hparams={**HPARAMS, "marks": str(marks)},
+            data=digits,
+            config=TrainConfig(shard="parameters", cpus_per_worker=0.5, **config),
+            checkpoint_uri=str(tmp_path / "model"),
+        )
+    message = str(failed.value)
+    assert "\n" not in message
+    assert message.startswith(
+        f"{module.__name__}.{hook} raised RuntimeError: the weight 'net.0.weight' was read "
+        "where it is not gathered: under shard='parameters'"
+    ), message
+    assert "or use shard='gradients'" in message, message
+    assert sorted(marks.read_text().split()) in (["0"], ["1"], ["0", "1"])  # the first batch
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "lost" in m or "starting again" in m], said
+    # The same module trains under shard="gradients", where every worker keeps whole weights.
+    marks.unlink()
+    fit(
+        module,
+        hparams={**HPARAMS, "marks": str(marks)},
+        data=digits,
+        config=TrainConfig(shard="gradients", **config),
+        checkpoint_uri=str(tmp_path / "gradients"),
+    )
+
+
 def _gradient_bytes(tmp_path, name: str, workers: int) -> list[int]:
     """Each rank's bytes of gradients where the run ``name`` ended (:class:`_Measured`)."""
     return [int((tmp_path / f"bytes-{name}" / f"grads-{r}").read_text()) for r in range(workers)]
