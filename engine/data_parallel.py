@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -449,12 +450,16 @@ class DataParallelStep:
             )
         elif self.sharded is not None:  # this rank's shard, clipped by the whole norm
             self.sharded.attach_grads()
+            clip_val, across = w.config.gradient_clip_val, self.sharded.sum_across
+            if clip_val is not None and w.config.gradient_clip_algorithm == "norm":
+                # shard="none"'s norm, bit for bit, where it clips (no scaler: no 16-mixed)
+                across = functools.partial(self.sharded.norm_across, clip_val=clip_val)
             w.optimization.step(
                 step,
                 last=batch.last,
-                clip_val=w.config.gradient_clip_val,
+                clip_val=clip_val,
                 clip_algorithm=w.config.gradient_clip_algorithm,
-                across=self.sharded.sum_across,
+                across=across,
             )
             self.sharded.gather()
         else:

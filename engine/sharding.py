@@ -18,7 +18,10 @@ kept shards.
 Only optimizers that update each element from its own gradient and state alone may step
 pieces instead of parameters (``ELEMENTWISE``): the result is then what stepping the whole
 parameters gives. Clipping by norm takes the whole model's norm: the squared norms of the
-shards, summed over the workers.
+shards, summed over the workers; where that norm may clip, the norm ``shard="none"``
+computes from whole gradients, bit for bit (:meth:`ShardedOptimizer.norm_across`): the
+sum's last bit may differ, and under ``bf16-mixed`` weights a last bit apart drift apart
+(each forward rounds them to bfloat16, where one such bit may round the other way).
 
 A checkpoint holds each worker's own shard, written by that worker, nothing gathered
 (``storage.reshard``'s ``zero-{rank}`` shards): the optimizer state of its pieces
@@ -144,6 +147,7 @@ class ShardedOptimizer:
         self._spans: list[tuple[torch.Tensor, int, int, int, int]] = []
         """Every bucketed parameter with elements in this rank's shard: (param, start, stop,
         bucket, where ``start`` is in the bucket's shard)."""
+        self._buckets: list[tuple[list[torch.Tensor], int]] = []  # params, padded length
         pieces: list[list[_Piece]] = [[] for _ in self._groups]
         with torch.no_grad():
             for index, (params, numel, grads) in enumerate(buckets.shards):
@@ -178,7 +182,9 @@ class ShardedOptimizer:
                         )
                     offset += n
                 self.flats.append(flat)
+                self._buckets.append((list(params), numel))
         self._pieces = pieces
+        self._norm_plans: list[_NormPlan] | None = None
         self.missing = False
         """The state of this rank's shard is not here (:meth:`take`) until
         :meth:`load_state_dict`."""
@@ -248,6 +254,84 @@ class ShardedOptimizer:
     def sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the workers (clipping's squared norms of the shards)."""
         return self.collective.allreduce_(tensor.reshape(1).clone()).reshape(tensor.shape)
+
+    def norm_across(self, squared: torch.Tensor, *, clip_val: float) -> torch.Tensor:
+        """Clipping by norm's ``across`` (``Optimization.step``): the whole model's squared
+        gradient norm from this rank's ``squared`` one, summed over the workers (every
+        worker alike: collective). Where the norm may clip (it is within 0.1% of
+        ``clip_val``, or above), the square of the norm ``shard="none"`` computes from whole
+        gradients (:meth:`whole_norm`; collective too): the clipped gradients are then
+        those of ``shard="none"``, bit for bit. Below, neither clips."""
+        total = self.sum_across(squared)
+        if bool(((total.sqrt() + 1e-6) * 1.001 < clip_val).item()):
+            return total
+        return _square_of(self.whole_norm())
+
+    def whole_norm(self) -> torch.Tensor:
+        """The norm of the gradients of the optimizer's parameters as
+        ``torch.nn.utils.get_total_norm`` gives it from whole gradients (``shard="none"``'s
+        clipping), bit for bit: each parameter's norm taken by the worker that holds it
+        whole, or, cut by a shard's edge, from its pieces gathered; then the norm of those
+        norms, in the optimizer's order. Collective: a bucket's norms and cut pieces are
+        all-gathered at a time."""
+        if self._norm_plans is None:
+            size = self.collective.world_size
+            self._norm_plans = [
+                _plan_norms(params, numel, self._layout, self._groups, size)
+                for params, numel in self._buckets
+            ]
+        mine = {id(piece.param): piece.grad for group in self._pieces for piece in group}
+        norms: dict[int, torch.Tensor] = {}
+        for plan in self._norm_plans:
+            if plan.length:
+                norms.update(self._bucket_norms(plan, mine))
+        ordered: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for params in self._groups:  # get_total_norm's order: by device and dtype, then theirs
+            for param in params:
+                if id(param) in self._layout:
+                    norm = norms.get(id(param))
+                    if norm is None:  # no element
+                        norm = torch.zeros((), dtype=param.dtype, device=param.device)
+                    ordered.setdefault((param.device, param.dtype), []).append(norm)
+        flat = [norm for norms_of in ordered.values() for norm in norms_of]
+        if not flat:
+            return torch.zeros(())
+        return torch.linalg.vector_norm(torch.stack([n.to(flat[0].device) for n in flat]), 2.0)
+
+    def _bucket_norms(
+        self, plan: _NormPlan, mine: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """The norm of each gradient of one bucket (:meth:`whole_norm`), by ``id``, from
+        this rank's gradient pieces ``mine``."""
+        rank, size = self.collective.rank, self.collective.world_size
+        first = next(iter(mine.values()))
+        payload = torch.zeros(plan.length, dtype=first.dtype, device=first.device)
+        whole = plan.whole[rank]
+        if whole:
+            norms = torch._foreach_norm([mine[id(p)] for p in whole], 2.0)
+            payload[: len(whole)] = torch.stack(norms)
+        at = len(whole)
+        for param, low, high in plan.cut[rank]:
+            payload[at : at + high - low] = mine[id(param)]
+            at += high - low
+        out = torch.empty(plan.length * size, dtype=first.dtype, device=first.device)
+        self.collective.all_gather_into_(payload, out=out)
+        found: dict[int, torch.Tensor] = {}
+        parts: dict[int, list[torch.Tensor]] = {}
+        for r in range(size):
+            at = r * plan.length
+            for k, param in enumerate(plan.whole[r]):
+                found[id(param)] = out[at + k]
+            at += len(plan.whole[r])
+            for param, low, high in plan.cut[r]:
+                parts.setdefault(id(param), []).append(out[at : at + high - low])
+                at += high - low
+        cut = [p for p in plan.order if id(p) in parts]
+        if cut:
+            grads = [torch.cat(parts[id(p)]) for p in cut]
+            for param, norm in zip(cut, torch._foreach_norm(grads, 2.0), strict=True):
+                found[id(param)] = norm
+        return found
 
     def gather(self) -> None:
         """All-gather every bucket's parameters after this rank stepped its shard (under
@@ -451,6 +535,60 @@ class ShardedOptimizer:
                 entry[key] = flats[index][offset : offset + param.numel()].view_as(param).clone()
             state[i] = entry
         return state
+
+
+@dataclass(frozen=True)
+class _NormPlan:
+    """Where one bucket's gradient norms come from (:meth:`ShardedOptimizer.whole_norm`):
+    each rank sends the norms of the parameters it holds whole (``whole[r]``), then its
+    pieces of those cut by a shard's edge (``cut[r]``: the parameter and its elements'
+    place in the bucket), ``length`` elements in all, padded."""
+
+    whole: list[list[torch.Tensor]]
+    cut: list[list[tuple[torch.Tensor, int, int]]]
+    order: list[torch.Tensor]
+    length: int
+
+
+def _plan_norms(
+    params: list[torch.Tensor],
+    numel: int,
+    layout: dict[int, tuple[int, int]],
+    groups: list[list[torch.Tensor]],
+    size: int,
+) -> _NormPlan:
+    stepped = {id(p) for params in groups for p in params}
+    shard = numel // size
+    whole: list[list[torch.Tensor]] = [[] for _ in range(size)]
+    cut: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in range(size)]
+    order = []
+    for param in params:
+        offset, n = layout[id(param)][1], param.numel()
+        if id(param) not in stepped or not n:
+            continue
+        order.append(param)
+        first, last = offset // shard, (offset + n - 1) // shard
+        if first == last:
+            whole[first].append(param)
+            continue
+        for r in range(first, last + 1):
+            cut[r].append((param, max(offset, r * shard), min(offset + n, (r + 1) * shard)))
+    length = max(
+        len(w) + sum(high - low for _, low, high in c) for w, c in zip(whole, cut, strict=True)
+    )
+    return _NormPlan(whole, cut, order, length)
+
+
+def _square_of(root: torch.Tensor) -> torch.Tensor:
+    """A float whose square root, as torch rounds it, is ``root`` (clipping takes the root
+    of what ``across`` gives): its square or a neighbour of it; where none is (about 4 in a
+    million floats), the square, whose root is a last bit apart."""
+    square = root * root
+    lower = torch.nextafter(square, torch.zeros_like(square))
+    upper = torch.nextafter(square, torch.full_like(square, float("inf")))
+    found = torch.where(upper.sqrt() == root, upper, square)
+    found = torch.where(lower.sqrt() == root, lower, found)
+    return torch.where(square.sqrt() == root, square, found)
 
 
 def _ranks_without_pieces(shards: list[tuple[Any, int, Any]], owner: dict, size: int) -> list[int]:

@@ -45,6 +45,7 @@ class _Measured(DigitsClassifier):
         )
         rank = self.trainer.global_rank
         Path(self.record, str(rank)).write_text(str(size))
+        Path(self.record, f"steps-{rank}").write_text(str(self.trainer.global_step))
         params = [*self.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
         storages = {
             p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
@@ -138,15 +139,18 @@ def test_sharded_adam_on_two_workers_ends_where_unsharded_ends_with_half_the_sta
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_sharded_with_accumulation_and_clipping_on_four_workers_ends_where_unsharded_ends(
-    ray_session, digits, tmp_path
+    ray_session, digits, tmp_path, precision
 ):
     """Accumulation over 2 batches and clipping by the global norm (small enough to clip
     every step: each worker's shard alone has a smaller norm) on 4 workers, each holding
     about a quarter of the state, ZeRO-1, ZeRO-2 (whose every batch's gradients are
     reduce-scattered and added up in each worker's quarter of them) and ZeRO-3, whose
     workers each hold at most 0.3 of what an unsharded worker holds between steps:
-    parameters, gradients and optimizer state."""
+    parameters, gradients and optimizer state. Under bf16-mixed too, where weights a last
+    bit apart would drift apart (each forward rounds them to bfloat16): where it clips, the
+    sharded norm is shard="none"'s, bit for bit."""
     config = {
         "workers": 4,
         "epochs": 5,  # 12 optimizer steps an epoch: 60
@@ -155,8 +159,10 @@ def test_sharded_with_accumulation_and_clipping_on_four_workers_ends_where_unsha
         "commit_every": 4,
         "cpus_per_worker": 0.5,
         "bucket_mb": BUCKET_MB,
+        "precision": precision,
     }
     none, whole = _fit(digits, tmp_path, "none4", **config)
+    assert int((tmp_path / "bytes-none4" / "steps-0").read_text()) == 60  # optimizer steps
     for mode in MODES:
         sharded, parts = _fit(digits, tmp_path, f"{mode}4", shard=mode, **config)
         assert relative_difference(sharded.state_dict, none.state_dict) < 1e-6, mode
@@ -442,6 +448,79 @@ def _layers() -> torch.nn.Sequential:
     return torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
     )
+
+
+class _ThreadRanks:
+    """``size`` ranks in one process, one thread each, meeting at a barrier."""
+
+    def __init__(self, size: int) -> None:
+        import threading
+
+        self.size, self.barrier = size, threading.Barrier(size)
+        self.sent: list[torch.Tensor | None] = [None] * size
+
+    def rank(self, rank: int):
+        from ringflow.engine.collective import Collective
+        from ringflow.engine.collective.base import CompletedWork
+
+        ranks = self
+
+        class _Rank(Collective):
+            def _exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+                ranks.sent[self.rank] = tensor.clone()
+                ranks.barrier.wait()
+                got = list(ranks.sent)
+                ranks.barrier.wait()
+                return got
+
+            def all_gather(self, tensor):
+                return self._exchange(tensor)
+
+            def allreduce_async_(self, tensor, *, op="sum"):
+                tensor.copy_(torch.stack(self._exchange(tensor)).sum(0))
+                return CompletedWork(tensor)
+
+            def broadcast_(self, tensor, *, src=0):
+                return tensor.copy_(self._exchange(tensor)[src])
+
+        return _Rank(rank=rank, world_size=self.size)
+
+
+@pytest.mark.parametrize(("size", "bucket_bytes"), [(2, 300 * 4), (4, 300 * 4), (4, 10**6), (3, 1)])
+def test_the_sharded_gradient_norm_is_the_whole_gradients_norm_bit_for_bit(size, bucket_bytes):
+    """``ShardedOptimizer.whole_norm`` on every rank is ``get_total_norm`` of the whole
+    gradients (``shard="none"``'s clipping), bit for bit, whatever the shards' edges cut:
+    parameters whole in a shard, cut in two, spread over every shard, one per bucket."""
+    import concurrent.futures
+
+    from ringflow.engine.collective import GradientBuckets
+    from ringflow.engine.sharding import ShardedOptimizer
+
+    generator = torch.Generator().manual_seed(size)
+    grads = {name: torch.randn(p.shape, generator=generator) * 10.0 ** torch.randint(
+        -3, 3, (), generator=generator
+    ) for name, p in _layers().named_parameters()}  # fmt: skip
+    expected = torch.nn.utils.get_total_norm(list(grads.values()))
+    ranks = _ThreadRanks(size)
+
+    def norm_on(rank: int) -> torch.Tensor:
+        model = _layers()
+        collective = ranks.rank(rank)
+        buckets = GradientBuckets(
+            list(model.parameters()), collective, bucket_bytes=bucket_bytes, scatter=True
+        )
+        names = {id(p): name for name, p in model.named_parameters()}
+        optimizer = ShardedOptimizer(torch.optim.Adam(model.parameters()), buckets, collective)
+        for params, numel, mine in buckets.shards:
+            whole = torch.cat([grads[names[id(p)]].view(-1) for p in params])
+            whole = torch.cat([whole, whole.new_zeros(numel - whole.numel())])
+            mine.copy_(whole[rank * mine.numel() : (rank + 1) * mine.numel()])
+        return optimizer.whole_norm()
+
+    with concurrent.futures.ThreadPoolExecutor(size) as pool:
+        norms = list(pool.map(norm_on, range(size)))
+    for norm in norms:
+        assert torch.equal(norm, expected), (norm.item(), expected.item())
 
 
 def test_sharded_parameters_hold_memory_only_around_their_use_and_train_as_whole_ones():
