@@ -509,7 +509,7 @@ class ShardedParameters:
         with torch._C.DisableTorchFunctionSubclass():
             for params, classes in zip(self._params, self._classes, strict=True):
                 for param, cls in zip(params, classes, strict=True):
-                    param.__class__ = cls
                     param.data = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+                    param.__class__ = cls
                     _NAMES.pop(id(param), None)
         self._params, self.flats, self.shards, self._classes, self._empty = [], [], [], [], []
