@@ -8,7 +8,9 @@ shard of each buffer lives in a tensor of its own, which the optimizer steps in 
 
 A *unit* is a bucket. Its buffer is all-gathered just before the forward of a module that
 owns one of its parameters (a forward pre-hook; the next unit's gather starts meanwhile) and
-freed once every such module's forward has run. Backward gathers it again where autograd
+freed once the forward of every such module's parent has run (its nearest ancestor that runs
+a forward, below the root; a model reads its children's weights in its own forward, as a
+head tied to the token embedding does). Backward gathers it again where autograd
 unpacks a tensor saved from it (``saved_tensors_hooks``; the next unit backward reaches
 starts to gather meanwhile), and frees it once the bucket's gradients are taken for their
 reduce-scatter (``GradientBuckets.launched``): backward needs a unit's weights only to
@@ -165,6 +167,31 @@ def _freed_class(cls: type) -> type:
     )
 
 
+_CONTAINERS = (
+    torch.nn.ModuleList,
+    torch.nn.ModuleDict,
+    torch.nn.ParameterList,
+    torch.nn.ParameterDict,
+)
+"""Modules that only hold others: no forward of theirs runs."""
+
+
+def _holder(owner: torch.nn.Module, root: torch.nn.Module, parents: dict) -> torch.nn.Module:
+    """The module whose forward ends the use of ``owner``'s parameters: its nearest ancestor
+    below ``root`` that runs a forward (not a container), else ``owner`` itself.
+
+    A model reads a child's weights in its own forward as often as it calls the child (a
+    language model's head tied to its token embedding: ``F.linear(x, self.wte.weight)``),
+    so a unit is kept from its owner's forward to the end of its parent's, as FSDP keeps a
+    unit for the forward of the module it wraps. The root (the LightningModule, whose
+    ``forward`` a step need not call) never holds: its children free their units as they
+    end."""
+    parent = parents.get(id(owner))
+    while parent is not None and isinstance(parent, _CONTAINERS):
+        parent = parents.get(id(parent))
+    return owner if parent is None or parent is root else parent
+
+
 class ShardedParameters:
     """The module's trainable parameters, each worker holding its shard of each bucket's.
 
@@ -224,12 +251,15 @@ class ShardedParameters:
         """This rank's shard of the weights is not here (:meth:`take`) until whole weights
         are written (:meth:`writing`)."""
         unit_of = {id(p): index for index, params in enumerate(self._params) for p in params}
-        self._owners: list[list[torch.nn.Module]] = [[] for _ in range(count)]
+        self._holders: list[list[torch.nn.Module]] = [[] for _ in range(count)]
+        """The modules whose forward ends each unit's use (:func:`_holder`)."""
         self._left: list[set[int]] = [set() for _ in range(count)]
-        """The owners of each gathered unit whose forward has not run since it gathered."""
+        """The holders of each gathered unit whose forward has not run since it gathered."""
         self._hooks: list[Any] = []
         self.pinned: frozenset[int] = frozenset()
         """The units holding the module's own parameters: gathered for whole passes."""
+        parents = {id(child): parent for parent in module.modules() for child in parent.children()}
+        held: dict[int, tuple[torch.nn.Module, set[int]]] = {}
         for owner in module.modules():
             units = sorted(
                 {
@@ -242,13 +272,16 @@ class ShardedParameters:
                 continue
             if owner is module:
                 self.pinned = frozenset(units)
-            for index in units:
-                self._owners[index].append(owner)
+            holder = _holder(owner, module, parents)
+            held.setdefault(id(holder), (holder, set()))[1].update(units)
             self._hooks.append(
                 owner.register_forward_pre_hook(functools.partial(self._before_forward, units))
             )
+        for holder, units in held.values():
+            for index in units:
+                self._holders[index].append(holder)
             self._hooks.append(
-                owner.register_forward_hook(functools.partial(self._after_forward, units))
+                holder.register_forward_hook(functools.partial(self._after_forward, sorted(units)))
             )
         self._buckets = buckets
         buckets.launched = self._reduced
@@ -265,7 +298,7 @@ class ShardedParameters:
         flat = self.flats[index]
         flat.data = torch.empty_like(flat)
         self._ptrs[flat.untyped_storage().data_ptr()] = index
-        self._left[index] = {id(owner) for owner in self._owners[index]}
+        self._left[index] = {id(holder) for holder in self._holders[index]}
         self._works[index] = self.collective.all_gather_into_async_(self.shards[index], out=flat)
 
     def _gather(self, index: int) -> None:
@@ -328,7 +361,7 @@ class ShardedParameters:
     def _after_forward(
         self, units: list[int], module: torch.nn.Module, args: Any, output: Any
     ) -> None:
-        """A module's forward ran: a unit every owner of which has run since it was gathered
+        """A module's forward ran: a unit every holder of which has run since it was gathered
         is freed (the module's own aside, every unit while :meth:`gathered` holds, and any
         within backward, where the bucket frees it)."""
         if self._holding or self._backward:
@@ -354,7 +387,7 @@ class ShardedParameters:
             return tensor
         if index is None or tensor.dtype != self.flats[index].dtype or tensor.is_conj():
             return tensor
-        if tensor.is_neg() or type(tensor) is not torch.Tensor:
+        if tensor.is_neg() or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             return tensor
         return _Saved(index, tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
 

@@ -825,3 +825,34 @@ def test_four_sharded_workers_checkpoint_resumes_on_two_sharded_and_one_unsharde
         # Where two unsharded workers end, but for the order of the sums: the epoch started
         # from the checkpoint (from the initial weights it ends elsewhere).
         assert relative_difference(from_pieces, plain.state_dict) < 1e-5
+
+
+@pytest.mark.ray
+def test_a_gpt_whose_head_reads_the_embedding_trains_under_sharded_parameters(
+    ray_session, tmp_path
+):
+    """The GPT's head is its token embedding's weight, read in the GPT's own forward after
+    the embedding's forward ended (``F.linear(x, self.wte.weight)``, as nanoGPT ties them):
+    under ZeRO-3 the embedding's unit is kept to the end of its parent's forward, and
+    training ends within 1e-6 of ``shard="none"``."""
+    from ringflow.engine import DatasetData
+    from ringflow.models.gpt import GPTModule, TokenWindows, stdlib_tokens
+
+    tokens = stdlib_tokens(max_tokens=12 * 8 * 32 + 1)
+    data = DatasetData(train=TokenWindows(tokens, 32))
+    hparams = {"preset": "tiny", "overrides": {"block_size": 32}, "lr": 1e-3, "warmup_steps": 2}
+    results = {}
+    for mode in ("none", "parameters"):
+        results[mode] = fit(
+            GPTModule,
+            hparams=hparams,
+            data=data,
+            config=TrainConfig(
+                workers=2, epochs=1, batch_size=8, seed=0, shard=mode, bucket_mb=0.05
+            ),
+            checkpoint_uri=str(tmp_path / mode),
+        )
+    initial = GPTModule(**hparams).state_dict()
+    assert relative_difference(results["none"].state_dict, initial) > 1e-3
+    difference = relative_difference(results["parameters"].state_dict, results["none"].state_dict)
+    assert difference < 1e-6, difference
