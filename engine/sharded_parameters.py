@@ -20,13 +20,14 @@ step) are gathered for a whole pass. Evaluation gathers and frees through the sa
 
 So every worker must run the same layers in the same order, in every forward pass (each
 gather is a collective), and a layer's weights may be read only inside the forward of a
-module that owns them (the module's own parameters: anywhere in its step). A unit freed, its
-parameters are of a class of their own (:func:`_freed_class`) whose every use but their
-metadata (shape, dtype, ``.grad``, ``requires_grad``) raises ``RuntimeError`` naming the
-weight and what to do: a weight penalty that reads a layer's weights after its forward, a
-hook or callback that reads them after the step (``on_train_batch_end``,
+module that owns them or of its parent (the module's own parameters: anywhere in its step).
+A unit freed, its parameters are of a class of their own (:func:`_freed_class`) whose every
+use but their metadata (shape, dtype, ``.grad``, ``requires_grad``) raises ``RuntimeError``
+naming the weight and what to do: a weight penalty that reads a layer's weights after its
+forward, a hook or callback that reads them after the step (``on_train_batch_end``,
 ``on_validation_epoch_end``...) fail at once as the module's error, never read freed memory.
-``detach()``, ``.data`` and ``state_dict()`` of a freed weight give tensors that raise alike.
+``detach()``, ``.data`` and ``state_dict()`` of a freed weight give tensors that raise
+alike.
 
 Each gather fills a buffer of its own, and freeing a unit only lets go of it: a tensor that
 views a unit's weights (kept from a forward, returned by it) keeps that buffer, and the
@@ -119,8 +120,8 @@ def _freed_torch_function(
     raise RuntimeError(
         f"the weight {_freed_name(freed)} was read where it is not gathered: under "
         "shard='parameters' a layer's weights exist only inside the forward of the module "
-        "that owns them (the module's own parameters: during its steps); read weights only "
-        "there, or use shard='gradients'"
+        "that owns them or of its parent (the module's own parameters: during its steps); "
+        "read weights only there, or use shard='gradients'"
     )
 
 
