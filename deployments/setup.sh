@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install ringflow with its test tools. Safe to run again: it only installs
-# what changed. torch is installed first at the CPU build this project is pinned to, so pip
-# never replaces it with a multi-GB CUDA build.
+# what changed. torch is installed first at the CPU build this project is pinned to, so the
+# installer never replaces it with a multi-GB CUDA build.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RINGFLOW_VENV:-$ROOT/.venv}"
