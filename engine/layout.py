@@ -272,7 +272,7 @@ class DataParallel(Layout):
 
     def attach_callbacks(self, callbacks: Any, group: Workers, *, loggers: bool) -> None:
         super().attach_callbacks(callbacks, group, loggers=loggers)
-        if self.config.shard == "parameters":  # every worker gathers the weights rank 0 writes
+        if self.config.shard != "none":  # every worker gathers the state rank 0 writes
             callbacks.write_files_with(_Everyone(group))
 
     def model_state(self, group: Workers) -> dict[str, torch.Tensor]:
@@ -282,8 +282,8 @@ class DataParallel(Layout):
 
 
 class _Everyone:
-    """``group``, whose calls for rank 0 go to every worker (sharded parameters: reading the
-    whole weights is collective), rank 0's answer returned."""
+    """``group``, whose calls for rank 0 go to every worker (sharded state: reading the whole
+    weights or optimizer state is collective), rank 0's answer returned."""
 
     def __init__(self, group: Workers) -> None:
         self.group = group

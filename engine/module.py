@@ -946,12 +946,14 @@ def lightning_checkpoint(
     weights_only: bool,
     callbacks: dict[str, Any],
     state_dict: dict[str, torch.Tensor] | None = None,
+    optimizer_states: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """What ``Trainer.save_checkpoint`` puts in a ``.ckpt`` file (its checkpoint connector's
     ``dump_checkpoint``), so that ``load_from_checkpoint`` reads it: the epoch and step, the
     weights (``state_dict``, where given: the module's gathered), the hyperparameters the
     module saved, what ``on_save_checkpoint`` adds and, unless ``weights_only``, the
-    optimizers', schedulers', scaler's and ``callbacks``' states.
+    optimizers' (``optimizer_states``, where given: a sharded one's gathered), schedulers',
+    scaler's and ``callbacks``' states.
     """
     import lightning
 
@@ -965,7 +967,9 @@ def lightning_checkpoint(
     if not weights_only:
         scaler = optimization.precision.scaler
         checkpoint["callbacks"] = callbacks
-        checkpoint["optimizer_states"] = [o.state_dict() for o in optimization.optimizers]
+        checkpoint["optimizer_states"] = optimizer_states or [
+            o.state_dict() for o in optimization.optimizers
+        ]
         checkpoint["lr_schedulers"] = [c.scheduler.state_dict() for c in optimization.configs]
         if scaler is not None:  # under the name Lightning's MixedPrecision keeps it
             checkpoint["MixedPrecision"] = scaler.state_dict()

@@ -1217,11 +1217,15 @@ class Worker:
     ) -> None:
         """Write the ``.ckpt`` file ``Trainer.save_checkpoint`` writes (``ModelCheckpoint``'s)
         to ``filepath``, any fsspec URL, through Lightning's own checkpoint IO. Where the
-        weights are sharded every worker is called, gathers them, and rank 0 writes."""
+        weights or the optimizer state are sharded every worker is called, gathers them, and
+        rank 0 writes."""
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
         state = self._model_state()
-        if self.shards_parameters and self.rank != 0:
+        sharded = getattr(self.step, "sharded", None)
+        # a sharded optimizer's whole state, gathered (every worker is called alike)
+        optimizers = None if weights_only or sharded is None else [sharded.state_dict()]
+        if (self.shards_parameters or sharded is not None) and self.rank != 0:
             return
         checkpoint = lightning_checkpoint(
             self.module,
@@ -1230,6 +1234,7 @@ class Worker:
             weights_only=weights_only,
             callbacks=callbacks,
             state_dict=state,
+            optimizer_states=optimizers,
         )
         TorchCheckpointIO().save_checkpoint(checkpoint, filepath)
 

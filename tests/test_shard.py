@@ -222,12 +222,14 @@ def test_sharded_parameters_evaluate_where_a_worker_has_no_part_and_write_model_
     """Batches of 179: the validation split's last batch (1 of its 180 samples) leaves
     worker 1 nothing, so each evaluation gathers the whole model at once (a forward on one
     worker alone would gather alone); the metrics and weights are ``shard="none"``'s.
-    ``ModelCheckpoint``'s file, written by rank 0 from the weights every worker gathered,
-    holds the run's weights and loads unsharded."""
+    ``ModelCheckpoint``'s file, written by rank 0 from the weights and optimizer state every
+    worker gathered, holds the run's weights and ``shard="none"``'s optimizer state, and
+    loads unsharded."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     config = {"batch_size": 179, "epochs": 2, "bucket_mb": BUCKET_MB}
-    none, _ = _fit(digits, tmp_path, "none", **config)
+    plain = ModelCheckpoint(dirpath=str(tmp_path / "ckpt-none"), save_last=True)
+    none, _ = _fit(digits, tmp_path, "none", callbacks=[plain], **config)
     saved = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
     sharded, _ = _fit(
         digits, tmp_path, "parameters", shard="parameters", callbacks=[saved], **config
@@ -239,6 +241,19 @@ def test_sharded_parameters_evaluate_where_a_worker_has_no_part_and_write_model_
     last = _Measured.load_from_checkpoint(saved.last_model_path)
     for name, tensor in sharded.state_dict.items():
         assert torch.equal(last.state_dict()[name], tensor), name
+    # The file's optimizer state is the whole one, gathered from every worker's shard, in
+    # the format shard="none" writes (not rank 0's pieces).
+    ours, theirs = (
+        torch.load(c.last_model_path, weights_only=False)["optimizer_states"]
+        for c in (saved, plain)
+    )
+    assert len(ours) == len(theirs) == 1
+    assert ours[0]["param_groups"] == theirs[0]["param_groups"]
+    assert ours[0]["state"].keys() == theirs[0]["state"].keys()
+    for index, entry in theirs[0]["state"].items():
+        tensors = {k: v for k, v in entry.items() if torch.is_tensor(v) and v.dim()}
+        mine = {k: ours[0]["state"][index][k] for k in tensors}
+        assert relative_difference(mine, tensors) < 1e-6, index
 
 
 class _PenalisesAfterForward(DigitsClassifier):

@@ -66,6 +66,8 @@ class _StoreArbiter:
             cause = f"{cause}; the rendezvous store on rank 0 does not answer either"
         elif peer is _REFUSED:
             peer, cause = 0, f"{cause}; the rendezvous store on rank 0 is unreachable too"
+        elif peer != suspect:  # not the one whose connection closed: it stopped answering
+            timed_out = True
         kind = CollectiveTimeoutError if timed_out else PeerLostError
         what = "stopped answering" if timed_out else "was lost"
         raise kind(
@@ -81,6 +83,14 @@ class _StoreArbiter:
         verdict = self._verdict()
         if verdict is not None:
             return verdict
+        if not timed_out and self._survived(suspect):
+            # The closed connection was a survivor giving up at its deadline (gloo closes a
+            # pair that timed out before its rank can say so): the lost rank is another one,
+            # which that survivor names.
+            verdict = self._awaited(until=time.monotonic() + self.reserve_s * 0.5)
+            if verdict is not None:
+                return verdict
+            timed_out = True
         if timed_out:
             # Every survivor is waiting on someone; the lost rank is the one not saying alive.
             missing = self._missing(until=time.monotonic() + self.reserve_s * 0.8)
@@ -93,6 +103,25 @@ class _StoreArbiter:
             if missing and suspect not in missing:
                 suspect = missing[0]
         return self._decide(suspect)
+
+    def _survived(self, suspect: int) -> bool:
+        """Whether ``suspect``, whose connection closed, says it is alive within a moment
+        (a survivor says so as it starts to agree; a lost rank never does)."""
+        until = time.monotonic() + self.reserve_s * 0.25
+        while not self._store.check([f"alive/{suspect}"]):
+            if time.monotonic() >= until or self._store.check([_VERDICT_KEY]):
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _awaited(self, *, until: float) -> int | None:
+        """The verdict, once another survivor gives it by ``until``; else ``None``."""
+        while time.monotonic() < until:
+            verdict = self._verdict()
+            if verdict is not None:
+                return verdict
+            time.sleep(0.01)
+        return self._verdict()
 
     def _missing(self, *, until: float) -> list[int] | None:
         """Ranks that have not said they are alive by ``until``; ``None`` if a verdict came.
