@@ -79,21 +79,18 @@ class _StoreArbiter:
         )
 
     def _agree(self, *, timed_out: bool, suspect: int) -> int:
+        until = time.monotonic() + self.reserve_s * 0.8
         self._store.set(f"alive/{self._rank}", b"1")
         verdict = self._verdict()
         if verdict is not None:
             return verdict
         if not timed_out and self._survived(suspect):
             # The closed connection was a survivor giving up at its deadline (gloo closes a
-            # pair that timed out before its rank can say so): the lost rank is another one,
-            # which that survivor names.
-            verdict = self._awaited(until=time.monotonic() + self.reserve_s * 0.5)
-            if verdict is not None:
-                return verdict
+            # pair that timed out before its rank can say so): the lost rank is the silent one.
             timed_out = True
         if timed_out:
             # Every survivor is waiting on someone; the lost rank is the one not saying alive.
-            missing = self._missing(until=time.monotonic() + self.reserve_s * 0.8)
+            missing = self._missing(until=until)
             if missing is None:
                 return self._verdict()
             if len(missing) > 1 and 0 in missing:
@@ -113,15 +110,6 @@ class _StoreArbiter:
                 return False
             time.sleep(0.01)
         return True
-
-    def _awaited(self, *, until: float) -> int | None:
-        """The verdict, once another survivor gives it by ``until``; else ``None``."""
-        while time.monotonic() < until:
-            verdict = self._verdict()
-            if verdict is not None:
-                return verdict
-            time.sleep(0.01)
-        return self._verdict()
 
     def _missing(self, *, until: float) -> list[int] | None:
         """Ranks that have not said they are alive by ``until``; ``None`` if a verdict came.
