@@ -19,7 +19,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 # uv installs (a few seconds where pip takes minutes); pip installs uv, and everything where uv
 # cannot be had. uv is handed pip's own configuration (its find-links and indexes, as pip reads
-# them from pip.conf and PIP_* variables), so both pick the same files, the CPU torch among them.
+# them from pip.conf and PIP_* variables), so both pick the same files, the CPU torch among them,
+# and compiles the bytecode as pip does (where PYTHONDONTWRITEBYTECODE is set, as on CI, every
+# process would otherwise compile torch and Lightning again: twice their import time).
 pip_install() {
   "$VENV/bin/python" -m pip install --disable-pip-version-check "$@"
 }
@@ -33,7 +35,7 @@ install() {
   if [ -x "$VENV/bin/uv" ]; then
     mapfile -t sources < <(pip_sources)
     "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" \
-      --index-strategy unsafe-best-match "${sources[@]}" "$@"
+      --index-strategy unsafe-best-match --compile-bytecode "${sources[@]}" "$@"
   else
     pip_install "$@"
   fi
