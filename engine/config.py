@@ -482,12 +482,6 @@ class TrainConfig:
                 "yet: communication hooks reduce whole buckets, sharding reduce-scatters them; "
                 f"use one of {list(WIRE_FORMATS)}"
             )
-        if self.min_workers is not None and self.min_workers < self.workers:
-            raise ValueError(
-                f"shard={self.shard!r} does not compose with min_workers below workers yet: "
-                "survivors going on without a rollback would lose the lost worker's optimizer "
-                "shard; leave min_workers out (a lost worker is replaced from the last commit)"
-            )
         if self.precision == "16-mixed":
             raise ValueError(
                 f"shard={self.shard!r} does not compose with precision='16-mixed' yet: its "

@@ -1101,8 +1101,10 @@ class Worker:
         forms. Empty (one pass over its part of the members' split) where the run trains
         at its full size, or where parts are not the whole story: accumulation, manual
         optimisation, buffers, a communication hook, a global batch that follows the
-        workers, an input read as one stream per rank, or ``sync_batchnorm`` (whose
-        statistics are those of the members' parts together: the whole global batch)."""
+        workers, an input read as one stream per rank, ``sync_batchnorm`` (whose
+        statistics are those of the members' parts together: the whole global batch) or
+        sharded state (every member's passes meet in collectives: a gather before each
+        unit's forward under ZeRO-3, a reduce-scatter of each bucket under ZeRO-2)."""
         full, members = self.config.workers, self.world_size
         if (
             members >= full
@@ -1110,6 +1112,7 @@ class Worker:
             or self.config.batch_follows_workers
             or self.config.compression not in WIRE_FORMATS
             or self.config.sync_batchnorm
+            or self.config.shard != "none"
             or hasattr(self.train, "epoch_order")
         ):
             return ()
@@ -1144,8 +1147,9 @@ class Worker:
     def reached(self) -> tuple[int, Logged] | None:
         """Where the last call of steps failed, if the members may go on from there: the
         global step that failed (nothing of it kept: this worker is as at its start) and what
-        the steps of the call before it logged; ``None`` where the worker must roll back."""
-        if self._failed is None or self._reached is None:
+        the steps of the call before it logged; ``None`` where the worker must roll back
+        (sharded state: a lost worker's shard of it lives on only in the commits)."""
+        if self._failed is None or self._reached is None or self.config.shard != "none":
             return None
         logged = self.metric_log.take()
         logged.samples = self._reached.samples
