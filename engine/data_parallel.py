@@ -450,16 +450,17 @@ class DataParallelStep:
             )
         elif self.sharded is not None:  # this rank's shard, clipped by the whole norm
             self.sharded.attach_grads()
-            clip_val, across = w.config.gradient_clip_val, self.sharded.sum_across
+            clip_val, whole_norm = w.config.gradient_clip_val, None
             if clip_val is not None and w.config.gradient_clip_algorithm == "norm":
                 # shard="none"'s norm, bit for bit, where it clips (no scaler: no 16-mixed)
-                across = functools.partial(self.sharded.norm_across, clip_val=clip_val)
+                whole_norm = functools.partial(self.sharded.norm_across, clip_val=clip_val)
             w.optimization.step(
                 step,
                 last=batch.last,
                 clip_val=clip_val,
                 clip_algorithm=w.config.gradient_clip_algorithm,
-                across=across,
+                across=self.sharded.sum_across,
+                whole_norm=whole_norm,
             )
             self.sharded.gather()
         else:

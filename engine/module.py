@@ -341,7 +341,7 @@ class Optimization:
         self.module, self.optimizers = module, list(optimizers)
         self.optimizer: Any = optimizers[0] if len(optimizers) == 1 else Optimizers(optimizers)
         """The optimizer whose state commits and checkpoints keep (several, as one)."""
-        self._clipping: tuple[Any, ...] = (None, "norm", None)
+        self._clipping: tuple[Any, ...] = (None, "norm", None, None)
         self.optimizer_steps = 0
         """Under manual optimisation, the optimizer steps taken so far (Trainer's
         ``global_step`` then counts them); kept in commits and checkpoints."""
@@ -375,15 +375,20 @@ class Optimization:
         clip_val: float | None,
         clip_algorithm: str,
         across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        whole_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """The optimizer step of batch ``batch_idx`` on the averaged gradients, as Trainer
         takes it: unscale (``16-mixed``), clip, step (skipped by the scaler on non-finite
         gradients), then the schedulers due.
 
         ``across`` sums a tensor over the workers that hold the other parts of the model (a
-        pipeline's stages): the gradient's norm is then the whole model's, and a step is
-        skipped on every stage where any stage's gradients overflowed."""
-        self._clipping = (clip_val, clip_algorithm, across)
+        pipeline's stages, sharded workers): a step is skipped on every part where any
+        part's gradients overflowed, and clipping by norm takes the whole model's norm,
+        ``whole_norm`` of this part's (by default the root of the squares summed
+        ``across``)."""
+        if whole_norm is None and across is not None:
+            whole_norm = functools.partial(_summed_norm, across)
+        self._clipping = (clip_val, clip_algorithm, across, whole_norm)
         if overrides(self.module, "optimizer_step"):  # a warm-up written there, say
             epoch = self.module.trainer.current_epoch
             self.module.optimizer_step(epoch, batch_idx, self.module.optimizers(), _ran)
@@ -396,7 +401,7 @@ class Optimization:
         own ``optimizer_step`` asks for): the closure (training_step and backward ran
         already), unscaling, ``on_before_optimizer_step``, clipping, the step."""
         closure()
-        clip_val, clip_algorithm, across = self._clipping
+        clip_val, clip_algorithm, across, whole_norm = self._clipping
         scaler = self.precision.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
@@ -404,7 +409,7 @@ class Optimization:
                 _agree_on_overflow(scaler, self.optimizer, across)
         with self.scaled_lr(self.optimizers):
             call_hook(self.module, "on_before_optimizer_step", self.optimizer)
-            clip_gradients(self.optimizer, clip_val, clip_algorithm, across=across)
+            clip_gradients(self.optimizer, clip_val, clip_algorithm, whole_norm=whole_norm)
             if scaler is not None:
                 out = scaler.step(self.optimizer, **kwargs)
                 scaler.update()
@@ -1002,23 +1007,30 @@ def clip_gradients(
     value: float | None,
     algorithm: str,
     *,
-    across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    whole_norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Clip the (already averaged) gradients of ``optimizer``'s parameters as Lightning does;
-    by norm, by the norm of the whole model's gradient where ``across`` sums the squared
-    norms of the parts other workers hold."""
+    by norm, by the norm of the whole model's gradient where other workers hold parts of it:
+    ``whole_norm`` of the norm of this part's."""
     if value is None:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if algorithm != "norm":
         torch.nn.utils.clip_grad_value_(params, value)
-    elif across is None:
+    elif whole_norm is None:
         torch.nn.utils.clip_grad_norm_(params, value)
     else:
         grads = [p.grad for p in params if p.grad is not None]
         local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        total = across(local.float().square()).sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, value, total.to(local.device))
+        torch.nn.utils.clip_grads_with_norm_(params, value, whole_norm(local).to(local.device))
+
+
+def _summed_norm(
+    across: Callable[[torch.Tensor], torch.Tensor], local: torch.Tensor
+) -> torch.Tensor:
+    """The whole model's gradient norm from this part's, ``local``: the root of the parts'
+    squares summed ``across`` the workers that hold them."""
+    return across(local.float().square()).sqrt()
 
 
 def _agree_on_overflow(

@@ -255,17 +255,17 @@ class ShardedOptimizer:
         """``tensor`` summed over the workers (clipping's squared norms of the shards)."""
         return self.collective.allreduce_(tensor.reshape(1).clone()).reshape(tensor.shape)
 
-    def norm_across(self, squared: torch.Tensor, *, clip_val: float) -> torch.Tensor:
-        """Clipping by norm's ``across`` (``Optimization.step``): the whole model's squared
-        gradient norm from this rank's ``squared`` one, summed over the workers (every
-        worker alike: collective). Where the norm may clip (it is within 0.1% of
-        ``clip_val``, or above), the square of the norm ``shard="none"`` computes from whole
-        gradients (:meth:`whole_norm`; collective too): the clipped gradients are then
-        those of ``shard="none"``, bit for bit. Below, neither clips."""
-        total = self.sum_across(squared)
-        if bool(((total.sqrt() + 1e-6) * 1.001 < clip_val).item()):
+    def norm_across(self, local: torch.Tensor, *, clip_val: float) -> torch.Tensor:
+        """Clipping by norm's ``whole_norm`` (``Optimization.step``): the whole model's
+        gradient norm from the norm of this rank's shard, ``local``, its square summed over
+        the workers (every worker alike: collective). Where the norm may clip (it is within
+        0.1% of ``clip_val``, or above), the norm ``shard="none"`` computes from whole
+        gradients instead (:meth:`whole_norm`; collective too): the clipped gradients are
+        then those of ``shard="none"``, bit for bit. Below, neither clips."""
+        total = self.sum_across(local.float().square()).sqrt()
+        if bool(((total + 1e-6) * 1.001 < clip_val).item()):
             return total
-        return _square_of(self.whole_norm())
+        return self.whole_norm()
 
     def whole_norm(self) -> torch.Tensor:
         """The norm of the gradients of the optimizer's parameters as
@@ -577,18 +577,6 @@ def _plan_norms(
         len(w) + sum(high - low for _, low, high in c) for w, c in zip(whole, cut, strict=True)
     )
     return _NormPlan(whole, cut, order, length)
-
-
-def _square_of(root: torch.Tensor) -> torch.Tensor:
-    """A float whose square root, as torch rounds it, is ``root`` (clipping takes the root
-    of what ``across`` gives): its square or a neighbour of it; where none is (about 4 in a
-    million floats), the square, whose root is a last bit apart."""
-    square = root * root
-    lower = torch.nextafter(square, torch.zeros_like(square))
-    upper = torch.nextafter(square, torch.full_like(square, float("inf")))
-    found = torch.where(upper.sqrt() == root, upper, square)
-    found = torch.where(lower.sqrt() == root, lower, found)
-    return torch.where(square.sqrt() == root, square, found)
 
 
 def _ranks_without_pieces(shards: list[tuple[Any, int, Any]], owner: dict, size: int) -> list[int]:
