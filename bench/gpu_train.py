@@ -63,7 +63,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from bench import headline_json
+from bench import headline_json, local_ray, stdlib_windows
 from ringflow.engine import phases
 from ringflow.engine.config import SHARD_MODES
 from ringflow.models.gpt import GPTModule
@@ -378,27 +378,19 @@ def _ray(spec: Spec):
     """A private local Ray for the count's runs, or the caller's if one is running."""
     from ringflow.engine.cluster import quiet_environment
 
-    quiet_environment()  # before Ray starts: a local Ray stays on loopback, quiet
-    import ray
+    quiet_environment()  # before Ray is imported: a local Ray stays on loopback, quiet
+    import ray  # noqa: F401  (imported before the start is timed)
 
-    if ray.is_initialized():
-        yield
-        return
     gpus = {"num_gpus": spec.gpus} if spec.device == "cuda" else {}
     started = time.perf_counter()
-    ray.init(
-        address="local",
-        num_cpus=max(2, 2 * spec.gpus),
-        include_dashboard=False,
-        log_to_driver=False,
-        **gpus,
-    )
-    RAY_START_S[spec.gpus] = round(time.perf_counter() - started, 3)
-    print(f"# Ray started in {RAY_START_S[spec.gpus]:.2f} s (not in ours' run wall)", flush=True)
-    try:
+    with local_ray(max(2, 2 * spec.gpus), **gpus) as ours:
+        if ours:
+            RAY_START_S[spec.gpus] = round(time.perf_counter() - started, 3)
+            print(
+                f"# Ray started in {RAY_START_S[spec.gpus]:.2f} s (not in ours' run wall)",
+                flush=True,
+            )
         yield
-    finally:
-        ray.shutdown()
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -407,13 +399,10 @@ def _ray(spec: Spec):
 def _datasets(spec: Spec):
     """An epoch of ``spec.steps`` global batches of windows, and one batch per GPU to
     validate on; the corpus is repeated if it is shorter than that."""
-    from ringflow.models.gpt import TokenWindows, stdlib_tokens
+    from ringflow.models.gpt import TokenWindows
 
     train_windows, val_windows = spec.steps * spec.global_batch, spec.global_batch
-    needed = (train_windows + val_windows) * spec.seq_len + 2
-    tokens = stdlib_tokens(max_tokens=needed)
-    if len(tokens) < needed:
-        tokens = tokens.repeat(-(-needed // len(tokens)))[:needed]
+    tokens = stdlib_windows(train_windows + val_windows, spec.seq_len, extra=2)
     cut = train_windows * spec.seq_len + 1
     return (
         TokenWindows(tokens[:cut], spec.seq_len),

@@ -74,7 +74,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from bench import headline_json
+from bench import headline_json, local_ray, stdlib_windows
 from ringflow.models.gpt import PRESETS, GPTModule
 
 HEADLINE = ("state_vs_none", "optimizer_state_vs_none", "speed_vs_fsdp2")
@@ -307,7 +307,7 @@ def _main(spec: Spec, counts: list[int], modes: list[str], runners: list[str]) -
             print(f"# ours shard={mode!r}: not built ({why})", flush=True)
     rows: list[Row] = []
     notes: list[str] = []
-    with _ray(max(counts)) if "ours" in runners else contextlib.nullcontext():
+    with local_ray(max(2, max(counts))) if "ours" in runners else contextlib.nullcontext():
         for n in counts:
             one = Spec(**{**asdict(spec), "workers": n})
             for runner in runners:
@@ -344,38 +344,12 @@ def _built(mode: str) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _ray(workers: int):
-    """A private local Ray with a CPU for each of ``workers``, or the caller's if one runs."""
-    from ringflow.engine.cluster import quiet_environment
-
-    quiet_environment()  # before Ray starts: a local Ray stays on loopback, quiet
-    import ray
-
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(
-        address="local",
-        num_cpus=max(2, workers),
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def _datasets(spec: Spec):
     """An epoch of ``spec.total_steps`` global batches of token windows."""
-    from ringflow.models.gpt import TokenWindows, stdlib_tokens
+    from ringflow.models.gpt import TokenWindows
 
-    needed = spec.total_steps * spec.global_batch * spec.seq_len + 1
-    tokens = stdlib_tokens(max_tokens=needed)
-    if len(tokens) < needed:
-        tokens = tokens.repeat(-(-needed // len(tokens)))[:needed]
-    return TokenWindows(tokens[:needed], spec.seq_len)
+    tokens = stdlib_windows(spec.total_steps * spec.global_batch, spec.seq_len)
+    return TokenWindows(tokens, spec.seq_len)
 
 
 def _from_ranks(row: Row, root: str) -> Row:
