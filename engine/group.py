@@ -847,7 +847,7 @@ class RayWorkerGroup(WorkerGroup):
         import ray
 
         first = self._units[self.coordinator.members[0]]
-        states = [self._actors[w].call(Worker.committed_state, step) for w in first]
+        states = [self._actors[w].call(Worker.handed_commit, step) for w in first]
         calls = {
             unit: [a.call(Worker.adopt, step, states[i]) for i, a in enumerate(actors)]
             for unit, actors in ready
@@ -862,7 +862,7 @@ class RayWorkerGroup(WorkerGroup):
                     err.cause, f"{unit}, in adopt", 0, self._module_cls, traceback_text=str(err)
                 ) from None
             except ray.exceptions.RayError as err:
-                self._gather(Worker.committed_state, dict(zip(first, states, strict=True)))
+                self._gather(Worker.handed_commit, dict(zip(first, states, strict=True)))
                 for actor in actors:
                     actor.kill()
                 timed_out = isinstance(err, ray.exceptions.GetTimeoutError)

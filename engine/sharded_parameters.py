@@ -531,6 +531,14 @@ class ShardedParameters:
         self.missing = False
         return True
 
+    def restore(self, shards: list[torch.Tensor]) -> None:
+        """Take this rank's shards back from a commit of this layout (not collective)."""
+        self.end()
+        with torch.no_grad():
+            for mine, kept in zip(self.shards, shards, strict=True):
+                mine.copy_(kept)
+        self.missing = False
+
     def release(self) -> None:
         """Remove the hooks and give every parameter storage of its own, zeroed (the ring,
         and so the layout, is about to change: the weights come from a commit or from

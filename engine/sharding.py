@@ -27,10 +27,11 @@ A checkpoint holds each worker's own shard, written by that worker, nothing gath
 (``storage.reshard``'s ``zero-{rank}`` shards): the optimizer state of its pieces
 (:meth:`ShardedOptimizer.state_pieces`) and its pieces of the weights, by parameter name and
 element range; any number of workers, sharded or not, assembles what it needs from them
-(:meth:`ShardedOptimizer.load_pieces` takes a worker's pieces). In-memory commits still keep
-the whole optimizer state, in the format of ``shard="none"`` (``ShardedOptimizer.state_dict``
-gathers it; every worker calls it alike): a replacement worker, or survivors laid out anew,
-take their pieces from it.
+(:meth:`ShardedOptimizer.load_pieces` takes a worker's pieces). An in-memory commit keeps
+two shards of the sharded state, this worker's and the next one's
+(:meth:`ShardedOptimizer.commit_state`): a worker rolling back in the same layout takes its
+own back; where the members changed, they assemble the whole from what each kept
+(``engine.sharded_commit``) and take their pieces of the new layout from it.
 
 ZeRO-3 (``"parameters"``) keeps only this rank's shard of the parameters too
 (``engine.sharded_parameters``): the pieces view it, the step updates it in place, and the
@@ -499,6 +500,117 @@ class ShardedOptimizer:
         if key != "step" and value.shape == piece.param.shape:
             value = value.reshape(-1)[piece.start : piece.stop]
         return value.to(device=piece.tensor.device, copy=True)
+
+    def commit_state(self, step: int, names: Mapping[int, list[str]]) -> dict[str, Any]:
+        """What an in-memory commit keeps of the sharded state (collective: every worker
+        alike): this rank's shard of each bucket's optimizer state (under ZeRO-3 of its
+        weights too, as ``param``) and a copy of the next rank's (``replica``), so that a
+        lost worker's shard lives on in its neighbour's commit; with the layout they were
+        cut by, which ``engine.sharded_commit.assemble`` rebuilds the whole state from.
+        ``names``: the ``state_dict`` names of each parameter, by ``id``.
+
+        Each state tensor's shards are all-gathered one bucket at a time (the next rank's is
+        kept): a commit holds two shards, never the whole."""
+        rank, size = self.collective.rank, self.collective.world_size
+        mine = [(piece, self.inner.state.get(piece.tensor)) for g in self._pieces for piece in g]
+        first = next((entry for _, entry in mine if entry), None)
+        keys = [] if first is None else sorted(k for k, v in first.items() if _elementwise(k, v))
+        flats: dict[str, list[torch.Tensor]] = {key: [] for key in keys}
+        for numel in (numel for _, numel in self._buckets):
+            for key in keys:
+                value = first[key]
+                flats[key].append(
+                    torch.zeros(numel // size, dtype=value.dtype, device=value.device)
+                )
+        for piece, entry in mine:
+            if not entry:
+                continue
+            index, offset = self._layout[id(piece.param)]
+            at = offset + piece.start - rank * (self._buckets[index][1] // size)
+            for key in keys:
+                flats[key][index][at : at + piece.stop - piece.start].copy_(entry[key])
+        if self.parameters is not None:
+            flats["param"] = list(self.parameters.shards)
+        replica: dict[str, list[torch.Tensor]] = {key: [] for key in flats}
+        for index in range(len(self._buckets)):
+            works = []
+            for key, shards in flats.items():
+                shard = shards[index]
+                out = torch.empty(shard.numel() * size, dtype=shard.dtype, device=shard.device)
+                works.append((key, out, self.collective.all_gather_into_async_(shard, out=out)))
+            for key, out, work in works:
+                work.wait()
+                replica[key].append(shard_of(out, (rank + 1) % size, size).clone())
+        params = [p for group in self._groups for p in group]
+        groups, at = [], 0
+        for group, group_params in zip(self.inner.param_groups, self._groups, strict=True):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": list(range(at, at + len(group_params)))})
+            at += len(group_params)
+        others = {} if first is None else {k: v for k, v in first.items() if k not in keys}
+        return {
+            "size": size,
+            "rank": rank,
+            "step": step,
+            "held": True,
+            "numels": [numel for _, numel in self._buckets],
+            "dtypes": {
+                key: str(shards[0].dtype).removeprefix("torch.")
+                for key, shards in flats.items()
+                if shards
+            },
+            "states": [
+                (i, *self._layout[id(p)], list(p.shape))
+                for i, p in enumerate(params)
+                if id(p) in self._layout
+            ],
+            "weights": [
+                (name, *self._layout[id(p)], list(p.shape))
+                for params_of, _ in self._buckets
+                for p in params_of
+                for name in names.get(id(p), [])
+            ]
+            if self.parameters is not None
+            else [],
+            "others": {k: _copied(v) for k, v in others.items()},
+            "groups": groups,
+            "own": flats,
+            "replica": replica,
+        }
+
+    def holds(self, commit: Mapping[str, Any]) -> bool:
+        """Whether this rank kept its own shards of ``commit`` as this layout cuts them (the
+        same rank of as many workers): :meth:`restore_own` then needs no other worker."""
+        return (
+            commit["held"]
+            and commit["size"] == self.collective.world_size
+            and commit["rank"] == self.collective.rank
+            and commit["numels"] == [numel for _, numel in self._buckets]
+        )
+
+    def restore_own(self, commit: Mapping[str, Any]) -> None:
+        """Take this rank's shard of the state (under ZeRO-3 of the weights too) from the
+        shards it kept in ``commit`` (:meth:`holds`); nothing is gathered."""
+        rank, size = self.collective.rank, self.collective.world_size
+        for group, saved in zip(self.inner.param_groups, commit["groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.inner.state.clear()
+        self.missing = False
+        keys = [key for key in commit["own"] if key != "param"]
+        for piece in (piece for mine in self._pieces for piece in mine) if keys else ():
+            index, offset = self._layout[id(piece.param)]
+            at = offset + piece.start - rank * (self._buckets[index][1] // size)
+            device = piece.tensor.device
+            entry = {
+                k: v.to(device=device, copy=True) if isinstance(v, torch.Tensor) else v
+                for k, v in commit["others"].items()
+            }
+            for key in keys:
+                kept = commit["own"][key][index][at : at + piece.stop - piece.start]
+                entry[key] = kept.to(device=device, copy=True)
+            self.inner.state[piece.tensor] = entry
+        if self.parameters is not None:
+            self.parameters.restore(commit["own"]["param"])
 
     def _gather_state(self) -> dict[int, dict[str, Any]]:
         """The whole state by parameter index: each elementwise state's pieces all-gathered

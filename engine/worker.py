@@ -43,6 +43,7 @@ from ringflow.engine.module import (
 )
 from ringflow.engine.phases import mark
 from ringflow.engine.seeding import seed_host_generators
+from ringflow.engine.sharded_commit import handed
 from ringflow.engine.spec import check_warm_start
 from ringflow.engine.timeline import WorkerTimeline
 from ringflow.storage.checkpoint import read_checkpoint
@@ -700,9 +701,7 @@ class Worker:
             del self._commits[old]
             self._landed.pop(old, None)  # the copy stream writes in order: no wait to reuse
             reuse = self._commit_tensors.pop(old, None) or reuse
-        (model, optimizer), copies = _host_targets(
-            (self._model_state(), self.optimizer.state_dict()), step, reuse=reuse
-        )
+        (model, optimizer), copies = _host_targets(self._commit_parts(step), step, reuse=reuse)
         schedulers = self.optimization.state_dict()
         comm = self._comm_state()
         if defer:
@@ -712,6 +711,14 @@ class Worker:
             if landed is not None:
                 self._landed[step] = landed
         return _Staged(step, (model, optimizer, schedulers, comm), copies.targets)
+
+    def _commit_parts(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What a commit of ``step`` copies: the module's and the optimizer's state, whole;
+        where the layout shards the state, what it keeps of it (``DataParallel.commit_parts``:
+        two shards of the sharded state, never the whole)."""
+        if getattr(self.step, "sharded", None) is not None:
+            return self.step.commit_parts(step)
+        return self._model_state(), self.optimizer.state_dict()
 
     def _comm_state(self) -> dict[str, torch.Tensor]:
         """The communication hook's state (PowerSGD's), where the layout has one."""
@@ -785,8 +792,11 @@ class Worker:
         self.metric_log.reset()  # what the lost steps logged is not kept
         if self.checkpointer is not None:
             self.checkpointer.fence()  # a background copy may still read the weights
-        self.write_model(model)
-        self.optimizer.load_state_dict(copy.deepcopy(optimizer))
+        if _is_sharded(optimizer):  # own shards, or pieces assembled from the members'
+            self.step.restore_commit(model, optimizer, in_ring=own)
+        else:
+            self.write_model(model)
+            self.optimizer.load_state_dict(copy.deepcopy(optimizer))
         self.optimization.load_state_dict(copy.deepcopy(schedulers))
         if comm:
             self.step.load_comm_state(comm, own=own)
@@ -827,6 +837,15 @@ class Worker:
         if landed is not None:
             landed.synchronize()
         return self._commits[step]
+
+    def handed_commit(self, step: int) -> Commit:
+        """The commit of ``step`` as a replacement worker takes it: of a sharded state the
+        layout only (it takes its shards from the members' commits once it is in their
+        ring)."""
+        model, optimizer, schedulers, comm = self.committed_state(step)
+        if _is_sharded(optimizer):
+            optimizer = handed(optimizer)
+        return model, optimizer, schedulers, comm
 
     def commit_at_state(self) -> Commit | None:
         """The commit this worker's state is at (it rolled back to it or adopted it, and
@@ -1597,6 +1616,11 @@ def _host_copy(
     queued on it (:func:`copy_to_host`)."""
     copied, copies = _host_targets(value, 0, reuse=reuse)
     return copied, copies.targets, copy_to_host(copies.targets, copies.sources, stream=stream)
+
+
+def _is_sharded(optimizer: Mapping[str, Any]) -> bool:
+    """Whether a commit's optimizer state is a sharded layout's (``engine.sharded_commit``)."""
+    return "held" in optimizer
 
 
 def _host_targets(

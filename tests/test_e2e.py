@@ -289,6 +289,37 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_resumes_and_serves_
         assert httpx.post(result["endpoint"], json=short, timeout=30).status_code == 400
 
 
+@pytest.mark.integration  # a private Ray of its own, reporting to the test process's Prefect
+def test_the_sequence_model_trains_on_four_workers_holding_a_shard_of_its_weights_and_serves(
+    tmp_path, prefect_api
+):
+    """``--shard parameters --workers 4`` (ZeRO-3) from the command line: each of the four
+    workers writes its own shard of the checkpoint, and the model they trained is registered
+    whole and served."""
+    from ringflow.storage import CheckpointStore
+
+    hparams = {"context": 16, "width": 32, "depth": 2, "heads": 2}
+    args = [
+        "--model=ringflow.models.charlm:CharLM",
+        f"--hparams={json.dumps(hparams)}",
+        "--workers=4",
+        "--cpus-per-worker=0.5",  # four workers on this machine's two CPUs
+        "--shard=parameters",
+        "--epochs=1",
+        "--tune-trials=0",
+        "--run-key=sharded",
+    ]
+    with _serving_run(tmp_path, *args, prefect_api=prefect_api) as result:
+        assert result["model_name"] == "char_lm"
+        assert result["test_loss"] < 4.85  # ln(128): a uniform guess
+        window = {f"c{i}": ord(ch) for i, ch in enumerate("def main(args):\n ")}
+        reply = httpx.post(result["endpoint"], json=window, timeout=30)
+        assert reply.status_code == 200, reply.text
+        assert 0 <= reply.json()["prediction"]["next"] < 128
+    checkpoint = CheckpointStore(str(tmp_path / "storage" / "checkpoints")).latest("sharded")
+    assert sorted(checkpoint.shards) == [f"zero-0000{r}" for r in range(4)]
+
+
 @pytest.mark.integration  # a private Ray and Prefect of its own
 def test_missing_data_url_fails_the_run_naming_it(tmp_path):
     missing = tmp_path / "nowhere.csv"

@@ -539,6 +539,85 @@ def test_the_sharded_gradient_norm_is_the_whole_gradients_norm_bit_for_bit(size,
         assert torch.equal(norm, expected), (norm.item(), expected.item())
 
 
+def _stepped_on(rank: int, collective, bucket_bytes: int):
+    """A rank's Adam over :func:`_layers` sharded, after one step on gradients every rank
+    draws alike."""
+    from ringflow.engine.collective import GradientBuckets
+    from ringflow.engine.sharding import ShardedOptimizer
+
+    model = _layers()
+    buckets = GradientBuckets(
+        list(model.parameters()), collective, bucket_bytes=bucket_bytes, scatter=True
+    )
+    optimizer = ShardedOptimizer(torch.optim.Adam(model.parameters()), buckets, collective)
+    generator = torch.Generator().manual_seed(7)
+    for _, _, mine in buckets.shards:
+        whole = torch.randn(mine.numel() * collective.world_size, generator=generator)
+        mine.copy_(whole[rank * mine.numel() : (rank + 1) * mine.numel()])
+    optimizer.attach_grads()
+    optimizer.inner.step()
+    return optimizer
+
+
+@pytest.mark.parametrize(
+    ("size", "bucket_bytes", "lost"),
+    [(4, 300 * 4, [1]), (4, 10**6, [0]), (3, 1, [2]), (4, 300 * 4, [3, 1]), (4, 300 * 4, [1, 2])],
+)
+def test_a_commit_keeps_two_shards_and_the_members_left_assemble_the_whole_state(
+    size, bucket_bytes, lost
+):
+    """Each rank's commit keeps its shard of every bucket's optimizer state and a copy of
+    the next rank's: 2/size of the state, never the whole. With workers lost, the others and
+    as many replacements (which kept nothing) assemble the whole state, bit for bit what
+    ``state_dict`` gathers from all of them before; where a worker and the neighbour keeping
+    its copy are both lost, every member fails in one line naming the lost shard."""
+    import concurrent.futures
+
+    from ringflow.engine.errors import EngineError
+    from ringflow.engine.sharded_commit import assemble, handed
+
+    ranks = _ThreadRanks(size)
+
+    def commit_on(rank: int):
+        optimizer = _stepped_on(rank, ranks.rank(rank), bucket_bytes)
+        return optimizer.state_dict(), optimizer.commit_state(5, {})
+
+    with concurrent.futures.ThreadPoolExecutor(size) as pool:
+        done = list(pool.map(commit_on, range(size)))
+    whole, commits = done[0][0], [commit for _, commit in done]
+    for commit in commits:
+        kept = sum(
+            t.numel() for part in ("own", "replica") for ts in commit[part].values() for t in ts
+        )
+        assert kept * size == 2 * len(commit["own"]) * sum(commit["numels"])
+    # The members after the loss: the survivors in their order, then the replacements.
+    members = [commits[r] for r in range(size) if r not in lost]
+    members += [handed(commits[0])] * len(lost)
+    after = _ThreadRanks(len(members))
+
+    def assemble_on(member: int):
+        try:
+            return assemble(members[member], after.rank(member), torch.device("cpu"))[0]
+        except EngineError as err:
+            return err
+
+    with concurrent.futures.ThreadPoolExecutor(len(members)) as pool:
+        assembled = list(pool.map(assemble_on, range(len(members))))
+    uncovered = [r for r in lost if (r - 1) % size in lost]
+    if uncovered:
+        for err in assembled:
+            assert isinstance(err, EngineError), err
+            assert f"worker {min(uncovered)} (of {size})" in str(err)
+            assert "\n" not in str(err)
+        return
+    for state in assembled:
+        assert state["param_groups"] == whole["param_groups"]
+        assert state["state"].keys() == whole["state"].keys()
+        for index, entry in whole["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(state["state"][index][key], value), (index, key)
+
+
 def test_sharded_parameters_hold_memory_only_around_their_use_and_train_as_whole_ones():
     """ZeRO-3's units on one rank (the ring moves nothing; the hooks run as on many): each
     unit's buffer holds memory from the forward of its first layer to that of its last (the
