@@ -56,8 +56,8 @@ def assemble(
     if lost:
         raise EngineError(
             f"the commit's shards of worker {lost[0]} (of {size}) are lost with the workers "
-            "that kept them (a worker and its neighbour lost together): the run goes on from "
-            "its last checkpoint"
+            "that kept them (a worker and the neighbour keeping its copy lost together): the "
+            "run cannot go on from memory; a retried run resumes from its last checkpoint"
         )
     wholes: dict[str, list[torch.Tensor]] = {}
     for key, dtype in commit["dtypes"].items():
