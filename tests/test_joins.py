@@ -59,7 +59,10 @@ class DiesWhileJoining(DigitsClassifier):
             _die(delay_s)
 
     def training_step(self, batch, batch_idx):
-        time.sleep(0.01)  # as if on an accelerator: the replacement starts while rank 1 waits
+        # As if on an accelerator: the replacement starts while rank 1 waits; and while one
+        # worker trains alone, slow enough for a later replacement to start and join before
+        # the run ends, however busy the machine (up to two minutes).
+        time.sleep(0.01 if self.trainer.world_size == 2 else 0.2)
         if self.global_rank == 1 and self.global_step == 3 and self._mark("rank1"):
             _die()
         return super().training_step(batch, batch_idx)
