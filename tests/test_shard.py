@@ -953,28 +953,17 @@ def test_a_gpt_whose_head_reads_the_embedding_trains_under_sharded_parameters(
     assert difference < 1e-6, difference
 
 
-class _DiesWithoutReplacement(_Measured):
-    """Rank 1 SIGKILLs its own process at global step ``dies_at``, leaving ``mark``, which
-    keeps any replacement from starting: the membership history is the same whatever the
-    timing (the driver builds the module too, after training: it is let through)."""
+class _DiesWithoutReplacement(_KillsItself):
+    """:class:`_KillsItself` whose ``mark`` keeps any replacement from starting: the
+    membership history is the same whatever the timing (the driver builds the module too,
+    after training: it is let through)."""
 
     def __init__(self, dies_at: int = -1, mark: str = "", **kwargs) -> None:
         from tests.test_scaling_rules import _in_a_ray_actor
 
         if mark and Path(mark).exists() and _in_a_ray_actor():
             raise RuntimeError("no replacement in this test")
-        super().__init__(**kwargs)
-        self.dies_at, self.mark = dies_at, mark
-
-    def training_step(self, batch, batch_idx):
-        if (
-            self.trainer.global_rank == 1
-            and self.global_step == self.dies_at
-            and not Path(self.mark).exists()
-        ):
-            Path(self.mark).touch()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().training_step(batch, batch_idx)
+        super().__init__(dies_at=dies_at, mark=mark, **kwargs)
 
 
 class _PacedKillsItself(_KillsItself):
