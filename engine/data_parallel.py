@@ -267,9 +267,8 @@ class DataParallelStep:
     def _all_at(self, step: int | None) -> bool:
         """Whether every member's state is at the commit of the same ``step`` (collective:
         every member asks alike, ``None`` where it is at none)."""
-        mine = [-1.0, 0.0] if step is None else [float(step // 4096), float(step % 4096)]
-        rows = self.collective.all_gather(torch.tensor(mine, device=self.worker.device))
-        points = {tuple(row.tolist()) for row in rows}
+        mine = torch.tensor([-1 if step is None else step], device=self.worker.device)
+        points = {int(row.item()) for row in self.collective.all_gather(mine)}
         return step is not None and len(points) == 1
 
     def _assemble(self, model: dict[str, torch.Tensor], commit: dict[str, Any]) -> None:
@@ -308,18 +307,16 @@ class DataParallelStep:
             if self.sharded is not None:
                 self.sharded.missing = True
             return
-        if self.sharded.holds(commit):
+        if not self.sharded.holds(commit):
+            self._assemble(model, commit)  # under ZeRO-3 the whole weights written too
+        else:
             self.sharded.restore_own(commit)  # under ZeRO-3 the weights' shards too
-            if self.weights is None:
-                w.write_model(model)
-            else:  # the module's tensors that are not sharded: buffers, frozen weights
+            if self.weights is not None:  # the tensors not sharded: buffers, frozen weights
                 held = w.module.state_dict(keep_vars=True)
                 with torch.no_grad():
                     for name, tensor in model.items():
                         held[name].copy_(tensor)
-            return
-        self._assemble(model, commit)
-        if self.weights is None:
+        if self.weights is None:  # ZeRO-1/2: every worker's weights are whole
             w.write_model(model)
 
     # ------------------------------------------------------------------ training

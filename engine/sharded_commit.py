@@ -12,6 +12,8 @@ and the neighbour holding its copy both lost) fails the rollback in one line.
 
 from __future__ import annotations
 
+import copy
+import math
 from typing import Any
 
 import torch
@@ -65,8 +67,8 @@ def assemble(
         for index, numel in enumerate(commit["numels"]):
             shard = numel // size
             if commit["held"]:
-                own, copy = commit["own"][key][index], commit["replica"][key][index]
-                block = torch.cat([own.to(device), copy.to(device)])
+                own, kept = commit["own"][key][index], commit["replica"][key][index]
+                block = torch.cat([own.to(device), kept.to(device)])
             else:
                 block = torch.zeros(2 * shard, dtype=getattr(torch, dtype), device=device)
             out = torch.empty(2 * shard * members, dtype=block.dtype, device=device)
@@ -80,24 +82,13 @@ def assemble(
     keys = [key for key in wholes if key != "param"]
     if keys:
         for index, bucket, offset, shape in commit["states"]:
-            entry = {k: _copied(v) for k, v in commit["others"].items()}
-            numel = _numel(shape)
+            entry = copy.deepcopy(commit["others"])
+            numel = math.prod(shape)
             for key in keys:
                 entry[key] = wholes[key][bucket][offset : offset + numel].view(shape).clone()
             state[index] = entry
     weights = {
-        name: wholes["param"][bucket][offset : offset + _numel(shape)].view(shape)
+        name: wholes["param"][bucket][offset : offset + math.prod(shape)].view(shape)
         for name, bucket, offset, shape in commit["weights"]
     }
     return {"state": state, "param_groups": commit["groups"]}, weights
-
-
-def _numel(shape: list[int]) -> int:
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    return numel
-
-
-def _copied(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value

@@ -463,13 +463,44 @@ class ShardedOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's ``state_dict``, as the unsharded optimizer gives it
         (gathered from every worker: each calls it alike)."""
+        return {"state": self._gather_state(), "param_groups": self._saved_groups()}
+
+    def _saved_groups(self) -> list[dict[str, Any]]:
+        """The param groups as ``state_dict`` saves them: hyperparameters, and the indices
+        of their parameters, numbered across the groups."""
         groups, index = [], 0
         for group, params in zip(self.inner.param_groups, self._groups, strict=True):
             hyper = {k: v for k, v in group.items() if k != "params"}
             groups.append({**hyper, "params": list(range(index, index + len(params)))})
             index += len(params)
-        state = self._gather_state()
-        return {"state": state, "param_groups": groups}
+        return groups
+
+    def _own_shards(self) -> tuple[dict[str, Any], dict[str, list[torch.Tensor]]]:
+        """This rank's shard of each bucket's elementwise optimizer state, by state key, laid
+        out as the bucket's parameters (its pieces' values written in, the padding zero); and
+        the other state values (the step count), every piece's alike. Empty before the
+        first step."""
+        rank, size = self.collective.rank, self.collective.world_size
+        mine = [(piece, self.inner.state.get(piece.tensor)) for g in self._pieces for piece in g]
+        first = next((entry for _, entry in mine if entry), None)
+        if first is None:  # no step yet: every worker alike
+            return {}, {}
+        keys = sorted(k for k, v in first.items() if _elementwise(k, v))
+        shards = {
+            key: [
+                torch.zeros(numel // size, dtype=first[key].dtype, device=first[key].device)
+                for _, numel in self._buckets
+            ]
+            for key in keys
+        }
+        for piece, entry in mine:
+            if not entry:
+                continue
+            index, offset = self._layout[id(piece.param)]
+            at = offset + piece.start - rank * (self._buckets[index][1] // size)
+            for key in keys:
+                shards[key][index][at : at + piece.stop - piece.start].copy_(entry[key])
+        return {k: v for k, v in first.items() if k not in keys}, shards
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take this rank's pieces of a whole optimizer's ``state_dict``."""
@@ -512,23 +543,7 @@ class ShardedOptimizer:
         Each state tensor's shards are all-gathered one bucket at a time (the next rank's is
         kept): a commit holds two shards, never the whole."""
         rank, size = self.collective.rank, self.collective.world_size
-        mine = [(piece, self.inner.state.get(piece.tensor)) for g in self._pieces for piece in g]
-        first = next((entry for _, entry in mine if entry), None)
-        keys = [] if first is None else sorted(k for k, v in first.items() if _elementwise(k, v))
-        flats: dict[str, list[torch.Tensor]] = {key: [] for key in keys}
-        for numel in (numel for _, numel in self._buckets):
-            for key in keys:
-                value = first[key]
-                flats[key].append(
-                    torch.zeros(numel // size, dtype=value.dtype, device=value.device)
-                )
-        for piece, entry in mine:
-            if not entry:
-                continue
-            index, offset = self._layout[id(piece.param)]
-            at = offset + piece.start - rank * (self._buckets[index][1] // size)
-            for key in keys:
-                flats[key][index][at : at + piece.stop - piece.start].copy_(entry[key])
+        others, flats = self._own_shards()
         if self.parameters is not None:
             flats["param"] = list(self.parameters.shards)
         replica: dict[str, list[torch.Tensor]] = {key: [] for key in flats}
@@ -542,12 +557,6 @@ class ShardedOptimizer:
                 work.wait()
                 replica[key].append(shard_of(out, (rank + 1) % size, size).clone())
         params = [p for group in self._groups for p in group]
-        groups, at = [], 0
-        for group, group_params in zip(self.inner.param_groups, self._groups, strict=True):
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**hyper, "params": list(range(at, at + len(group_params)))})
-            at += len(group_params)
-        others = {} if first is None else {k: v for k, v in first.items() if k not in keys}
         return {
             "size": size,
             "rank": rank,
@@ -564,16 +573,14 @@ class ShardedOptimizer:
                 for i, p in enumerate(params)
                 if id(p) in self._layout
             ],
-            "weights": [
+            "weights": [  # named under ZeRO-3 only
                 (name, *self._layout[id(p)], list(p.shape))
                 for params_of, _ in self._buckets
                 for p in params_of
                 for name in names.get(id(p), [])
-            ]
-            if self.parameters is not None
-            else [],
+            ],
             "others": {k: _copied(v) for k, v in others.items()},
-            "groups": groups,
+            "groups": self._saved_groups(),
             "own": flats,
             "replica": replica,
         }
@@ -613,29 +620,25 @@ class ShardedOptimizer:
             self.parameters.restore(commit["own"]["param"])
 
     def _gather_state(self) -> dict[int, dict[str, Any]]:
-        """The whole state by parameter index: each elementwise state's pieces all-gathered
-        through flat buffers laid out as the parameters' (collective); the others (the step
+        """The whole state by parameter index: each elementwise state's shards all-gathered
+        into flat buffers laid out as the parameters' (collective); the others (the step
         count) are every piece's alike."""
-        mine = [(piece, self.inner.state.get(piece.tensor)) for g in self._pieces for piece in g]
-        first = next((entry for _, entry in mine if entry), None)
-        if first is None:  # no step yet: every worker alike
+        size = self.collective.world_size
+        others, shards = self._own_shards()
+        if not others and not shards:  # no step yet: every worker alike
             return {}
-        size, rank = self.collective.world_size, self.collective.rank
-        sharded = [k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() == 1]
-        others = {k: v for k, v in first.items() if k not in sharded}
         whole: dict[str, list[torch.Tensor]] = {}
-        for key in sorted(sharded):
-            flats = [torch.zeros_like(flat, dtype=first[key].dtype) for flat in self.flats]
-            for piece, entry in mine:
-                index, offset = self._layout[id(piece.param)]
-                flats[index][offset + piece.start : offset + piece.stop].copy_(entry[key])
+        for key, mine in shards.items():
+            whole[key] = [
+                torch.empty(shard.numel() * size, dtype=shard.dtype, device=shard.device)
+                for shard in mine
+            ]
             works = [
-                self.collective.all_gather_into_async_(shard_of(f, rank, size), out=f)
-                for f in flats
+                self.collective.all_gather_into_async_(shard, out=out)
+                for shard, out in zip(mine, whole[key], strict=True)
             ]
             for work in works:
                 work.wait()
-            whole[key] = flats
         state: dict[int, dict[str, Any]] = {}
         params = [p for group in self._groups for p in group]
         for i, param in enumerate(params):
