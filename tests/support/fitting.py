@@ -32,3 +32,13 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def short_handed(module, batch_idx: int, full: int) -> bool:
+    """Whether fewer than ``full`` workers train this step, as seen from a ``training_step``:
+    the worker's world is smaller, or it trains the shares of ranks that left, where each
+    share's step sees the full world (``Trainer.as_rank``) with the batch index of the one
+    before it. Tests pace such steps, so that a replacement starts before the run ends."""
+    again = getattr(module, "_last_batch_idx", None) == batch_idx
+    module._last_batch_idx = batch_idx
+    return again or module.trainer.world_size < full
