@@ -119,7 +119,7 @@ def test_a_worker_lost_mid_epoch_on_a_stream_rolls_back_by_position_bit_for_bit(
 
     from tests.test_elastic import _strike
 
-    config = {"workers": 2, "cpus_per_worker": 0.5, "collective_timeout_s": 3.0}
+    config = {"workers": 2, "cpus_per_worker": 0.5, "collective_timeout_s": 10.0}
     reference = trained(ShuffledStream(), tmp_path, "reference", **config)
     on_epoch, struck = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.0)
     result = fit(

@@ -236,25 +236,42 @@ def test_two_workers_end_with_one_workers_weights(tmp_path, ray_session):
     assert relative_difference(two.state_dict, one.state_dict) < 1e-6
 
 
+class KilledInEpochOne(NoiseFromData):
+    """Rank 1's process SIGKILLs itself as its first step of epoch 1 begins, once (a marker
+    file): the kill lands in the run, however fast or busy the machine."""
+
+    def __init__(self, marker: str = "", **hparams):
+        super().__init__(**hparams)
+        self.marker = marker
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.current_epoch == 1 and batch_idx == 0:
+            import os
+            import signal
+
+            try:
+                open(self.marker, "x").close()
+            except FileExistsError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch)
+
+
 @pytest.mark.ray
 def test_a_worker_killed_and_replaced_at_once_ends_bit_for_bit(tmp_path, ray_session):
     """Both optimizers' states roll back with the weights to the last in-memory commit."""
-    import signal
-
-    from tests.test_elastic import _strike
-
-    config = {"workers": 2, "epochs": 4, "cpus_per_worker": 0.5, "collective_timeout_s": 3.0}
+    config = {"workers": 2, "epochs": 4, "cpus_per_worker": 0.5, "collective_timeout_s": 10.0}
     reference = under_ringflow(NoiseFromData, {}, images(), tmp_path / "reference", **config)
-    on_epoch, struck = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.0)
+    marker = tmp_path / "killed"
     result = fit(
-        NoiseFromData,
-        hparams={},
+        KilledInEpochOne,
+        hparams={"marker": str(marker)},
         data=images(),
         config=TrainConfig(batch_size=BATCH, seed=SEED, **config),
         checkpoint_uri=str(tmp_path / "replaced"),
-        on_epoch=on_epoch,
     )
-    assert struck
+    assert marker.exists()
     assert [e.kind for e in result.events] == ["lost", "rollback", "joined", "recovered"]
     for name, tensor in reference.state_dict.items():
         assert torch.equal(result.state_dict[name], tensor), name

@@ -190,7 +190,7 @@ def test_a_replica_that_loses_a_stage_leaves_the_other_going_on_and_a_new_one_jo
                 batch_size=24,
                 seed=2,
                 cpus_per_worker=0.5,
-                collective_timeout_s=3.0,
+                collective_timeout_s=10.0,
                 commit_every=2,
                 min_workers=1,
             ),

@@ -396,7 +396,7 @@ def test_a_worker_killed_and_replaced_at_once_under_shard_ends_bit_for_bit(
         "epochs": 3,
         "bucket_mb": BUCKET_MB,  # two buckets, parameters cut by a shard's edge
         "cpus_per_worker": 0.5,
-        "collective_timeout_s": 3.0,
+        "collective_timeout_s": 10.0,
     }
     reference, _ = _fit(digits, tmp_path, "reference", module=_KillsItself, **config)
     if kill.startswith("by the driver"):

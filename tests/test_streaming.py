@@ -199,7 +199,7 @@ def test_a_streamed_run_that_loses_a_worker_ends_as_the_whole_split_run(
                 batch_size=64,
                 seed=2,
                 cpus_per_worker=0.5,
-                collective_timeout_s=3.0,
+                collective_timeout_s=10.0,
             ),
             checkpoint_uri=str(tmp_path / f"model-{stream}"),
             on_epoch=on_epoch,
