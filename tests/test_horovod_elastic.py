@@ -311,8 +311,21 @@ def test_horovods_elastic_example_loses_a_rank_goes_on_and_takes_a_new_one_in(la
     assert "ringflow-run: worker 0 lost (killed by signal 9)" in text
     assert re.search(r"ringflow-run: lost at step \d+: 0: killed by signal 9 \(1 workers", text)
     assert re.search(r"ringflow-run: joined at step \d+: 2: .* \(2 workers", text)
-    assert re.search(r"\[1\] ringflow.horovod: 2 -> 1 ranks, this one rank 0, .*rolled back", text)
-    assert re.search(r"\[1\] ringflow.horovod: 1 -> 2 ranks, .*a worker joins", text)
+    # The survivor rolls back to its last commit as rank 0, and the worker started in its
+    # place joins at a later commit; or, where that worker is ready by the survivor's reset
+    # (a busy machine's timing), both happen in that one reset.
+    resets = re.findall(
+        r"^\[1\] ringflow.horovod: (\d) -> (\d) ranks, this one rank (\d), in [\d.]+ s: (.*)",
+        text,
+        re.M,
+    )
+    lines = [line for line in text.splitlines() if "ringflow" in line]
+    assert resets, lines
+    assert (resets[0][0], resets[0][2]) == ("2", "0"), lines
+    if resets[0][1] == "1":
+        assert resets[0][3].startswith("rolled back"), lines
+        assert ("1", "2") in [reset[:2] for reset in resets[1:]], lines
+    assert resets[-1][1] == "2", lines
     assert "[1] Iter #39:" in text
     assert "[1] Total img/sec on 2 CPU(s)" in text  # the worker started in its place joined
 
