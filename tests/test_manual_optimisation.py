@@ -21,7 +21,7 @@ from ringflow.engine.module import check_manual_optimisation
 from ringflow.engine.worker import step_seed
 from ringflow.storage import CheckpointStore
 from tests.lightning_examples import generative_adversarial_net as example
-from tests.support.fitting import one_thread
+from tests.support.fitting import die_once, one_thread
 from tests.support.fitting import relative_difference as _relative
 
 SHAPE, LATENT, BATCH, EPOCHS, SEED = (1, 28, 28), 100, 16, 2, 3  # MNIST's, the example's
@@ -246,15 +246,7 @@ class KilledInEpochOne(NoiseFromData):
 
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and self.current_epoch == 1 and batch_idx == 0:
-            import os
-            import signal
-
-            try:
-                open(self.marker, "x").close()
-            except FileExistsError:
-                pass
-            else:
-                os.kill(os.getpid(), signal.SIGKILL)
+            die_once(self.marker)
         return super().training_step(batch)
 
 

@@ -6,7 +6,6 @@ parameters too), and training ends where ``shard="none"`` ends."""
 from __future__ import annotations
 
 import copy
-import os
 import signal
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch
 
 from ringflow.engine import TrainConfig, fit
 from ringflow.models.digits import DigitsClassifier
-from tests.support.fitting import relative_difference
+from tests.support.fitting import die_once, relative_difference
 
 HPARAMS = {"hidden": 32, "lr": 0.01}
 MODES = ("optimizer", "gradients", "parameters")
@@ -68,13 +67,8 @@ class _KillsItself(_Measured):
         self.dies_at, self.mark = dies_at, mark
 
     def training_step(self, batch, batch_idx):
-        if (
-            self.trainer.global_rank == 1
-            and self.global_step == self.dies_at
-            and not Path(self.mark).exists()
-        ):
-            Path(self.mark).touch()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.trainer.global_rank == 1 and self.global_step == self.dies_at:
+            die_once(self.mark)
         return super().training_step(batch, batch_idx)
 
 
