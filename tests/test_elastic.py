@@ -22,7 +22,7 @@ from ringflow.engine.elastic.coordinator import (
 )
 from ringflow.engine.worker import Worker
 from ringflow.models.digits import DigitsClassifier
-from tests.support.fitting import relative_difference, short_handed
+from tests.support.fitting import KILLED_PEER_DEADLINE_S, relative_difference, short_handed
 
 # ---------------------------------------------------------------------------- coordinator
 
@@ -265,7 +265,7 @@ def test_a_killed_worker_leaves_two_that_go_on_and_a_third_rejoins(ray_session, 
     # Long enough for a replacement actor to start while the two survivors train. A killed
     # peer closes its end of the ring at once; the deadline only has to outlast a busy
     # machine's slowest step (3 s did not, once, in CI: a second, spurious loss).
-    paced = {"module": PacedDigits, "epochs": 40, "collective_timeout_s": 10.0}
+    paced = {"module": PacedDigits, "epochs": 40, "collective_timeout_s": KILLED_PEER_DEADLINE_S}
     reference = _fit(digits, tmp_path, "reference", **paced)
     on_epoch, struck = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.02)
     result = _fit(digits, tmp_path, "elastic", min_workers=2, on_epoch=on_epoch, **paced)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from ringflow.engine import DatasetData, TrainConfig, fit
 from ringflow.storage import CheckpointStore
-from tests.support.fitting import one_thread, relative_difference
+from tests.support.fitting import KILLED_PEER_DEADLINE_S, one_thread, relative_difference
 from tests.test_lightning_contract import FEATURES, OneCycle
 
 BATCH, EPOCHS, SEED, SAMPLES = 16, 3, 7, 120
@@ -119,7 +119,7 @@ def test_a_worker_lost_mid_epoch_on_a_stream_rolls_back_by_position_bit_for_bit(
 
     from tests.test_elastic import _strike
 
-    config = {"workers": 2, "cpus_per_worker": 0.5, "collective_timeout_s": 10.0}
+    config = {"workers": 2, "cpus_per_worker": 0.5, "collective_timeout_s": KILLED_PEER_DEADLINE_S}
     reference = trained(ShuffledStream(), tmp_path, "reference", **config)
     on_epoch, struck = _strike(signal.SIGKILL, after_epoch=0, delay_s=0.0)
     result = fit(

@@ -13,7 +13,7 @@ import torch
 
 from ringflow.engine import TrainConfig, fit
 from ringflow.models.digits import DigitsClassifier
-from tests.support.fitting import relative_difference, short_handed
+from tests.support.fitting import KILLED_PEER_DEADLINE_S, relative_difference, short_handed
 
 HPARAMS = {"hidden": 32, "lr": 0.05}
 
@@ -86,7 +86,7 @@ def _fit(tmp_path, digits, name: str, **hparams):
             batch_size=64,
             seed=3,
             cpus_per_worker=0.5,
-            collective_timeout_s=10.0,  # a killed peer closes the ring at once; a busy one is slow
+            collective_timeout_s=KILLED_PEER_DEADLINE_S,
         ),
         checkpoint_uri=str(tmp_path / name),
     )
@@ -153,7 +153,7 @@ def test_a_worker_killed_before_anything_is_trained_starts_the_group_again(
             batch_size=64,
             seed=3,
             cpus_per_worker=0.5,
-            collective_timeout_s=10.0,  # a killed peer closes the ring at once; a busy one is slow
+            collective_timeout_s=KILLED_PEER_DEADLINE_S,
         ),
         checkpoint_uri=str(tmp_path / "model"),
     )

@@ -21,7 +21,7 @@ from ringflow.engine.module import check_manual_optimisation
 from ringflow.engine.worker import step_seed
 from ringflow.storage import CheckpointStore
 from tests.lightning_examples import generative_adversarial_net as example
-from tests.support.fitting import die_once, one_thread
+from tests.support.fitting import KILLED_PEER_DEADLINE_S, die_once, one_thread
 from tests.support.fitting import relative_difference as _relative
 
 SHAPE, LATENT, BATCH, EPOCHS, SEED = (1, 28, 28), 100, 16, 2, 3  # MNIST's, the example's
@@ -253,7 +253,12 @@ class KilledInEpochOne(NoiseFromData):
 @pytest.mark.ray
 def test_a_worker_killed_and_replaced_at_once_ends_bit_for_bit(tmp_path, ray_session):
     """Both optimizers' states roll back with the weights to the last in-memory commit."""
-    config = {"workers": 2, "epochs": 4, "cpus_per_worker": 0.5, "collective_timeout_s": 10.0}
+    config = {
+        "workers": 2,
+        "epochs": 4,
+        "cpus_per_worker": 0.5,
+        "collective_timeout_s": KILLED_PEER_DEADLINE_S,
+    }
     reference = under_ringflow(NoiseFromData, {}, images(), tmp_path / "reference", **config)
     marker = tmp_path / "killed"
     result = fit(

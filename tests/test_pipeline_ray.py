@@ -17,7 +17,7 @@ from ringflow.engine.pipeline import PipelineConfig, TensorData
 from ringflow.storage.checkpoint import load_model
 from ringflow.storage.dataset import read_split
 from tests import test_pipeline
-from tests.support.fitting import relative_difference
+from tests.support.fitting import KILLED_PEER_DEADLINE_S, relative_difference
 from tests.test_pipeline import ToyNet, toy_data
 
 pytestmark = pytest.mark.ray
@@ -190,7 +190,7 @@ def test_a_replica_that_loses_a_stage_leaves_the_other_going_on_and_a_new_one_jo
                 batch_size=24,
                 seed=2,
                 cpus_per_worker=0.5,
-                collective_timeout_s=10.0,
+                collective_timeout_s=KILLED_PEER_DEADLINE_S,
                 commit_every=2,
                 min_workers=1,
             ),

@@ -18,6 +18,7 @@ from ringflow.engine.data import as_data
 from ringflow.engine.ray_data import RayDatasetData, SplitOrder
 from ringflow.models.digits import SCHEMA, DigitsClassifier
 from ringflow.storage import CheckpointStore
+from tests.support.fitting import KILLED_PEER_DEADLINE_S
 
 pytestmark = pytest.mark.ray
 
@@ -219,7 +220,7 @@ def test_a_lost_worker_rolls_back_and_the_rest_of_the_epoch_is_split_again(
     steps = -(-len(digit_rows["train"]) // CONFIG.batch_size)
     commit = (steps // CONFIG.commit_every + 1) * CONFIG.commit_every  # mid-epoch 1
     CRASH_AT.write_text(str(commit + 2))
-    config = dataclasses.replace(CONFIG, min_workers=1, collective_timeout_s=10.0)
+    config = dataclasses.replace(CONFIG, min_workers=1, collective_timeout_s=KILLED_PEER_DEADLINE_S)
     try:
         result = _fit(
             _data(ray_session, digit_rows), tmp_path, "elastic", DyingDigits, config=config
@@ -242,7 +243,7 @@ def test_a_worker_lost_mid_epoch_and_replaced_ends_with_the_weights_of_no_loss(
     steps = -(-len(digit_rows["train"]) // CONFIG.batch_size)
     commit = (steps // CONFIG.commit_every + 1) * CONFIG.commit_every  # mid-epoch 1
     CRASH_AT.write_text(str(commit + 2))
-    config = dataclasses.replace(CONFIG, collective_timeout_s=10.0)
+    config = dataclasses.replace(CONFIG, collective_timeout_s=KILLED_PEER_DEADLINE_S)
     try:
         result = _fit(
             _data(ray_session, digit_rows), tmp_path, "replaced", DyingDigits, config=config

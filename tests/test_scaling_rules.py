@@ -15,6 +15,7 @@ from ringflow.engine import TrainConfig, fit
 from ringflow.engine.epochs import Epochs
 from ringflow.engine.module import LrScale
 from ringflow.models.digits import DigitsClassifier
+from tests.support.fitting import KILLED_PEER_DEADLINE_S
 from tests.test_elastic import _strike
 
 LR = 0.01
@@ -227,7 +228,7 @@ def _digits_fit(digits, tmp_path, name, *, workers=2, epochs=3, on_epoch=None, *
             workers=workers,
             epochs=epochs,
             cpus_per_worker=0.5,
-            collective_timeout_s=10.0,
+            collective_timeout_s=KILLED_PEER_DEADLINE_S,
             checkpoint_every=6,
             **WEAK,
         ),
@@ -290,7 +291,7 @@ def _dies_at(digits, tmp_path, name, *, step, store=None, **config):
             epochs=3,
             seed=5,
             cpus_per_worker=0.5,
-            collective_timeout_s=10.0,
+            collective_timeout_s=KILLED_PEER_DEADLINE_S,
             **config,
         ),
         checkpoint_uri=str(tmp_path / f"{name}-model"),
@@ -342,7 +343,7 @@ def _elastic_weak(digits, tmp_path, name, *, hparams, epochs, **kw):
             seed=5,
             commit_every=5,
             cpus_per_worker=0.5,
-            collective_timeout_s=10.0,
+            collective_timeout_s=KILLED_PEER_DEADLINE_S,
         ),
         checkpoint_uri=str(tmp_path / name),
         **kw,

@@ -15,7 +15,7 @@ import torch
 
 from ringflow.engine import TrainConfig, fit
 from ringflow.models.digits import DigitsClassifier
-from tests.support.fitting import die_once, relative_difference
+from tests.support.fitting import KILLED_PEER_DEADLINE_S, die_once, relative_difference
 
 HPARAMS = {"hidden": 32, "lr": 0.01}
 MODES = ("optimizer", "gradients", "parameters")
@@ -390,7 +390,7 @@ def test_a_worker_killed_and_replaced_at_once_under_shard_ends_bit_for_bit(
         "epochs": 3,
         "bucket_mb": BUCKET_MB,  # two buckets, parameters cut by a shard's edge
         "cpus_per_worker": 0.5,
-        "collective_timeout_s": 10.0,
+        "collective_timeout_s": KILLED_PEER_DEADLINE_S,
     }
     reference, _ = _fit(digits, tmp_path, "reference", module=_KillsItself, **config)
     if kill.startswith("by the driver"):
@@ -981,7 +981,7 @@ def _elastic_fit(digits, tmp_path, module, hparams, **config):
         module,
         hparams={**HPARAMS, **hparams, "record": str(record)},
         data=digits,
-        config=TrainConfig(collective_timeout_s=10.0, **settings),
+        config=TrainConfig(collective_timeout_s=KILLED_PEER_DEADLINE_S, **settings),
         checkpoint_uri=str(tmp_path / "elastic"),
     )
 

@@ -16,6 +16,7 @@ from ringflow.engine.worker import epoch_batches
 from ringflow.models.digits import SCHEMA, DigitsClassifier, write_digits_csv
 from ringflow.storage import CheckpointStore
 from ringflow.storage.dataset import DataError, preprocess
+from tests.support.fitting import KILLED_PEER_DEADLINE_S
 
 HPARAMS = {"hidden": 32, "lr": 0.01}
 
@@ -199,7 +200,7 @@ def test_a_streamed_run_that_loses_a_worker_ends_as_the_whole_split_run(
                 batch_size=64,
                 seed=2,
                 cpus_per_worker=0.5,
-                collective_timeout_s=10.0,
+                collective_timeout_s=KILLED_PEER_DEADLINE_S,
             ),
             checkpoint_uri=str(tmp_path / f"model-{stream}"),
             on_epoch=on_epoch,

@@ -11,6 +11,12 @@ from collections.abc import Iterator
 
 import torch
 
+KILLED_PEER_DEADLINE_S = 10.0
+"""``collective_timeout_s`` for a test that SIGKILLs a worker: a killed peer closes its end of
+the ring at once, so the loss is seen in well under a second whatever the deadline, while a
+live worker whose step is slow under the suite's load must not be taken for lost (3 s once
+dropped one). Tests of the deadline itself (a stopped worker, a stalled stage) keep theirs."""
+
 
 def relative_difference(a: dict, b: dict) -> float:
     """The largest relative difference, by norm, between two state dicts' tensors; integer
