@@ -28,7 +28,7 @@ from ringflow.engine.errors import (
     Stalled,
     WorkerFailedError,
 )
-from ringflow.engine.failures import start_failure, user_error
+from ringflow.engine.failures import one_line, start_failure, user_error
 from ringflow.engine.layout import DataParallel, Layout, Method
 from ringflow.engine.metrics import Logged
 from ringflow.engine.phases import mark
@@ -420,7 +420,18 @@ class RayWorkerGroup(WorkerGroup):
                 )
             ray.get([host.serve.remote(self._job) for host in hosts])
         except (ray.exceptions.RayError, ValueError) as err:
-            log.warning("the workers a lost driver left are not adopted: %s", err)
+            # One line: which way it failed, not Ray's account of a dead actor.
+            why = (
+                f"one is gone: {_why_gone(err)}"
+                if isinstance(err, ray.exceptions.RayError)
+                else one_line(str(err))
+            )
+            log.warning(
+                "the %d workers a lost driver left are not adopted (%s); the run starts on "
+                "new workers",
+                len(hosts),
+                why,
+            )
             for handle in handles:
                 handle.kill()
             return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -258,7 +259,6 @@ def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit
     restarted driver goes on where the workers are (running that epoch's end first), trains
     no step twice and ends with the uninterrupted run's weights and epoch metrics."""
     steps = tmp_path / "steps.log"
-    slow = tmp_path / "steps.log.slow"
 
     def run(name, **where):
         return fit(
@@ -274,6 +274,37 @@ def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit
     steps.unlink()
     steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
     store = str(tmp_path / "store")
+    _lose_driver(ray_session, digits, tmp_path, store, killed=killed)
+    orphaned = set(worker_pids()["leased"])
+    result = run("restarted", store_url=store, run_key="adopted")
+    resumed = result.events[0]
+    assert resumed.kind == "resumed", result.events
+    assert "in-memory commit" in resumed.cause, resumed.cause
+    assert result.resumed_from > 2 * steps_per_epoch  # past the last checkpoint
+    if killed == "validating":
+        assert result.resumed_from == 3 * steps_per_epoch, result.resumed_from
+    # No step trained twice: the restarted driver went on where the lost one's workers were.
+    trained = [line.split() for line in steps.read_text().splitlines()]
+    jobs = list(dict.fromkeys(job for _, job in trained))
+    assert len(jobs) == 2, jobs  # the lost driver's, then the restarted one's
+    lost_steps = [int(step) for step, job in trained if job == jobs[0]]
+    after = [int(step) for step, job in trained if job == jobs[1]]
+    assert after[0] == max(lost_steps) + 1, (lost_steps[-3:], after[:3])
+    assert lost_steps + after == list(range(len(lost_steps) + len(after)))
+    assert orphaned <= set(worker_pids()["idle"])  # the lost driver's processes trained on
+    for name, tensor in reference.state_dict.items():
+        assert torch.equal(result.state_dict[name], tensor), name
+    # What the lost driver's steps logged came from its workers: the same epoch metrics.
+    assert [e.metrics for e in result.history] == [e.metrics for e in reference.history]
+
+
+def _lose_driver(ray_session, digits, tmp_path, store: str, *, killed: str) -> None:
+    """A driver of run key ``adopted`` in a process of its own, SIGKILLed inside its third
+    epoch's steps (``mid-epoch``) or in its validation once those ran (``validating``); its
+    workers are left to the pool (the steps its rank 0 trained are in ``steps.log``)."""
+    steps = tmp_path / "steps.log"
+    slow = tmp_path / "steps.log.slow"
+    steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
     address = ray_session.get_runtime_context().gcs_address
     lost = subprocess.Popen(
         [sys.executable, "-c", _LOST_DRIVER, digits.dataset_url, address]
@@ -297,27 +328,45 @@ def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit
         lost.send_signal(signal.SIGKILL)
         lost.wait()
     slow.unlink(missing_ok=True)
-    orphaned = set(worker_pids()["leased"])
-    result = run("restarted", store_url=store, run_key="adopted")
-    resumed = result.events[0]
-    assert resumed.kind == "resumed", result.events
-    assert "in-memory commit" in resumed.cause, resumed.cause
-    assert result.resumed_from > 2 * steps_per_epoch  # past the last checkpoint
-    if killed == "validating":
-        assert result.resumed_from == 3 * steps_per_epoch, result.resumed_from
-    # No step trained twice: the restarted driver went on where the lost one's workers were.
-    trained = [line.split() for line in steps.read_text().splitlines()]
-    jobs = list(dict.fromkeys(job for _, job in trained))
-    assert len(jobs) == 2, jobs  # the lost driver's, then the restarted one's
-    lost_steps = [int(step) for step, job in trained if job == jobs[0]]
-    after = [int(step) for step, job in trained if job == jobs[1]]
-    assert after[0] == max(lost_steps) + 1, (lost_steps[-3:], after[:3])
-    assert lost_steps + after == list(range(len(lost_steps) + len(after)))
-    assert orphaned <= set(worker_pids()["idle"])  # the lost driver's processes trained on
+
+
+@pytest.mark.ray
+def test_a_lost_driver_whose_worker_died_too_is_not_adopted_and_the_run_resumes_bit_for_bit(
+    ray_session, digits, tmp_path, caplog
+):
+    """The driver is lost, then one of the workers it left: the restarted driver cannot go on
+    from their memory, says why in one line, ends the other worker, and resumes from the last
+    checkpoint to the uninterrupted run's weights."""
+    steps = tmp_path / "steps.log"
+
+    def run(name, **where):
+        return fit(
+            Paced,
+            hparams={"hidden": 16, "steps_file": str(steps)},
+            data=digits,
+            config=TrainConfig(**ADOPTED),
+            checkpoint_uri=str(tmp_path / name),
+            **where,
+        )
+
+    reference = run("reference")
+    steps.unlink()
+    steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
+    store = str(tmp_path / "store")
+    _lose_driver(ray_session, digits, tmp_path, store, killed="mid-epoch")
+    orphaned = worker_pids()["leased"]
+    assert len(orphaned) == ADOPTED["workers"], orphaned
+    os.kill(orphaned[-1], signal.SIGKILL)
+    with caplog.at_level(logging.WARNING, logger="ringflow.engine"):
+        result = run("restarted", store_url=store, run_key="adopted")
+    said = [r.getMessage() for r in caplog.records if "not adopted" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert "\n" not in said[0], said  # one line, not Ray's account of a dead actor
+    assert "actor_id" not in said[0], said
+    assert result.resumed_from == 2 * steps_per_epoch  # the checkpoint of epoch 2
+    assert not set(orphaned) & set(worker_pids()["idle"])  # neither goes back to the pool
     for name, tensor in reference.state_dict.items():
         assert torch.equal(result.state_dict[name], tensor), name
-    # What the lost driver's steps logged came from its workers: the same epoch metrics.
-    assert [e.metrics for e in result.history] == [e.metrics for e in reference.history]
 
 
 def digits_train_rows(digits):
