@@ -339,7 +339,8 @@ def _run(
             if args.deadline and time.time() - started > args.deadline:
                 raise RuntimeError(
                     f"{name} did not finish within {args.deadline:.0f} s "
-                    f"(after {len(run.kills)} failures): {_last_words(root, name)}"
+                    f"(after {len(run.kills)} failures, {_progress(steps_log, root, workload)}):"
+                    f" {_last_words(root, name)}"
                 )
             if status is not None:  # it failed on its own: not a kill of ours
                 why = _last_words(root, name)
@@ -379,6 +380,15 @@ def _run(
     run.memory = memory.summary(until=max(t for t, _ in run.steps))
     Path(f"{root}/{name}/memory.json").write_text(json.dumps(memory.series()))
     return run
+
+
+def _progress(steps_log: Path, root: str, workload: Workload) -> str:
+    """How far a run got: its last logged step of all it was to train (a deadline too short
+    for the workload on this host reads as such, not as a hang)."""
+    total = workload.epochs * steps_per_epoch(root)
+    lines = steps_log.read_text().split("\n") if steps_log.exists() else []
+    last = next((line.split()[1] for line in reversed(lines) if line.strip()), None)
+    return f"at step {last} of {total}" if last is not None else f"no step of {total} yet"
 
 
 def _last_words(root: str, name: str) -> str:
