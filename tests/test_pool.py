@@ -259,24 +259,12 @@ def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit
     restarted driver goes on where the workers are (running that epoch's end first), trains
     no step twice and ends with the uninterrupted run's weights and epoch metrics."""
     steps = tmp_path / "steps.log"
-
-    def run(name, **where):
-        return fit(
-            Paced,
-            hparams={"hidden": 16, "steps_file": str(steps)},
-            data=digits,
-            config=TrainConfig(**ADOPTED),
-            checkpoint_uri=str(tmp_path / name),
-            **where,
-        )
-
-    reference = run("reference")
+    reference = _paced_fit(digits, tmp_path, "reference")
     steps.unlink()
     steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
-    store = str(tmp_path / "store")
-    _lose_driver(ray_session, digits, tmp_path, store, killed=killed)
+    store = _lose_driver(ray_session, digits, tmp_path, killed=killed)
     orphaned = set(worker_pids()["leased"])
-    result = run("restarted", store_url=store, run_key="adopted")
+    result = _paced_fit(digits, tmp_path, "restarted", store_url=store, run_key="adopted")
     resumed = result.events[0]
     assert resumed.kind == "resumed", result.events
     assert "in-memory commit" in resumed.cause, resumed.cause
@@ -298,10 +286,25 @@ def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit
     assert [e.metrics for e in result.history] == [e.metrics for e in reference.history]
 
 
-def _lose_driver(ray_session, digits, tmp_path, store: str, *, killed: str) -> None:
+def _paced_fit(digits, tmp_path, name: str, **where):
+    """A run of ``Paced`` as the lost driver's (``ADOPTED``), its rank 0's steps logged to
+    ``steps.log`` and its checkpoints under ``name``; ``where``: its store and run key."""
+    return fit(
+        Paced,
+        hparams={"hidden": 16, "steps_file": str(tmp_path / "steps.log")},
+        data=digits,
+        config=TrainConfig(**ADOPTED),
+        checkpoint_uri=str(tmp_path / name),
+        **where,
+    )
+
+
+def _lose_driver(ray_session, digits, tmp_path, *, killed: str) -> str:
     """A driver of run key ``adopted`` in a process of its own, SIGKILLed inside its third
     epoch's steps (``mid-epoch``) or in its validation once those ran (``validating``); its
-    workers are left to the pool (the steps its rank 0 trained are in ``steps.log``)."""
+    workers are left to the pool (the steps its rank 0 trained are in ``steps.log``). Its
+    checkpoint store's URL."""
+    store = str(tmp_path / "store")
     steps = tmp_path / "steps.log"
     slow = tmp_path / "steps.log.slow"
     steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
@@ -328,6 +331,7 @@ def _lose_driver(ray_session, digits, tmp_path, store: str, *, killed: str) -> N
         lost.send_signal(signal.SIGKILL)
         lost.wait()
     slow.unlink(missing_ok=True)
+    return store
 
 
 @pytest.mark.ray
@@ -338,27 +342,15 @@ def test_a_lost_driver_whose_worker_died_too_is_not_adopted_and_the_run_resumes_
     from their memory, says why in one line, ends the other worker, and resumes from the last
     checkpoint to the uninterrupted run's weights."""
     steps = tmp_path / "steps.log"
-
-    def run(name, **where):
-        return fit(
-            Paced,
-            hparams={"hidden": 16, "steps_file": str(steps)},
-            data=digits,
-            config=TrainConfig(**ADOPTED),
-            checkpoint_uri=str(tmp_path / name),
-            **where,
-        )
-
-    reference = run("reference")
+    reference = _paced_fit(digits, tmp_path, "reference")
     steps.unlink()
     steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
-    store = str(tmp_path / "store")
-    _lose_driver(ray_session, digits, tmp_path, store, killed="mid-epoch")
+    store = _lose_driver(ray_session, digits, tmp_path, killed="mid-epoch")
     orphaned = worker_pids()["leased"]
     assert len(orphaned) == ADOPTED["workers"], orphaned
     os.kill(orphaned[-1], signal.SIGKILL)
     with caplog.at_level(logging.WARNING, logger="ringflow.engine"):
-        result = run("restarted", store_url=store, run_key="adopted")
+        result = _paced_fit(digits, tmp_path, "restarted", store_url=store, run_key="adopted")
     said = [r.getMessage() for r in caplog.records if "not adopted" in r.getMessage()]
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
     assert "\n" not in said[0], said  # one line, not Ray's account of a dead actor
