@@ -261,7 +261,7 @@ def test_a_restarted_driver_adopts_its_lost_drivers_workers_and_ends_bit_for_bit
     steps = tmp_path / "steps.log"
     reference = _paced_fit(digits, tmp_path, "reference")
     steps.unlink()
-    steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
+    steps_per_epoch = _steps_per_epoch(digits)
     store = _lose_driver(ray_session, digits, tmp_path, killed=killed)
     orphaned = set(worker_pids()["leased"])
     result = _paced_fit(digits, tmp_path, "restarted", store_url=store, run_key="adopted")
@@ -307,7 +307,7 @@ def _lose_driver(ray_session, digits, tmp_path, *, killed: str) -> str:
     store = str(tmp_path / "store")
     steps = tmp_path / "steps.log"
     slow = tmp_path / "steps.log.slow"
-    steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
+    steps_per_epoch = _steps_per_epoch(digits)
     address = ray_session.get_runtime_context().gcs_address
     lost = subprocess.Popen(
         [sys.executable, "-c", _LOST_DRIVER, digits.dataset_url, address]
@@ -344,7 +344,7 @@ def test_a_lost_driver_whose_worker_died_too_is_not_adopted_and_the_run_resumes_
     steps = tmp_path / "steps.log"
     reference = _paced_fit(digits, tmp_path, "reference")
     steps.unlink()
-    steps_per_epoch = -(-len(digits_train_rows(digits)) // ADOPTED["batch_size"])
+    steps_per_epoch = _steps_per_epoch(digits)
     store = _lose_driver(ray_session, digits, tmp_path, killed="mid-epoch")
     orphaned = worker_pids()["leased"]
     assert len(orphaned) == ADOPTED["workers"], orphaned
@@ -361,10 +361,11 @@ def test_a_lost_driver_whose_worker_died_too_is_not_adopted_and_the_run_resumes_
         assert torch.equal(result.state_dict[name], tensor), name
 
 
-def digits_train_rows(digits):
+def _steps_per_epoch(digits) -> int:
+    """The steps of one epoch of the digits' training split at ``ADOPTED``'s batch size."""
     from ringflow.engine.data import samples_of
 
-    return samples_of(digits, "train")
+    return -(-len(samples_of(digits, "train")) // ADOPTED["batch_size"])
 
 
 _ONE_FIT = textwrap.dedent(
