@@ -28,7 +28,7 @@ from ringflow.engine.module import (
     may_return_none,
     step_arguments,
 )
-from ringflow.engine.sharded_commit import assemble
+from ringflow.engine.sharded_commit import ShardedCommits
 from ringflow.engine.sharded_parameters import ShardedParameters
 from ringflow.engine.sharding import ShardedOptimizer
 from ringflow.engine.sync_batchnorm import attach_collective, convert_sync_batchnorm
@@ -65,7 +65,7 @@ class WholeModel:
         return DataParallelStep(worker)
 
 
-class DataParallelStep:
+class DataParallelStep(ShardedCommits):
     """A data-parallel worker's part of the training: ``Worker`` holds the rest."""
 
     calls_hooks = True
@@ -244,80 +244,15 @@ class DataParallelStep:
     def reconfigure(self, init_method: str = "") -> None:
         """Join the new ring (the worker has its new rank); the state stays.
 
-        Sharded, the optimizer state (under ZeRO-3 the weights too) is laid out anew: taken
-        from the commit this worker's state is at (survivors rolled back, a replacement
-        adopted), else carried over where this worker keeps its shard (the same rank of as
-        many workers); else it is missing until a rollback loads it, and a step before that
-        raises ``EngineError``.
+        Sharded, the optimizer state (under ZeRO-3 the weights too) is laid out anew
+        (:meth:`~ringflow.engine.sharded_commit.ShardedCommits.lay_out_again`).
         """
         carried = self.sharded.carry() if self.sharded is not None else []
         weights = self.weights.carry() if self.weights is not None else None
         self.leave()
         self.join(init_method, rejoin=True)
-        if self.sharded is None:
-            return
-        committed = self.worker.commit_at_state()
-        if self._all_at(None if committed is None else committed[1]["step"]):
-            self._assemble(*committed[:2])
-        else:
-            self.sharded.take(carried)
-            if self.weights is not None:
-                self.weights.take(weights)
-
-    def _all_at(self, step: int | None) -> bool:
-        """Whether every member's state is at the commit of the same ``step`` (collective:
-        every member asks alike, ``None`` where it is at none)."""
-        mine = torch.tensor([-1 if step is None else step], device=self.worker.device)
-        points = {int(row.item()) for row in self.collective.all_gather(mine)}
-        return step is not None and len(points) == 1
-
-    def _assemble(self, model: dict[str, torch.Tensor], commit: dict[str, Any]) -> None:
-        """Take this worker's pieces of the new layout from the whole state the members'
-        commits hold between them (``engine.sharded_commit.assemble``; collective)."""
-        optimizer, weights = assemble(commit, self.collective, self.worker.device)
-        if self.weights is not None:
-            self.worker.write_model({**model, **weights})
-        self.sharded.load_state_dict(optimizer)
-
-    def commit_parts(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """What a commit of ``step`` copies of a sharded worker (collective: every worker
-        alike): of the module's ``state_dict`` what is not sharded (under ZeRO-1/2 all of
-        it), and the sharded state's commit (``ShardedOptimizer.commit_state``)."""
-        model, names = {}, {}
-        bucketed = self.sharded.bucketed if self.weights is not None else frozenset()
-        for name, value in self.worker.module.state_dict(keep_vars=True).items():
-            if id(value) in bucketed:
-                names.setdefault(id(value), []).append(name)
-            else:
-                model[name] = value.detach()
-        return model, self.sharded.commit_state(step, names)
-
-    def restore_commit(
-        self, model: dict[str, torch.Tensor], commit: dict[str, Any], *, in_ring: bool
-    ) -> None:
-        """A rollback's: the state of a sharded commit. This worker's own shards where it
-        kept them in this layout (nothing gathered), else the pieces of the new layout from
-        what the members kept (collective: where the members changed, every one rolls back
-        alike); a replacement not yet ``in_ring`` takes the weights only where they are not
-        sharded, and its shards once it is (:meth:`reconfigure`)."""
-        w = self.worker
-        if self.sharded is None or not in_ring or not commit["held"]:
-            if not commit["weights"]:  # ZeRO-1/2: the whole weights are every worker's
-                w.write_model(model)
-            if self.sharded is not None:
-                self.sharded.missing = True
-            return
-        if not self.sharded.holds(commit):
-            self._assemble(model, commit)  # under ZeRO-3 the whole weights written too
-        else:
-            self.sharded.restore_own(commit)  # under ZeRO-3 the weights' shards too
-            if self.weights is not None:  # the tensors not sharded: buffers, frozen weights
-                held = w.module.state_dict(keep_vars=True)
-                with torch.no_grad():
-                    for name, tensor in model.items():
-                        held[name].copy_(tensor)
-        if self.weights is None:  # ZeRO-1/2: every worker's weights are whole
-            w.write_model(model)
+        if self.sharded is not None:
+            self.lay_out_again(carried, weights)
 
     # ------------------------------------------------------------------ training
 

@@ -395,10 +395,14 @@ class Pipeline(Layout):
         }
 
     _UNSUPPORTED = {
-        "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule",
+        "bucket_mb": "pipeline stages reduce their gradients in one piece after the schedule; "
+        "shard='optimizer' reduce-scatters them in buckets of this size",
         "timeline": "the timeline records data-parallel workers' steps",
         "sync_batchnorm": "a stage's BatchNorm layers normalise its replica's micro-batches",
-        "shard": "not yet: the data-parallel dimension of pipeline stages is not sharded",
+    }
+    _SHARDS = {
+        "gradients": "a stage sums its gradients once a batch, after all its micro-batches",
+        "parameters": "a stage would gather its weights again at every micro-batch",
     }
     _ON_GPUS = (
         "on GPUs the replicas share one NCCL world, which is not rebuilt around a lost one: "
@@ -434,6 +438,8 @@ class Pipeline(Layout):
     def refused(self, *, init_from: str | None) -> list[str]:
         defaults = TrainConfig()
         unsupported = dict(self._UNSUPPORTED)
+        if self.config.shard == "optimizer":  # reduce-scattered in buckets of that size
+            del unsupported["bucket_mb"]
         if not self.elastic:
             unsupported.update(dict.fromkeys(("min_workers", "commit_every"), self._ON_GPUS))
         refused = [
@@ -441,6 +447,11 @@ class Pipeline(Layout):
             for name, why in unsupported.items()
             if getattr(self.config, name) != getattr(defaults, name)
         ]
+        if self.config.shard in self._SHARDS:
+            refused.append(
+                f"shard={self.config.shard!r} ({self._SHARDS[self.config.shard]}: "
+                "shard='optimizer' shards the optimizer state over a stage's replicas)"
+            )
         if self.config.compression not in WIRE_FORMATS:
             refused.append(
                 f"compression={self.config.compression!r} (a communication hook reduces "
@@ -458,10 +469,13 @@ class Pipeline(Layout):
         # Replica 0's stages hold the whole state between them, one shard per stage: each
         # writes its own in the background, and the manifest follows once all are written
         # (at the next chunk's end, checkpoint or flush: ``settle``).
+        # Sharded (ZeRO-1), every replica of a stage gathers its state with replica 0's.
         self._written.settle(group, wait=True)
-        stages = group.call_first(
-            self.pipeline.stages, Worker.write_shard, store_url, run_key, step
-        )
+        writes = (store_url, run_key, step)
+        if self.config.shard == "none":
+            stages = group.call_first(self.pipeline.stages, Worker.write_shard, *writes)
+        else:
+            stages = group.call(Worker.write_shard, *writes)[: self.pipeline.stages]
         self._written.pending = _PendingCheckpoint(
             store_url,
             run_key,

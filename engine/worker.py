@@ -1350,8 +1350,12 @@ class Worker:
         the copy to host memory. Returns what the manifest records besides the shard: the
         optimizer's metadata and the schedulers' states; :meth:`shard_written` gives the
         shard's record once it is written. One write at a time: a second waits for the first.
+        A worker whose layout has another write its state (a sharded stage's replicas but
+        the first, which gather it with that one: ``PipelineStep.writes``) writes nothing.
         """
         tensors, optimizer_meta, optimization = self.training_state()
+        if not getattr(self.step, "writes", True):
+            return optimizer_meta, optimization
         self._shard_writes.wait()
         store = CheckpointStore(store_url)
         write = functools.partial(

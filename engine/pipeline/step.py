@@ -6,6 +6,16 @@ the schedule with its neighbouring stages, and sums its stage's gradients over t
 Everything else is the worker's, as for data-parallel training: precision, gradient
 accumulation, clipping (by norm over the whole model's gradient: the stages sum their
 squared norms), in-memory commits, checkpoints, evaluation and logging.
+
+With ``TrainConfig.shard="optimizer"`` (ZeRO-1, as DeepSpeed's pipeline engine offers it)
+each replica of a stage keeps the optimizer state of its shard of the stage's parameters
+only: the stage's gradients are reduce-scattered over the replicas in buckets, each replica
+steps its pieces (``engine.sharding.ShardedOptimizer``) and the stage's parameters are
+all-gathered. Clipping by norm takes the stage's norm as ``shard="none"`` does, bit for bit,
+then the stages' as ever. A commit keeps two shards of the stage's state, the replica's and
+the next one's (``engine.sharded_commit``): a lost replica's shard lives on in its
+neighbour's. A checkpoint holds the stage's whole state as under ``shard="none"`` (the
+replicas gather it, replica 0 writes it), so it loads into any layout.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ringflow.engine.collective import Collective
+from ringflow.engine.collective import Collective, GradientBuckets
 from ringflow.engine.collective._rendezvous import tcp_store
 from ringflow.engine.data import Samples
 from ringflow.engine.metrics import Logged
@@ -29,6 +39,8 @@ from ringflow.engine.pipeline.p2p import StageLink
 from ringflow.engine.pipeline.partition import Partition
 from ringflow.engine.pipeline.schedule import stage_actions
 from ringflow.engine.pipeline.stage import PipelineStage
+from ringflow.engine.sharded_commit import ShardedCommits
+from ringflow.engine.sharding import ShardedOptimizer
 from ringflow.engine.worker import Batch, free_address, split_global_batch
 from ringflow.storage.reshard import load_pipeline_stage, stage_shard
 from ringflow.storage.store import CheckpointStore, CommittedCheckpoint
@@ -60,7 +72,7 @@ class StagePlan:
         return PipelineStep(worker, self)
 
 
-class PipelineStep:
+class PipelineStep(ShardedCommits):
     """A pipeline stage's part of the training: ``Worker`` holds the rest."""
 
     calls_hooks = False
@@ -80,6 +92,12 @@ class PipelineStep:
         self.collective: Collective | None = None
         self._ring_group: dist.ProcessGroup | None = None
         self._stores: list[dist.Store] = []
+        self.shards = worker.config.shard == "optimizer"
+        """Whether each replica of the stage keeps the optimizer state of its shard of the
+        stage's parameters only (ZeRO-1; the other modes are refused, ``engine.layout``)."""
+        self.buckets: GradientBuckets | None = None
+        self.sharded: ShardedOptimizer | None = None
+        self.weights = None  # ZeRO-3's sharded parameters: never on a pipeline
 
     def split(self, split: str) -> Samples | SplitShape:
         return stage_split(self.worker.data, split, reads_rows=self.reads_rows)
@@ -140,16 +158,42 @@ class PipelineStep:
     def join(self, ring_address: str, *, rejoin: bool = False) -> None:
         """Join this stage's ring over the replicas (the worker's rank and world size); a
         replica that joins a running group is given none at first (``Pipeline.rewire``).
-        ``rejoin``: rebuilt among replicas that are all up (``Worker.ring``)."""
-        if self.worker.world_size > 1 and ring_address:
-            self.collective = self.worker.ring(ring_address, group=self._ring_group, rejoin=rejoin)
+        ``rejoin``: rebuilt among replicas that are all up (``Worker.ring``). Sharded, a
+        ring of one replica too: its shard is the whole stage."""
+        w = self.worker
+        if ring_address and (w.world_size > 1 or self.shards):
+            self.collective = w.ring(ring_address, group=self._ring_group, rejoin=rejoin)
+        if self.shards and self.collective is not None:
+            self.buckets = GradientBuckets(
+                w.params,
+                self.collective,
+                bucket_bytes=int(w.config.bucket_mb * 2**20),
+                hooks=False,  # the schedule's backward passes accumulate; reduced once
+                scatter=True,
+            )
+            self.sharded = ShardedOptimizer(w.optimization.optimizer, self.buckets, self.collective)
+            w.optimizer = self.sharded
 
     def reconfigure(self, ring_address: str = "") -> None:
-        """Join this stage's new ring among the replicas left (the pipeline stays)."""
+        """Join this stage's new ring among the replicas left (the pipeline stays); sharded,
+        the optimizer state is laid out anew (``ShardedCommits.lay_out_again``)."""
+        carried = self.sharded.carry() if self.sharded is not None else []
+        self._leave_ring()
+        self.join(ring_address, rejoin=True)
+        if self.sharded is not None:
+            self.lay_out_again(carried, None)
+
+    def _leave_ring(self) -> None:
+        if self.sharded is not None:  # the next ring's shards are laid out anew
+            self.sharded.release()
+            self.worker.optimizer = self.sharded.inner
+            self.sharded = None
+        if self.buckets is not None:
+            self.buckets.close()
+            self.buckets = None
         if self.collective is not None:
             self.collective.close()
             self.collective = None
-        self.join(ring_address, rejoin=True)
 
     def _nccl_groups(
         self, world_address: str, pipeline_store: dist.Store
@@ -209,7 +253,9 @@ class PipelineStep:
         scale = 1.0 if batch.window == 1 else 1.0 / batch.window
         micro = self._micro_batches(w.train, batch.mine, batch.global_size, scale=scale)
         if batch.opens_window:
-            w.optimizer.zero_grad(set_to_none=False)
+            w.optimization.optimizer.zero_grad(set_to_none=False)
+            if self.buckets is not None:  # the shards' partial sums of the last scatter too
+                self.buckets.zero_()
         actions = stage_actions(
             self.pipeline.schedule,
             stage=self.index,
@@ -220,13 +266,17 @@ class PipelineStep:
         if batch.steps:
             self._reduce_gradients()
             w.after_copies()
+            across, whole_norm = self._across()
             w.optimization.step(
                 batch.step,
                 last=batch.last,
                 clip_val=w.config.gradient_clip_val,
                 clip_algorithm=w.config.gradient_clip_algorithm,
-                across=self.link.sum_over_stages if self.partition.stages > 1 else None,
+                across=across,
+                whole_norm=whole_norm,
             )
+            if self.sharded is not None:
+                self.sharded.gather()
             w.trainer.global_step += 1
         if not self.is_last:
             return 0
@@ -263,8 +313,36 @@ class PipelineStep:
             weights=tuple(size / global_size * scale for size in sizes),
         )
 
+    def _across(self) -> tuple[Any, Any]:
+        """What the optimizer step sums over the workers holding the model's other parts
+        (``Optimization.step``'s ``across``), and the whole model's gradient norm
+        (``whole_norm``): the other stages; sharded, this stage's other replicas first, and
+        the stage's norm ``shard="none"`` takes, bit for bit
+        (``ShardedOptimizer.whole_norm``)."""
+        stages = self.link.sum_over_stages if self.partition.stages > 1 else None
+        sharded = self.sharded
+        if sharded is None:
+            return stages, None
+
+        def across(tensor: torch.Tensor) -> torch.Tensor:
+            summed = sharded.sum_across(tensor)
+            return summed if stages is None else stages(summed)
+
+        def whole_norm(_: torch.Tensor) -> torch.Tensor:
+            stage = sharded.whole_norm()
+            return stage if stages is None else stages(stage.float().square()).sqrt()
+
+        return across, whole_norm
+
     def _reduce_gradients(self) -> None:
-        """Sum this stage's gradients over the replicas (each already weighted by its share)."""
+        """Sum this stage's gradients over the replicas (each already weighted by its share);
+        sharded, reduce-scatter them: each replica holds the sums of its shard, which its
+        pieces' gradients view (``ShardedOptimizer.attach_grads``)."""
+        if self.buckets is not None:
+            self.buckets.start()
+            self.buckets.finish()
+            self.sharded.attach_grads()
+            return
         params = self.worker.params
         for p in params:
             if p.grad is None:
@@ -319,10 +397,14 @@ class PipelineStep:
     def transport(self) -> str | None:
         return None if self.collective is None else getattr(self.collective, "transport", None)
 
+    @property
+    def writes(self) -> bool:
+        """Whether this worker writes its stage's shard of a checkpoint: replica 0's does
+        (sharded, the other replicas gather the stage's state with it)."""
+        return self.worker.rank == 0
+
     def close(self) -> None:
-        if self.collective is not None:
-            self.collective.close()
-            self.collective = None
+        self._leave_ring()
         if self.link is not None:
             self.link.close()
             self.link = None
