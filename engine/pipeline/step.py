@@ -161,9 +161,10 @@ class PipelineStep(ShardedCommits):
         ``rejoin``: rebuilt among replicas that are all up (``Worker.ring``). Sharded, a
         ring of one replica too: its shard is the whole stage."""
         w = self.worker
-        if ring_address and (w.world_size > 1 or self.shards):
-            self.collective = w.ring(ring_address, group=self._ring_group, rejoin=rejoin)
-        if self.shards and self.collective is not None:
+        if not ring_address or (w.world_size == 1 and not self.shards):
+            return  # a replica linked again keeps its ring until reconfigure()
+        self.collective = w.ring(ring_address, group=self._ring_group, rejoin=rejoin)
+        if self.shards:
             self.buckets = GradientBuckets(
                 w.params,
                 self.collective,
