@@ -236,7 +236,8 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_resumes_and_serves_
     tmp_path, prefect_api
 ):
     """The character LM, named like any model of one's own: its example data, tuning, two
-    replicas of two pipeline stages in bf16-mixed, accumulating and clipping by norm; started
+    replicas of two pipeline stages in bf16-mixed, accumulating and clipping by norm, each
+    stage's optimizer state sharded over its replicas (ZeRO-1); started
     again under its run key with more epochs, as a retried flow run is, it goes on from its
     checkpoint instead of training from scratch, and serves its ``predict_step`` by feature
     name."""
@@ -253,6 +254,7 @@ def test_the_sequence_model_trains_in_stages_of_two_replicas_resumes_and_serves_
         "--accumulate-grad-batches=2",
         "--gradient-clip-val=1.0",
         "--gradient-clip-algorithm=norm",
+        "--shard=optimizer",
         "--tune-trials=2",
         "--tune-epochs=1",
         "--run-key=staged",
