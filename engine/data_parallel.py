@@ -230,16 +230,7 @@ class DataParallelStep(ShardedCommits):
         if self.weights is not None:  # its hooks removed, the weights in storage of their own
             self.weights.release()
             self.weights = None
-        if self.sharded is not None:  # the next ring's shards are laid out anew
-            self.sharded.release()
-            self.worker.optimizer = self.sharded.inner
-            self.sharded = None
-        if self.buckets is not None:
-            self.buckets.close()
-            self.buckets = None
-        if self.collective is not None:
-            self.collective.close()
-            self.collective = None
+        self.leave_ring()
 
     def reconfigure(self, init_method: str = "") -> None:
         """Join the new ring (the worker has its new rank); the state stays.

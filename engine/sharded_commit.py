@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ringflow.engine.collective import Collective
+from ringflow.engine.collective import Collective, GradientBuckets
 from ringflow.engine.errors import EngineError
 
 if TYPE_CHECKING:
@@ -107,8 +107,23 @@ class ShardedCommits:
 
     worker: Worker
     collective: Collective | None
+    buckets: GradientBuckets | None
     sharded: ShardedOptimizer | None
     weights: ShardedParameters | None
+
+    def leave_ring(self) -> None:
+        """Let the ring go: the sharded optimizer gives the optimizer its parameters back
+        (the next ring's shards are laid out anew), the buckets and the collective close."""
+        if self.sharded is not None:
+            self.sharded.release()
+            self.worker.optimizer = self.sharded.inner
+            self.sharded = None
+        if self.buckets is not None:
+            self.buckets.close()
+            self.buckets = None
+        if self.collective is not None:
+            self.collective.close()
+            self.collective = None
 
     def lay_out_again(self, carried: list[Any], weights: Any) -> None:
         """After joining a new ring: the optimizer state (under ZeRO-3 the weights too) laid

@@ -17,7 +17,11 @@ from ringflow.engine.pipeline import PipelineConfig, TensorData
 from ringflow.storage.checkpoint import load_model
 from ringflow.storage.dataset import read_split
 from tests import test_pipeline
-from tests.support.fitting import KILLED_PEER_DEADLINE_S, relative_difference
+from tests.support.fitting import (
+    KILLED_PEER_DEADLINE_S,
+    relative_difference,
+    shipped_by_value,
+)
 from tests.test_pipeline import ToyNet, toy_data
 
 pytestmark = pytest.mark.ray
@@ -25,12 +29,8 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module", autouse=True)
 def _models_by_value(ray_session):
-    """Ship the test models to the actors by value: the actors need not import tests/."""
-    for module in (sys.modules[__name__], test_pipeline):
-        ray_session.cloudpickle.register_pickle_by_value(module)
-    yield
-    for module in (sys.modules[__name__], test_pipeline):
-        ray_session.cloudpickle.unregister_pickle_by_value(module)
+    with shipped_by_value(ray_session, sys.modules[__name__], test_pipeline):
+        yield
 
 
 class DigitsPipe(nn.Module):

@@ -179,22 +179,10 @@ class PipelineStep(ShardedCommits):
         """Join this stage's new ring among the replicas left (the pipeline stays); sharded,
         the optimizer state is laid out anew (``ShardedCommits.lay_out_again``)."""
         carried = self.sharded.carry() if self.sharded is not None else []
-        self._leave_ring()
+        self.leave_ring()
         self.join(ring_address, rejoin=True)
         if self.sharded is not None:
             self.lay_out_again(carried, None)
-
-    def _leave_ring(self) -> None:
-        if self.sharded is not None:  # the next ring's shards are laid out anew
-            self.sharded.release()
-            self.worker.optimizer = self.sharded.inner
-            self.sharded = None
-        if self.buckets is not None:
-            self.buckets.close()
-            self.buckets = None
-        if self.collective is not None:
-            self.collective.close()
-            self.collective = None
 
     def _nccl_groups(
         self, world_address: str, pipeline_store: dist.Store
@@ -405,7 +393,7 @@ class PipelineStep(ShardedCommits):
         return self.worker.rank == 0
 
     def close(self) -> None:
-        self._leave_ring()
+        self.leave_ring()
         if self.link is not None:
             self.link.close()
             self.link = None

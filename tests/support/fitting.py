@@ -61,3 +61,16 @@ def die_once(marker: str | os.PathLike) -> None:
     except FileExistsError:
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def shipped_by_value(ray, *modules) -> Iterator[None]:
+    """While the block runs, Ray ships the classes of ``modules`` to its actors by value: the
+    actors need not import ``tests/``."""
+    for module in modules:
+        ray.cloudpickle.register_pickle_by_value(module)
+    try:
+        yield
+    finally:
+        for module in modules:
+            ray.cloudpickle.unregister_pickle_by_value(module)
