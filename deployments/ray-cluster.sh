@@ -40,22 +40,32 @@ node() {
   [[ $name =~ ^[A-Za-z0-9_-]+$ ]] || { echo "error: bad node name '$name'" >&2; exit 2; }
   [[ $cpus =~ ^[0-9]+$ ]] || { echo "error: CPUS must be a whole number, got '$cpus'" >&2; exit 2; }
   auth_token
+  # A node started again under its name first waits until the cluster has seen the earlier
+  # one go: until its heartbeats time out it still counts as alive (it would pass for this
+  # one), and a raylet on its ports may not register meanwhile.
+  wait_for "the end of the earlier node $name" 120 python -c "$NODE_ALIVE" "$name" gone
   # ray_node.py is `ray start` that may join a node on loopback (see its docstring).
   start_bg "ray-node-$name" "${without_secrets[@]}" "${lean_ray[@]}" python "$RINGFLOW_ROOT/deployments/ray_node.py" start --address="$RAY_ADDRESS" --block --disable-usage-stats \
     --node-ip-address=127.0.0.1 --num-cpus="$cpus" --resources="{\"ringflow-node-$name\": 1}" \
     --node-manager-port="$p" --object-manager-port=$((p + 1)) \
     --dashboard-agent-listen-port=$((p + 2)) --dashboard-agent-grpc-port=$((p + 3)) \
     --metrics-export-port=$((p + 4)) --runtime-env-agent-port=$((p + 5))
-  wait_for "Ray node $name" 120 python -c "$NODE_ALIVE" "$name"
+  wait_for "Ray node $name" 120 node_up "$name"
 }
 
-# Exits 0 once the node named in argv[1] is alive in the cluster.
+# node_up NAME: the node this script started as NAME runs, and the cluster counts it alive.
+node_up() {
+  running "ray-node-$1" && python -c "$NODE_ALIVE" "$1" up
+}
+
+# Exits 0 where a node named argv[1] is alive in the cluster (argv[2] "up") or none is ("gone").
 NODE_ALIVE='
 import sys
 import ray
 ray.init(log_to_driver=False)
 want = f"ringflow-node-{sys.argv[1]}"
-sys.exit(0 if any(n["Alive"] and want in n["Resources"] for n in ray.nodes()) else 1)
+alive = any(n["Alive"] and want in n["Resources"] for n in ray.nodes())
+sys.exit(0 if alive == (sys.argv[2] == "up") else 1)
 '
 
 kill_node() {
