@@ -40,7 +40,7 @@ next forward gathers each bucket's parameters where they are used.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -256,17 +256,27 @@ class ShardedOptimizer:
         """``tensor`` summed over the workers (clipping's squared norms of the shards)."""
         return self.collective.allreduce_(tensor.reshape(1).clone()).reshape(tensor.shape)
 
-    def norm_across(self, local: torch.Tensor, *, clip_val: float) -> torch.Tensor:
+    def norm_across(
+        self,
+        local: torch.Tensor,
+        *,
+        clip_val: float,
+        then: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Clipping by norm's ``whole_norm`` (``Optimization.step``): the whole model's
         gradient norm from the norm of this rank's shard, ``local``, its square summed over
-        the workers (every worker alike: collective). Where the norm may clip (it is within
-        0.1% of ``clip_val``, or above), the norm ``shard="none"`` computes from whole
-        gradients instead (:meth:`whole_norm`; collective too): the clipped gradients are
-        then those of ``shard="none"``, bit for bit. Below, neither clips."""
-        total = self.sum_across(local.float().square()).sqrt()
+        the workers (every worker alike: collective), then ``then`` (over the workers holding
+        the model's other parts: a pipeline's other stages). Where the norm may clip (it is
+        within 0.1% of ``clip_val``, or above), the norm ``shard="none"`` computes from whole
+        gradients instead (:meth:`whole_norm`, its square summed ``then``; collective too):
+        the clipped gradients are then those of ``shard="none"``, bit for bit. Below,
+        neither clips."""
+        total = self.sum_across(local.float().square())
+        total = (total if then is None else then(total)).sqrt()
         if bool(((total + 1e-6) * 1.001 < clip_val).item()):
             return total
-        return self.whole_norm()
+        whole = self.whole_norm()
+        return whole if then is None else then(whole.float().square()).sqrt()
 
     def whole_norm(self) -> torch.Tensor:
         """The norm of the gradients of the optimizer's parameters as

@@ -119,6 +119,9 @@ def test_zero1_over_two_replicas_of_two_stages_ends_where_unsharded_ends_with_ha
     assert sum(parts) >= whole[0]  # between them, the whole state (a step count each)
     unclipped, _ = _fit(tmp_path, "unclipped", gradient_clip_val=None, **options)
     assert relative_difference(unclipped.state_dict, sharded.state_dict) > 1e-3
+    # A bound the norm never reaches: the shards' norm summed decides, no clip happens.
+    loose, _ = _fit(tmp_path, "loose", gradient_clip_val=1e3, **options)
+    assert relative_difference(loose.state_dict, unclipped.state_dict) < 1e-6
 
 
 def test_a_zero1_pipeline_resumes_bitwise_and_its_checkpoint_loads_unsharded(tmp_path):

@@ -21,6 +21,7 @@ replicas gather it, replica 0 writes it), so it loads into any layout.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -306,8 +307,8 @@ class PipelineStep(ShardedCommits):
         """What the optimizer step sums over the workers holding the model's other parts
         (``Optimization.step``'s ``across``), and the whole model's gradient norm
         (``whole_norm``): the other stages; sharded, this stage's other replicas first, and
-        the stage's norm ``shard="none"`` takes, bit for bit
-        (``ShardedOptimizer.whole_norm``)."""
+        where clipping by norm may clip, the norm ``shard="none"`` takes, bit for bit
+        (``ShardedOptimizer.norm_across``)."""
         stages = self.link.sum_over_stages if self.partition.stages > 1 else None
         sharded = self.sharded
         if sharded is None:
@@ -317,10 +318,12 @@ class PipelineStep(ShardedCommits):
             summed = sharded.sum_across(tensor)
             return summed if stages is None else stages(summed)
 
-        def whole_norm(_: torch.Tensor) -> torch.Tensor:
-            stage = sharded.whole_norm()
-            return stage if stages is None else stages(stage.float().square()).sqrt()
-
+        config = self.worker.config
+        if config.gradient_clip_val is None or config.gradient_clip_algorithm != "norm":
+            return across, None
+        whole_norm = functools.partial(
+            sharded.norm_across, clip_val=config.gradient_clip_val, then=stages
+        )
         return across, whole_norm
 
     def _reduce_gradients(self) -> None:
